@@ -1,0 +1,23 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="dspark",
+    version="0.1.0",
+    description="DSpark speculative decoding engine for DeepSeek-V4 (PyTorch + Triton)",
+    packages=find_packages(include=["dspark", "dspark.*"]),
+    package_data={"dspark": ["assets/**/*"]},
+    include_package_data=True,
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.11,<2.15",
+        "safetensors>=0.4",
+        "numpy>=1.24",
+        "tokenizers>=0.19",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "transformers>=5.17", "triton>=3.2", "scipy>=1.10", "matplotlib>=3.7"],
+        "gpu": ["triton>=3.2"],
+        "plot": ["matplotlib>=3.7"],
+    },
+)
