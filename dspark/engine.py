@@ -1,0 +1,289 @@
+"""Engine: load a checkpoint, then score or generate with DSpark speculative decoding.
+
+    from dspark import Engine, SamplingParams
+    eng = Engine("path/to/ckpt")                      # speculative="dspark" when mtp.* exists
+    out = eng.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=64))
+
+One `step()` is one DSpark round for every running request (architecture.md):
+  policy picks ℓ per request -> one flattened target forward (verify blocks + prefill chunks)
+  -> lossless accept/reject -> commit tokens and draft context -> draft the next blocks.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .config import ModelConfig
+from .metrics import SpecMetrics
+from .models.deepseek_v4.model import DeepseekV4Model
+from .models.drafter import DSparkDrafter
+from .models.loader import load_checkpoint
+from .request import Request, Status
+from .runner import ModelRunner, QuantSim
+from .sampling import SamplingParams, probs_from_logits, stack_params
+from .scheduler import Scheduler
+from .spec.policy import make_policy
+from .spec.verify import FinishReason, apply_stops, emitted_tokens, stop_table, verify
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list
+    token_ids: list
+    text: str | None
+    finish_reason: str | None
+    metrics: SpecMetrics
+    finished: bool = True
+
+
+def default_model_path() -> str:
+    return os.path.join(os.path.dirname(__file__), "assets", "default")
+
+
+class Engine:
+    def __init__(self, path: str | None = None, device: str | None = None, dtype=None,
+                 speculative: str | None = None, num_speculative_tokens: int | None = None,
+                 verify_policy: str = "fixed", kv_cache_dtype: str = "fp8",
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 max_model_len: int | None = None, seed: int = 0, progress: bool = False,
+                 **policy_kwargs):
+        path = path or default_model_path()
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if isinstance(dtype, str):
+            if dtype not in DTYPES:
+                raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(DTYPES)}")
+            dtype = DTYPES[dtype]
+        dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+        if kv_cache_dtype not in ("fp8", "auto", "bf16", "fp32"):
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: use 'fp8' (fp8_ds_mla records, the "
+                             f"reference numerics) or 'bf16'/'fp32' (unquantized cache)")
+        self.cfg = cfg = ModelConfig.from_path(path)
+        self.path, self.device, self.dtype = path, torch.device(device), dtype
+
+        if speculative is None:
+            speculative = "dspark" if cfg.has_dspark else "none"
+        if speculative not in ("dspark", "none"):
+            raise ValueError(f"speculative={speculative!r}: use 'dspark' or 'none'")
+        if speculative == "dspark" and not cfg.has_dspark:
+            raise ValueError(f"{path}: speculative='dspark' needs a DSpark checkpoint (mtp.* draft "
+                             f"stages and dspark_block_size in config.json); this one has none. "
+                             f"Use speculative='none' or a *-DSpark checkpoint.")
+        if speculative == "dspark" and num_speculative_tokens not in (None, cfg.dspark_block_size):
+            raise ValueError(
+                f"num_speculative_tokens={num_speculative_tokens} does not match the checkpoint's "
+                f"dspark_block_size={cfg.dspark_block_size}: the drafter's block is bidirectional and "
+                f"trained at exactly that width, so other widths change every draft position (and "
+                f"collapse acceptance). Leave it unset; to verify fewer tokens per round use a "
+                f"verify_policy such as 'threshold' or 'scheduled'.")
+        self.speculative = speculative
+
+        weights = load_checkpoint(path, cfg, dtype=dtype, device=self.device, progress=progress)
+        with torch.device("meta"):
+            model = DeepseekV4Model(cfg)
+            drafter = DSparkDrafter(cfg) if speculative == "dspark" else None
+        model.load_state_dict({k: v for k, v in weights.items() if not k.startswith("mtp.")},
+                              strict=True, assign=True)
+        if drafter is not None:
+            drafter.load_state_dict({DSparkDrafter.param_name(k): v for k, v in weights.items()
+                                     if k.startswith("mtp.")}, strict=True, assign=True)
+        del weights
+        self.model, self.drafter = model.eval(), drafter.eval() if drafter is not None else None
+        quant = QuantSim() if kv_cache_dtype in ("fp8", "auto") else None
+        self.runner = ModelRunner(model, drafter, self.device, quant)
+        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens)
+        self.policy = make_policy(verify_policy, **policy_kwargs) if drafter is not None else None
+        self.max_model_len = max_model_len or cfg.max_position_embeddings
+        self.tokenizer = self._load_tokenizer(path)
+        self.eos_token_ids = (cfg.eos_token_id,) if cfg.eos_token_id is not None else ()
+        self._seed = seed
+        self._ids = itertools.count()
+        self.requests: dict[str, Request] = {}
+
+    # ---- public API --------------------------------------------------------------------
+    def score(self, token_ids) -> torch.Tensor:
+        """float32 logits [len(token_ids), vocab] for every position of one sequence."""
+        ids = self._check_prompt(token_ids)
+        state, _ = self.runner.new_states()
+        logits, _ = self.runner.target_forward([(state, 0, ids)])
+        return logits.float().cpu()
+
+    def generate(self, prompts, params: SamplingParams | list | None = None, progress: bool = False):
+        """prompts: a list of strings or token-id lists (or one of them). Returns RequestOutputs
+        in prompt order."""
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and
+                                               isinstance(prompts[0], int))
+        prompts = [prompts] if single else list(prompts)
+        params = params or SamplingParams()
+        plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts; pass one "
+                             f"SamplingParams or one per prompt")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        done = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+        outs = [done[i] for i in ids]
+        return outs[0] if single else outs
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id=None) -> str:
+        params = (params or SamplingParams()).validate(self.cfg.vocab_size)
+        ids = self._check_prompt(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
+                             f"shorten the prompt or raise Engine(max_model_len=...)")
+        rid = str(request_id if request_id is not None else next(self._ids))
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        seed = params.seed if params.seed is not None else hash((self._seed, rid)) & ((1 << 62) - 1)
+        req = Request(rid, ids, params, seed, metrics=SpecMetrics(), arrival_time=time.perf_counter())
+        req.target_state, req.draft_state = self.runner.new_states()
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return rid
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one DSpark round ----------------------------------------------------------------
+    def step(self) -> list:
+        sch = self.scheduler
+        for req in sch.running:                                   # 1. verify lengths
+            req.verify_len = 0
+        if self.policy is not None and sch.running:
+            lens = self.policy(torch.stack([r.draft.conf_logits for r in sch.running]),
+                               [r.request_id for r in sch.running])
+            for req, n in zip(sch.running, lens.tolist()):
+                req.verify_len = int(n)
+        plan = sch.schedule()
+        items, rows = [], []                                      # 2. one flattened forward
+        for req in plan.verify:
+            P = req.num_committed
+            items.append((req.target_state, P, [req.anchor] + req.draft.tokens[:req.verify_len].tolist()
+                          if req.draft is not None else [req.anchor]))
+        for req, n in plan.prefill:
+            items.append((req.target_state, req.num_prefilled, req.prompt_ids[req.num_prefilled:][:n]))
+        logits, taps = self.runner.target_forward(items)
+        offsets = list(itertools.accumulate([len(t) for _, _, t in items], initial=0))
+
+        # 3. accept / reject: every request that produces tokens this step (verify, or the
+        #    last chunk of a prompt, which is a verify of length 0 at the last prompt row)
+        producers, first_rows, lengths, anchors_pos = [], [], [], []
+        for i, req in enumerate(plan.verify):
+            producers.append(req), first_rows.append(offsets[i]), lengths.append(req.verify_len)
+            anchors_pos.append(req.num_committed)
+        for j, (req, n) in enumerate(plan.prefill):
+            i = len(plan.verify) + j
+            if self.drafter is not None:
+                self.runner.commit_context(req.draft_state, taps[offsets[i]:offsets[i + 1]],
+                                           req.num_prefilled)
+            req.num_prefilled += n
+            if req.num_prefilled == len(req.prompt_ids):
+                producers.append(req), first_rows.append(offsets[i + 1] - 1), lengths.append(0)
+                anchors_pos.append(req.num_prefilled - 1)
+        outputs = self._accept(producers, logits, taps, first_rows, lengths, anchors_pos)
+
+        # 4. draft the next block for every request still running
+        if self.drafter is not None and sch.running:
+            for req, block in zip(sch.running, self.runner.draft(sch.running)):
+                req.draft = block
+        return outputs
+
+    def _accept(self, reqs, logits, taps, first_rows, lengths, anchor_pos) -> list:
+        if not reqs:
+            return []
+        g = self.drafter.gamma if self.drafter is not None else 1
+        R, V, dev = len(reqs), logits.shape[-1], logits.device
+        temp, top_k, top_p = stack_params([r.params for r in reqs], dev)
+        # target rows [R, γ+1, V] (row i predicts anchor position + i + 1), padded past ℓ
+        row_idx = torch.tensor([[f + min(i, l) for i in range(g + 1)]
+                                for f, l in zip(first_rows, lengths)], device=dev)
+        p = probs_from_logits(logits[row_idx.flatten()], temp.repeat_interleave(g + 1),
+                              None if top_k is None else top_k.repeat_interleave(g + 1),
+                              None if top_p is None else top_p.repeat_interleave(g + 1)).view(R, g + 1, V)
+        drafts = torch.zeros(R, g, dtype=torch.long, device=dev)
+        q = torch.zeros(R, g, V, device=dev)
+        for i, r in enumerate(reqs):
+            if lengths[i]:
+                drafts[i], q[i] = r.draft.tokens, r.draft.probs
+        lens = torch.tensor(lengths, device=dev)
+        seeds = torch.tensor([r.seed for r in reqs], dtype=torch.long, device=dev)
+        P = torch.tensor(anchor_pos, dtype=torch.long, device=dev)
+        res = verify(drafts, q, p, lens, seeds, P)
+        toks, counts = emitted_tokens(drafts, res)
+        stops = stop_table([r.params.all_stop_ids(self.eos_token_ids) for r in reqs], dev)
+        ngen = torch.tensor([len(r.output_ids) for r in reqs], device=dev)
+        maxt = torch.tensor([min(r.params.max_tokens, self.max_model_len - len(r.prompt_ids))
+                             for r in reqs], device=dev)
+        stop = apply_stops(toks, counts, stops, ngen, maxt)
+        toks, accepted = toks.tolist(), res.accepted.tolist()
+        n_emit, finish = stop.num_emit.tolist(), stop.finish.tolist()
+
+        now, outs = time.perf_counter(), []
+        for i, req in enumerate(reqs):
+            new = toks[i][:n_emit[i]]
+            was_running = req.status == Status.RUNNING
+            if was_running:
+                req.metrics.record_round(proposed=g if self.drafter is not None else 0,
+                                         verified=lengths[i], accepted=min(accepted[i], len(new)),
+                                         emitted=len(new))
+                # draft context for the committed verify rows: anchor + accepted drafts
+                if self.drafter is not None:
+                    a = min(accepted[i], len(new))
+                    f = first_rows[i]
+                    self.runner.commit_context(req.draft_state, taps[f:f + a + 1], anchor_pos[i])
+            else:
+                self.scheduler.promote(req)
+                req.first_token_time = now
+            req.output_ids.extend(new)
+            if finish[i] != FinishReason.NONE:
+                req.finish_reason = "stop" if finish[i] == FinishReason.STOP else "length"
+                req.finish_time = now
+                self.scheduler.finish(req)
+            outs.append(self._output(req, new))
+        return outs
+
+    # ---- helpers -------------------------------------------------------------------------
+    def _output(self, req: Request, new_tokens: list) -> RequestOutput:
+        finished = req.status == Status.FINISHED
+        if finished:
+            req.metrics.record_timing(ttft=req.first_token_time - req.arrival_time,
+                                      decode_time=req.finish_time - req.first_token_time,
+                                      decode_tokens=len(req.output_ids) - 1)
+            self.requests.pop(req.request_id, None)
+        text = self.tokenizer.decode(req.output_ids) if self.tokenizer is not None and finished else None
+        return RequestOutput(req.request_id, req.prompt_ids, list(req.output_ids), text,
+                             req.finish_reason, req.metrics, finished)
+
+    def _check_prompt(self, prompt) -> list:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.path} has no tokenizer.json, so string prompts cannot be "
+                                 f"encoded; pass token-id lists instead")
+            ids = self.tokenizer.encode(prompt).ids
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("empty prompt: pass at least one token")
+        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                             f"[0, {self.cfg.vocab_size})")
+        return ids
+
+    @staticmethod
+    def _load_tokenizer(path):
+        fn = os.path.join(path, "tokenizer.json")
+        if not os.path.exists(fn):
+            return None
+        from tokenizers import Tokenizer
+        return Tokenizer.from_file(fn)

@@ -1,0 +1,131 @@
+"""DeepSeek-V4 attention for every layer type (spec §3.4, §3.7), reference path.
+
+Single shared 512-d KV head (K = V), per-head unweighted q RMSNorm, interleaved RoPE on the last
+64 dims, sparse softmax over window ∪ compressed entries with a per-head sink logit, inverse RoPE
+on the output, grouped low-rank output projection. Window kv, compressor rows, compressed entries
+and indexer keys are written into each request's position-indexed state before being read.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .compressor import Compressor
+from .indexer import Indexer
+from .norm import RMSNorm, rms_normalize
+from .rope import rope_for_layer
+from .state import DenseState
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, layer_id: int, ratio: int):
+        super().__init__()
+        self.cfg, self.ratio = cfg, ratio
+        d, H, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        self.n_heads, self.head_dim, self.window = H, hd, cfg.sliding_window
+        self.wq_a = nn.Linear(d, cfg.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, H * hd, bias=False)
+        self.wkv = nn.Linear(d, hd, bias=False)
+        self.kv_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.wo_a = nn.Linear(H * hd // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, d, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(H))
+        self.rope = rope_for_layer(cfg, ratio)
+        if ratio:
+            self.compressor = Compressor(d, hd, ratio, cfg.rms_norm_eps)
+        if ratio == 4:
+            self.indexer = Indexer(cfg)
+
+    # ---- projections shared by every backend --------------------------------------------
+    def project_q(self, x, positions):
+        cq = self.q_norm(F.linear(x, self.wq_a.weight))
+        q = F.linear(cq, self.wq_b.weight).view(-1, self.n_heads, self.head_dim)
+        q = rms_normalize(q, self.cfg.rms_norm_eps).to(x.dtype)
+        return cq, self.rope.apply(q, positions)
+
+    def project_kv(self, x, positions, quant):
+        kv = self.rope.apply(self.kv_norm(F.linear(x, self.wkv.weight)), positions)
+        return kv if quant is None else quant.kv(kv)
+
+    def finish_entries(self, pooled, j0: int, comp: Compressor, dtype, quant, indexer: bool):
+        """norm -> RoPE at position j*ratio -> quantisation of freshly pooled entries."""
+        e = comp.norm(pooled.to(dtype))
+        pos = torch.arange(j0, j0 + e.shape[0], device=e.device) * self.ratio
+        e = self.rope.apply(e, pos)
+        if quant is not None:
+            e = quant.indexer(e).to(dtype) if indexer else quant.kv(e)
+        return e
+
+    def output(self, o, positions, dtype):
+        """Inverse RoPE, then the grouped low-rank projection. o [T, H, hd] -> [T, D]."""
+        o = self.rope.apply(o.to(dtype), positions, inverse=True)
+        G = self.cfg.o_groups
+        wa = self.wo_a.weight.view(G, self.cfg.o_lora_rank, -1)
+        z = torch.einsum("tgi,gri->tgr", o.reshape(o.shape[0], G, -1), wa)
+        return F.linear(z.flatten(1), self.wo_b.weight)
+
+    # ---- reference forward over dense per-request state ---------------------------------
+    def forward(self, x, batch, layer_id: int, quant=None):
+        pos = batch.positions
+        cq, q = self.project_q(x, pos)
+        kv = self.project_kv(x, pos, quant)
+        if self.ratio:
+            a, z = self.compressor.rows(x, pos)
+        if self.ratio == 4:
+            qi, wi = self.indexer.queries(x, cq, pos, self.rope, quant)
+            ia, iz = self.indexer.compressor.rows(x, pos)
+        out = torch.empty(q.shape, dtype=torch.float32, device=x.device)
+        for seg in batch.segments:
+            sl = slice(seg.offset, seg.offset + seg.length)
+            s, e = seg.start, seg.start + seg.length
+            st = seg.state.layers[layer_id]
+            DenseState.write(st, "kv", s, kv[sl])
+            keys, mask = self._window(st, pos[sl], s, e)
+            if self.ratio:
+                m = self.ratio
+                DenseState.write(st, "comp_a", s, a[sl])
+                DenseState.write(st, "comp_z", s, z[sl], fill=float("-inf"))
+                j0, j1 = s // m, e // m
+                if j1 > j0:
+                    pooled = self.compressor.pool(st.comp_a, st.comp_z, j0, j1)
+                    DenseState.write(st, "entries", j0, self.finish_entries(
+                        pooled, j0, self.compressor, x.dtype, quant, indexer=False))
+                ents = st.entries[:j1] if j1 else kv.new_zeros(0, self.head_dim)
+                if self.ratio == 4:
+                    DenseState.write(st, "idx_a", s, ia[sl])
+                    DenseState.write(st, "idx_z", s, iz[sl], fill=float("-inf"))
+                    if j1 > j0:
+                        pooled = self.indexer.compressor.pool(st.idx_a, st.idx_z, j0, j1)
+                        DenseState.write(st, "idx_keys", j0, self.finish_entries(
+                            pooled, j0, self.indexer.compressor, x.dtype, quant, indexer=True))
+                    ikeys = st.idx_keys[:j1] if j1 else qi.new_zeros(0, qi.shape[-1])
+                    cmask = Indexer.select(qi[sl], wi[sl], ikeys, pos[sl], 4, self.indexer.topk)
+                else:
+                    cmask = torch.arange(j1, device=x.device)[None, :] < ((pos[sl] + 1) // m)[:, None]
+                keys = torch.cat([keys, ents.to(keys.dtype)], 0)
+                mask = torch.cat([mask, cmask], 1)
+            out[sl] = sparse_attention_with_sink(q[sl], keys, mask, self.attn_sink,
+                                                 self.head_dim ** -0.5)
+        return self.output(out, pos, x.dtype)
+
+    def _window(self, st, qpos, s: int, e: int):
+        """Window keys for queries at qpos (inside [s, e)): positions max(0,p-W+1)..p."""
+        lo = max(0, s - self.window + 1)
+        keys = st.kv[lo:e]
+        kpos = torch.arange(lo, e, device=qpos.device)
+        mask = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - self.window)
+        return keys, mask
+
+
+def sparse_attention_with_sink(q, keys, mask, sink, scale):
+    """o_h = sum_j e^{l_hj} k_j / (sum_j e^{l_hj} + e^{sink_h}), l = scale * q.k over mask.
+
+    q [L, H, d], keys [N, d] (K = V), mask [L, N] bool, sink [H]. Returns fp32 [L, H, d].
+    """
+    logits = torch.einsum("lhd,nd->lhn", q.float(), keys.float()) * scale
+    logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
+    sink_col = sink.float()[None, :, None].expand(q.shape[0], -1, 1)
+    probs = torch.softmax(torch.cat([logits, sink_col], -1), dim=-1)[..., :-1]
+    return torch.einsum("lhn,nd->lhd", probs, keys.float())

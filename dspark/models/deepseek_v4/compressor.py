@@ -1,0 +1,48 @@
+"""KV compressor (spec §3.5): gated softmax pooling of `ratio` token rows into one entry.
+
+Rows (a_t, z_t + ape[t mod ratio]) are stored per position; an entry j is (re)computed whenever
+its last token (j+1)*ratio-1 is in the forward, from rows that are all <= that token. Ratio 4
+uses the overlapping form: each entry pools the A-halves of the previous window and the
+B-halves of its own window (8 slots).
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .norm import RMSNorm
+
+
+class Compressor(nn.Module):
+    def __init__(self, dim: int, out_dim: int, ratio: int, eps: float):
+        super().__init__()
+        self.ratio, self.out_dim = ratio, out_dim
+        self.overlap = ratio == 4
+        c = 2 if self.overlap else 1
+        self.wkv = nn.Linear(dim, c * out_dim, bias=False)
+        self.wgate = nn.Linear(dim, c * out_dim, bias=False)
+        self.ape = nn.Parameter(torch.zeros(ratio, c * out_dim))
+        self.norm = RMSNorm(out_dim, eps)
+
+    def rows(self, x: torch.Tensor, positions: torch.Tensor):
+        """Per-token rows (a [T, c*d], z [T, c*d]) in fp32."""
+        xf = x.float()
+        a = F.linear(xf, self.wkv.weight.float())
+        z = F.linear(xf, self.wgate.weight.float()) + self.ape.float()[positions % self.ratio]
+        return a, z
+
+    def pool(self, a: torch.Tensor, z: torch.Tensor, j0: int, j1: int) -> torch.Tensor:
+        """Pooled (un-normalised) entries j0..j1-1 from position-indexed rows a, z [>= j1*ratio, c*d]."""
+        m, d = self.ratio, self.out_dim
+        if not self.overlap:
+            av = a[j0 * m: j1 * m].view(j1 - j0, m, d)
+            zv = z[j0 * m: j1 * m].view(j1 - j0, m, d)
+            return (torch.softmax(zv, dim=1) * av).sum(1)
+        lo = max(j0 - 1, 0) * m                    # A-halves come from the previous window
+        av = a[lo: j1 * m].view(-1, m, 2 * d)
+        zv = z[lo: j1 * m].view(-1, m, 2 * d)
+        if j0 == 0:                                # entry 0 has no previous window: empty A-slots
+            av = torch.cat([torch.zeros_like(av[:1]), av], 0)
+            zv = torch.cat([torch.full_like(zv[:1], float("-inf")), zv], 0)
+        a_slots = torch.cat([av[:-1, :, :d], av[1:, :, d:]], dim=1)   # [n, 8, d]
+        z_slots = torch.cat([zv[:-1, :, :d], zv[1:, :, d:]], dim=1)
+        return (torch.softmax(z_slots, dim=1) * a_slots).sum(1)

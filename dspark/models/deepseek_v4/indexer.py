@@ -1,0 +1,43 @@
+"""Lightning indexer (spec §3.6): picks the top-k compressed entries for every query of a
+ratio-4 (CSA) layer: score(p, j) = sum_h w_h * relu(q_h . K_j) over visible entries j."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .compressor import Compressor
+
+
+class Indexer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+        self.compressor = Compressor(cfg.hidden_size, self.head_dim, 4, cfg.rms_norm_eps)
+
+    def queries(self, x, cq, positions, rope, quant):
+        """Index queries [T, Hi, d] (fp32) and head weights [T, Hi] (fp32)."""
+        q = F.linear(cq, self.wq_b.weight).view(-1, self.n_heads, self.head_dim)
+        q = rope.apply(q, positions).float()
+        if quant is not None:
+            q = quant.indexer(q)
+        w = F.linear(x, self.weights_proj.weight).float() * (self.head_dim * self.n_heads) ** -0.5
+        return q, w
+
+    @staticmethod
+    def select(q, w, keys, positions, ratio: int, topk: int) -> torch.Tensor:
+        """Boolean mask [L, n_entries] of the entries each query attends to.
+
+        q [L, Hi, d], w [L, Hi], keys [n_entries, d], positions [L]. Entry j is visible to p iff
+        (j+1)*ratio - 1 <= p; among visible entries keep the top-k scores (all of them if fewer).
+        """
+        n = keys.shape[0]
+        visible = torch.arange(n, device=q.device)[None, :] < ((positions + 1) // ratio)[:, None]
+        if n == 0:
+            return visible
+        scores = (torch.einsum("lhd,jd->lhj", q, keys.float()).relu() * w[:, :, None]).sum(1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        k = min(topk, n)
+        top = scores.topk(k, dim=-1).indices
+        chosen = torch.zeros_like(visible).scatter_(1, top, True)
+        return chosen & visible

@@ -1,0 +1,44 @@
+"""mHC hyper-connections: n parallel residual streams mixed around every sub-block (spec §3.2).
+
+All mixing math is fp32. `hc_pre` collapses the streams into the sub-block input and returns the
+`post` weights and the Sinkhorn-normalised `comb` matrix that `hc_post` uses to expand the
+sub-block output back into n streams.
+"""
+import torch
+
+from .norm import rms_normalize
+
+
+def _mixes(X: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    # X [T, n, D] -> mu [T, rows]; RMS over the flattened n*D stream, then the fn projection
+    flat = rms_normalize(X.flatten(1), eps)
+    return flat @ fn.float().t()
+
+
+def hc_pre(X, fn, base, scale, n: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+    """Returns (u [T, D] in X.dtype, post [T, n] fp32, comb [T, n, n] fp32)."""
+    mu = _mixes(X, fn, norm_eps)
+    base, scale = base.float(), scale.float()
+    pre = torch.sigmoid(scale[0] * mu[:, :n] + base[:n]) + hc_eps
+    post = 2 * torch.sigmoid(scale[1] * mu[:, n:2 * n] + base[n:2 * n])
+    comb = (scale[2] * mu[:, 2 * n:] + base[2 * n:]).view(-1, n, n)
+    comb = torch.softmax(comb, dim=-1) + hc_eps
+    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    u = (pre.unsqueeze(-1) * X.float()).sum(1)
+    return u.to(X.dtype), post, comb
+
+
+def hc_post(o: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """X'[k] = post[k] * o + sum_j comb[j, k] * X[j]  (column k of comb feeds new stream k)."""
+    mixed = torch.einsum("tjk,tjd->tkd", comb, X.float())
+    return (post.unsqueeze(-1) * o.float().unsqueeze(1) + mixed).to(X.dtype)
+
+
+def hc_head(X, fn, base, scale, hc_eps: float, norm_eps: float) -> torch.Tensor:
+    """Final collapse of the streams: sigmoid-gated sum, no post/comb. Returns [T, D]."""
+    mu = _mixes(X, fn, norm_eps)
+    pre = torch.sigmoid(scale.float()[0] * mu + base.float()) + hc_eps
+    return (pre.unsqueeze(-1) * X.float()).sum(1).to(X.dtype)

@@ -1,0 +1,134 @@
+"""DeepSeek-V4 decoder (reference path): embedding -> mHC blocks -> hc_head -> norm -> head.
+
+A forward takes a flattened ragged batch: several requests, each contributing a contiguous run
+of new tokens at any absolute positions (a prefill chunk, one decode token, or a verify block).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import Attention
+from .mhc import hc_head, hc_post, hc_pre
+from .moe import MoE
+from .norm import RMSNorm
+from .state import DenseState
+
+
+@dataclass
+class Segment:
+    state: DenseState      # the request's cached state
+    start: int             # absolute position of the first new token
+    length: int            # number of new tokens
+    offset: int = 0        # index of the first token on the flat token axis
+
+
+@dataclass
+class Batch:
+    token_ids: torch.Tensor            # [T] int64
+    positions: torch.Tensor            # [T] int64
+    segments: list = field(default_factory=list)
+
+    @classmethod
+    def build(cls, items, device) -> "Batch":
+        """items: list of (state, start, token_ids list)."""
+        ids, pos, segs, off = [], [], [], 0
+        for state, start, toks in items:
+            ids.extend(toks)
+            pos.extend(range(start, start + len(toks)))
+            segs.append(Segment(state, start, len(toks), off))
+            off += len(toks)
+        return cls(torch.tensor(ids, dtype=torch.long, device=device),
+                   torch.tensor(pos, dtype=torch.long, device=device), segs)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, layer_id: int, ratio: int, hash_layer: bool):
+        super().__init__()
+        self.cfg, self.layer_id = cfg, layer_id
+        D, n = cfg.hidden_size, cfg.hc_mult
+        self.attn_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer_id, ratio)
+        self.ffn = MoE(cfg, hash_layer)
+        rows = (2 + n) * n
+        for sub in ("attn", "ffn"):
+            self.register_parameter(f"hc_{sub}_fn", nn.Parameter(torch.zeros(rows, n * D)))
+            self.register_parameter(f"hc_{sub}_base", nn.Parameter(torch.zeros(rows)))
+            self.register_parameter(f"hc_{sub}_scale", nn.Parameter(torch.ones(3)))
+
+    def _pre(self, X, sub):
+        c = self.cfg
+        return hc_pre(X, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_base"),
+                      getattr(self, f"hc_{sub}_scale"), c.hc_mult, c.hc_sinkhorn_iters,
+                      c.hc_eps, c.rms_norm_eps)
+
+    def forward(self, X, batch, attn_fn=None, quant=None):
+        """X [T, n, D]. `attn_fn(attn_module, x, batch, layer_id)` overrides the attention core."""
+        u, post, comb = self._pre(X, "attn")
+        x = self.attn_norm(u)
+        o = (attn_fn or _dense_attention)(self.attn, x, batch, self.layer_id, quant)
+        X = hc_post(o, X, post, comb)
+        u, post, comb = self._pre(X, "ffn")
+        o = self.ffn(self.ffn_norm(u), batch.token_ids)
+        return hc_post(o, X, post, comb)
+
+
+def _dense_attention(attn, x, batch, layer_id, quant):
+    return attn(x, batch, layer_id, quant)
+
+
+class DeepseekV4Model(nn.Module):
+    """Parameter names equal the official checkpoint names (no `model.` prefix)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        D, n = cfg.hidden_size, cfg.hc_mult
+        self.embed = nn.Embedding(cfg.vocab_size, D)
+        self.layers = nn.ModuleList(
+            Block(cfg, i, cfg.compress_ratios[i], cfg.is_hash_layer(i))
+            for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.head = nn.Linear(D, cfg.vocab_size, bias=False)
+        self.hc_head_fn = nn.Parameter(torch.zeros(n, n * D))
+        self.hc_head_base = nn.Parameter(torch.zeros(n))
+        self.hc_head_scale = nn.Parameter(torch.ones(1))
+
+    def new_state(self) -> DenseState:
+        return DenseState(self.cfg.num_hidden_layers)
+
+    def forward_hidden(self, batch: Batch, attn_fn=None, quant=None, tap_layers=()):
+        """Returns (final residual streams X [T, n, D], taps [T, len(tap_layers)*D] or None).
+
+        A tap is the completed residual stream after a layer, averaged over the hc axis.
+        """
+        h = self.embed(batch.token_ids)
+        X = h.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        taps = []
+        for layer in self.layers:
+            X = layer(X, batch, attn_fn, quant)
+            if layer.layer_id in tap_layers:
+                taps.append((layer.layer_id, X.float().mean(1)))
+        tap = None
+        if tap_layers:
+            by_id = dict(taps)
+            tap = torch.cat([by_id[i] for i in tap_layers], dim=-1)
+        return X, tap
+
+    def head_hidden(self, X) -> torch.Tensor:
+        c = self.cfg
+        return hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps,
+                       c.rms_norm_eps)
+
+    def logits(self, X) -> torch.Tensor:
+        """fp32 logits from final streams X [T, n, D]."""
+        y = self.norm(self.head_hidden(X))
+        return F.linear(y.float(), self.head.weight.float())
+
+    def forward(self, batch: Batch, attn_fn=None, quant=None) -> torch.Tensor:
+        X, _ = self.forward_hidden(batch, attn_fn, quant)
+        return self.logits(X)

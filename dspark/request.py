@@ -1,0 +1,53 @@
+"""A generation request and its per-request speculative state."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"      # prompt not (fully) prefilled yet
+    RUNNING = "running"      # has an anchor token; drafts and verifies every step
+    FINISHED = "finished"
+
+
+@dataclass
+class DraftBlock:
+    tokens: torch.Tensor          # [γ] int64 drafted tokens x_1..x_γ
+    probs: torch.Tensor | None    # [γ, V] fp32 exact draft distributions (None when greedy)
+    conf_logits: torch.Tensor     # [γ] fp32 confidence logits
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list
+    params: object                         # SamplingParams
+    seed: int
+    status: Status = Status.WAITING
+    output_ids: list = field(default_factory=list)
+    num_prefilled: int = 0                 # prompt tokens whose target KV is written
+    finish_reason: str | None = None
+    target_state: object = None
+    draft_state: object = None
+    draft: DraftBlock | None = None
+    verify_len: int = 0                    # ℓ chosen by the policy for the next verify
+    metrics: object = None
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def tokens(self) -> list:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_committed(self) -> int:
+        """P: positions 0..P-1 have target KV; the anchor (last output token) sits at P."""
+        return len(self.prompt_ids) + len(self.output_ids) - 1 if self.output_ids else self.num_prefilled
+
+    @property
+    def anchor(self) -> int:
+        return self.output_ids[-1]

@@ -1,0 +1,177 @@
+"""Sampling: per-request parameters, the single logits->probabilities transform, counter-based RNG.
+
+Target and draft go through the same `probs_from_logits`, so the distribution a token was sampled
+from is exactly the one verification later reads (spec §4: q must be exact). Randomness is a pure
+function of (request seed, absolute position, purpose): no generator state, no host sync, the same
+values on CPU and CUDA, and replays are deterministic (spec §5.3).
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+_M32 = 0xFFFFFFFF
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+class Purpose(enum.IntEnum):
+    """Independent random streams. RESIDUAL also covers the bonus token and plain decode samples:
+    exactly one target-side token is sampled per position, so they never collide."""
+    DRAFT = 1
+    ACCEPT = 2
+    RESIDUAL = 3
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None  # None: the engine draws one at admission (keeps replays deterministic)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+        """Raise ValueError naming the field, the bad value and the accepted range; return self."""
+        def bad(field, value, accepted):
+            raise ValueError(f"SamplingParams.{field}={value!r} is invalid: expected {accepted}")
+
+        def is_int(x):
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            bad("temperature", t, "a finite number >= 0 (0 = greedy)")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0 < p <= 1):  # nan fails too
+            bad("top_p", p, "a number in (0, 1] (1 = off)")
+        if not is_int(self.top_k) or self.top_k < 0:
+            bad("top_k", self.top_k, "an int >= 0 (0 = off)")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            bad("max_tokens", self.max_tokens, "an int >= 1")
+        hi = vocab_size if vocab_size is not None else _INT64_MAX
+        for tok in self.stop_token_ids:
+            if not is_int(tok) or not (0 <= tok < hi):
+                bad("stop_token_ids", self.stop_token_ids,
+                    f"ints in [0, {vocab_size})" if vocab_size is not None else "ints >= 0")
+        if self.seed is not None and (not is_int(self.seed) or not _INT64_MIN <= self.seed <= _INT64_MAX):
+            bad("seed", self.seed, "None or an int in [-2**63, 2**63)")
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", self.ignore_eos, "a bool")
+        return self
+
+    def all_stop_ids(self, eos_token_ids: Sequence[int] = ()) -> tuple[int, ...]:
+        """Stop ids the engine must check: user stop ids plus EOS unless ignore_eos."""
+        extra = () if self.ignore_eos else tuple(eos_token_ids)
+        return tuple(dict.fromkeys(self.stop_token_ids + extra))
+
+
+def stack_params(params: Sequence[SamplingParams], device=None):
+    """Batch per-request params into (temperature f32[N], top_k i64[N] | None, top_p f32[N] | None).
+    top_k / top_p come back as None when no request uses them, so probs_from_logits skips the
+    O(V log V) sort; this decision is made from host-side params, never from device values."""
+    temperature = torch.tensor([float(s.temperature) for s in params], dtype=torch.float32, device=device)
+    top_k = top_p = None
+    if any(s.top_k > 0 and not s.greedy for s in params):
+        top_k = torch.tensor([s.top_k for s in params], dtype=torch.int64, device=device)
+    if any(s.top_p < 1 and not s.greedy for s in params):
+        top_p = torch.tensor([float(s.top_p) for s in params], dtype=torch.float32, device=device)
+    return temperature, top_k, top_p
+
+
+def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor,
+                      top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 probs [N, V] from logits [N, V]; per-row temperature [N], top_k [N] (<= 0 = off),
+    top_p [N] (>= 1 = off). Order: temperature, top-k, top-p (on the tempered, top-k-renormalised
+    distribution), renormalise. temperature 0 -> one-hot of argmax (first index on ties).
+    top_k / top_p may be None (off for every row). Rows must have at least one finite logit."""
+    x = logits.float()
+    n, v = x.shape
+    t = temperature.to(device=x.device, dtype=torch.float32).reshape(n)
+    greedy = t <= 0
+    x = x / torch.where(greedy, torch.ones_like(t), t).unsqueeze(1)
+    if top_k is not None or top_p is not None:
+        sorted_x, order = x.sort(dim=1, descending=True)
+        ranks = torch.arange(v, device=x.device).unsqueeze(0)
+        if top_k is not None:
+            k = top_k.to(device=x.device, dtype=torch.int64).reshape(n, 1)
+            k = torch.where(k <= 0, torch.full_like(k, v), k.clamp(max=v))
+            sorted_x = sorted_x.masked_fill(ranks >= k, float("-inf"))
+        if top_p is not None:
+            tp = top_p.to(device=x.device, dtype=torch.float32).reshape(n, 1)
+            sp = torch.softmax(sorted_x, dim=1)
+            # mass strictly before each token; keep while it is < top_p: the smallest prefix whose
+            # mass reaches top_p. Rank 0 is always kept; top_p >= 1 keeps everything exactly
+            # (rounding in the cumsum must not drop tail tokens).
+            before = torch.nn.functional.pad(sp.cumsum(dim=1)[:, :-1], (1, 0))
+            keep = (before < tp) | (tp >= 1) | (ranks == 0)
+            sorted_x = sorted_x.masked_fill(~keep, float("-inf"))
+        x = torch.full_like(x, float("-inf")).scatter(1, order, sorted_x)
+    probs = torch.softmax(x, dim=1)
+    onehot = torch.zeros_like(probs).scatter_(1, logits.float().argmax(dim=1, keepdim=True), 1.0)
+    return torch.where(greedy.unsqueeze(1), onehot, probs)
+
+
+def _mul32(x, c: int):
+    # (x * c) mod 2**32 for x in [0, 2**32), split in 16-bit halves so no int64 product overflows:
+    # signed overflow is not something to rely on across devices and compilers. Works on Python
+    # ints too (used for the per-purpose start state, computed on the host).
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x):
+    # 32-bit integer finaliser (xorshift-multiply, "lowbias32" constants): a bijection on [0, 2**32)
+    # with good avalanche, so chaining it over the key words gives well-spread outputs.
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniforms(seeds: torch.Tensor, positions: torch.Tensor, purpose: int) -> torch.Tensor:
+    """Deterministic U[0, 1) float32 keyed by (seed, position, purpose); broadcasts seeds against
+    positions (int64 tensors, same device). Pure integer ops on device: no generator, no sync,
+    bit-identical on CPU and CUDA. Resolution 2**-24, max value 1 - 2**-24 (< 1 strictly).
+    Convention: `position` is the absolute position of the token the uniform decides."""
+    seeds = torch.as_tensor(seeds, dtype=torch.int64)
+    positions = torch.as_tensor(positions, dtype=torch.int64, device=seeds.device)
+    seeds, positions = torch.broadcast_tensors(seeds, positions)
+    # Start state depends on the purpose only (host constant); absorb the four 32-bit key words,
+    # the position last so neighbouring positions differ right before the final mix.
+    h = _mix32(_mix32((0x9E3779B9 * (int(purpose) + 1)) & _M32))
+    for word in (seeds & _M32, (seeds >> 32) & _M32, (positions >> 32) & _M32, positions & _M32):
+        h = _mix32(h ^ word)
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sample per row of probs [N, V] (non-negative, need not sum to 1) with u [N] in
+    [0, 1). Returns int64 [N]. Never returns a zero-probability token, even when a parallel cumsum
+    is not monotone or u * total rounds up to the total (it then takes the last positive token)."""
+    probs = probs.float()
+    n, v = probs.shape
+    cdf = probs.cumsum(dim=1)
+    target = u.to(device=probs.device, dtype=torch.float32).reshape(n, 1) * cdf[:, -1:]
+    idx = torch.arange(v, device=probs.device).expand(n, v)
+    positive = probs > 0
+    first = torch.where((cdf > target) & positive, idx, v).amin(dim=1)
+    last_positive = torch.where(positive, idx, -1).amax(dim=1)
+    return torch.where(first < v, first, last_positive)
+
+
+__all__ = ["Purpose", "SamplingParams", "stack_params", "probs_from_logits", "uniforms",
+           "sample_from_probs"]

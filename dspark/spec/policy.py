@@ -1,0 +1,276 @@
+"""Verify-length policies (spec §6): how many of each request's γ drafts to verify next step.
+
+All policies map confidence logits [R, γ] to lengths ℓ int64 [R] on the same device. Survival
+a_{r,j} = Π_{i<=j} σ(l_{r,i} / T_i) is non-increasing in j, and every policy admits (r, j) only from
+information about a_{r,<=j} (never a later position, which depends on the sampled x_{r,j}): that
+is what keeps confidence scheduling lossless (spec §6.2, Appendix A).
+"""
+from __future__ import annotations
+
+import math
+from typing import Hashable, Sequence
+
+import numpy as np
+import torch
+
+
+class SpsTable:
+    """SPS(B): engine steps per second at B verify tokens (spec §6.4), stored as step time.
+
+    Step time is made non-decreasing in B by a cumulative max (a bigger batch is never faster;
+    measurement noise must not invent a cheaper bucket). Lookup is a ceiling: B is padded to the
+    next measured bucket, with no interpolation inside a bucket. Past the largest bucket the step
+    time is extrapolated linearly from the last two buckets (proportionally to B when only one
+    point is known)."""
+
+    def __init__(self, batch_sizes: Sequence[int], step_ms: Sequence[float]):
+        if len(batch_sizes) == 0 or len(batch_sizes) != len(step_ms):
+            raise ValueError(f"SpsTable needs >= 1 (B, ms) points with matching lengths, "
+                             f"got {len(batch_sizes)} sizes and {len(step_ms)} times")
+        pts = sorted(zip(batch_sizes, step_ms))
+        bs = [int(b) for b, _ in pts]
+        if any(b < 1 or b != bb for b, (bb, _) in zip(bs, pts)) or len(set(bs)) != len(bs):
+            raise ValueError(f"SpsTable batch sizes must be distinct ints >= 1, got {sorted(batch_sizes)}")
+        ms = [float(t) for _, t in pts]
+        if not all(math.isfinite(t) and t > 0 for t in ms):
+            raise ValueError(f"SpsTable step times must be finite and > 0 ms, got {ms}")
+        self.buckets = bs
+        self.ms = np.maximum.accumulate(np.asarray(ms, dtype=np.float64)).tolist()
+        if len(bs) > 1:
+            self._slope = (self.ms[-1] - self.ms[-2]) / (bs[-1] - bs[-2])
+        else:
+            self._slope = self.ms[0] / bs[0]
+
+    @classmethod
+    def from_sps(cls, points: Sequence[Sequence[float]]) -> "SpsTable":
+        """From [(B, steps_per_second), ...]."""
+        if any(not s > 0 for _, s in points):
+            raise ValueError(f"steps per second must be > 0, got {[s for _, s in points]}")
+        return cls([b for b, _ in points], [1000.0 / s for _, s in points])
+
+    @classmethod
+    def from_ms(cls, points: Sequence[Sequence[float]]) -> "SpsTable":
+        """From [[B, step_ms], ...] (the user override format of spec §6.4)."""
+        return cls([b for b, _ in points], [t for _, t in points])
+
+    def step_ms(self, b):
+        """Step time in ms at B verify tokens (int or int array)."""
+        b_arr = np.asarray(b)
+        idx = np.searchsorted(self.buckets, b_arr, side="left")  # first bucket >= B
+        inside = np.asarray(self.ms + [0.0])[np.minimum(idx, len(self.buckets))]
+        out = np.where(b_arr > self.buckets[-1],
+                       self.ms[-1] + self._slope * (b_arr - self.buckets[-1]), inside)
+        return float(out) if out.ndim == 0 else out
+
+    def sps(self, b):
+        """Steps per second at B verify tokens (int or int array)."""
+        return 1000.0 / self.step_ms(b)
+
+    def sps_range(self, lo: int, hi: int) -> np.ndarray:
+        """SPS(B) for B = lo..hi inclusive, float64."""
+        return self.sps(np.arange(lo, hi + 1))
+
+    def to_list(self) -> list[list[float]]:
+        """[[B, ms], ...] after the monotone fix, for logs."""
+        return [[b, t] for b, t in zip(self.buckets, self.ms)]
+
+
+def confidence(conf_logits: torch.Tensor, temperatures=None) -> torch.Tensor:
+    """fp32 per-position confidence σ(l_k / T_k) [R, γ]; T = optional STS temperatures (length γ).
+    NaN logits count as 0 confidence (never admitted)."""
+    z = conf_logits.float()
+    if temperatures is not None:
+        t = torch.as_tensor(temperatures, dtype=torch.float32, device=z.device)
+        if t.shape != z.shape[-1:]:
+            raise ValueError(f"STS temperatures must have γ={z.shape[-1]} entries, got {tuple(t.shape)}")
+        z = z / t
+    return torch.nan_to_num(torch.sigmoid(z), nan=0.0)
+
+
+def survival(conf_logits: torch.Tensor, temperatures=None) -> torch.Tensor:
+    """fp32 cumulative survival a_j = Π_{i<=j} σ(l_i / T_i), [R, γ], non-increasing in j."""
+    return confidence(conf_logits, temperatures).cumprod(dim=-1)
+
+
+def expected_tokens(surv: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Expected emitted tokens per request, 1 + Σ_{j<=ℓ} a_j (float32 [R])."""
+    keep = torch.arange(surv.shape[1], device=surv.device) < lengths.to(surv.device).unsqueeze(1)
+    return 1.0 + (surv * keep).sum(dim=1)
+
+
+def modelled_throughput(surv: torch.Tensor, lengths: torch.Tensor, sps: SpsTable) -> float:
+    """Θ = τ · SPS(B), τ = Σ_r expected tokens, B = Σ_r (1 + ℓ_r) (spec §6.1). Host float."""
+    tau = float(expected_tokens(surv, lengths).double().sum())
+    return tau * sps.sps(int(lengths.sum()) + surv.shape[0])
+
+
+def _ordered_candidates(surv: torch.Tensor):
+    """All (r, j) sorted by survival desc, then position asc, then request asc. Flattening j-major
+    makes the (j, r) tie order the input order, which a stable sort preserves."""
+    r_count = surv.shape[0]
+    flat = surv.t().reshape(-1)
+    order = torch.sort(flat, descending=True, stable=True).indices
+    return flat[order], order % r_count
+
+
+def _lengths_from_admitted(rows: torch.Tensor, admitted: torch.Tensor, r_count: int) -> torch.Tensor:
+    # Admitted slots of a request form a prefix (survival monotone + tie order), so ℓ_r = count.
+    return torch.zeros(r_count, dtype=torch.long, device=rows.device).scatter_add_(0, rows, admitted.long())
+
+
+class VerifyPolicy:
+    name = "base"
+
+    def __init__(self, temperatures=None):
+        self.temperatures = temperatures
+
+    def __call__(self, conf_logits: torch.Tensor, request_ids: Sequence[Hashable] | None = None,
+                 temperatures=None) -> torch.Tensor:
+        if conf_logits.dim() != 2:
+            raise ValueError(f"confidence logits must be [R, γ], got {tuple(conf_logits.shape)}")
+        conf = confidence(conf_logits, temperatures if temperatures is not None else self.temperatures)
+        return self.lengths(conf, conf.cumprod(dim=1), request_ids)
+
+    def lengths(self, conf: torch.Tensor, surv: torch.Tensor, request_ids) -> torch.Tensor:
+        """ℓ int64 [R] from per-position confidences and survivals (both fp32 [R, γ])."""
+        raise NotImplementedError
+
+
+class FixedPolicy(VerifyPolicy):
+    """Verify min(num_verify, γ) drafts for every request (default: the whole block)."""
+    name = "fixed"
+
+    def __init__(self, num_verify: int | None = None, temperatures=None):
+        super().__init__(temperatures)
+        if num_verify is not None and num_verify < 0:
+            raise ValueError(f"num_verify must be >= 0, got {num_verify}")
+        self.num_verify = num_verify
+
+    def lengths(self, conf, surv, request_ids=None):
+        g = surv.shape[1] if self.num_verify is None else min(self.num_verify, surv.shape[1])
+        return torch.full((surv.shape[0],), g, dtype=torch.long, device=surv.device)
+
+
+class ThresholdPolicy(VerifyPolicy):
+    """mode="cumulative" (vLLM): ℓ = #{j : a_j >= θ}. mode="per_position" (DeepSpec eval):
+    ℓ = index of the first position whose own confidence σ(l_k/T_k) < θ. θ = 0 = fixed."""
+    name = "threshold"
+
+    def __init__(self, threshold: float = 0.5, mode: str = "cumulative", temperatures=None):
+        super().__init__(temperatures)
+        if not 0 <= threshold <= 1:
+            raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+        if mode not in ("cumulative", "per_position"):
+            raise ValueError(f"threshold mode must be 'cumulative' or 'per_position', got {mode!r}")
+        self.threshold, self.mode = threshold, mode
+
+    def lengths(self, conf, surv, request_ids=None):
+        if self.mode == "cumulative":
+            return (surv >= self.threshold).long().sum(dim=1)
+        return (conf >= self.threshold).long().cumprod(dim=1).sum(dim=1)
+
+
+class ScheduledPolicy(VerifyPolicy):
+    """Algorithm 1 (spec §6.2): walk candidates by survival desc (ties: smaller j, then r), admit
+    while Θ = τ·SPS(B) strictly improves, stop at the first non-improvement. The break is what
+    keeps it lossless. Vectorised: along the walk Θ_best is always the previous Θ, so the admitted
+    set is the strictly increasing run of Θ_0, Θ_1, ... from the start."""
+    name = "scheduled"
+
+    def __init__(self, sps: SpsTable, temperatures=None):
+        super().__init__(temperatures)
+        self.sps = sps
+
+    def lengths(self, conf, surv, request_ids=None):
+        r_count, g = surv.shape
+        a, rows = _ordered_candidates(surv)
+        sps = torch.as_tensor(self.sps.sps_range(r_count, r_count + r_count * g), device=surv.device)
+        tau = r_count + torch.nn.functional.pad(a.double().cumsum(0), (1, 0))
+        theta = tau * sps                                           # Θ_k after k admissions
+        step_ok = (theta[1:] > theta[:-1]) & (a > 0)
+        return _lengths_from_admitted(rows, step_ok.long().cumprod(0), r_count)
+
+
+class AsyncScheduledPolicy(VerifyPolicy):
+    """ZOS variant (spec §6.5). Capacity K (total drafts to verify) comes from survivals recorded
+    `staleness` (2) calls ago only, through a global argmax of Θ(k) over k (no early stop, jagged
+    SPS is fine); requests without such history count survival 1 at every position. Then the top-K
+    slots by *current* survival (survival desc, position asc) are admitted on device.
+
+    History is kept per call, keyed by request id (the last `staleness`+1 calls); a call records
+    the survivals it was given. On CUDA the host copy is started without blocking and waited for
+    (event) only when it is read, `staleness` steps later."""
+    name = "scheduled-async"
+
+    def __init__(self, sps: SpsTable, budget_frac: float = 1.0, staleness: int = 2, temperatures=None):
+        super().__init__(temperatures)
+        if not 0 < budget_frac <= 1:
+            raise ValueError(f"budget_frac must be in (0, 1], got {budget_frac}")
+        if staleness < 1:
+            raise ValueError(f"staleness must be >= 1, got {staleness}")
+        self.sps, self.budget_frac, self.staleness = sps, budget_frac, staleness
+        self.step = 0
+        self.last_capacity = 0
+        self._history: list = []  # (step, {rid: row}, host tensor [R, γ], event | None)
+
+    def __call__(self, conf_logits, request_ids=None, temperatures=None):
+        if request_ids is None or len(request_ids) != conf_logits.shape[0]:
+            raise ValueError("scheduled-async needs one request id per row of the confidence logits")
+        return super().__call__(conf_logits, request_ids, temperatures)
+
+    def _stale_survival(self, rid, g: int) -> np.ndarray:
+        for step, index, host, event in reversed(self._history):
+            if step <= self.step - self.staleness and rid in index:
+                if event is not None:
+                    event.synchronize()
+                row = host[index[rid]].numpy()
+                if row.shape == (g,):
+                    return row
+        return np.ones(g)
+
+    def capacity(self, request_ids: Sequence[Hashable], g: int) -> int:
+        r_count = len(request_ids)
+        stale = np.concatenate([self._stale_survival(rid, g) for rid in request_ids]).astype(np.float64)
+        stale = -np.sort(-stale)[: math.ceil(self.budget_frac * stale.size)]
+        tau = r_count + np.concatenate([[0.0], np.cumsum(stale)])
+        theta = tau * self.sps.sps_range(r_count, r_count + stale.size)
+        return int(np.argmax(theta))  # first maximum: the smallest K among equals
+
+    def lengths(self, conf, surv, request_ids):
+        r_count, g = surv.shape
+        k = self.capacity(request_ids, g)
+        self.last_capacity = k
+        a, rows = _ordered_candidates(surv)
+        admitted = (torch.arange(a.numel(), device=surv.device) < k) & (a > 0)
+        self._record(request_ids, surv)
+        return _lengths_from_admitted(rows, admitted, r_count)
+
+    def _record(self, request_ids, surv):
+        event = None
+        if surv.is_cuda:
+            host = surv.detach().to("cpu", non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = surv.detach().clone()
+        self._history.append((self.step, {rid: i for i, rid in enumerate(request_ids)}, host, event))
+        self._history = self._history[-(self.staleness + 1):]
+        self.step += 1
+
+
+POLICIES = {"fixed": FixedPolicy, "threshold": ThresholdPolicy, "scheduled": ScheduledPolicy,
+            "scheduled-async": AsyncScheduledPolicy}
+ALIASES = {"full": "fixed", "alg1": "scheduled", "zos": "scheduled-async"}  # spec §6.7 knob names
+
+
+def make_policy(name: str, **kw) -> VerifyPolicy:
+    key = ALIASES.get(name, name)
+    if key not in POLICIES:
+        raise ValueError(f"unknown verify policy {name!r}; valid: {sorted(POLICIES)} "
+                         f"(aliases {ALIASES})")
+    return POLICIES[key](**kw)
+
+
+__all__ = ["SpsTable", "confidence", "survival", "expected_tokens", "modelled_throughput", "VerifyPolicy",
+           "FixedPolicy", "ThresholdPolicy", "ScheduledPolicy", "AsyncScheduledPolicy",
+           "make_policy", "POLICIES"]

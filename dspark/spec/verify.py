@@ -1,0 +1,152 @@
+"""Lossless verification of draft blocks (spec §5.2), batched over R requests padded to γ.
+
+Layout per request r with anchor position P_r and draft tokens x_1..x_γ at positions P_r+1..P_r+γ:
+  target_probs[r, i] = target distribution for position P_r+i+1 (i.e. for draft x_{i+1}); row γ
+  exists so that a fully accepted block of length γ has its bonus row.
+  draft_probs[r, i]  = the exact distribution x_{i+1} was sampled from.
+Only the first ℓ_r drafts are tested; the rest is padding. Everything is tensor ops on the
+inputs' device; nothing here reads device values on the host.
+"""
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple, Sequence
+
+import torch
+
+from dspark.sampling import Purpose, sample_from_probs, uniforms
+
+RESIDUAL_EPS = 1e-8  # below this residual mass, fall back to p (DeepSpec sample_residual)
+Q_FLOOR = 1e-8       # q is clamped so p/q stays finite for a token q (wrongly) gave ~0 mass
+
+
+class VerifyResult(NamedTuple):
+    accepted: torch.Tensor    # int64 [R]: leading run of accepted drafts, 0..ℓ_r
+    next_token: torch.Tensor  # int64 [R]: corrected (a < ℓ) or bonus (a = ℓ) token, next anchor
+
+
+def _check(draft_tokens, target_rows, lengths):
+    if draft_tokens.dim() != 2:
+        raise ValueError(f"draft_tokens must be [R, γ], got shape {tuple(draft_tokens.shape)}")
+    r, g = draft_tokens.shape
+    if g < 1:
+        raise ValueError("draft_tokens must have γ >= 1 columns (pass lengths 0 to verify none)")
+    if target_rows.shape[:2] != (r, g + 1):
+        raise ValueError(f"target rows must be [R, γ+1, ...] = [{r}, {g + 1}, ...], "
+                         f"got {tuple(target_rows.shape)}")
+    if lengths.shape != (r,):
+        raise ValueError(f"lengths must be [R] = [{r}], got {tuple(lengths.shape)}")
+
+
+def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
+           lengths: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> VerifyResult:
+    """Rejection sampling (spec §5.2). Shapes: draft_tokens int64 [R, γ]; draft_probs [R, γ, V] or
+    None for greedy (point-mass) drafts; target_probs [R, γ+1, V] from `probs_from_logits` (one-hot
+    rows for greedy targets, which makes this exact for them too); lengths int [R] in 0..γ; seeds
+    int64 [R]; positions int64 [R] = anchor positions P_r. Uniforms: accept test of x_i keyed
+    (seed, P+i, ACCEPT), the extra token keyed (seed, P+a+1, RESIDUAL)."""
+    _check(draft_tokens, target_probs, lengths)
+    r, g = draft_tokens.shape
+    dev = target_probs.device
+    x = draft_tokens.to(dev).long()
+    lengths = lengths.to(dev).long()
+    seeds, positions = seeds.to(dev).long(), positions.to(dev).long()
+    offs = torch.arange(g, device=dev)
+
+    p = target_probs.float()
+    q = None if draft_probs is None else draft_probs.to(dev).float()
+    if q is not None and q.shape != (r, g, p.shape[2]):
+        raise ValueError(f"draft_probs must be [R, γ, V] = [{r}, {g}, {p.shape[2]}], got {tuple(q.shape)}")
+    px = p[:, :g].gather(2, x.unsqueeze(2)).squeeze(2)                     # [R, γ]
+    if q is None:
+        qx = torch.ones_like(px)
+    else:
+        qx = q.gather(2, x.unsqueeze(2)).squeeze(2).clamp_min(Q_FLOOR)
+    u = uniforms(seeds.unsqueeze(1), positions.unsqueeze(1) + 1 + offs, Purpose.ACCEPT)
+    # u < min(1, p/q) <=> u*q < p since u < 1 (multiplication avoids dividing by tiny q).
+    ok = (u * qx < px) & (offs < lengths.unsqueeze(1))
+    a = ok.long().cumprod(dim=1).sum(dim=1)                                 # leading run only
+
+    rows = torch.arange(r, device=dev)
+    p_row = p[rows, a]                                                       # row a: corrected or bonus
+    qi = a.clamp(max=g - 1)  # q row of the rejected draft (unused when a = ℓ)
+    if q is None:
+        q_row = torch.zeros_like(p_row).scatter_(1, x.gather(1, qi.unsqueeze(1)), 1.0)
+    else:
+        q_row = q[rows, qi]
+    resid = (p_row - q_row).clamp_min(0)
+    use_resid = (a < lengths) & (resid.sum(dim=1) > RESIDUAL_EPS)
+    dist = torch.where(use_resid.unsqueeze(1), resid, p_row)  # sample_from_probs renormalises
+    y = sample_from_probs(dist, uniforms(seeds, positions + a + 1, Purpose.RESIDUAL))
+    return VerifyResult(a, y)
+
+
+def verify_greedy(draft_tokens: torch.Tensor, target_argmax: torch.Tensor,
+                  lengths: torch.Tensor) -> VerifyResult:
+    """Greedy-target fast path: accept iff x_i == argmax of row i-1; next token = argmax of row a.
+    target_argmax int64 [R, γ+1] (argmax of the target logits; no softmax over V needed)."""
+    _check(draft_tokens, target_argmax, lengths)
+    g = draft_tokens.shape[1]
+    dev = target_argmax.device
+    lengths = lengths.to(dev).long()
+    ok = (draft_tokens.to(dev).long() == target_argmax[:, :g]) & \
+        (torch.arange(g, device=dev) < lengths.unsqueeze(1))
+    a = ok.long().cumprod(dim=1).sum(dim=1)
+    return VerifyResult(a, target_argmax.gather(1, a.unsqueeze(1)).squeeze(1))
+
+
+def emitted_tokens(draft_tokens: torch.Tensor, result: VerifyResult, pad: int = -1):
+    """(tokens int64 [R, γ+1], counts [R]): x_1..x_a then y at column a, `pad` after it."""
+    a, y = result
+    r, g = draft_tokens.shape
+    col = torch.arange(g + 1, device=a.device)
+    padded = torch.cat([draft_tokens.to(a.device).long(),
+                        torch.full((r, 1), pad, dtype=torch.long, device=a.device)], dim=1)
+    out = torch.where(col < a.unsqueeze(1), padded, torch.full_like(padded, pad))
+    out = torch.where(col == a.unsqueeze(1), y.unsqueeze(1), out)
+    return out, a + 1
+
+
+class FinishReason(enum.IntEnum):
+    NONE = 0
+    STOP = 1    # a stop/EOS token was emitted (it is kept as the last token)
+    LENGTH = 2  # max_tokens reached
+
+
+class StopResult(NamedTuple):
+    num_emit: torch.Tensor  # int64 [R]: tokens of `tokens` to emit (prefix length)
+    finish: torch.Tensor    # int64 [R]: FinishReason values
+
+
+def stop_table(stop_ids: Sequence[Sequence[int]], device=None) -> torch.Tensor:
+    """Pad per-request stop id lists to int64 [R, max(1, S)] with -1 (never a token id)."""
+    width = max([1] + [len(s) for s in stop_ids])
+    table = torch.full((len(stop_ids), width), -1, dtype=torch.long)
+    for i, s in enumerate(stop_ids):
+        table[i, :len(s)] = torch.tensor(list(s), dtype=torch.long)
+    return table.to(device)
+
+
+def apply_stops(tokens: torch.Tensor, counts: torch.Tensor, stops: torch.Tensor,
+                num_generated: torch.Tensor, max_tokens: torch.Tensor) -> StopResult:
+    """Truncate each request's emitted tokens [R, γ+1] (first `counts` valid) at the first stop
+    token (kept; a stop among accepted drafts means no bonus: spec §5.2) or where max_tokens is
+    reached (num_generated tokens already emitted before this round). A stop landing exactly on
+    the last allowed token reports STOP."""
+    dev = tokens.device
+    counts = counts.to(dev).long()
+    col = torch.arange(tokens.shape[1], device=dev)
+    hit = (tokens.unsqueeze(2) == stops.to(dev).unsqueeze(1)).any(dim=2) & (col < counts.unsqueeze(1))
+    big = tokens.shape[1] + 1
+    n_stop = torch.where(hit, col + 1, big).amin(dim=1)          # 1-based count through the stop
+    budget = (max_tokens.to(dev).long() - num_generated.to(dev).long()).clamp_min(0)
+    n = torch.minimum(torch.minimum(counts, n_stop), budget)
+    stop = n_stop <= torch.minimum(counts, budget)
+    length = ~stop & (budget <= counts)
+    finish = torch.where(stop, int(FinishReason.STOP),
+                         torch.where(length, int(FinishReason.LENGTH), int(FinishReason.NONE)))
+    return StopResult(n, finish.long())
+
+
+__all__ = ["VerifyResult", "verify", "verify_greedy", "emitted_tokens", "FinishReason",
+           "StopResult", "stop_table", "apply_stops", "RESIDUAL_EPS"]
