@@ -4,6 +4,15 @@ import sys
 
 import pytest
 
+# Triton kernels run in the interpreter on CPU-only machines; this must be set before triton is
+# first imported anywhere.
+try:
+    import torch
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:
+    pass
+
 sys.path.insert(0, os.path.dirname(__file__))   # test utilities such as hf_oracle
 
 from dspark.tools.make_checkpoint import make_checkpoint  # noqa: E402
@@ -23,4 +32,13 @@ def tiny_quant_ckpt(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("tiny_fp8"))
     make_checkpoint(out, preset="tiny", seed=1, dtype="fp8", fp4_experts=True, dspark=True,
                     overrides={"swiglu_limit": 0.5}, progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def small_vocab_ckpt(tmp_path_factory):
+    """Tiny architecture with an 8-token vocabulary: random drafts are right often enough to
+    exercise partial acceptance, and output distributions can be enumerated exactly."""
+    out = str(tmp_path_factory.mktemp("vocab8"))
+    make_checkpoint(out, preset="tiny", seed=2, dspark=True, vocab=8, progress=False)
     return out

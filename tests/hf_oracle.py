@@ -52,16 +52,15 @@ def np_e8m0(u8: np.ndarray) -> np.ndarray:
     return np.where(b == 255, np.nan, np.ldexp(1.0, b - 127))
 
 
-def _tile(scale: np.ndarray, rows: int, cols: int) -> np.ndarray:
-    """Broadcast a per-block scale grid to [rows, cols] (blocks = ceil division, last ones partial)."""
-    br, bc = -(-rows // scale.shape[0]), -(-cols // scale.shape[1])
+def _tile(scale: np.ndarray, rows: int, cols: int, br: int, bc: int) -> np.ndarray:
+    """Broadcast a per-block scale grid to [rows, cols] (last blocks may be partial)."""
     return np.repeat(np.repeat(scale, br, axis=0), bc, axis=1)[:rows, :cols]
 
 
 def np_dequant_fp8(w_u8: np.ndarray, scale_u8: np.ndarray) -> np.ndarray:
     rows, cols = w_u8.shape
     assert scale_u8.shape == (-(-rows // 128), -(-cols // 128)), (w_u8.shape, scale_u8.shape)
-    return np_e4m3(w_u8) * np_e8m0(_tile(scale_u8, rows, cols))
+    return np_e4m3(w_u8) * _tile(np_e8m0(scale_u8), rows, cols, 128, 128)
 
 
 def np_dequant_fp4(packed_u8: np.ndarray, scale_u8: np.ndarray) -> np.ndarray:
@@ -69,16 +68,16 @@ def np_dequant_fp4(packed_u8: np.ndarray, scale_u8: np.ndarray) -> np.ndarray:
     assert scale_u8.shape == (rows, -(-cols // 32)), (packed_u8.shape, scale_u8.shape)
     codes = np.empty((rows, cols), dtype=np.uint8)
     codes[:, 0::2], codes[:, 1::2] = packed_u8 & 0xF, packed_u8 >> 4   # low nibble = even column
-    e8 = np_e8m0(scale_u8)
-    return np_e2m1(codes) * np.repeat(e8, 32, axis=1)[:, :cols]
+    return np_e2m1(codes) * _tile(np_e8m0(scale_u8), rows, cols, 1, 32)
 
 
 def _u8(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().view(torch.uint8).numpy()
 
 
-def dequantized_state_dict(ckpt_dir: str) -> dict[str, torch.Tensor]:
-    """All non-`mtp.*` tensors of the checkpoint as float32 (int64 kept), scales folded in."""
+def dequantized_state_dict(ckpt_dir: str, include_mtp: bool = False) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors as float32 (int64 kept), scales folded in, `model.` prefix dropped;
+    `mtp.*` tensors only with include_mtp."""
     index = os.path.join(ckpt_dir, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
@@ -89,7 +88,7 @@ def dequantized_state_dict(ckpt_dir: str) -> dict[str, torch.Tensor]:
     for fn in files:
         with safe_open(os.path.join(ckpt_dir, fn), framework="pt") as f:
             for k in f.keys():
-                if not k.startswith("mtp."):
+                if include_mtp or not k.removeprefix("model.").startswith("mtp."):
                     raw[k.removeprefix("model.")] = f.get_tensor(k)
     out = {}
     for name, t in raw.items():

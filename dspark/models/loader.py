@@ -187,7 +187,7 @@ def load_checkpoint(path: str, cfg: ModelConfig | None = None, dtype: torch.dtyp
     found = _headers(path, _shard_map(path))
     _validate(path, cfg, found)
 
-    # logical name of every stored tensor we keep, so shards can be visited in file order
+    # stored name -> logical name, and the stored names grouped by shard (one shard open at a time)
     owner = {st.name: name for name, spec in inventory.items() for st in stored_tensors(name, spec)}
     by_shard: dict[str, list[str]] = {}
     for canon, (shard, _, _, _) in found.items():

@@ -22,6 +22,7 @@ E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_TINY = torch.finfo(torch.float32).tiny   # amax floor: all-zero blocks get exponent -126
 
 
 def _raw_bytes(t: torch.Tensor, what: str) -> torch.Tensor:
@@ -50,9 +51,18 @@ def _ceil_log2(x: torch.Tensor) -> torch.Tensor:
     return torch.where(m == 0.5, k - 1, k).to(torch.int32)
 
 
-def _expand(scale: torch.Tensor, rows: int, cols: int, block_r: int, block_c: int) -> torch.Tensor:
-    """Broadcast a per-tile scale grid to a [rows, cols] map (cropping partial last tiles)."""
-    return scale.repeat_interleave(block_r, 0)[:rows].repeat_interleave(block_c, 1)[:, :cols]
+def _tiles(x: torch.Tensor, grid: tuple, block_r: int, block_c: int) -> torch.Tensor:
+    """View x [rows, cols] as tiles [gr, block_r, gc, block_c], zero-padding partial last tiles.
+    Scale grids then broadcast as grid[:, None, :, None], never materialised at full size."""
+    rows, cols = x.shape
+    pad_r, pad_c = grid[0] * block_r - rows, grid[1] * block_c - cols
+    if pad_r or pad_c:
+        x = torch.nn.functional.pad(x, (0, pad_c, 0, pad_r))
+    return x.reshape(grid[0], block_r, grid[1], block_c)
+
+
+def _untile(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    return t.reshape(t.shape[0] * t.shape[1], t.shape[2] * t.shape[3])[:rows, :cols].contiguous()
 
 
 def _check_grid(what: str, scale: torch.Tensor, want: tuple) -> None:
@@ -74,29 +84,25 @@ def dequant_fp8_blocks(w: torch.Tensor, scale: torch.Tensor, dtype=torch.float32
     rows, cols = w.shape
     _check_grid("FP8 weight", scale, fp8_scale_shape(rows, cols))
     values = _raw_bytes(w, "FP8 weight").view(torch.float8_e4m3fn).to(torch.float32)
-    s = _expand(e8m0_to_float(scale), rows, cols, FP8_BLOCK, FP8_BLOCK)
-    return (values * s).to(dtype)
+    t = _tiles(values, scale.shape, FP8_BLOCK, FP8_BLOCK) * e8m0_to_float(scale)[:, None, :, None]
+    return _untile(t, rows, cols).to(dtype)
 
 
 def quant_fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float [O, I] -> (e4m3 codes [O, I], e8m0 scales [ceil(O/128), ceil(I/128)]).
 
     Scale per tile = 2^ceil(log2(amax / 448)) (the REF/DeepGEMM UE8M0 rule), so every scaled value
-    fits e4m3's range; codes are rounded to nearest even by the fp8 cast. All-zero tiles get 2^-127.
+    fits e4m3's range; codes are rounded to nearest even by the fp8 cast. All-zero tiles get 2^-126.
     """
     if w.dim() != 2:
         raise ValueError(f"FP8 quantization needs a 2-D weight, got shape {tuple(w.shape)}")
     rows, cols = w.shape
-    gr, gc = fp8_scale_shape(rows, cols)
-    w = w.to(torch.float32)
-    padded = torch.zeros(gr * FP8_BLOCK, gc * FP8_BLOCK, dtype=torch.float32, device=w.device)
-    padded[:rows, :cols] = w
-    amax = padded.view(gr, FP8_BLOCK, gc, FP8_BLOCK).abs().amax(dim=(1, 3))
-    tiny = torch.finfo(torch.float32).tiny
-    exponent = _ceil_log2((amax / E4M3_MAX).clamp(min=tiny)).clamp(-127, 127)
-    s = _expand(e8m0_to_float(float_to_e8m0(exponent)), rows, cols, FP8_BLOCK, FP8_BLOCK)
-    codes = (w / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return codes, float_to_e8m0(exponent)
+    t = _tiles(w.to(torch.float32), fp8_scale_shape(rows, cols), FP8_BLOCK, FP8_BLOCK)
+    amax = t.abs().amax(dim=(1, 3))
+    scale = float_to_e8m0(_ceil_log2((amax / E4M3_MAX).clamp(min=_TINY)))
+    inv = 1.0 / e8m0_to_float(scale)          # exact: the reciprocal of a power of two
+    codes = (t * inv[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return _untile(codes, rows, cols), scale
 
 
 # ---- FP4 e2m1 experts with per-row 32-column UE8M0 groups ----------------------------------------
@@ -110,8 +116,9 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """int8 [O, I/2] -> float32 e2m1 values [O, I] (low nibble = even column)."""
     u8 = _raw_bytes(packed, "FP4 weight")
     lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=u8.device)
-    lo, hi = lut[(u8 & 0xF).long()], lut[(u8 >> 4).long()]
-    return torch.stack([lo, hi], dim=-1).reshape(*u8.shape[:-1], 2 * u8.shape[-1])
+    byte = torch.arange(256, device=u8.device)
+    pairs = torch.stack([lut[byte & 0xF], lut[byte >> 4]], dim=1)    # [256, 2]: one row per byte
+    return torch.nn.functional.embedding(u8.to(torch.int32), pairs).reshape(u8.shape[0], -1)
 
 
 def dequant_fp4_experts(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
@@ -120,8 +127,8 @@ def dequant_fp4_experts(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.f
         raise ValueError(f"FP4 weight must be 2-D (packed [out, in/2]), got shape {tuple(packed.shape)}")
     rows, cols = packed.shape[0], 2 * packed.shape[1]
     _check_grid("FP4 weight", scale, fp4_scale_shape(rows, cols))
-    s = _expand(e8m0_to_float(scale), rows, cols, 1, FP4_GROUP)
-    return (unpack_fp4(packed) * s).to(dtype)
+    t = _tiles(unpack_fp4(packed), scale.shape, 1, FP4_GROUP) * e8m0_to_float(scale)[:, None, :, None]
+    return _untile(t, rows, cols).to(dtype)
 
 
 # e2m1 magnitudes are 0,.5,1,1.5,2,3,4,6; these are the midpoints between neighbours. A value
@@ -152,18 +159,14 @@ def quant_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float [O, I] -> (packed int8 [O, I/2], e8m0 scales [O, ceil(I/32)]).
 
     Scale per group = 2^ceil(log2(amax / 6)) so the scaled group fits e2m1's range; codes are the
-    nearest e2m1 value (ties to even). All-zero groups get 2^-127.
+    nearest e2m1 value (ties to even). All-zero groups get 2^-126.
     """
     if w.dim() != 2:
         raise ValueError(f"FP4 quantization needs a 2-D weight, got shape {tuple(w.shape)}")
     rows, cols = w.shape
-    groups = fp4_scale_shape(rows, cols)[1]
-    w = w.to(torch.float32)
-    padded = torch.zeros(rows, groups * FP4_GROUP, dtype=torch.float32, device=w.device)
-    padded[:, :cols] = w
-    amax = padded.view(rows, groups, FP4_GROUP).abs().amax(dim=2)
-    tiny = torch.finfo(torch.float32).tiny
-    exponent = _ceil_log2((amax / E2M1_MAX).clamp(min=tiny)).clamp(-127, 127)
-    s = _expand(e8m0_to_float(float_to_e8m0(exponent)), rows, cols, 1, FP4_GROUP)
-    codes = _e2m1_codes((w / s).clamp(-E2M1_MAX, E2M1_MAX))
-    return pack_fp4(codes), float_to_e8m0(exponent)
+    t = _tiles(w.to(torch.float32), fp4_scale_shape(rows, cols), 1, FP4_GROUP)
+    amax = t.abs().amax(dim=(1, 3))
+    scale = float_to_e8m0(_ceil_log2((amax / E2M1_MAX).clamp(min=_TINY)))
+    inv = 1.0 / e8m0_to_float(scale)          # exact: the reciprocal of a power of two
+    codes = _e2m1_codes((t * inv[:, None, :, None]).clamp_(-E2M1_MAX, E2M1_MAX))
+    return pack_fp4(_untile(codes, rows, cols)), scale

@@ -7,12 +7,16 @@
 Presets: `tiny` (spec §9, seconds on CPU), `flash` / `pro` (real widths of spec §1.1, the first
 `--layers` layers of the real compression schedule). Output: sharded `model-0000k-of-0000n.safetensors`
 + `model.safetensors.index.json` + a `config.json` that both transformers' DeepseekV4Config and
-`ModelConfig` read. Every tensor is drawn from its own generator seeded by (seed, name), so a
-tensor's values do not depend on which other tensors exist or on the machine.
+`ModelConfig` read. Every tensor is drawn from its own torch CPU generator seeded by (seed, name),
+so a tensor's values do not depend on which other tensors exist (nor, for one torch version, on
+the machine).
 
-Routed experts are ~97% of the bytes of a real-width checkpoint, so their FP4 / FP8 codes are
-drawn directly as random bytes (no float weights, no quantization pass); shards are generated and
-written one at a time, so memory stays around one shard.
+Routed experts are ~97% of the bytes of a real-width checkpoint, so their codes are drawn directly
+(FP4: random bytes; FP8: a normal sample cast to e4m3) with random power-of-two block scales, no
+quantization pass; the other FP8 weights are drawn as floats and quantized with
+`quant_fp8_blocks`. Shards are generated and written one at a time, so memory stays around one
+shard (<= 2 GiB) plus one tensor. A Flash-width 4-layer FP8+FP4 checkpoint with DSpark stages is
+~27 GB.
 """
 from __future__ import annotations
 
@@ -24,7 +28,6 @@ import math
 import os
 import re
 
-import numpy as np
 import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
@@ -32,8 +35,8 @@ from tqdm.auto import tqdm
 from dspark.config import ModelConfig
 from dspark.models.deepseek_v4.weights import (TensorSpec, scale_name, stored_tensors,
                                                tensor_inventory)
-from dspark.models.quant import (E2M1_VALUES, float_to_e8m0, fp4_scale_shape, fp8_scale_shape,
-                                 quant_fp8_blocks)
+from dspark.models.quant import (E2M1_VALUES, E4M3_MAX, float_to_e8m0, fp4_scale_shape,
+                                 fp8_scale_shape, quant_fp8_blocks)
 
 # ---- presets ----------------------------------------------------------------------------------
 
@@ -184,80 +187,79 @@ def hf_config(cfg: ModelConfig) -> dict:
 
 # ---- random tensors -----------------------------------------------------------------------------
 
-def _rng(seed: int, name: str) -> np.random.Generator:
-    digest = int.from_bytes(hashlib.sha256(name.encode()).digest()[:16], "little")
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, digest])))
+def _rng(seed: int, name: str) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
-def _normal(rng, shape, std=1.0) -> torch.Tensor:
-    return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32)).mul_(std)
+def _normal(g, shape, std=1.0) -> torch.Tensor:
+    return torch.randn(shape, generator=g).mul_(std)
 
 
-def _init_float(name: str, spec: TensorSpec, rng) -> torch.Tensor:
+def _uniform(g, shape, lo, hi) -> torch.Tensor:
+    return torch.empty(shape).uniform_(lo, hi, generator=g)
+
+
+def _init_float(name: str, spec: TensorSpec, g) -> torch.Tensor:
     """Spec §9's recommended init, chosen by the tensor's role."""
     shape = spec.shape
     if re.search(r"hc_(attn|ffn|head)_fn$", name):
-        return _normal(rng, shape, 0.05)
+        return _normal(g, shape, 0.05)
     if re.search(r"hc_(attn|ffn|head)_base$", name):
-        return _normal(rng, shape, 0.5)
+        return _normal(g, shape, 0.5)
     if re.search(r"hc_(attn|ffn|head)_scale$", name) or name.endswith("norm.weight"):
-        return torch.from_numpy(rng.uniform(0.9, 1.1, shape).astype(np.float32))
+        return _uniform(g, shape, 0.9, 1.1)
     if name.endswith(".ape"):
-        return _normal(rng, shape, 0.5)
+        return _normal(g, shape, 0.5)
     if name.endswith("attn_sink"):
-        return _normal(rng, shape, 1.0)
+        return _normal(g, shape, 1.0)
     if name.endswith("gate.bias"):
-        return _normal(rng, shape, 0.1)
-    if name in ("embed.weight",) or name.endswith("markov_w1.weight"):
-        return _normal(rng, shape, 1.0)                     # embedding tables: unit rows
+        return _normal(g, shape, 0.1)
+    if name == "embed.weight" or name.endswith("markov_w1.weight"):
+        return _normal(g, shape, 1.0)                         # embedding tables: unit rows
     if len(shape) == 2:
-        return _normal(rng, shape, 1.0 / math.sqrt(shape[1]))   # linear: N(0, 1/in)
+        return _normal(g, shape, 1.0 / math.sqrt(shape[1]))   # linear: N(0, 1/in)
     raise ValueError(f"no init rule for {name} {shape}")
 
 
-# Uniform random e2m1 codes: rms of the 16 code values (used to pick the scale exponent).
+# rms of the 16 e2m1 values: the std of uniformly random FP4 codes
 _E2M1_RMS = math.sqrt(sum(v * v for v in E2M1_VALUES) / 16)
-# 256 e4m3 codes at the Gaussian quantiles (k+0.5)/256 with std 64: a uniformly random byte
-# indexes a ~N(0, 64^2) FP8 code (max 2.9*64 = 185 < 448, never NaN).
-_FP8_GAUSS_STD = 64.0
-_FP8_GAUSS_CODES = (torch.special.ndtri((torch.arange(256, dtype=torch.float64) + 0.5) / 256)
-                    * _FP8_GAUSS_STD).float().to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+_FP8_CODE_STD = 64.0     # FP8 expert codes ~ N(0, 64^2), clamped to e4m3's +-448
 
 
-def _scales(rng, grid, std: float, code_rms: float) -> torch.Tensor:
-    """E8M0 scales 2^e with e around log2(std / code_rms), jittered by -1/0/+1 per block so that
-    every block's scale matters."""
-    e = round(math.log2(std / code_rms)) + rng.integers(-1, 2, size=grid)
-    return float_to_e8m0(torch.from_numpy(e.astype(np.int32)))
+def _scales(g, grid, std: float, code_std: float) -> torch.Tensor:
+    """E8M0 scales 2^e, e = round(log2(std / code_std)) jittered by -1/0/+1 per block so that
+    every block's own scale matters."""
+    e = round(math.log2(std / code_std)) + torch.randint(-1, 2, grid, generator=g, dtype=torch.int32)
+    return float_to_e8m0(e)
 
 
-def _expert_codes(kind: str, rows: int, cols: int, rng) -> tuple[torch.Tensor, torch.Tensor]:
+def _expert_codes(kind: str, rows: int, cols: int, g) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random quantized expert weights with std ~ 1/sqrt(in), drawn as codes (no quantization)."""
     std = 1.0 / math.sqrt(cols)
-    if kind == "fp4":
-        packed = np.frombuffer(rng.bytes(rows * cols // 2), np.uint8).reshape(rows, cols // 2)
-        scale = _scales(rng, fp4_scale_shape(rows, cols), std, _E2M1_RMS)
-        return torch.from_numpy(packed.copy()).view(torch.int8), scale
-    codes = _FP8_GAUSS_CODES[np.frombuffer(rng.bytes(rows * cols), np.uint8)].reshape(rows, cols)
-    scale = _scales(rng, fp8_scale_shape(rows, cols), std, _FP8_GAUSS_STD)
-    return torch.from_numpy(codes).view(torch.float8_e4m3fn), scale
+    if kind == "fp4":   # every random byte is two uniformly random e2m1 codes
+        packed = torch.randint(0, 256, (rows, cols // 2), generator=g, dtype=torch.uint8)
+        return packed.view(torch.int8), _scales(g, fp4_scale_shape(rows, cols), std, _E2M1_RMS)
+    codes = _normal(g, (rows, cols), _FP8_CODE_STD).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return codes, _scales(g, fp8_scale_shape(rows, cols), std, _FP8_CODE_STD)
 
 
 def generate_tensor(name: str, spec: TensorSpec, cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """The stored tensor(s) of one logical tensor: {name: data} plus {name.scale: scale} if quantized."""
-    rng = _rng(seed, name)
+    g = _rng(seed, name)
     if spec.kind == "int64":        # hash routing: distinct random experts per token id
-        keys = rng.random((cfg.vocab_size, cfg.n_routed_experts))
-        return {name: torch.from_numpy(np.argsort(keys, axis=1)[:, : cfg.num_experts_per_tok].copy())}
+        keys = torch.rand((cfg.vocab_size, cfg.n_routed_experts), generator=g)
+        return {name: keys.argsort(dim=1)[:, : cfg.num_experts_per_tok].contiguous()}
     if spec.kind in ("fp8", "fp4") and ".ffn.experts." in name:
-        w, s = _expert_codes(spec.kind, *spec.shape, rng)
+        w, s = _expert_codes(spec.kind, *spec.shape, g)
         return {name: w, scale_name(name): s}
-    w = _init_float(name, spec, rng)
+    w = _init_float(name, spec, g)
     if spec.kind == "fp8":
         codes, s = quant_fp8_blocks(w)
         return {name: codes, scale_name(name): s}
     if spec.kind == "fp4":
         raise ValueError(f"{name}: FP4 storage is only used for routed experts")
-    return {name: w.to(torch.bfloat16 if spec.kind == "bf16" else torch.float32).contiguous()}
+    return {name: w.to(torch.bfloat16 if spec.kind == "bf16" else torch.float32)}
 
 
 # ---- writing ------------------------------------------------------------------------------------

@@ -1,0 +1,32 @@
+"""Prompt sets for the bench: JSONL with {"prompt": ...} or DeepSpec-style {"turns": [...]}."""
+from __future__ import annotations
+
+import json
+import os
+
+
+def load_prompts(path: str, limit: int | None = None) -> list:
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"dataset {path!r} not found; pass a JSONL file with one "
+                                f'{{"prompt": ...}} or {{"turns": [...]}} object per line')
+    prompts = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+            if "prompt" in row:
+                prompts.append(row["prompt"])
+            elif row.get("turns"):
+                prompts.append(row["turns"][0])          # first user turn, as DeepSpec does
+            else:
+                raise ValueError(f"{path}:{n}: expected a 'prompt' string or a non-empty 'turns' list")
+            if limit is not None and len(prompts) >= limit:
+                break
+    if not prompts:
+        raise ValueError(f"{path}: no prompts found")
+    return prompts

@@ -1,0 +1,480 @@
+"""Sparse multi-query attention with a per-head sink (spec §3.4, §3.11, §6.1).
+
+One query token t attends, with all its H heads, to the key set given by an index list:
+
+    ℓ_hj = scale · q_h · k_j,   o_h = Σ_j e^{ℓ_hj} v_j / (Σ_j e^{ℓ_hj} + e^{sink_h}),   k_j = v_j
+
+(MQA: a single shared 512-d key/value head, K = V). Entries listed as −1 are masked; a token whose
+keys are all masked gets o_h = 0 (only the sink is left in the softmax).
+
+Index convention: a *global entry id* ``page · N + row`` into a paged cache (N entries per page),
+which is what FlashMLA-style sparse kernels consume. Callers that hold request-local entry numbers
+(the indexer's output, ring slots) convert them once per layer with
+:func:`global_indices_from_page_table` — one tiny gather, shared by all heads and all layers of
+the same cache group, so the kernel itself keeps a flat, cheap address computation.
+
+Because the sliding-window keys and the compressed keys usually live in two different caches
+(§6.4), both entry points take an optional *second* index list over an optional second cache
+(``extra_*``); both lists go into the same softmax with the sink applied once, exactly as REF
+concatenates the window and compressed index lists.
+
+Two cache formats:
+* ``sparse_mqa_fp8``  — ``fp8_ds_mla`` pages (584-B records, §6.1): de-quantized in the kernel.
+* ``sparse_mqa_dense`` — plain rows ``kv[num_entries, 512]`` in bf16 or fp32.
+Each has a pure-torch twin (``*_torch``) with the identical contract; the ``reference`` attention
+backend calls those.
+
+Kernel design (Hopper): one program = one query token × BLOCK_H heads. Since K = V is shared by all
+heads, each key tile is loaded and de-quantized once and used by every head of the block for both
+products (S = Q·Kᵀ and O += P·K), so BLOCK_H should cover as many heads as registers allow (64 on
+H200 puts the whole V4-Flash head set in one wgmma M=64 tile). Online softmax in base 2 over key
+tiles of BLOCK_K, fp32 statistics and accumulator; the sink joins at the end.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from dspark.kvcache.layouts import dequantize_fp8_ds_mla
+
+D_HEAD = 512        # full record width: 448 NoPE + 64 RoPE dims
+RECORD_STRIDE = 576  # bytes per data row inside a page (448 fp8 + 128 bf16)
+SCALE_STRIDE = 8     # bytes per scale row (7 UE8M0 + 1 pad)
+LOG2E = 1.4426950408889634
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _pick_precision(q_dtype: torch.dtype, precision: str | None) -> str:
+    """MMA operand precision: 'bf16' (production, bf16 q), 'tf32' (fp32 q on GPU) or 'ieee'.
+
+    Under TRITON_INTERPRET the interpreter's bf16 dot multiplies raw uint16 bit patterns (triton
+    3.9) and its fp32→bf16 cast does not round correctly, so the interpreter always uses 'ieee'
+    (exact fp32 products: the kernel is then more accurate than on GPU, never less)."""
+    if _interpreting():
+        return "ieee"
+    if precision is not None:
+        assert precision in ("bf16", "tf32", "ieee"), precision
+        return precision
+    return "bf16" if q_dtype == torch.bfloat16 else "tf32"
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernel
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _mma_operand(x, PRECISION: tl.constexpr):
+    """Cast a tile to the MMA input type once (bf16 for 'bf16', fp32 otherwise)."""
+    if PRECISION == "bf16":
+        return x.to(tl.bfloat16)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _mma(a, b, PRECISION: tl.constexpr):
+    """a @ b with fp32 accumulation; operands rounded to the chosen MMA input precision."""
+    a = _mma_operand(a, PRECISION)
+    b = _mma_operand(b, PRECISION)
+    if PRECISION == "bf16":
+        return tl.dot(a, b)
+    elif PRECISION == "tf32":
+        return tl.dot(a, b, input_precision="tf32")
+    else:
+        return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _load_kv_tile(ent, valid, d_off, cache_u8_ptr, cache_bf16_ptr, page_bytes, N,
+                  FP8: tl.constexpr, BLOCK_K: tl.constexpr, D_COLS: tl.constexpr):
+    """De-quantise columns [d_off, d_off + D_COLS) of BLOCK_K keys -> fp32 [BLOCK_K, D_COLS].
+
+    ent: int64 [BLOCK_K] global entry ids (0 where invalid), valid: bool [BLOCK_K].
+    FP8 layout (§6.1): the tile is viewed as [BLOCK_K, D_COLS/64, 64] 64-wide groups; global
+    groups 0..6 are FP8 NoPE (scale = byte g of the row's scale record), group 7 is the bf16
+    RoPE part. The two parts are loaded with complementary masks (no byte fetched twice).
+    Dense layout: cache_u8_ptr is the kv base pointer (bf16 or fp32), page_bytes its row stride.
+    Invalid keys come back as zero rows.
+    """
+    if FP8:
+        page = ent // N
+        row = ent - page * N
+        rec = page * page_bytes + row * 576                        # byte offset of the data row
+        sc = page * page_bytes + N * 576 + row * 8                  # byte offset of its scales
+        g = tl.arange(0, D_COLS // 64)[None, :, None] + d_off // 64  # global group id
+        i = tl.arange(0, 64)[None, None, :]                         # lane in the group
+        v3 = valid[:, None, None]
+        rec3 = rec[:, None, None]
+        is_nope = g < 7
+        f8 = tl.load(cache_u8_ptr + rec3 + g * 64 + i, mask=v3 & is_nope, other=0)
+        nope = f8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        # RoPE dims: 64 bf16 at byte rec + 448 (= element (rec + 448) / 2 of the bf16 view),
+        # loaded as a 2-D [BLOCK_K, 64] tile and broadcast over the group axis: a masked
+        # full-width [BLOCK_K, G, 64] load would hold G times the registers for nothing
+        rope = tl.load(cache_bf16_ptr + (rec[:, None] + 448) // 2 + tl.arange(0, 64)[None, :],
+                       mask=valid[:, None], other=0.0).to(tl.float32)
+        sbyte = tl.load(cache_u8_ptr + sc[:, None, None] + g, mask=v3 & is_nope, other=127)
+        # UE8M0 byte b -> 2^(b-127), built exactly from the fp32 exponent field
+        scale = (sbyte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        kv = tl.where(is_nope, nope * scale, rope[:, None, :])
+        kv = tl.reshape(kv, (BLOCK_K, D_COLS))
+    else:
+        d = d_off + tl.arange(0, D_COLS)[None, :]
+        kv = tl.load(cache_u8_ptr + ent[:, None] * page_bytes + d, mask=valid[:, None],
+                     other=0.0).to(tl.float32)
+    return kv
+
+
+@triton.jit
+def _attend_list(q, m_i, l_i, acc, d_off, idx_row_ptr, n_keys, cache_u8_ptr, cache_bf16_ptr,
+                 page_bytes, N, qk_scale_log2,
+                 FP8: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_D: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """Online-softmax (base 2) pass over one index list; returns updated (m, l, acc).
+
+    Scores always use all 512 dims; acc holds only this program's 512/SPLIT_D output columns.
+    With SPLIT_D > 1 the value slice is gathered a second time (L1/L2 hits) instead of slicing
+    the key tile, which Triton cannot do on a register tensor."""
+    for k0 in range(0, n_keys, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        ent = tl.load(idx_row_ptr + offs, mask=offs < n_keys, other=-1)
+        valid = ent >= 0
+        ent = tl.where(valid, ent, 0).to(tl.int64)  # int64: caches can exceed 2^31 bytes
+        k = _load_kv_tile(ent, valid, 0, cache_u8_ptr, cache_bf16_ptr, page_bytes, N,
+                          FP8, BLOCK_K, 512)
+        k = _mma_operand(k, PRECISION)
+        s = _mma(q, tl.trans(k), PRECISION) * qk_scale_log2           # [BLOCK_H, BLOCK_K]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # a row that has seen only masked keys keeps m = -inf; use 0 as its pivot so that
+        # exp2 never sees (-inf) - (-inf)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if SPLIT_D == 1:
+            v = k                                                      # K = V: same tile
+        else:
+            v = _mma_operand(_load_kv_tile(ent, valid, d_off, cache_u8_ptr, cache_bf16_ptr,
+                                           page_bytes, N, FP8, BLOCK_K, 512 // SPLIT_D),
+                             PRECISION)
+        acc = acc * alpha[:, None] + _mma(p, v, PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _sparse_mqa_kernel(
+    q_ptr, stride_qt, stride_qh,
+    out_ptr, stride_ot, stride_oh,
+    sink_ptr, H, qk_scale_log2,
+    a_u8_ptr, a_bf16_ptr, a_page_bytes, a_N, a_idx_ptr, a_stride_it, a_K, a_len_ptr,
+    b_u8_ptr, b_bf16_ptr, b_page_bytes, b_N, b_idx_ptr, b_stride_it, b_K, b_len_ptr,
+    FP8: tl.constexpr, HAS_B: tl.constexpr, A_HAS_LEN: tl.constexpr, B_HAS_LEN: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Grid (T, cdiv(H, BLOCK_H), SPLIT_D): one token × BLOCK_H heads × 512/SPLIT_D out cols."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < H
+    D_OUT: tl.constexpr = 512 // SPLIT_D
+    d_off = tl.program_id(2) * D_OUT
+    d = tl.arange(0, 512)
+
+    q = tl.load(q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :],
+                mask=h_ok[:, None], other=0.0)
+    q = _mma_operand(q, PRECISION)
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, D_OUT), tl.float32)
+
+    n_a = a_K
+    if A_HAS_LEN:
+        n_a = tl.minimum(tl.load(a_len_ptr + t), a_K)
+    m_i, l_i, acc = _attend_list(q, m_i, l_i, acc, d_off, a_idx_ptr + t * a_stride_it, n_a,
+                                 a_u8_ptr, a_bf16_ptr, a_page_bytes, a_N, qk_scale_log2,
+                                 FP8, BLOCK_K, SPLIT_D, PRECISION)
+    if HAS_B:
+        n_b = b_K
+        if B_HAS_LEN:
+            n_b = tl.minimum(tl.load(b_len_ptr + t), b_K)
+        m_i, l_i, acc = _attend_list(q, m_i, l_i, acc, d_off, b_idx_ptr + t * b_stride_it, n_b,
+                                     b_u8_ptr, b_bf16_ptr, b_page_bytes, b_N, qk_scale_log2,
+                                     FP8, BLOCK_K, SPLIT_D, PRECISION)
+
+    # Sink: one extra logit per head that only enlarges the denominator. Re-pivot on
+    # max(m, sink) so neither e^{sink-m} nor the key terms can overflow.
+    sink = tl.load(sink_ptr + h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    m_fin = tl.maximum(m_i, sink)
+    m_fin = tl.where(m_fin == float("-inf"), 0.0, m_fin)
+    alpha = tl.exp2(m_i - m_fin)                      # 0 for an all-masked row
+    denom = l_i * alpha + tl.exp2(sink - m_fin)
+    out = acc * (alpha / denom)[:, None]
+    do = d_off + tl.arange(0, D_OUT)
+    tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + do[None, :], out,
+             mask=h_ok[:, None])
+
+
+# ----------------------------------------------------------------------------------------------
+# Python wrappers
+# ----------------------------------------------------------------------------------------------
+
+def _default_blocks(H: int, block_h, block_k, split_d, num_warps, num_stages, prec):
+    """Simple heuristic; every choice can be overridden for tuning.
+
+    BLOCK_H: all heads up to 64 (one wgmma M-tile; each K/V tile is shared by all of them).
+    BLOCK_K 64, 8 warps, 1 stage, split_d 1: fastest of the H200 sweep (benchmarks/
+    bench_attention.py --sweep) at V4-Flash decode shapes; 16 warps, BLOCK_H 32 and split_d > 1
+    were slower there. fp32 MMA operands ('tf32' / 'ieee') double the shared-memory tiles, so
+    they get BLOCK_K 32 (64 exceeds the 227 KB of an H200 SM).
+    """
+    if block_h is None:
+        block_h = min(64, max(16, triton.next_power_of_2(H)))
+    if block_k is None:
+        block_k = 64 if prec == "bf16" else 32
+    if num_warps is None:
+        num_warps = 8 if block_h >= 64 else 4
+    if num_stages is None:
+        num_stages = 1
+    if split_d is None:
+        split_d = 1
+    assert block_h >= 16 and block_k >= 16, "tl.dot needs tiles of at least 16"
+    assert split_d in (1, 2, 4), "split_d must be 1, 2 or 4"
+    return block_h, block_k, split_d, num_warps, num_stages
+
+
+def _check_list(indices: torch.Tensor, lengths, T: int, name: str):
+    assert indices.dim() == 2 and indices.shape[0] == T, f"{name}: expected [T, K] indices"
+    indices = indices.to(torch.int32).contiguous()
+    if lengths is not None:
+        assert lengths.shape == (T,), f"{name}: lengths must be [T]"
+        lengths = lengths.to(torch.int32).contiguous()
+    return indices, lengths
+
+
+def _prep_q(q: torch.Tensor, sink: torch.Tensor):
+    assert q.dim() == 3 and q.shape[2] == D_HEAD, "q must be [T, H, 512]"
+    if q.dtype not in (torch.bfloat16, torch.float32):
+        q = q.float()
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    assert sink.shape == (q.shape[1],), "sink must be [H]"
+    return q, sink.float().contiguous()
+
+
+def _launch(q, sink, scale, fp8, a, b, block_h, block_k, split_d, num_warps, num_stages,
+            precision):
+    """a / b = (u8 view, bf16 view, page_bytes_or_row_stride, N, indices, lengths) or None."""
+    T, H, _ = q.shape
+    out = torch.empty((T, H, D_HEAD), dtype=torch.float32, device=q.device)
+    if T == 0 or H == 0:
+        return out
+    prec = _pick_precision(q.dtype, precision)
+    block_h, block_k, split_d, num_warps, num_stages = _default_blocks(
+        H, block_h, block_k, split_d, num_warps, num_stages, prec)
+    has_b = b is not None
+    if not has_b:
+        b = a  # dummy arguments, never read (HAS_B = False)
+    a_u8, a_bf, a_pb, a_N, a_idx, a_len = a
+    b_u8, b_bf, b_pb, b_N, b_idx, b_len = b
+    grid = (T, triton.cdiv(H, block_h), split_d)
+    _sparse_mqa_kernel[grid](
+        q, q.stride(0), q.stride(1),
+        out, out.stride(0), out.stride(1),
+        sink, H, float(scale) * LOG2E,
+        a_u8, a_bf, a_pb, a_N, a_idx, a_idx.stride(0), a_idx.shape[1],
+        a_len if a_len is not None else a_idx,
+        b_u8, b_bf, b_pb, b_N, b_idx, b_idx.stride(0), b_idx.shape[1],
+        b_len if b_len is not None else b_idx,
+        FP8=fp8, HAS_B=has_b, A_HAS_LEN=a_len is not None,
+        B_HAS_LEN=has_b and b_len is not None,
+        BLOCK_H=block_h, BLOCK_K=block_k, SPLIT_D=split_d, PRECISION=prec,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def _fp8_cache_args(cache: torch.Tensor, N: int, indices, lengths, T, name):
+    assert cache.dtype == torch.uint8 and cache.dim() == 2, f"{name}: cache must be uint8 [P, B]"
+    assert cache.is_contiguous(), f"{name}: cache must be contiguous"
+    page_bytes = cache.shape[1]
+    assert page_bytes % 2 == 0 and page_bytes >= N * (RECORD_STRIDE + SCALE_STRIDE), \
+        f"{name}: page of {page_bytes} B cannot hold {N} fp8_ds_mla records"
+    indices, lengths = _check_list(indices, lengths, T, name)
+    return (cache, cache.view(torch.bfloat16), page_bytes, N, indices, lengths)
+
+
+def sparse_mqa_fp8(q: torch.Tensor, cache: torch.Tensor, entries_per_page: int,
+                   indices: torch.Tensor, sink: torch.Tensor, scale: float, *,
+                   lengths: torch.Tensor | None = None,
+                   extra_cache: torch.Tensor | None = None,
+                   extra_entries_per_page: int | None = None,
+                   extra_indices: torch.Tensor | None = None,
+                   extra_lengths: torch.Tensor | None = None,
+                   block_h: int | None = None, block_k: int | None = None,
+                   split_d: int | None = None,
+                   num_warps: int | None = None, num_stages: int | None = None,
+                   precision: str | None = None) -> torch.Tensor:
+    """Sparse MQA with sink over a paged ``fp8_ds_mla`` cache (Triton).
+
+    q:        [T, H, 512] bf16 or fp32 (other float dtypes are upcast to fp32).
+    cache:    uint8 [num_pages, page_bytes], page_bytes ≥ N·584 (multiple of 576 in practice).
+    entries_per_page: N.
+    indices:  int32 [T, K] global entry ids (page·N + row); −1 = masked. Order is irrelevant.
+    sink:     fp32 [H] raw sink logits (not multiplied by ``scale``).
+    scale:    softmax scale (1/√512 for V4).
+    lengths:  optional int32 [T]; only indices[t, :lengths[t]] are read (tiles past it are
+              skipped, not just masked — use it when lists are padded with long −1 tails).
+    extra_*:  optional second cache / index list (e.g. compressed entries next to the SWA
+              window), joined into the same softmax. ``extra_cache`` defaults to ``cache``.
+    block_h, block_k, split_d, num_warps, num_stages, precision ('bf16' | 'tf32' | 'ieee'):
+              tuning knobs; split_d > 1 splits the 512 output columns over that many programs
+              (smaller accumulator, scores recomputed per program).
+    Returns float32 [T, H, 512]; rows with every key masked are 0.
+    """
+    q, sink = _prep_q(q, sink)
+    T = q.shape[0]
+    a = _fp8_cache_args(cache, entries_per_page, indices, lengths, T, "cache")
+    b = None
+    if extra_indices is not None:
+        b = _fp8_cache_args(cache if extra_cache is None else extra_cache,
+                            entries_per_page if extra_entries_per_page is None
+                            else extra_entries_per_page,
+                            extra_indices, extra_lengths, T, "extra_cache")
+    return _launch(q, sink, scale, True, a, b, block_h, block_k, split_d, num_warps, num_stages,
+                   precision)
+
+
+def _dense_args(kv: torch.Tensor, indices, lengths, T, name):
+    assert kv.dim() == 2 and kv.shape[1] == D_HEAD, f"{name}: kv must be [num_entries, 512]"
+    assert kv.dtype in (torch.bfloat16, torch.float32), f"{name}: kv must be bf16 or fp32"
+    if kv.stride(1) != 1:
+        kv = kv.contiguous()
+    indices, lengths = _check_list(indices, lengths, T, name)
+    return (kv, kv, kv.stride(0), 1, indices, lengths)
+
+
+def sparse_mqa_dense(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
+                     sink: torch.Tensor, scale: float, *,
+                     lengths: torch.Tensor | None = None,
+                     extra_kv: torch.Tensor | None = None,
+                     extra_indices: torch.Tensor | None = None,
+                     extra_lengths: torch.Tensor | None = None,
+                     block_h: int | None = None, block_k: int | None = None,
+                     split_d: int | None = None,
+                     num_warps: int | None = None, num_stages: int | None = None,
+                     precision: str | None = None) -> torch.Tensor:
+    """Sparse MQA with sink over a non-quantised cache ``kv`` [num_entries, 512] (bf16/fp32).
+
+    Same contract as :func:`sparse_mqa_fp8` with row ids into ``kv`` as indices (−1 = masked);
+    ``extra_kv`` defaults to ``kv``. Returns float32 [T, H, 512].
+    """
+    q, sink = _prep_q(q, sink)
+    T = q.shape[0]
+    a = _dense_args(kv, indices, lengths, T, "kv")
+    b = None
+    if extra_indices is not None:
+        b = _dense_args(kv if extra_kv is None else extra_kv, extra_indices, extra_lengths, T,
+                        "extra_kv")
+    return _launch(q, sink, scale, False, a, b, block_h, block_k, split_d, num_warps,
+                   num_stages, precision)
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure-torch references (same contracts)
+# ----------------------------------------------------------------------------------------------
+
+def _dequant_fp8_ds_mla_rows(cache: torch.Tensor, N: int, ent: torch.Tensor) -> torch.Tensor:
+    """De-quantise records at global entry ids ``ent`` (int64, any shape, all ≥ 0) -> fp32 [..., 512].
+
+    Gathers the raw data/scale rows (any page_bytes ≥ N·584) and decodes them with the layout
+    module's torch decoder, so the reference shares no code with the kernel's in-register decode."""
+    flat = cache.reshape(-1)
+    page, row = ent // N, ent % N
+    base = page * cache.shape[1]
+    data = flat[(base + row * RECORD_STRIDE).unsqueeze(-1)
+                + torch.arange(RECORD_STRIDE, device=cache.device)]
+    scales = flat[(base + N * RECORD_STRIDE + row * SCALE_STRIDE).unsqueeze(-1)
+                  + torch.arange(SCALE_STRIDE, device=cache.device)]
+    out = dequantize_fp8_ds_mla(data.reshape(-1, RECORD_STRIDE), scales.reshape(-1, SCALE_STRIDE))
+    return out.view(*ent.shape, D_HEAD)
+
+
+def _gather(rows_fn, indices: torch.Tensor, lengths):
+    """Gather keys for an index list: returns (kv fp32 [T, K, 512], valid bool [T, K])."""
+    idx = indices.long()
+    valid = idx >= 0
+    if lengths is not None:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        valid &= pos[None, :] < lengths.long()[:, None]
+    kv = rows_fn(torch.where(valid, idx, 0))
+    return kv, valid
+
+
+def _attend_torch(q, sink, scale, kv, valid):
+    """fp32 softmax-with-sink over gathered keys. q [T,H,512], kv [T,K,512], valid [T,K]."""
+    q = q.float()
+    sink = sink.float()
+    logits = torch.einsum("thd,tkd->thk", q, kv) * scale
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    m = torch.maximum(logits.amax(dim=-1), sink[None, :])           # finite: sink is finite
+    p = torch.exp(logits - m[..., None])
+    denom = p.sum(dim=-1) + torch.exp(sink[None, :] - m)
+    return torch.einsum("thk,tkd->thd", p, kv) / denom[..., None]
+
+
+def sparse_mqa_fp8_torch(q, cache, entries_per_page, indices, sink, scale, *, lengths=None,
+                         extra_cache=None, extra_entries_per_page=None, extra_indices=None,
+                         extra_lengths=None, **_tuning) -> torch.Tensor:
+    """Pure-torch reference of :func:`sparse_mqa_fp8` (same arguments; tuning knobs ignored)."""
+    kv, valid = _gather(lambda e: _dequant_fp8_ds_mla_rows(cache, entries_per_page, e),
+                        indices, lengths)
+    if extra_indices is not None:
+        c2 = cache if extra_cache is None else extra_cache
+        n2 = entries_per_page if extra_entries_per_page is None else extra_entries_per_page
+        kv2, valid2 = _gather(lambda e: _dequant_fp8_ds_mla_rows(c2, n2, e), extra_indices,
+                              extra_lengths)
+        kv, valid = torch.cat([kv, kv2], 1), torch.cat([valid, valid2], 1)
+    return _attend_torch(q, sink, scale, kv, valid)
+
+
+def sparse_mqa_dense_torch(q, kv, indices, sink, scale, *, lengths=None, extra_kv=None,
+                           extra_indices=None, extra_lengths=None, **_tuning) -> torch.Tensor:
+    """Pure-torch reference of :func:`sparse_mqa_dense` (same arguments; tuning knobs ignored)."""
+    keys, valid = _gather(lambda e: kv[e].float(), indices, lengths)
+    if extra_indices is not None:
+        kv2 = kv if extra_kv is None else extra_kv
+        keys2, valid2 = _gather(lambda e: kv2[e].float(), extra_indices, extra_lengths)
+        keys, valid = torch.cat([keys, keys2], 1), torch.cat([valid, valid2], 1)
+    return _attend_torch(q, sink, scale, keys, valid)
+
+
+def global_indices_from_page_table(local: torch.Tensor, req_index: torch.Tensor,
+                                   page_table: torch.Tensor, entries_per_page: int) -> torch.Tensor:
+    """Map request-local entry numbers to global entry ids for the sparse-MQA kernels.
+
+    local:      int [T, K] entry numbers j within each token's request (−1 = masked).
+    req_index:  int [T] row of ``page_table`` for each token.
+    page_table: int32 [R, max_pages] physical page of the request's logical page.
+    Returns int32 [T, K]: page_table[req, j // N] · N + j % N, −1 kept.
+    """
+    N = entries_per_page
+    j = local.long()
+    valid = j >= 0
+    j = torch.where(valid, j, 0)
+    pages = page_table.long()[req_index.long()[:, None], j // N]
+    glob = pages * N + j % N
+    return torch.where(valid, glob, -1).to(torch.int32)
+
+
+__all__ = [
+    "sparse_mqa_fp8", "sparse_mqa_dense", "sparse_mqa_fp8_torch", "sparse_mqa_dense_torch",
+    "global_indices_from_page_table",
+]

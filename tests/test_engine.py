@@ -1,0 +1,164 @@
+"""DSpark loop: greedy identity, exact sampling law, metrics, errors."""
+import random
+
+import pytest
+import torch
+
+import dspark.engine as engine_mod
+from dspark import Engine, SamplingParams
+from dspark.spec import verify as verify_mod
+
+
+def _engines(path, **kw):
+    spec = Engine(path, device="cpu", dtype="fp32", kv_cache_dtype="fp32", **kw)
+    off = Engine(path, device="cpu", dtype="fp32", kv_cache_dtype="fp32", speculative="none")
+    return spec, off
+
+
+def _prompts(n, vocab, seed):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randrange(1, 30))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("ckpt", ["small_vocab_ckpt", "tiny_ckpt"])
+def test_greedy_identity(ckpt, request):
+    path = request.getfixturevalue(ckpt)
+    spec, off = _engines(path)
+    vocab = spec.cfg.vocab_size
+    prompts = _prompts(6, vocab, seed=1)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = [o.token_ids for o in off.generate(prompts, sp)]
+    together = spec.generate(prompts, sp)
+    assert [o.token_ids for o in together] == ref
+    one_by_one = [spec.generate(p, sp).token_ids for p in prompts[:3]]
+    assert one_by_one == ref[:3]
+    # a small token budget forces chunked prefill interleaved with verify blocks
+    chunked, _ = _engines(path, max_num_batched_tokens=7, max_num_seqs=3)
+    assert [o.token_ids for o in chunked.generate(prompts, sp)] == ref
+    m = together[0].metrics
+    if ckpt == "small_vocab_ckpt":     # 8 tokens: random drafts are accepted now and then
+        assert sum(o.metrics.accepted for o in together) > 0
+
+
+def test_metrics_are_consistent(small_vocab_ckpt):
+    spec, _ = _engines(small_vocab_ckpt)
+    outs = spec.generate(_prompts(4, 8, seed=2), SamplingParams(temperature=1.0, max_tokens=20,
+                                                               ignore_eos=True))
+    for o in outs:
+        m = o.metrics
+        m.check()
+        assert m.accepted <= m.verified <= m.proposed
+        assert len(o.token_ids) == 20 and o.finish_reason == "length"
+        # every token after the first comes from a round: emitted = generated - 1
+        assert m.emitted == len(o.token_ids) - 1
+        assert abs(m.mean_accepted_length - m.emitted / m.rounds) < 1e-9
+
+
+def test_stop_token_mid_block_ends_exactly_there(small_vocab_ckpt):
+    spec, off = _engines(small_vocab_ckpt)
+    p = [1, 2, 3, 4]
+    free = off.generate(p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)).token_ids
+    stop = free[7]
+    first = free.index(stop)
+    for eng in (spec, off):
+        out = eng.generate(p, SamplingParams(temperature=0, max_tokens=30, stop_token_ids=(stop,),
+                                             ignore_eos=True))
+        assert out.token_ids == free[:first + 1] and out.finish_reason == "stop"
+    for n in (1, 5, 9):
+        out = spec.generate(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        assert out.token_ids == free[:n] and out.finish_reason == "length"
+    assert not spec.requests and not spec.has_unfinished()
+
+
+# ---- exact sampling distribution ---------------------------------------------------------
+
+def _target_law(engine, prompt, steps, temperature):
+    """Exact distribution of the first `steps` generated tokens under target-only sampling,
+    by enumeration (vocab 8)."""
+    law = {(): 1.0}
+    for _ in range(steps):                     # expand the prefix tree one token at a time
+        nxt = {}
+        for seq, pr in law.items():
+            probs = torch.softmax(engine.score(prompt + list(seq))[-1] / temperature, -1)
+            for tok, q in enumerate(probs.tolist()):
+                nxt[seq + (tok,)] = pr * q
+        law = nxt
+    return law
+
+
+def _chi2_pvalue(counts, law, n):
+    from scipy.stats import chi2
+    # merge small-expectation cells so the chi-square approximation holds
+    cells = sorted(law, key=law.get, reverse=True)
+    stat, dof, rest_o, rest_e = 0.0, -1, 0, 0.0
+    for c in cells:
+        e = law[c] * n
+        if e >= 5:
+            stat += (counts.get(c, 0) - e) ** 2 / e
+            dof += 1
+        else:
+            rest_o += counts.get(c, 0)
+            rest_e += e
+    if rest_e > 0:
+        stat += (rest_o - rest_e) ** 2 / rest_e
+        dof += 1
+    return chi2.sf(stat, max(dof, 1))
+
+
+def _sample_counts(engine, prompt, steps, temperature, n):
+    sp = [SamplingParams(temperature=temperature, max_tokens=steps, seed=s, ignore_eos=True)
+          for s in range(n)]
+    outs = engine.generate([prompt] * n, sp)
+    counts = {}
+    for o in outs:
+        key = tuple(o.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _broken_verify(draft_tokens, draft_probs, target_probs, lengths, seeds, positions):
+    """Skips the residual: after a rejection it resamples from p instead of max(0, p - q)."""
+    res = verify_mod.verify(draft_tokens, draft_probs, target_probs, lengths, seeds, positions)
+    rows = torch.arange(len(lengths))
+    p = target_probs[rows, res.accepted]
+    from dspark.sampling import Purpose, sample_from_probs, uniforms
+    y = sample_from_probs(p, uniforms(seeds, positions + res.accepted + 1, Purpose.RESIDUAL))
+    return verify_mod.VerifyResult(res.accepted, y)
+
+
+def test_sampling_distribution_is_exact(small_vocab_ckpt, monkeypatch):
+    spec, off = _engines(small_vocab_ckpt, max_num_seqs=512, max_num_batched_tokens=4096)
+    prompt, steps, T, n = [3, 1, 4, 1, 5], 2, 1.0, 800
+    law = _target_law(off, prompt, steps, T)
+    counts = _sample_counts(spec, prompt, steps, T, n)
+    assert _chi2_pvalue(counts, law, n) > 1e-3
+    # the same test must reject a verifier that skips the residual distribution
+    monkeypatch.setattr(engine_mod, "verify", _broken_verify)
+    bad = _sample_counts(spec, prompt, steps, T, n)
+    assert _chi2_pvalue(bad, law, n) < 1e-3
+
+
+# ---- errors --------------------------------------------------------------------------------
+
+def test_bad_configuration_errors(tiny_ckpt, tmp_path):
+    with pytest.raises(ValueError, match="dspark_block_size=5"):
+        Engine(tiny_ckpt, device="cpu", num_speculative_tokens=7)
+    from dspark.tools.make_checkpoint import make_checkpoint
+    plain = str(tmp_path / "plain")
+    make_checkpoint(plain, preset="tiny", progress=False)
+    with pytest.raises(ValueError, match="mtp"):
+        Engine(plain, device="cpu", speculative="dspark")
+    eng = Engine(plain, device="cpu", dtype="fp32", max_model_len=16)
+    with pytest.raises(ValueError, match="empty prompt"):
+        eng.generate([[]], SamplingParams())
+    with pytest.raises(ValueError, match="max_model_len"):
+        eng.generate(list(range(20)), SamplingParams())
+    with pytest.raises(ValueError, match="temperature"):
+        eng.generate([1, 2], SamplingParams(temperature=-1))
+    with pytest.raises(ValueError, match="tokenizer"):
+        eng.generate("hello", SamplingParams())
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.generate([1, 5000], SamplingParams())
+    # a bad request leaves the engine usable
+    out = eng.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=3))
+    assert len(out.token_ids) == 3

@@ -1,0 +1,507 @@
+"""Triton kernels (sparse MQA, lightning indexer, cache writes) against their torch references,
+and the torch references against naive per-query loops written from the spec formulas.
+
+Without CUDA the kernels run under TRITON_INTERPRET=1 on small shapes. Triton reads that variable
+when it is imported (its own tl.* helpers are @jit functions too), so it is set here before
+anything imports triton; if triton was imported earlier in this process without it (another
+module imported first), the Triton tests are skipped with that reason — set TRITON_INTERPRET=1 in
+the environment or in tests/conftest.py then. GPU-sized comparisons are marked ``gpu`` and
+skipped without CUDA.
+"""
+import os
+import sys
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+TRITON_PREIMPORTED = "triton" in sys.modules
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+import triton  # noqa: E402
+
+import dspark.kernels.cache_write as cw  # noqa: E402
+import dspark.kernels.indexer as ix  # noqa: E402
+import dspark.kernels.sparse_mqa as smqa  # noqa: E402
+from dspark.kvcache import layouts as L  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# triton's own @jit helpers (tl.zeros, tl.sum, ...) are interpretable only if TRITON_INTERPRET was
+# set when triton was imported
+_interp_usable = INTERPRET and type(triton.language.zeros).__name__ == "InterpretedFunction"
+_skip_reason = ("needs CUDA, or TRITON_INTERPRET=1 set before triton is first imported "
+                f"(triton already imported: {TRITON_PREIMPORTED})")
+DEV = "cuda" if HAS_CUDA else "cpu"
+triton_ok = pytest.mark.skipif(not (HAS_CUDA or _interp_usable), reason=_skip_reason)
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+SCALE = 512 ** -0.5
+
+
+def prec_and_tol(qdtype):
+    """fp32 q: exact fp32 MMAs ('ieee') so the kernel logic is checked tightly on GPU too;
+    bf16 q: production bf16 MMAs on GPU (P is rounded to bf16 -> ~1e-2 of the output scale)."""
+    if qdtype == torch.float32:
+        return "ieee", 1e-3
+    return None, (1e-3 if INTERPRET else 1e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# builders
+# ---------------------------------------------------------------------------------------------
+
+def make_fp8_cache(num_pages, N, gen, device=DEV, spread=True):
+    """Fill every entry of an fp8_ds_mla cache through the torch layout writer; return
+    (cache, x) with x the fp32 vectors written at slot = entry id."""
+    n = num_pages * N
+    x = torch.randn(n, 512, generator=gen)
+    if spread:  # different magnitudes per 64-group exercise distinct scales
+        x = x * torch.exp2(torch.randint(-6, 6, (n, 8), generator=gen).float()).repeat_interleave(64, 1)
+    cache = torch.zeros(num_pages, L.fp8_ds_mla_page_bytes(N), dtype=torch.uint8)
+    L.write_fp8_ds_mla(cache, N, torch.arange(n), x)
+    return cache.to(device), x
+
+
+def make_indices(T, K, n_entries, gen, p_masked=0.25, all_masked_row=None):
+    idx = torch.randint(0, n_entries, (T, K), generator=gen, dtype=torch.int32)
+    idx[torch.rand(T, K, generator=gen) < p_masked] = -1
+    if all_masked_row is not None:
+        idx[all_masked_row] = -1
+    return idx
+
+
+def rel_err(a, b):
+    """Max abs error relative to the reference's scale (outputs have no natural per-element scale)."""
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
+
+
+def naive_attention(q, rows_of, idx_lists, sink, scale):
+    """Per (token, head) loop in float64 straight from §3.4: o = Σ e^ℓ v / (Σ e^ℓ + e^sink).
+
+    rows_of(list_no, ids) -> fp32 [n, 512] de-quantised keys; idx_lists: list of [T, K] (−1 =
+    masked; lengths already applied by the caller)."""
+    T, H, _ = q.shape
+    out = torch.zeros(T, H, 512, dtype=torch.float64)
+    for t in range(T):
+        keys = []
+        for li, idx in enumerate(idx_lists):
+            ids = idx[t][idx[t] >= 0].long()
+            if ids.numel():
+                keys.append(rows_of(li, ids).double())
+        kv = torch.cat(keys) if keys else torch.zeros(0, 512, dtype=torch.float64)
+        for h in range(H):
+            logits = (kv @ q[t, h].double()) * scale
+            w = torch.exp(logits)
+            out[t, h] = (w[:, None] * kv).sum(0) / (w.sum() + math.exp(float(sink[h])))
+    return out
+
+
+def cut_lengths(idx, lengths):
+    idx = idx.clone()
+    pos = torch.arange(idx.shape[1])
+    idx[pos[None, :] >= lengths[:, None]] = -1
+    return idx
+
+
+# ---------------------------------------------------------------------------------------------
+# torch references vs naive loops
+# ---------------------------------------------------------------------------------------------
+
+def test_sparse_mqa_fp8_reference_vs_naive():
+    gen = torch.Generator().manual_seed(1)
+    N, P, T, H = 8, 3, 4, 6
+    cache, _ = make_fp8_cache(P, N, gen, device="cpu")
+    cache2, _ = make_fp8_cache(2, 4, gen, device="cpu")  # second cache, other N and page size
+    q = torch.randn(T, H, 512, generator=gen) * 3
+    sink = torch.randn(H, generator=gen)
+    idx = make_indices(T, 20, P * N, gen, all_masked_row=1)
+    idx2 = make_indices(T, 5, 8, gen)
+    lengths = torch.tensor([20, 20, 7, 0], dtype=torch.int32)
+    idx2[1] = -1  # token 1: nothing in either list -> sink only -> 0
+    got = smqa.sparse_mqa_fp8_torch(q, cache, N, idx, sink, SCALE, lengths=lengths,
+                                    extra_cache=cache2, extra_entries_per_page=4,
+                                    extra_indices=idx2)
+    rows = [lambda ids: L.read_fp8_ds_mla(cache, N, ids), lambda ids: L.read_fp8_ds_mla(cache2, 4, ids)]
+    want = naive_attention(q, lambda li, ids: rows[li](ids), [cut_lengths(idx, lengths), idx2],
+                           sink, SCALE)
+    assert rel_err(got.double(), want) < 1e-5
+    assert torch.all(got[1] == 0)
+
+
+def test_sparse_mqa_dense_reference_vs_naive():
+    gen = torch.Generator().manual_seed(2)
+    T, H, E = 5, 4, 30
+    kv = torch.randn(E, 512, generator=gen).bfloat16()
+    q = torch.randn(T, H, 512, generator=gen).bfloat16()
+    sink = torch.randn(H, generator=gen) * 2
+    idx = make_indices(T, 17, E, gen, all_masked_row=4)
+    got = smqa.sparse_mqa_dense_torch(q, kv, idx, sink, SCALE)
+    want = naive_attention(q, lambda li, ids: kv[ids].float(), [idx], sink, SCALE)
+    assert rel_err(got.double(), want) < 1e-5
+
+
+def test_global_indices_from_page_table():
+    N = 4
+    pt = torch.tensor([[7, 2, 5], [1, 0, 3]], dtype=torch.int32)
+    local = torch.tensor([[0, 5, 11, -1], [3, 4, -1, 9]], dtype=torch.int32)
+    req = torch.tensor([0, 1])
+    got = smqa.global_indices_from_page_table(local, req, pt, N)
+    want = [[7 * 4 + 0, 2 * 4 + 1, 5 * 4 + 3, -1], [1 * 4 + 3, 0 * 4 + 0, -1, 3 * 4 + 1]]
+    assert got.dtype == torch.int32 and got.tolist() == want
+
+
+# ---------------------------------------------------------------------------------------------
+# sparse MQA kernels vs references
+# ---------------------------------------------------------------------------------------------
+
+@triton_ok
+@pytest.mark.parametrize("T,H,K,block_h,block_k,split_d,qdtype", [
+    (5, 4, 40, 16, 16, 1, torch.float32),     # heads padded to 16, 3 key tiles (last partial)
+    (3, 24, 33, 16, 32, 2, torch.float32),    # 2 head blocks (2nd partial), NoPE/RoPE halves
+    (4, 16, 20, 16, 16, 4, torch.bfloat16),   # 4 column quarters
+])
+def test_sparse_mqa_fp8_kernel(T, H, K, block_h, block_k, split_d, qdtype):
+    gen = torch.Generator().manual_seed(3 + T + H)
+    N, P = 8, 3
+    cache, _ = make_fp8_cache(P, N, gen)
+    q = (torch.randn(T, H, 512, generator=gen) * 2).to(DEV, qdtype)
+    sink = torch.randn(H, generator=gen).to(DEV)
+    idx = make_indices(T, K, P * N, gen, all_masked_row=1).to(DEV)
+    prec, tol = prec_and_tol(qdtype)
+    got = smqa.sparse_mqa_fp8(q, cache, N, idx, sink, SCALE, block_h=block_h, block_k=block_k,
+                              split_d=split_d, precision=prec)
+    want = smqa.sparse_mqa_fp8_torch(q, cache, N, idx, sink, SCALE)
+    assert got.shape == (T, H, 512) and got.dtype == torch.float32
+    assert rel_err(got, want) < tol
+    assert torch.all(got[1] == 0), "all-masked row must be exactly zero"
+
+
+@triton_ok
+def test_sparse_mqa_fp8_kernel_two_lists_and_lengths():
+    """Window list over one cache + compressed list over another (different N), one softmax."""
+    gen = torch.Generator().manual_seed(4)
+    T, H = 6, 8
+    cache, _ = make_fp8_cache(3, 8, gen)
+    cache2, _ = make_fp8_cache(4, 2, gen)        # N = 2: C128-like tiny pages
+    q = torch.randn(T, H, 512, generator=gen).to(DEV)
+    sink = (torch.randn(H, generator=gen) * 3).to(DEV)
+    idx = make_indices(T, 24, 24, gen).to(DEV)
+    idx2 = make_indices(T, 10, 8, gen).to(DEV)
+    lengths = torch.tensor([24, 0, 5, 17, 16, 1], dtype=torch.int32, device=DEV)
+    lengths2 = torch.tensor([10, 0, 3, 10, 0, 7], dtype=torch.int32, device=DEV)
+    kw = dict(lengths=lengths, extra_cache=cache2, extra_entries_per_page=2,
+              extra_indices=idx2, extra_lengths=lengths2)
+    got = smqa.sparse_mqa_fp8(q, cache, 8, idx, sink, SCALE, block_k=16, split_d=2,
+                              precision="ieee", **kw)
+    want = smqa.sparse_mqa_fp8_torch(q, cache, 8, idx, sink, SCALE, **kw)
+    assert rel_err(got, want) < 1e-3
+    assert torch.all(got[1] == 0)
+    # lengths must really cut the lists: same as masking the tails explicitly
+    idx_cut = cut_lengths(idx.cpu(), lengths.cpu()).to(DEV)
+    idx2_cut = cut_lengths(idx2.cpu(), lengths2.cpu()).to(DEV)
+    alt = smqa.sparse_mqa_fp8(q, cache, 8, idx_cut, sink, SCALE, block_k=16, extra_cache=cache2,
+                              extra_entries_per_page=2, extra_indices=idx2_cut,
+                              precision="ieee")
+    assert rel_err(alt, got) < 1e-5
+    full = smqa.sparse_mqa_fp8(q, cache, 8, idx, sink, SCALE, block_k=16, extra_cache=cache2,
+                               extra_entries_per_page=2, extra_indices=idx2, precision="ieee")
+    assert rel_err(full, got) > 1e-2, "lengths had no effect"
+
+
+@triton_ok
+@pytest.mark.parametrize("sink_value,q_gain", [(40.0, 1.0), (-40.0, 1.0), (0.0, 60.0)])
+def test_sparse_mqa_fp8_kernel_extreme_logits(sink_value, q_gain):
+    """Huge / tiny sinks and very peaked softmaxes stay finite and match the reference."""
+    gen = torch.Generator().manual_seed(5)
+    T, H, N = 3, 4, 8
+    cache, _ = make_fp8_cache(2, N, gen)
+    q = (torch.randn(T, H, 512, generator=gen) * q_gain).to(DEV)
+    sink = torch.full((H,), sink_value, device=DEV)
+    idx = make_indices(T, 16, 2 * N, gen).to(DEV)
+    got = smqa.sparse_mqa_fp8(q, cache, N, idx, sink, SCALE, block_k=16, precision="ieee")
+    want = smqa.sparse_mqa_fp8_torch(q, cache, N, idx, sink, SCALE)
+    assert torch.isfinite(got).all()
+    assert (got - want).abs().max() <= 1e-3 * want.abs().max() + 1e-20
+
+
+@triton_ok
+@pytest.mark.parametrize("kv_dtype,qdtype,split_d", [(torch.bfloat16, torch.bfloat16, 1),
+                                                     (torch.float32, torch.float32, 2)])
+def test_sparse_mqa_dense_kernel(kv_dtype, qdtype, split_d):
+    gen = torch.Generator().manual_seed(6)
+    T, H, E = 5, 12, 50
+    kv = torch.randn(E, 512, generator=gen).to(DEV, kv_dtype)
+    kv2 = torch.randn(9, 512, generator=gen).to(DEV, kv_dtype)
+    q = torch.randn(T, H, 512, generator=gen).to(DEV, qdtype)
+    sink = torch.randn(H, generator=gen).to(DEV)
+    idx = make_indices(T, 37, E, gen, all_masked_row=3).to(DEV)
+    idx2 = make_indices(T, 4, 9, gen).to(DEV)
+    idx2[3] = -1
+    prec, tol = prec_and_tol(qdtype)
+    got = smqa.sparse_mqa_dense(q, kv, idx, sink, SCALE, block_k=16, extra_kv=kv2,
+                                extra_indices=idx2, split_d=split_d, precision=prec)
+    want = smqa.sparse_mqa_dense_torch(q, kv, idx, sink, SCALE, extra_kv=kv2, extra_indices=idx2)
+    assert rel_err(got, want) < tol
+    assert torch.all(got[3] == 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# cache writes: byte-identical to the torch layout writers
+# ---------------------------------------------------------------------------------------------
+
+def edge_rows(n, dim, gen):
+    """Rows that hit the rounding corners: e4m3 ties and subnormals, amax at / just above
+    1.75·2^k (scale boundary), all-zero tiles (amax floor), -0.0, fp32 values on bf16 ties."""
+    x = torch.randn(n, dim, generator=gen) * torch.logspace(-5, 4, n)[:, None]
+    f32 = torch.float32
+    # row 0: tile maxima exactly 448·2^k and the next float up (scale e vs e+1)
+    x[0] = torch.randn(dim, generator=gen)
+    for g in range(dim // 64):
+        a = torch.tensor(448.0 * 2.0 ** (g - 3), dtype=f32)
+        x[0, g * 64] = a if g % 2 == 0 else torch.nextafter(a, torch.tensor(float("inf")))
+    # row 1: e4m3 round-half-even ties (scale 1: amax 448) incl. subnormal-range ties
+    ties = torch.tensor([448.0, 1.0625, 1.1875, 2.125, 2.375, 0.0029296875, 0.0048828125,
+                         0.0009765625, 0.001953125, 0.0166015625, -1.0625, -0.0029296875])
+    x[1] = ties.repeat(dim // len(ties) + 1)[:dim]
+    # row 2: zeros (amax floor) and negative zeros
+    x[2] = 0.0
+    x[2, 1::2] = -0.0
+    # row 3: exact bf16 ties in fp32 (bit 15 set, lower bits clear) -> RNE to even
+    mant = torch.randint(0, 1 << 7, (dim,), generator=gen, dtype=torch.int32)
+    x[3] = (0x3F800000 | (mant << 16) | 0x8000).view(torch.float32)     # values in [1, 2)
+    x[3, 1::2] *= -1
+    # row 4: tiny values that become e4m3 subnormals next to a large one in the same tile
+    x[4] = torch.randn(dim, generator=gen) * 1e-3
+    x[4, ::64] = 300.0
+    return x
+
+
+@triton_ok
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_write_fp8_ds_mla_triton_byte_identical(dtype):
+    gen = torch.Generator().manual_seed(7)
+    N, P, n = 4, 4, 12
+    x = edge_rows(n, 512, gen).to(dtype)
+    slots = torch.randperm(P * N, generator=gen)[:n]
+    base = torch.randint(0, 256, (P, L.fp8_ds_mla_page_bytes(N)), generator=gen, dtype=torch.uint8)
+    want = base.clone()
+    L.write_fp8_ds_mla(want, N, slots, x)
+    got = base.clone().to(DEV)
+    cw.write_fp8_ds_mla_triton(got, N, slots.to(DEV), x.to(DEV))
+    diff = (got.cpu() != want).nonzero()
+    assert diff.numel() == 0, f"{len(diff)} bytes differ, first at {diff[:4].tolist()}"
+    # negative slots are skipped: cache unchanged
+    again = got.clone()
+    cw.write_fp8_ds_mla_triton(again, N, torch.full((n,), -1, device=DEV), x.to(DEV))
+    assert torch.equal(again, got)
+
+
+@triton_ok
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_indexer_fp8_triton_byte_identical(dtype):
+    gen = torch.Generator().manual_seed(8)
+    N, P, n = 8, 3, 10
+    x = edge_rows(n, 128, gen).to(dtype)
+    slots = torch.randperm(P * N, generator=gen)[:n]
+    base = torch.randint(0, 256, (P, L.indexer_page_bytes(N)), generator=gen, dtype=torch.uint8)
+    want = base.clone()
+    L.write_indexer_fp8(want, N, slots, x)
+    got = base.clone().to(DEV)
+    slots_skip = slots.clone()
+    slots_skip[2] = -1
+    cw.write_indexer_fp8_triton(got, N, slots.to(DEV), x.to(DEV))
+    assert torch.equal(got.cpu(), want)
+    got2 = base.clone().to(DEV)
+    cw.write_indexer_fp8_triton(got2, N, slots_skip.to(DEV), x.to(DEV))
+    want2 = base.clone()
+    keep = slots_skip >= 0
+    L.write_indexer_fp8(want2, N, slots[keep], x[keep])
+    assert torch.equal(got2.cpu(), want2)
+
+
+# ---------------------------------------------------------------------------------------------
+# lightning indexer
+# ---------------------------------------------------------------------------------------------
+
+def make_indexer_case(gen, T=6, HI=8, N=8, num_pages=10, R=3, max_pages=3, device=DEV,
+                      relu_ties=False):
+    keys = torch.randn(num_pages * N, 128, generator=gen)
+    q = torch.randn(T, HI, 128, generator=gen)
+    w = torch.randn(T, HI, generator=gen)
+    if relu_ties:  # every even entry gets q·k < 0 for all heads -> score exactly 0 (tied)
+        keys[::2] = keys[::2].abs()
+        q, w = -q.abs(), w.abs()
+    cache = torch.zeros(num_pages, L.indexer_page_bytes(N), dtype=torch.uint8)
+    L.write_indexer_fp8(cache, N, torch.arange(num_pages * N), keys)
+    page_table = torch.randperm(num_pages, generator=gen)[: R * max_pages].view(R, max_pages)
+    page_table = page_table.to(torch.int32)
+    req = torch.randint(0, R, (T,), generator=gen)
+    valid = torch.randint(0, max_pages * N + 1, (T,), generator=gen, dtype=torch.int32)
+    valid[0] = 0
+    valid[-1] = max_pages * N
+    args = [q, w, cache, N, req, page_table, valid]
+    return [a.to(device) if torch.is_tensor(a) else a for a in args]
+
+
+def naive_indexer_scores(q, w, cache, N, req, page_table, valid):
+    T = q.shape[0]
+    n_cols = page_table.shape[1] * N
+    out = torch.full((T, n_cols), float("-inf"), dtype=torch.float64)
+    for t in range(T):
+        for j in range(int(valid[t])):
+            slot = int(page_table[req[t], j // N]) * N + j % N
+            k = L.read_indexer_fp8(cache, N, torch.tensor([slot]))[0].double()
+            out[t, j] = (w[t].double() * torch.relu(q[t].double() @ k)).sum()
+    return out
+
+
+def check_selection(sel, scores_ref, valid, topk):
+    """sel int32 [T, topk] vs reference scores: right count of −1, unique visible entries, and
+    the multiset of selected reference scores equal to the best possible (ties don't matter)."""
+    for t in range(sel.shape[0]):
+        row = sel[t].tolist()
+        n_vis = int(valid[t])
+        picked = [j for j in row if j >= 0]
+        assert len(picked) == min(topk, n_vis)
+        assert row.count(-1) == topk - len(picked)
+        assert len(set(picked)) == len(picked) and all(j < n_vis for j in picked)
+        got = torch.sort(scores_ref[t, picked].double(), descending=True).values
+        best = torch.sort(scores_ref[t, :n_vis].double(), descending=True).values[: len(picked)]
+        assert torch.allclose(got, best, rtol=1e-4, atol=1e-4), (t, got, best)
+
+
+def test_indexer_reference_vs_naive():
+    gen = torch.Generator().manual_seed(9)
+    args = make_indexer_case(gen, device="cpu")
+    got = ix.indexer_scores_torch(*args)
+    want = naive_indexer_scores(*args)
+    fin = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), fin)
+    assert torch.allclose(got[fin].double(), want[fin], rtol=1e-5, atol=1e-5)
+    topk = 10
+    sel = ix.indexer_topk_torch(*args, topk)
+    check_selection(sel, want, args[6], topk)
+
+
+@triton_ok
+@pytest.mark.parametrize("relu_ties,qdtype,topk", [(False, torch.float32, 10),
+                                                   (True, torch.float32, 20),
+                                                   (False, torch.bfloat16, 30)])
+def test_indexer_kernel(relu_ties, qdtype, topk):
+    gen = torch.Generator().manual_seed(10)
+    q, w, cache, N, req, pt, valid = make_indexer_case(gen, relu_ties=relu_ties)
+    q = q.to(qdtype)
+    args = (q, w, cache, N, req, pt, valid)
+    prec = "ieee" if qdtype == torch.float32 else None   # bf16 q x e4m3 keys: exact products
+    got = ix.indexer_scores(*args, block_j=16, precision=prec)
+    want = ix.indexer_scores_torch(*args)
+    fin = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), fin)
+    assert rel_err(got[fin], want[fin]) < 1e-4
+    if relu_ties:
+        # ties straddle the cut: some row selects only part of its zero-score entries
+        n_zero = (want == 0).sum(1)
+        n_pos = (want > 0).sum(1)
+        assert ((n_pos < topk) & (n_pos + n_zero > topk)).any(), "no tie at the top-k boundary"
+    sel = ix.indexer_topk(*args, topk, block_j=16, precision=prec)
+    assert sel.dtype == torch.int32 and sel.shape == (q.shape[0], topk)
+    check_selection(sel.cpu(), want.cpu(), valid.cpu(), topk)
+
+
+@triton_ok
+def test_indexer_kernel_n_cols_bound():
+    """n_cols smaller than the page table's capacity (but ≥ every valid count)."""
+    gen = torch.Generator().manual_seed(11)
+    q, w, cache, N, req, pt, valid = make_indexer_case(gen)
+    valid = torch.clamp(valid, max=13)
+    got = ix.indexer_topk(q, w, cache, N, req, pt, valid, 5, n_cols=13, block_j=16)
+    want_scores = ix.indexer_scores_torch(q, w, cache, N, req, pt, valid)
+    check_selection(got.cpu(), want_scores.cpu(), valid.cpu(), 5)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU-sized comparisons (run on the H200)
+# ---------------------------------------------------------------------------------------------
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [64, 256])
+def test_gpu_sparse_mqa_fp8_realistic(T):
+    """V4-Flash: 64 heads, 128 window keys (SWA cache) + 512 compressed keys, 64-entry pages."""
+    gen = torch.Generator().manual_seed(12)
+    N, H = 64, 64
+    swa_pages, c_pages = 2 * T, 8 * T
+    swa, _ = make_fp8_cache(swa_pages, N, gen, device="cuda", spread=False)
+    comp, _ = make_fp8_cache(c_pages, N, gen, device="cuda", spread=False)
+    q = torch.randn(T, H, 512, generator=gen).to("cuda", torch.bfloat16)
+    q = q / q.float().pow(2).mean(-1, keepdim=True).sqrt().to(torch.bfloat16)  # per-head RMS-normed
+    sink = torch.randn(H, generator=gen).cuda()
+    win = make_indices(T, 128, swa_pages * N, gen, p_masked=0.05).cuda()
+    top = make_indices(T, 512, c_pages * N, gen, p_masked=0.1, all_masked_row=3).cuda()
+    win[3] = -1
+    got = smqa.sparse_mqa_fp8(q, swa, N, win, sink, SCALE, extra_cache=comp, extra_indices=top)
+    want = smqa.sparse_mqa_fp8_torch(q, swa, N, win, sink, SCALE, extra_cache=comp,
+                                     extra_indices=top)
+    assert rel_err(got, want) < 2e-2   # bf16 MMA operands (q, P) vs fp32 reference
+    assert torch.all(got[3] == 0)
+    got32 = smqa.sparse_mqa_fp8(q.float(), swa, N, win, sink, SCALE, extra_cache=comp,
+                                extra_indices=top, precision="ieee")
+    assert rel_err(got32, want) < 1e-4
+    for cfg in (dict(split_d=2), dict(block_k=32, split_d=1), dict(block_h=32, split_d=4)):
+        alt = smqa.sparse_mqa_fp8(q, swa, N, win, sink, SCALE, extra_cache=comp,
+                                  extra_indices=top, **cfg)
+        assert rel_err(alt, want) < 2e-2, cfg
+
+
+@gpu
+@needs_cuda
+def test_gpu_sparse_mqa_dense_realistic():
+    gen = torch.Generator().manual_seed(13)
+    T, H, E = 128, 64, 20000
+    kv = torch.randn(E, 512, generator=gen).to("cuda", torch.bfloat16)
+    q = torch.randn(T, H, 512, generator=gen).to("cuda", torch.bfloat16)
+    sink = torch.randn(H, generator=gen).cuda()
+    idx = make_indices(T, 640, E, gen, p_masked=0.1).cuda()
+    got = smqa.sparse_mqa_dense(q, kv, idx, sink, SCALE)
+    want = smqa.sparse_mqa_dense_torch(q, kv, idx, sink, SCALE)
+    assert rel_err(got, want) < 2e-2
+
+
+@gpu
+@needs_cuda
+def test_gpu_indexer_realistic():
+    gen = torch.Generator().manual_seed(14)
+    q, w, cache, N, req, pt, valid = make_indexer_case(
+        gen, T=64, HI=64, N=64, num_pages=200, R=8, max_pages=24, device="cuda")
+    q = q.to(torch.bfloat16)  # FP4-fake-quantised q is exact in bf16 in the model
+    topk = 512
+    sel = ix.indexer_topk(q, w, cache, N, req, pt, valid, topk)
+    want = ix.indexer_scores_torch(q, w, cache, N, req, pt, valid)
+    got = ix.indexer_scores(q, w, cache, N, req, pt, valid)
+    fin = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), fin)
+    assert rel_err(got[fin], want[fin]) < 1e-3
+    check_selection(sel.cpu(), want.cpu(), valid.cpu(), topk)
+
+
+@gpu
+@needs_cuda
+def test_gpu_cache_writes_realistic():
+    gen = torch.Generator().manual_seed(15)
+    N, P, n = 64, 128, 4096
+    x = torch.randn(n, 512, generator=gen) * torch.logspace(-4, 3, n)[:, None]
+    slots = torch.randperm(P * N, generator=gen)[:n]
+    want = torch.zeros(P, L.fp8_ds_mla_page_bytes(N), dtype=torch.uint8, device="cuda")
+    got = want.clone()
+    L.write_fp8_ds_mla(want, N, slots.cuda(), x.cuda())
+    cw.write_fp8_ds_mla_triton(got, N, slots.cuda(), x.cuda())
+    assert torch.equal(got, want)
+    want = torch.zeros(P, L.indexer_page_bytes(N), dtype=torch.uint8, device="cuda")
+    got = want.clone()
+    L.write_indexer_fp8(want, N, slots.cuda(), x[:, :128].cuda())
+    cw.write_indexer_fp8_triton(got, N, slots.cuda(), x[:, :128].cuda())
+    assert torch.equal(got, want)
