@@ -10,6 +10,8 @@ try:
     import torch
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    # the reference path runs many small ops; intra-op threads cost more than they gain there
+    torch.set_num_threads(1)
 except ImportError:
     pass
 
