@@ -13,11 +13,12 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .config import ModelConfig
+from .detok import IncrementalDetokenizer
 from .metrics import SpecMetrics
 from .models.deepseek_v4.model import DeepseekV4Model
 from .models.drafter import DSparkDrafter
@@ -35,13 +36,17 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
 
 @dataclass
 class RequestOutput:
+    """State of one request after a step. `token_ids`/`text` are cumulative; `new_token_ids` and
+    `text_delta` are what this step added (for streaming)."""
     request_id: str
     prompt_token_ids: list
     token_ids: list
     text: str | None
-    finish_reason: str | None
+    finish_reason: str | None       # "stop" | "length" | "abort" | None while running
     metrics: SpecMetrics
     finished: bool = True
+    new_token_ids: list = field(default_factory=list)
+    text_delta: str = ""
 
 
 def default_model_path() -> str:
@@ -147,12 +152,38 @@ class Engine:
         seed = params.seed if params.seed is not None else hash((self._seed, rid)) & ((1 << 62) - 1)
         req = Request(rid, ids, params, seed, metrics=SpecMetrics(), arrival_time=time.perf_counter())
         req.target_state, req.draft_state = self.runner.new_states()
+        if self.tokenizer is not None:
+            req.detok, req.text = IncrementalDetokenizer(self.tokenizer), ""
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def abort(self, request_id) -> bool:
+        """Stop a request now and free all its cache state; other requests are not touched.
+        Returns False for an unknown or already finished id."""
+        req = self.requests.pop(str(request_id), None)
+        if req is None:
+            return False
+        req.finish_reason, req.finish_time = "abort", time.perf_counter()
+        self.scheduler.finish(req)
+        self._release(req)
+        return True
+
+    def stream(self, prompt, params: SamplingParams | None = None):
+        """Generate one request, yielding a RequestOutput with its token/text deltas every step
+        (other requests already added keep running in the same steps)."""
+        rid = self.add_request(prompt, params)
+        while True:
+            outs = [o for o in self.step() if o.request_id == rid]
+            for o in outs:
+                yield o
+                if o.finished:
+                    return
+            if rid not in self.requests:
+                return
 
     # ---- one DSpark round ----------------------------------------------------------------
     def step(self) -> list:
@@ -255,14 +286,23 @@ class Engine:
     # ---- helpers -------------------------------------------------------------------------
     def _output(self, req: Request, new_tokens: list) -> RequestOutput:
         finished = req.status == Status.FINISHED
+        delta = ""
+        if req.detok is not None:
+            delta = req.detok.push(new_tokens) + (req.detok.flush() if finished else "")
+            req.text += delta
         if finished:
             req.metrics.record_timing(ttft=req.first_token_time - req.arrival_time,
                                       decode_time=req.finish_time - req.first_token_time,
                                       decode_tokens=len(req.output_ids) - 1)
             self.requests.pop(req.request_id, None)
-        text = self.tokenizer.decode(req.output_ids) if self.tokenizer is not None and finished else None
-        return RequestOutput(req.request_id, req.prompt_ids, list(req.output_ids), text,
-                             req.finish_reason, req.metrics, finished)
+            self._release(req)
+        return RequestOutput(req.request_id, req.prompt_ids, list(req.output_ids),
+                             req.text if req.detok is not None else None, req.finish_reason,
+                             req.metrics, finished, list(new_tokens), delta)
+
+    def _release(self, req: Request):
+        """Drop every cache the request holds (dense state is freed with the references)."""
+        req.target_state = req.draft_state = req.draft = None
 
     def _check_prompt(self, prompt) -> list:
         if isinstance(prompt, str):

@@ -38,6 +38,8 @@ class Request:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    detok: object = None                   # IncrementalDetokenizer when the model has a tokenizer
+    text: str = ""
 
     @property
     def tokens(self) -> list:
