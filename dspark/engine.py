@@ -10,6 +10,7 @@ One `step()` is one DSpark round for every running request (architecture.md):
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import time
@@ -59,7 +60,7 @@ class Engine:
                  verify_policy: str = "fixed", kv_cache_dtype: str = "fp8",
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, seed: int = 0, progress: bool = False,
-                 **policy_kwargs):
+                 sps_table=None, **policy_kwargs):
         path = path or default_model_path()
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if isinstance(dtype, str):
@@ -103,8 +104,18 @@ class Engine:
         self.model, self.drafter = model.eval(), drafter.eval() if drafter is not None else None
         quant = QuantSim() if kv_cache_dtype in ("fp8", "auto") else None
         self.runner = ModelRunner(model, drafter, self.device, quant)
+        self.kv_cache_dtype = kv_cache_dtype
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens)
-        self.policy = make_policy(verify_policy, **policy_kwargs) if drafter is not None else None
+        self.sts = self._load_sts(path)
+        self.policy = None
+        if drafter is not None:
+            if verify_policy in ("scheduled", "scheduled-async", "alg1", "zos"):
+                policy_kwargs["sps"] = self._sps_table(sps_table, max_num_seqs, progress)
+            if self.sts is not None:
+                policy_kwargs.setdefault("temperatures", self.sts.temperatures)
+            self.policy = make_policy(verify_policy, **policy_kwargs)
+        self.telemetry = collections.deque(maxlen=4096)   # per-step batch composition
+        self.round_log = None     # set to a list to record (conf logits, verified, accepted) per round
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         self.tokenizer = self._load_tokenizer(path)
         self.eos_token_ids = (cfg.eos_token_id,) if cfg.eos_token_id is not None else ()
@@ -204,6 +215,9 @@ class Engine:
         for req, n in plan.prefill:
             items.append((req.target_state, req.num_prefilled, req.prompt_ids[req.num_prefilled:][:n]))
         logits, taps = self.runner.target_forward(items)
+        self.telemetry.append({"batch_tokens": plan.num_tokens, "num_verify": len(plan.verify),
+                               "verify_tokens": [r.verify_len for r in plan.verify],
+                               "prefill_tokens": sum(n for _, n in plan.prefill)})
         offsets = list(itertools.accumulate([len(t) for _, _, t in items], initial=0))
 
         # 3. accept / reject: every request that produces tokens this step (verify, or the
@@ -263,6 +277,8 @@ class Engine:
         for i, req in enumerate(reqs):
             new = toks[i][:n_emit[i]]
             was_running = req.status == Status.RUNNING
+            if was_running and self.round_log is not None and req.draft is not None:
+                self.round_log.append((req.draft.conf_logits.float().cpu(), lengths[i], accepted[i]))
             if was_running:
                 req.metrics.record_round(proposed=g if self.drafter is not None else 0,
                                          verified=lengths[i], accepted=min(accepted[i], len(new)),
@@ -284,6 +300,22 @@ class Engine:
         return outs
 
     # ---- helpers -------------------------------------------------------------------------
+    def _sps_table(self, override, max_num_seqs: int, progress: bool):
+        """SPS(B) from the user's [[B, ms], ...] override, the on-disk cache, or a fresh profile."""
+        from .spec.policy import SpsTable
+        from .spec.profile import load_or_profile
+        if isinstance(override, SpsTable):
+            return override
+        if override is not None:
+            return SpsTable.from_ms(override)
+        return load_or_profile(self, max_num_seqs * (self.cfg.dspark_block_size + 1), progress)
+
+    @staticmethod
+    def _load_sts(path):
+        from .spec.calibrate import STS_FILENAME, load_sts
+        fn = os.path.join(path, STS_FILENAME)
+        return load_sts(fn) if os.path.exists(fn) else None
+
     def _output(self, req: Request, new_tokens: list) -> RequestOutput:
         finished = req.status == Status.FINISHED
         delta = ""

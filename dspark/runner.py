@@ -30,9 +30,16 @@ class QuantSim:
 
 
 class ModelRunner:
-    def __init__(self, model, drafter=None, device="cpu", quant: QuantSim | None = None):
+    def __init__(self, model, drafter=None, device="cpu", quant: QuantSim | None = None,
+                 backend=None):
         self.model, self.drafter, self.device, self.quant = model, drafter, torch.device(device), quant
+        # paged attention (dspark.attention backend over a PagedKVCache) or None: dense states
+        self.backend = backend
         self.tap_layers = tuple(model.cfg.dspark_target_layer_ids) if drafter is not None else ()
+
+    @property
+    def backend_name(self) -> str:
+        return getattr(self.backend, "name", "paged") if self.backend is not None else "dense-reference"
 
     def new_states(self):
         ds = DraftState(self.model.cfg.num_dspark_stages, self.model.cfg.sliding_window) \
@@ -41,10 +48,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def target_forward(self, items, logit_rows=None):
-        """items: list of (target_state, start, token list). Returns (logits fp32 [N, V] for the
-        flat rows in `logit_rows` (all rows when None), taps [T, taps*D] or None)."""
+        """items: list of (target_state, start, token list); with a paged backend the state is
+        the request id registered in backend.cache. Returns (logits fp32 [N, V] for the flat
+        rows in `logit_rows` (all rows when None), taps [T, taps*D] or None)."""
         batch = Batch.build(items, self.device)
-        X, taps = self.model.forward_hidden(batch, quant=self.quant, tap_layers=self.tap_layers)
+        attn_fn = self.backend.forward_fn(batch) if self.backend is not None else None
+        X, taps = self.model.forward_hidden(batch, attn_fn=attn_fn, quant=self.quant,
+                                            tap_layers=self.tap_layers)
         if logit_rows is not None:
             X = X[torch.as_tensor(logit_rows, dtype=torch.long, device=self.device)]
         return self.model.logits(X), taps
@@ -76,3 +86,12 @@ class ModelRunner:
             toks.append(prev), probs.append(q), confs.append(conf)
         toks, probs, confs = torch.stack(toks, 1), torch.stack(probs, 1), torch.stack(confs, 1)
         return [DraftBlock(toks[i], probs[i], confs[i]) for i in range(len(reqs))]
+
+    def draft_blocks_for_profile(self, states, start: int):
+        """Draft pass for len(states) synthetic requests anchored at `start` (SPS profiling)."""
+        from types import SimpleNamespace
+        from .sampling import SamplingParams
+        reqs = [SimpleNamespace(anchor=1, num_committed=start, draft_state=ds,
+                                params=SamplingParams(temperature=1.0), seed=i)
+                for i, (_, ds) in enumerate(states)]
+        return self.draft(reqs)

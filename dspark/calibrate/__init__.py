@@ -1,0 +1,1 @@
+"""`python -m dspark.calibrate`: fit Sequential Temperature Scaling for a DSpark checkpoint."""
