@@ -116,7 +116,8 @@ class SpecMetrics:
             raise ValueError("per-position counts do not sum to the totals")
         if not all(a <= r <= v for a, r, v in zip(self.pos_accepted, self.pos_reached, self.pos_verified)):
             raise ValueError("per-position counts must satisfy accepted <= reached <= verified")
-        if sum(self.tau_hist) != self.rounds or sum(t * c for t, c in enumerate(self.tau_hist)) != self.emitted:
+        tau_total = sum(t * c for t, c in enumerate(self.tau_hist))
+        if sum(self.tau_hist) != self.rounds or tau_total != self.emitted:
             raise ValueError("accepted-length histogram does not match rounds / emitted")
 
     def merge(self, other: "SpecMetrics") -> "SpecMetrics":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -37,7 +38,8 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.stop_token_ids, (list, set, frozenset, range)):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
@@ -48,20 +50,25 @@ class SamplingParams:
         def bad(field, value, accepted):
             raise ValueError(f"SamplingParams.{field}={value!r} is invalid: expected {accepted}")
 
-        def is_int(x):
-            return isinstance(x, int) and not isinstance(x, bool)
+        def is_int(x):  # numpy integers welcome, bools not
+            return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+        def is_real(x):
+            return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+        if not is_real(t) or not math.isfinite(t) or t < 0:
             bad("temperature", t, "a finite number >= 0 (0 = greedy)")
         p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0 < p <= 1):  # nan fails too
+        if not is_real(p) or not (0 < p <= 1):  # nan fails the comparison too
             bad("top_p", p, "a number in (0, 1] (1 = off)")
         if not is_int(self.top_k) or self.top_k < 0:
             bad("top_k", self.top_k, "an int >= 0 (0 = off)")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", self.max_tokens, "an int >= 1")
         hi = vocab_size if vocab_size is not None else _INT64_MAX
+        if not isinstance(self.stop_token_ids, tuple):
+            bad("stop_token_ids", self.stop_token_ids, "a tuple or list of token ids")
         for tok in self.stop_token_ids:
             if not is_int(tok) or not (0 <= tok < hi):
                 bad("stop_token_ids", self.stop_token_ids,
@@ -119,27 +126,23 @@ def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor,
             keep = (before < tp) | (tp >= 1) | (ranks == 0)
             sorted_x = sorted_x.masked_fill(~keep, float("-inf"))
         x = torch.full_like(x, float("-inf")).scatter(1, order, sorted_x)
-    probs = torch.softmax(x, dim=1)
-    onehot = torch.zeros_like(probs).scatter_(1, logits.float().argmax(dim=1, keepdim=True), 1.0)
-    return torch.where(greedy.unsqueeze(1), onehot, probs)
-
-
-def _mul32(x, c: int):
-    # (x * c) mod 2**32 for x in [0, 2**32), split in 16-bit halves so no int64 product overflows:
-    # signed overflow is not something to rely on across devices and compilers. Works on Python
-    # ints too (used for the per-purpose start state, computed on the host).
-    lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+    # Greedy rows: overwrite in place instead of materialising a one-hot [N, V] and a where();
+    # argmax of the untempered logits (x was divided by 1 on those rows, filtering kept rank 0).
+    probs = torch.softmax(x, dim=1).masked_fill_(greedy.unsqueeze(1), 0.0)
+    top = logits.argmax(dim=1, keepdim=True)
+    return probs.scatter_(1, top, torch.where(greedy.unsqueeze(1), 1.0, probs.gather(1, top)))
 
 
 def _mix32(x):
-    # 32-bit integer finaliser (xorshift-multiply, "lowbias32" constants): a bijection on [0, 2**32)
-    # with good avalanche, so chaining it over the key words gives well-spread outputs.
+    # 32-bit xorshift-multiply finaliser (a bijection on [0, 2**32) with good avalanche), so
+    # chaining it over the key words gives well-spread outputs. Both multipliers are < 2**31: the
+    # int64 product of a 32-bit value never overflows, so results are exact and identical on every
+    # device (no reliance on signed wrap-around). Works on Python ints too (host-side constants).
     x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
+    x = (x * 0x21F0AAAD) & _M32
     x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
+    x = (x * 0x735A2D97) & _M32
+    return x ^ (x >> 15)
 
 
 def uniforms(seeds: torch.Tensor, positions: torch.Tensor, purpose: int) -> torch.Tensor:

@@ -40,6 +40,7 @@ class SpsTable:
             self._slope = (self.ms[-1] - self.ms[-2]) / (bs[-1] - bs[-2])
         else:
             self._slope = self.ms[0] / bs[0]
+        self._dev_cache: dict = {}  # device -> float64 SPS(B) for B = 0..n-1
 
     @classmethod
     def from_sps(cls, points: Sequence[Sequence[float]]) -> "SpsTable":
@@ -69,6 +70,16 @@ class SpsTable:
     def sps_range(self, lo: int, hi: int) -> np.ndarray:
         """SPS(B) for B = lo..hi inclusive, float64."""
         return self.sps(np.arange(lo, hi + 1))
+
+    def sps_device(self, lo: int, hi: int, device) -> torch.Tensor:
+        """SPS(B) for B = lo..hi as a float64 tensor on `device`. Served from a per-device cache
+        (grown by doubling) so a step's lookup is a slice: no host->device copy, hence no sync."""
+        cache = self._dev_cache
+        key = str(torch.device(device))
+        if key not in cache or cache[key].numel() <= hi:
+            size = max(hi + 1, 2 * cache[key].numel() if key in cache else 1024)
+            cache[key] = torch.as_tensor(self.sps(np.arange(size)), dtype=torch.float64, device=device)
+        return cache[key][lo:hi + 1]
 
     def to_list(self) -> list[list[float]]:
         """[[B, ms], ...] after the monotone fix, for logs."""
@@ -119,16 +130,26 @@ def _lengths_from_admitted(rows: torch.Tensor, admitted: torch.Tensor, r_count: 
 
 
 class VerifyPolicy:
+    """Base: __call__(conf_logits [R, γ], request_ids=None, temperatures=None) -> ℓ int64 [R].
+    `temperatures` (per call) overrides the policy's STS temperatures; the policy's own are
+    cached on the logits' device, so steady-state calls do no host->device copy."""
     name = "base"
 
     def __init__(self, temperatures=None):
         self.temperatures = temperatures
+        self._temps_dev: dict = {}
 
     def __call__(self, conf_logits: torch.Tensor, request_ids: Sequence[Hashable] | None = None,
                  temperatures=None) -> torch.Tensor:
         if conf_logits.dim() != 2:
             raise ValueError(f"confidence logits must be [R, γ], got {tuple(conf_logits.shape)}")
-        conf = confidence(conf_logits, temperatures if temperatures is not None else self.temperatures)
+        if temperatures is None and self.temperatures is not None:
+            key = str(conf_logits.device)
+            if key not in self._temps_dev:
+                self._temps_dev[key] = torch.as_tensor(self.temperatures, dtype=torch.float32,
+                                                       device=conf_logits.device)
+            temperatures = self._temps_dev[key]
+        conf = confidence(conf_logits, temperatures)
         return self.lengths(conf, conf.cumprod(dim=1), request_ids)
 
     def lengths(self, conf: torch.Tensor, surv: torch.Tensor, request_ids) -> torch.Tensor:
@@ -184,7 +205,7 @@ class ScheduledPolicy(VerifyPolicy):
     def lengths(self, conf, surv, request_ids=None):
         r_count, g = surv.shape
         a, rows = _ordered_candidates(surv)
-        sps = torch.as_tensor(self.sps.sps_range(r_count, r_count + r_count * g), device=surv.device)
+        sps = self.sps.sps_device(r_count, r_count + r_count * g, surv.device)
         tau = r_count + torch.nn.functional.pad(a.double().cumsum(0), (1, 0))
         theta = tau * sps                                           # Θ_k after k admissions
         step_ok = (theta[1:] > theta[:-1]) & (a > 0)
@@ -211,7 +232,7 @@ class AsyncScheduledPolicy(VerifyPolicy):
         self.sps, self.budget_frac, self.staleness = sps, budget_frac, staleness
         self.step = 0
         self.last_capacity = 0
-        self._history: list = []  # (step, {rid: row}, host tensor [R, γ], event | None)
+        self._history: list = []  # [step, {rid: row}, event | None, numpy | None, host tensor]
 
     def __call__(self, conf_logits, request_ids=None, temperatures=None):
         if request_ids is None or len(request_ids) != conf_logits.shape[0]:
@@ -219,11 +240,14 @@ class AsyncScheduledPolicy(VerifyPolicy):
         return super().__call__(conf_logits, request_ids, temperatures)
 
     def _stale_survival(self, rid, g: int) -> np.ndarray:
-        for step, index, host, event in reversed(self._history):
+        for entry in reversed(self._history):
+            step, index = entry[0], entry[1]
             if step <= self.step - self.staleness and rid in index:
-                if event is not None:
-                    event.synchronize()
-                row = host[index[rid]].numpy()
+                if entry[3] is None:             # first read: wait for this copy only, once
+                    if entry[2] is not None:
+                        entry[2].synchronize()
+                    entry[3] = entry[4].numpy()
+                row = entry[3][index[rid]]
                 if row.shape == (g,):
                     return row
         return np.ones(g)
@@ -248,12 +272,13 @@ class AsyncScheduledPolicy(VerifyPolicy):
     def _record(self, request_ids, surv):
         event = None
         if surv.is_cuda:
-            host = surv.detach().to("cpu", non_blocking=True)
+            host = surv.detach().to("cpu", non_blocking=True)  # pinned staging, no host wait
             event = torch.cuda.Event()
             event.record()
         else:
             host = surv.detach().clone()
-        self._history.append((self.step, {rid: i for i, rid in enumerate(request_ids)}, host, event))
+        index = {rid: i for i, rid in enumerate(request_ids)}
+        self._history.append([self.step, index, event, None, host])  # [3]: numpy once read
         self._history = self._history[-(self.staleness + 1):]
         self.step += 1
 

@@ -4,8 +4,16 @@ Layout per request r with anchor position P_r and draft tokens x_1..x_γ at posi
   target_probs[r, i] = target distribution for position P_r+i+1 (i.e. for draft x_{i+1}); row γ
   exists so that a fully accepted block of length γ has its bonus row.
   draft_probs[r, i]  = the exact distribution x_{i+1} was sampled from.
-Only the first ℓ_r drafts are tested; the rest is padding. Everything is tensor ops on the
-inputs' device; nothing here reads device values on the host.
+Only the first ℓ_r drafts are tested; rows past ℓ_r (target) or past the rejection (draft) are
+never used, so a varlen verify can scatter its 1+ℓ_r rows into an uninitialised padded buffer.
+Everything is tensor ops on the inputs' device; nothing here reads device values on the host
+(pass every input on that device: a CPU input would be copied, and such a copy synchronises).
+
+RNG keys are absolute positions, so a later round re-tests positions an earlier round drafted
+past its first rejection. That is safe: whether round t stops at a depends only on uniforms at
+positions <= P+a+1, so the later positions' uniforms were never used and are still fresh (a
+stopping-time argument; it needs the policy to decide ℓ without looking past each position, which
+every shipped policy does).
 """
 from __future__ import annotations
 
@@ -127,6 +135,23 @@ def stop_table(stop_ids: Sequence[Sequence[int]], device=None) -> torch.Tensor:
     return table.to(device)
 
 
+def clip_lengths(lengths: torch.Tensor, draft_tokens: torch.Tensor | None = None,
+                 stops: torch.Tensor | None = None, remaining: torch.Tensor | None = None) -> torch.Tensor:
+    """Drop verify work that can never be emitted, before building the verify batch: drafts after
+    the first drafted stop token (the stop itself is still verified), and drafts beyond
+    remaining - 1 (a round emits at most ℓ + 1 tokens; remaining = max_tokens - generated).
+    Lossless: the cut at position j depends only on drafts before j and on host-known counts."""
+    out = lengths.long()
+    if draft_tokens is not None and stops is not None:
+        g = draft_tokens.shape[1]
+        hit = (draft_tokens.unsqueeze(2) == stops.to(draft_tokens.device).unsqueeze(1)).any(dim=2)
+        first = torch.where(hit, torch.arange(1, g + 1, device=hit.device), g).amin(dim=1)
+        out = torch.minimum(out, first.to(out.device))
+    if remaining is not None:
+        out = torch.minimum(out, (remaining.to(out.device).long() - 1).clamp_min(0))
+    return out
+
+
 def apply_stops(tokens: torch.Tensor, counts: torch.Tensor, stops: torch.Tensor,
                 num_generated: torch.Tensor, max_tokens: torch.Tensor) -> StopResult:
     """Truncate each request's emitted tokens [R, γ+1] (first `counts` valid) at the first stop
@@ -149,4 +174,4 @@ def apply_stops(tokens: torch.Tensor, counts: torch.Tensor, stops: torch.Tensor,
 
 
 __all__ = ["VerifyResult", "verify", "verify_greedy", "emitted_tokens", "FinishReason",
-           "StopResult", "stop_table", "apply_stops", "RESIDUAL_EPS"]
+           "StopResult", "stop_table", "clip_lengths", "apply_stops", "RESIDUAL_EPS"]
