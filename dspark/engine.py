@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -54,13 +55,22 @@ def default_model_path() -> str:
     return os.path.join(os.path.dirname(__file__), "assets", "default")
 
 
+def _model_type(path: str) -> str | None:
+    """config.json's model_type, or None when unreadable (the DeepSeek-V4 loader then reports)."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 class Engine:
     def __init__(self, path: str | None = None, device: str | None = None, dtype=None,
                  speculative: str | None = None, num_speculative_tokens: int | None = None,
                  verify_policy: str = "fixed", kv_cache_dtype: str = "fp8",
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, seed: int = 0, progress: bool = False,
-                 sps_table=None, **policy_kwargs):
+                 sps_table=None, draft: str | None = None, **policy_kwargs):
         path = path or default_model_path()
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if isinstance(dtype, str):
@@ -71,39 +81,20 @@ class Engine:
         if kv_cache_dtype not in ("fp8", "auto", "bf16", "fp32"):
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: use 'fp8' (fp8_ds_mla records, the "
                              f"reference numerics) or 'bf16'/'fp32' (unquantized cache)")
-        self.cfg = cfg = ModelConfig.from_path(path)
         self.path, self.device, self.dtype = path, torch.device(device), dtype
-
-        if speculative is None:
-            speculative = "dspark" if cfg.has_dspark else "none"
-        if speculative not in ("dspark", "none"):
-            raise ValueError(f"speculative={speculative!r}: use 'dspark' or 'none'")
-        if speculative == "dspark" and not cfg.has_dspark:
-            raise ValueError(f"{path}: speculative='dspark' needs a DSpark checkpoint (mtp.* draft "
-                             f"stages and dspark_block_size in config.json); this one has none. "
-                             f"Use speculative='none' or a *-DSpark checkpoint.")
-        if speculative == "dspark" and num_speculative_tokens not in (None, cfg.dspark_block_size):
-            raise ValueError(
-                f"num_speculative_tokens={num_speculative_tokens} does not match the checkpoint's "
-                f"dspark_block_size={cfg.dspark_block_size}: the drafter's block is bidirectional and "
-                f"trained at exactly that width, so other widths change every draft position (and "
-                f"collapse acceptance). Leave it unset; to verify fewer tokens per round use a "
-                f"verify_policy such as 'threshold' or 'scheduled'.")
-        self.speculative = speculative
-
-        weights = load_checkpoint(path, cfg, dtype=dtype, device=self.device, progress=progress)
-        with torch.device("meta"):
-            model = DeepseekV4Model(cfg)
-            drafter = DSparkDrafter(cfg) if speculative == "dspark" else None
-        model.load_state_dict({k: v for k, v in weights.items() if not k.startswith("mtp.")},
-                              strict=True, assign=True)
-        if drafter is not None:
-            drafter.load_state_dict({DSparkDrafter.param_name(k): v for k, v in weights.items()
-                                     if k.startswith("mtp.")}, strict=True, assign=True)
-        del weights
-        self.model, self.drafter = model.eval(), drafter.eval() if drafter is not None else None
-        quant = QuantSim() if kv_cache_dtype in ("fp8", "auto") else None
-        self.runner = ModelRunner(model, drafter, self.device, quant)
+        if draft is not None or _model_type(path) == "qwen3":
+            # Qwen3 target (+ a separate DeepSpec DSpark drafter checkpoint): own loader and runner
+            from .models.qwen3 import build_engine_components
+            cfg, model, drafter, self.runner = build_engine_components(
+                path, draft, dtype, self.device, speculative, num_speculative_tokens)
+            self.speculative = "dspark" if drafter is not None else "none"
+        else:
+            cfg, model, drafter = self._load_deepseek_v4(path, dtype, speculative,
+                                                         num_speculative_tokens, progress)
+            quant = QuantSim() if kv_cache_dtype in ("fp8", "auto") else None
+            self.runner = ModelRunner(model, drafter, self.device, quant)
+        self.cfg = cfg
+        self.model, self.drafter = model, drafter
         self.kv_cache_dtype = kv_cache_dtype
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens)
         self.sts = self._load_sts(path)
@@ -300,6 +291,39 @@ class Engine:
         return outs
 
     # ---- helpers -------------------------------------------------------------------------
+    def _load_deepseek_v4(self, path, dtype, speculative, num_speculative_tokens, progress):
+        """(cfg, model, drafter | None) from a DeepSeek-V4 checkpoint (mtp.* = DSpark stages)."""
+        cfg = ModelConfig.from_path(path)
+
+        if speculative is None:
+            speculative = "dspark" if cfg.has_dspark else "none"
+        if speculative not in ("dspark", "none"):
+            raise ValueError(f"speculative={speculative!r}: use 'dspark' or 'none'")
+        if speculative == "dspark" and not cfg.has_dspark:
+            raise ValueError(f"{path}: speculative='dspark' needs a DSpark checkpoint (mtp.* draft "
+                             f"stages and dspark_block_size in config.json); this one has none. "
+                             f"Use speculative='none' or a *-DSpark checkpoint.")
+        if speculative == "dspark" and num_speculative_tokens not in (None, cfg.dspark_block_size):
+            raise ValueError(
+                f"num_speculative_tokens={num_speculative_tokens} does not match the checkpoint's "
+                f"dspark_block_size={cfg.dspark_block_size}: the drafter's block is bidirectional and "
+                f"trained at exactly that width, so other widths change every draft position (and "
+                f"collapse acceptance). Leave it unset; to verify fewer tokens per round use a "
+                f"verify_policy such as 'threshold' or 'scheduled'.")
+        self.speculative = speculative
+
+        weights = load_checkpoint(path, cfg, dtype=dtype, device=self.device, progress=progress)
+        with torch.device("meta"):
+            model = DeepseekV4Model(cfg)
+            drafter = DSparkDrafter(cfg) if speculative == "dspark" else None
+        model.load_state_dict({k: v for k, v in weights.items() if not k.startswith("mtp.")},
+                              strict=True, assign=True)
+        if drafter is not None:
+            drafter.load_state_dict({DSparkDrafter.param_name(k): v for k, v in weights.items()
+                                     if k.startswith("mtp.")}, strict=True, assign=True)
+        del weights
+        return cfg, model.eval(), drafter.eval() if drafter is not None else None
+
     def _sps_table(self, override, max_num_seqs: int, progress: bool):
         """SPS(B) from the user's [[B, ms], ...] override, the on-disk cache, or a fresh profile."""
         from .spec.policy import SpsTable
