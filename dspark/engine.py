@@ -30,7 +30,8 @@ from .runner import ModelRunner, QuantSim
 from .sampling import SamplingParams, probs_from_logits, stack_params
 from .scheduler import Scheduler
 from .spec.policy import make_policy
-from .spec.verify import FinishReason, apply_stops, emitted_tokens, stop_table, verify
+from .spec.verify import (FinishReason, apply_stops, emitted_tokens, stop_table, verify,
+                          verify_greedy)
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16}
@@ -244,22 +245,30 @@ class Engine:
             return []
         g = self.drafter.gamma if self.drafter is not None else 1
         R, V, dev = len(reqs), logits.shape[-1], logits.device
-        temp, top_k, top_p = stack_params([r.params for r in reqs], dev)
-        # target rows [R, γ+1, V] (row i predicts anchor position + i + 1), padded past ℓ
+        # target rows [R, γ+1] (row i predicts anchor position + i + 1), padded past ℓ
         row_idx = torch.tensor([[f + min(i, l) for i in range(g + 1)]
                                 for f, l in zip(first_rows, lengths)], device=dev)
-        p = probs_from_logits(logits[row_idx.flatten()], temp.repeat_interleave(g + 1),
-                              None if top_k is None else top_k.repeat_interleave(g + 1),
-                              None if top_p is None else top_p.repeat_interleave(g + 1)).view(R, g + 1, V)
         drafts = torch.zeros(R, g, dtype=torch.long, device=dev)
-        q = torch.zeros(R, g, V, device=dev)
         for i, r in enumerate(reqs):
             if lengths[i]:
-                drafts[i], q[i] = r.draft.tokens, r.draft.probs
+                drafts[i] = r.draft.tokens
         lens = torch.tensor(lengths, device=dev)
-        seeds = torch.tensor([r.seed for r in reqs], dtype=torch.long, device=dev)
-        P = torch.tensor(anchor_pos, dtype=torch.long, device=dev)
-        res = verify(drafts, q, p, lens, seeds, P)
+        if all(r.params.greedy for r in reqs):
+            # greedy fast path: compare argmaxes, no softmax over V, no random draws
+            res = verify_greedy(drafts, logits[row_idx].argmax(-1), lens)
+        else:
+            temp, top_k, top_p = stack_params([r.params for r in reqs], dev)
+            rep = lambda t: None if t is None else t.repeat_interleave(g + 1)  # noqa: E731
+            p = probs_from_logits(logits[row_idx.flatten()], rep(temp), rep(top_k),
+                                  rep(top_p)).view(R, g + 1, V)
+            q = torch.zeros(R, g, V, device=dev)
+            for i, r in enumerate(reqs):
+                if lengths[i]:       # greedy drafts keep no distribution: a point mass
+                    q[i] = r.draft.probs if r.draft.probs is not None else \
+                        torch.zeros(g, V, device=dev).scatter_(1, r.draft.tokens[:, None], 1.0)
+            seeds = torch.tensor([r.seed for r in reqs], dtype=torch.long, device=dev)
+            P = torch.tensor(anchor_pos, dtype=torch.long, device=dev)
+            res = verify(drafts, q, p, lens, seeds, P)
         toks, counts = emitted_tokens(drafts, res)
         stops = stop_table([r.params.all_stop_ids(self.eos_token_ids) for r in reqs], dev)
         ngen = torch.tensor([len(r.output_ids) for r in reqs], device=dev)

@@ -85,7 +85,9 @@ class ModelRunner:
             prev = sample_from_probs(q, uniforms(seeds, P + k + 1, Purpose.DRAFT))
             toks.append(prev), probs.append(q), confs.append(conf)
         toks, probs, confs = torch.stack(toks, 1), torch.stack(probs, 1), torch.stack(confs, 1)
-        return [DraftBlock(toks[i], probs[i], confs[i]) for i in range(len(reqs))]
+        # greedy requests keep no [γ, V] distribution: their q is the point mass on the token
+        return [DraftBlock(toks[i], None if r.params.greedy else probs[i], confs[i])
+                for i, r in enumerate(reqs)]
 
     def draft_blocks_for_profile(self, states, start: int):
         """Draft pass for len(states) synthetic requests anchored at `start` (SPS profiling)."""
