@@ -37,6 +37,9 @@ class DraftState:
     def write(self, stage: int, positions: torch.Tensor, rows: torch.Tensor):
         if self.kv[stage] is None:
             self.kv[stage] = rows.new_zeros(self.capacity, rows.shape[-1])
+        # only the newest `capacity` rows can be read again; writing more in one call would
+        # collide in the ring (which of two writes to one slot wins is undefined)
+        positions, rows = positions[-self.capacity:], rows[-self.capacity:]
         self.kv[stage][positions % self.capacity] = rows
 
     def window_rows(self, stage: int, P: int) -> torch.Tensor:
