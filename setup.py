@@ -4,8 +4,9 @@ setup(
     name="dspark",
     version="0.1.0",
     description="DSpark speculative decoding engine for DeepSeek-V4 (PyTorch + Triton)",
-    packages=find_packages(include=["dspark", "dspark.*"]),
-    package_data={"dspark": ["assets/**/*"]},
+    # the shipped model is data inside the package (dspark/assets/default)
+    packages=find_packages(include=["dspark", "dspark.*"]) + ["dspark.assets.default"],
+    package_data={"dspark.assets.default": ["*"]},
     include_package_data=True,
     python_requires=">=3.10",
     install_requires=[

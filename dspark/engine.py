@@ -72,8 +72,13 @@ class Engine:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, seed: int = 0, progress: bool = False,
                  sps_table=None, draft: str | None = None, cpu_threads: int | None = None,
-                 **policy_kwargs):
+                 kv_layout: str = "paged", attention_backend: str = "auto",
+                 num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
+                 tensor_parallel_size: int = 1, **policy_kwargs):
         path = path or default_model_path()
+        # > 1: one process per device, attention heads / routed experts split over them
+        # (dspark/distributed); this process is rank 0 and drives the others
+        self.tensor_parallel_size = int(tensor_parallel_size)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if isinstance(dtype, str):
             if dtype not in DTYPES:
@@ -84,6 +89,8 @@ class Engine:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: use 'fp8' (fp8_ds_mla records, the "
                              f"reference numerics) or 'bf16'/'fp32' (unquantized cache)")
         self.path, self.device, self.dtype = path, torch.device(device), dtype
+        if (draft is not None or _model_type(path) == "qwen3") and self.tensor_parallel_size > 1:
+            raise ValueError("tensor_parallel_size > 1 is implemented for DeepSeek-V4 checkpoints only")
         if draft is not None or _model_type(path) == "qwen3":
             # Qwen3 target (+ a separate DeepSpec DSpark drafter checkpoint): own loader and runner
             from .models.qwen3 import build_engine_components
@@ -94,7 +101,20 @@ class Engine:
             cfg, model, drafter = self._load_deepseek_v4(path, dtype, speculative,
                                                          num_speculative_tokens, progress)
             quant = QuantSim() if kv_cache_dtype in ("fp8", "auto") else None
-            self.runner = ModelRunner(model, drafter, self.device, quant)
+            backend = None
+            if kv_layout == "paged":
+                backend = self._paged_backend(cfg, drafter, kv_cache_dtype, attention_backend,
+                                              max_num_seqs, max_num_batched_tokens, max_model_len,
+                                              num_kv_blocks, kv_cache_memory)
+            elif kv_layout != "dense":
+                raise ValueError(f"kv_layout={kv_layout!r}: use 'paged' (fp8_ds_mla pages, the "
+                                 f"serving layout) or 'dense' (the per-request reference state)")
+            if self.tensor_parallel_size > 1:
+                self.runner = self._tp_runner.configure(quant, backend)
+            else:
+                self.runner = ModelRunner(model, drafter, self.device, quant, backend=backend)
+        self.cache = getattr(self.runner.backend, "cache", None) if hasattr(self.runner, "backend") \
+            else None
         self.cfg = cfg
         self.model, self.drafter = model, drafter
         if self.device.type == "cpu" and (cpu_threads or cfg.hidden_size <= 1024):
@@ -102,7 +122,7 @@ class Engine:
             # synchronisation (measured 10-100x slower with 2 threads on a busy 2-core box)
             torch.set_num_threads(cpu_threads or 1)
         self.kv_cache_dtype = kv_cache_dtype
-        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens)
+        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, self.cache)
         self.sts = self._load_sts(path)
         self.policy = None
         if drafter is not None:
@@ -114,6 +134,8 @@ class Engine:
         self.telemetry = collections.deque(maxlen=4096)   # per-step batch composition
         self.round_log = None     # set to a list to record (conf logits, verified, accepted) per round
         self.max_model_len = max_model_len or cfg.max_position_embeddings
+        if self.cache is not None:       # one request alone must always fit in the cache
+            self.max_model_len = min(self.max_model_len, self.cache.num_blocks * self.cache.block_size)
         self.tokenizer = self._load_tokenizer(path)
         self.eos_token_ids = (cfg.eos_token_id,) if cfg.eos_token_id is not None else ()
         self._seed = seed
@@ -124,8 +146,17 @@ class Engine:
     def score(self, token_ids) -> torch.Tensor:
         """float32 logits [len(token_ids), vocab] for every position of one sequence."""
         ids = self._check_prompt(token_ids)
-        state, _ = self.runner.new_states()
-        logits, _ = self.runner.target_forward([(state, 0, ids)])
+        if self.cache is None:
+            state, _ = self.runner.new_states()
+            logits, _ = self.runner.target_forward([(state, 0, ids)])
+            return logits.float().cpu()
+        rid = ("score", next(self._ids))
+        self.cache.add_request(rid)
+        try:
+            self.cache.reserve(rid, len(ids))
+            logits, _ = self.runner.target_forward([(rid, 0, ids)])
+        finally:
+            self.cache.free(rid)
         return logits.float().cpu()
 
     def generate(self, prompts, params: SamplingParams | list | None = None, progress: bool = False):
@@ -160,11 +191,21 @@ class Engine:
         seed = params.seed if params.seed is not None else hash((self._seed, rid)) & ((1 << 62) - 1)
         req = Request(rid, ids, params, seed, metrics=SpecMetrics(), arrival_time=time.perf_counter())
         req.target_state, req.draft_state = self.runner.new_states()
+        if self.cache is not None:
+            self.cache.can_admit(len(ids))            # raises CacheTooSmall with the fix
+            req.target_state = rid                    # paged: the request id is the handle
         if self.tokenizer is not None:
             req.detok, req.text = IncrementalDetokenizer(self.tokenizer), ""
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
+
+    def close(self) -> None:
+        """Stop the worker processes of a tensor-parallel engine and leave its process group
+        (no-op otherwise; also done at interpreter exit)."""
+        shutdown = getattr(self.runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -204,13 +245,17 @@ class Engine:
             for req, n in zip(sch.running, lens.tolist()):
                 req.verify_len = int(n)
         plan = sch.schedule()
-        items, rows = [], []                                      # 2. one flattened forward
+        for req in plan.preempted:                                # recomputed later from tokens
+            req.draft_state = self.runner.new_states()[1]
+        items = []                                                # 2. one flattened forward
         for req in plan.verify:
             P = req.num_committed
             items.append((req.target_state, P, [req.anchor] + req.draft.tokens[:req.verify_len].tolist()
                           if req.draft is not None else [req.anchor]))
         for req, n in plan.prefill:
-            items.append((req.target_state, req.num_prefilled, req.prompt_ids[req.num_prefilled:][:n]))
+            items.append((req.target_state, req.num_prefilled, req.prefill_ids[req.num_prefilled:][:n]))
+        if not items:
+            return []
         logits, taps = self.runner.target_forward(items)
         self.telemetry.append({"batch_tokens": plan.num_tokens, "num_verify": len(plan.verify),
                                "verify_tokens": [r.verify_len for r in plan.verify],
@@ -229,7 +274,11 @@ class Engine:
                 self.runner.commit_context(req.draft_state, taps[offsets[i]:offsets[i + 1]],
                                            req.num_prefilled)
             req.num_prefilled += n
-            if req.num_prefilled == len(req.prompt_ids):
+            if req.num_prefilled < len(req.prefill_ids):
+                continue
+            if req.output_ids:                  # recomputed after preemption: anchor known
+                sch.promote(req)
+            else:
                 producers.append(req), first_rows.append(offsets[i + 1] - 1), lengths.append(0)
                 anchors_pos.append(req.num_prefilled - 1)
         outputs = self._accept(producers, logits, taps, first_rows, lengths, anchors_pos)
@@ -297,6 +346,9 @@ class Engine:
                 self.scheduler.promote(req)
                 req.first_token_time = now
             req.output_ids.extend(new)
+            if self.cache is not None and finish[i] == FinishReason.NONE:
+                # roll every cache back to the committed tokens (rejected drafts never happened)
+                self.cache.truncate(req.request_id, req.num_committed)
             if finish[i] != FinishReason.NONE:
                 req.finish_reason = "stop" if finish[i] == FinishReason.STOP else "length"
                 req.finish_time = now
@@ -305,6 +357,24 @@ class Engine:
         return outs
 
     # ---- helpers -------------------------------------------------------------------------
+    def _paged_backend(self, cfg, drafter, kv_cache_dtype, name, max_num_seqs, max_batched,
+                       max_model_len, num_blocks, memory):
+        from .attention import get_backend
+        from .kvcache.paged import PagedKVCache
+        if name == "auto":
+            name = "triton" if self.device.type == "cuda" else "reference"
+        lookahead = drafter.gamma + 1 if drafter is not None else 0
+        if num_blocks is None and memory is None:
+            # room for every sequence at a moderate length (or one at the full model length)
+            per_seq = min(max_model_len or cfg.max_position_embeddings, 2048)
+            num_blocks = max(max_num_seqs * -(-per_seq // 256),
+                             -(-min(max_model_len or 0, cfg.max_position_embeddings) // 256), 1)
+        cache = PagedKVCache(cfg, device=self.device, kv_cache_dtype=kv_cache_dtype,
+                             num_blocks=num_blocks, memory_bytes=memory, max_num_seqs=max_num_seqs,
+                             lookahead=lookahead,
+                             max_batch_tokens=max_batched + max_num_seqs * (lookahead + 1))
+        return get_backend(name)(cache)
+
     def _load_deepseek_v4(self, path, dtype, speculative, num_speculative_tokens, progress):
         """(cfg, model, drafter | None) from a DeepSeek-V4 checkpoint (mtp.* = DSpark stages)."""
         cfg = ModelConfig.from_path(path)
@@ -326,6 +396,12 @@ class Engine:
                 f"verify_policy such as 'threshold' or 'scheduled'.")
         self.speculative = speculative
 
+        if self.tensor_parallel_size > 1:       # every rank reads only its slices
+            from .distributed.engine import DistributedRunner
+            self._tp_runner = DistributedRunner.launch(
+                path, cfg, self.tensor_parallel_size, self.device, dtype,
+                drafter=speculative == "dspark", progress=progress)
+            return cfg, self._tp_runner.model, self._tp_runner.drafter
         weights = load_checkpoint(path, cfg, dtype=dtype, device=self.device, progress=progress)
         with torch.device("meta"):
             model = DeepseekV4Model(cfg)

@@ -40,10 +40,17 @@ class Request:
     finish_time: float | None = None
     detok: object = None                   # IncrementalDetokenizer when the model has a tokenizer
     text: str = ""
+    preempted: bool = False                # cache was freed; the engine rebuilds draft state
 
     @property
     def tokens(self) -> list:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def prefill_ids(self) -> list:
+        """Tokens whose target KV a (re)prefill writes: the prompt, or after a preemption every
+        committed token (the last output token is the anchor and is fed by the next verify)."""
+        return self.prompt_ids + self.output_ids[:-1] if self.output_ids else self.prompt_ids
 
     @property
     def num_committed(self) -> int:

@@ -2,20 +2,25 @@
 
 Every running request verifies its block (1 + ℓ tokens); the remaining token budget goes to
 prompt chunks of waiting requests in arrival order (chunked prefill mixed with verify work).
-New requests join as soon as there is a free sequence slot and budget; finished ones leave.
+With a paged KV cache, pages are reserved here before the forward: a running request that
+cannot get pages preempts the most recently admitted one (its cache is freed and it is
+recomputed later from its committed tokens, which reproduces the same output because sampling
+is keyed by position), and prefills wait while pages or state slots are short.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
+from .kvcache.block_manager import CacheFull
 from .request import Request, Status
 
 
 @dataclass
 class StepPlan:
     verify: list = field(default_factory=list)     # running requests (verify ℓ drafts, ℓ may be 0)
-    prefill: list = field(default_factory=list)    # (request, number of prompt tokens this step)
+    prefill: list = field(default_factory=list)    # (request, number of tokens this step)
+    preempted: list = field(default_factory=list)  # requests whose cache was freed this step
 
     @property
     def num_tokens(self) -> int:
@@ -23,12 +28,14 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048):
+    def __init__(self, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, cache=None):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.max_num_seqs, self.max_tokens = max_num_seqs, max_num_batched_tokens
+        self.cache = cache                 # PagedKVCache or None (dense state, unbounded)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0
 
     def add(self, req: Request):
         self.waiting.append(req)
@@ -37,17 +44,75 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> StepPlan:
-        plan = StepPlan(verify=list(self.running))
+        plan = StepPlan()
+        for req in list(self.running):                 # oldest first keep their pages
+            if req.status != Status.RUNNING:
+                continue                               # preempted earlier in this loop
+            if self._reserve_or_preempt(req, req.num_committed + 1 + req.verify_len, plan):
+                plan.verify.append(req)
         budget = self.max_tokens - plan.num_tokens
         active = len(self.running)
-        for req in self.waiting:           # prefills in arrival order, possibly partial chunks
+        for req in list(self.waiting):                 # prefills in arrival order, chunked
             if budget <= 0 or active >= self.max_num_seqs:
                 break
-            n = min(len(req.prompt_ids) - req.num_prefilled, budget)
+            n = min(len(req.prefill_ids) - req.num_prefilled, budget)
+            if not self._reserve_prefill(req, req.num_prefilled + n):
+                break                                  # no pages / slots: wait for finishes
             plan.prefill.append((req, n))
             budget -= n
             active += 1
         return plan
+
+    def _reserve_or_preempt(self, req, new_len: int, plan: StepPlan) -> bool:
+        if self.cache is None:
+            return True
+        while True:
+            try:
+                self.cache.reserve(req.request_id, new_len)
+                return True
+            except CacheFull:
+                # newest admission gives way first: partially prefilled waiting requests, then
+                # running ones (possibly req itself)
+                partial = [r for r in self.waiting if self.cache.has_request(r.request_id)]
+                victim = partial[-1] if partial else self.running[-1]
+                self.preempt(victim)
+                plan.preempted.append(victim)
+                if victim is req:
+                    return False
+
+    def _reserve_prefill(self, req, new_len: int) -> bool:
+        if self.cache is None:
+            return True
+        rid = req.request_id
+        while True:
+            fresh = not self.cache.has_request(rid)
+            try:
+                if fresh:
+                    self.cache.add_request(rid)
+                self.cache.reserve(rid, new_len)
+                return True
+            except CacheFull:
+                if fresh and self.cache.has_request(rid):
+                    self.cache.free(rid)
+                # later arrivals that hold pages from earlier chunks give them back, so the
+                # queue head can always make progress (no deadlock between partial prefills)
+                later = list(self.waiting)[list(self.waiting).index(req) + 1:]
+                holders = [r for r in later if self.cache.has_request(r.request_id)]
+                if not holders:
+                    return False
+                self.preempt(holders[-1])
+
+    def preempt(self, req: Request):
+        """Free the request's cache; it is recomputed later from its committed tokens (running
+        requests are queued first, partially prefilled ones keep their place)."""
+        if self.cache is not None and self.cache.has_request(req.request_id):
+            self.cache.free(req.request_id)
+        if req.status == Status.RUNNING:
+            self.running.remove(req)
+            self.waiting.appendleft(req)
+        req.status, req.num_prefilled, req.draft = Status.WAITING, 0, None
+        req.preempted = True
+        self.num_preemptions += 1
 
     def promote(self, req: Request):
         """Prompt fully prefilled: the request now drafts and verifies every step."""
@@ -61,3 +126,5 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        if self.cache is not None and self.cache.has_request(req.request_id):
+            self.cache.free(req.request_id)

@@ -17,7 +17,8 @@ def _prompt(n, seed=0, vocab=1024):
 
 @pytest.fixture(scope="module")
 def engine(tiny_ckpt):
-    return Engine(tiny_ckpt, device="cpu", dtype="fp32", kv_cache_dtype="fp32", speculative="none")
+    return Engine(tiny_ckpt, device="cpu", dtype="fp32", kv_cache_dtype="fp32", speculative="none",
+                  kv_layout="dense")
 
 
 def _assert_close(ours, ref, rel=1e-4):

@@ -97,7 +97,7 @@ def main(argv=None):
     p.add_argument("--plot", default=None, help="write a PNG here")
     a = p.parse_args(argv)
     if a.quick:
-        a.num_prompts, a.max_tokens = min(a.num_prompts, 8), min(a.max_tokens, 48)
+        a.num_prompts, a.max_tokens = min(a.num_prompts, 6), min(a.max_tokens, 32)
     model = a.model or default_model_path()
     dataset = a.dataset or os.path.join(model, "heldout_prompts.jsonl")
     prompts = load_prompts(dataset, a.num_prompts)
@@ -111,7 +111,7 @@ def main(argv=None):
           f"{len(prompts)} prompts × {a.max_tokens} tokens", file=sys.stderr)
     rows = []
     for c in conc:
-        run_once(spec, prompts[:min(2, len(prompts))], sp, c, "warm-up")   # first-call overheads
+        run_once(spec, prompts[:1], sp, c, "warm-up")   # first-call overheads
         s = run_once(spec, prompts, sp, c, f"dspark c={c}")
         o = run_once(off, prompts, sp, c, f"off c={c}")
         rows.append({"concurrency": c, "dspark": s, "off": o, "speedup": s["tok_s"] / o["tok_s"]})

@@ -50,24 +50,36 @@ def _sync(engine):
 def measure(engine, buckets, context: int = 64, repeats: int = 5, progress: bool = True) -> list:
     """[[B, median ms], ...] for each bucket B."""
     runner, g = engine.runner, max(engine.cfg.dspark_block_size, 1)
+    cache = getattr(engine, "cache", None)
     rows = []
     for B in tqdm(buckets, desc="profiling SPS(B)", unit="bucket", disable=not progress):
-        R = -(-B // (g + 1))
+        R = min(-(-B // (g + 1)), engine.scheduler.max_num_seqs)
         states = [runner.new_states() for _ in range(R)]
+        handles = [s[0] for s in states]
+        if cache is not None:                            # paged: requests are cache handles
+            handles = [("sps-profile", B, r) for r in range(R)]
+            for h in handles:
+                cache.add_request(h)
+                cache.reserve(h, context + B)
         ctx = [[(7 * i + 3 * r) % engine.cfg.vocab_size for i in range(context)] for r in range(R)]
-        runner.target_forward([(s[0], 0, c) for s, c in zip(states, ctx)])   # warm state
+        runner.target_forward([(h, 0, c) for h, c in zip(handles, ctx)])   # warm state
         sizes = [B // R + (1 if r < B % R else 0) for r in range(R)]
-        items = [(s[0], context, c[:n]) for s, c, n in zip(states, ctx, sizes)]
+        items = [(h, context, c[:n]) for h, c, n in zip(handles, ctx, sizes)]
         times = []
         for _ in range(repeats + 1):                     # first run is a warm-up
+            if cache is not None:
+                for h in handles:
+                    cache.truncate(h, context)           # each repeat re-verifies the same block
             _sync(engine)
             t0 = time.perf_counter()
-            # verify writes positions >= context only: repeats overwrite the same slots
             runner.target_forward(items)
             if engine.drafter is not None:
                 runner.draft_blocks_for_profile(states, context)
             _sync(engine)
             times.append(1e3 * (time.perf_counter() - t0))
+        if cache is not None:
+            for h in handles:
+                cache.free(h)
         rows.append([B, statistics.median(times[1:])])
     return rows
 

@@ -101,7 +101,7 @@ class Attention(nn.Module):
                         DenseState.write(st, "idx_keys", j0, self.finish_entries(
                             pooled, j0, self.indexer.compressor, x.dtype, quant, indexer=True))
                     ikeys = st.idx_keys[:j1] if j1 else qi.new_zeros(0, qi.shape[-1])
-                    cmask = Indexer.select(qi[sl], wi[sl], ikeys, pos[sl], 4, self.indexer.topk)
+                    cmask = self.indexer.select(qi[sl], wi[sl], ikeys, pos[sl], 4, self.indexer.topk)
                 else:
                     cmask = torch.arange(j1, device=x.device)[None, :] < ((pos[sl] + 1) // m)[:, None]
                 keys = torch.cat([keys, ents.to(keys.dtype)], 0)

@@ -1,0 +1,93 @@
+"""Process-group plumbing for tensor / expert parallelism (torch.distributed only).
+
+Every rank of a group runs the same forward on the same inputs; the sharded modules call
+`TPGroup.all_reduce` / `TPGroup.all_gather` on the default process group (NCCL on GPU, gloo on CPU).
+The engine's control messages travel over a separate gloo group (`TPGroup.cpu_group`) whose
+timeout is long: an idle engine leaves its workers waiting in a broadcast for the next step.
+
+NVLink multicast (NVLS) stays off wherever NCCL is initialised: `init_distributed` sets
+NCCL_NVLS_ENABLE=0 before the NCCL group is created.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# control plane: waiting for the next command may take as long as the engine stays idle
+CONTROL_TIMEOUT = datetime.timedelta(days=365)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, read, release)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def local_init_method(port: int | None = None) -> str:
+    return f"tcp://127.0.0.1:{port or free_port()}"
+
+
+def backend_for(device) -> str:
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def rank_device(device, rank: int) -> torch.device:
+    """cuda:(base + rank) for a CUDA engine (base = the index given, default 0); cpu stays cpu."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.device("cuda", (device.index or 0) + rank)
+    return device
+
+
+@dataclass
+class TPGroup:
+    """One rank's view of a tensor-parallel group. `group=None` means the default process group;
+    with world == 1 every collective is a no-op, so sharded modules also run in one process."""
+    rank: int = 0
+    world: int = 1
+    group: Any = None
+    cpu_group: Any = None
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """In-place sum over ranks; returns t. Every rank receives the same bits."""
+        if self.world > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return t
+
+    def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Concatenation over ranks (in rank order) along `dim`."""
+        if self.world == 1:
+            return t
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(parts, t, group=self.group)
+        return torch.cat(parts, dim=dim)
+
+
+def init_distributed(rank: int, world: int, init_method: str, device="cpu",
+                     timeout_s: float = 1800.0) -> TPGroup:
+    """Join the default process group (NCCL for CUDA devices, gloo otherwise) and create the gloo
+    control group. Call `destroy_distributed` when done."""
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialised in this process; one "
+                           "tensor-parallel engine per process (close() the previous one first)")
+    backend = backend_for(device)
+    if backend == "nccl":
+        os.environ["NCCL_NVLS_ENABLE"] = "0"          # keep NVLink multicast off
+        torch.cuda.set_device(rank_device(device, rank))
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    cpu_group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    return TPGroup(rank, world, None, cpu_group)
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

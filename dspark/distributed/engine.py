@@ -1,0 +1,434 @@
+"""Tensor-parallel execution for the engine: one process per device, rank 0 drives.
+
+    runner = DistributedRunner.launch(path, cfg, world_size=4, device="cuda", dtype=torch.bfloat16,
+                                      drafter=True, quant=QuantSim())
+    Engine(path, tensor_parallel_size=4)          # the same, from the engine
+
+Rank 0 lives in the caller's process: it runs the scheduler, sampling and verification exactly as
+a single-process engine does, through `DistributedRunner`, a `ModelRunner` over rank 0's shard.
+Ranks 1..N-1 are `torch.multiprocessing` spawn children that execute forwards on command.
+
+Protocol (one control message per forward or draft pass): before rank 0 runs a target forward or
+a draft pass on its shard it broadcasts the call's inputs with `broadcast_object_list` over a gloo
+control group; every rank then runs the same `ModelRunner` call on its own shard, and the sharded
+modules meet in their all-reduces (tp.py). Per-request state lives in every rank (the replicated
+KV head and compressor rows; only the heads differ), keyed by an id that rank 0 assigns in
+`new_states()` and that workers create lazily on first use; when rank 0's state objects are
+garbage collected their ids ride on the next message and workers drop theirs. `commit_context`
+calls are queued and sent with the next message, naming rows of the last forward's taps (every
+rank computed the same taps), so they cost no extra round trip. Only rank 0 samples, verifies and
+schedules; workers never make a decision that could differ from it.
+
+Paged KV cache: `configure(quant, backend)` gives every rank an attention backend over its own
+PagedKVCache of the same size (the single KV head is replicated, so each rank stores the same
+rows). The scheduler's cache calls on rank 0 (add_request / reserve / truncate / free) are
+recorded and replayed on every worker, in order, before its next forward, together with their
+outcome (a call that raised on rank 0 must raise the same way on the worker, else the ranks stop
+with an error instead of drifting apart).
+"""
+from __future__ import annotations
+
+import atexit
+import collections
+import itertools
+import queue
+import sys
+import traceback
+import weakref
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dspark.runner import ModelRunner, QuantSim
+
+from .comm import (TPGroup, destroy_distributed, init_distributed, local_init_method,
+                   rank_device)
+from .sharding import check_world_size
+from .tp import build_rank_model, set_indexer_mode
+
+MIRRORED_CACHE_CALLS = ("add_request", "reserve", "truncate", "free")
+
+
+class _MirroredCache:
+    """Mixed into rank 0's PagedKVCache (instance class swap): every engine-API mutation is
+    executed, then recorded for the workers with its outcome."""
+
+    def _tp_mirror(self, name, *args):
+        fn = getattr(super(_MirroredCache, self), name)
+        try:
+            out = fn(*args)
+        except Exception as e:
+            self._tp_record(("cache", name, args, type(e).__name__))
+            raise
+        self._tp_record(("cache", name, args, None))
+        return out
+
+    def add_request(self, rid):
+        return self._tp_mirror("add_request", rid)
+
+    def reserve(self, rid, new_len):
+        return self._tp_mirror("reserve", rid, new_len)
+
+    def truncate(self, rid, committed_len):
+        return self._tp_mirror("truncate", rid, committed_len)
+
+    def free(self, rid):
+        return self._tp_mirror("free", rid)
+
+
+def cache_spec(cache) -> dict:
+    """PagedKVCache keyword arguments that rebuild a cache of the same geometry."""
+    kv = "fp8" if cache.fp8 else {torch.bfloat16: "bf16", torch.float32: "fp32"}[cache.dtype]
+    return dict(kv_cache_dtype=kv, block_size=cache.block_size, num_blocks=cache.num_blocks,
+                max_num_seqs=cache.num_slots, lookahead=cache.lookahead,
+                max_batch_tokens=cache.max_batch_tokens)
+
+
+@dataclass
+class RankSpec:
+    """What a worker needs to build its shard and join the group (pickled to the child)."""
+    path: str
+    cfg: object
+    world: int
+    init_method: str
+    device: str
+    dtype: torch.dtype
+    drafter: bool
+    quant: bool
+    indexer_mode: str
+    timeout_s: float
+    threads: int
+
+
+# ---- worker side ---------------------------------------------------------------------------
+
+def _worker_main(rank: int, spec: RankSpec, status) -> None:
+    try:
+        torch.set_num_threads(spec.threads)
+        dev = rank_device(spec.device, rank)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        tp = TPGroup(rank, spec.world)
+        model, drafter = build_rank_model(spec.path, spec.cfg, tp, spec.dtype, dev, spec.drafter,
+                                          spec.indexer_mode)
+    except BaseException:
+        status.put(("error", rank, traceback.format_exc()))
+        return
+    status.put(("ready", rank, None))
+    g = init_distributed(rank, spec.world, spec.init_method, spec.device, spec.timeout_s)
+    tp.group, tp.cpu_group = g.group, g.cpu_group
+    runner = ModelRunner(model, drafter, dev, QuantSim() if spec.quant else None)
+    code = 0
+    try:
+        Worker(runner, tp).serve()
+    except BaseException:
+        print(f"[dspark tp rank {rank}] worker failed:\n{traceback.format_exc()}", file=sys.stderr,
+              flush=True)
+        code = 1
+    finally:
+        destroy_distributed()
+    if code:
+        sys.exit(code)
+
+
+class Worker:
+    """Executes rank 0's commands on this rank's shard until told to stop."""
+
+    def __init__(self, runner: ModelRunner, tp: TPGroup):
+        self.runner, self.tp = runner, tp
+        self.states: dict = {}
+        self.last_taps = None
+
+    def _state(self, ref):
+        if not (isinstance(ref, tuple) and len(ref) == 2 and ref[0] == "tp-state"):
+            return ref                      # an id the backend understands (passed through)
+        key, which = ref[1]
+        if (key, which) not in self.states:
+            t, d = self.runner.new_states()
+            self.states.setdefault((key, "t"), t)
+            self.states.setdefault((key, "d"), d)
+        return self.states[(key, which)]
+
+    def serve(self) -> None:
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0, group=self.tp.cpu_group)
+            threads, ops = box[0]
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+            for op in ops:
+                if self.execute(op) == "stop":
+                    return
+
+    @torch.inference_mode()
+    def execute(self, op):
+        kind = op[0]
+        if kind == "free":
+            for key in op[1]:
+                self.states.pop(key, None)
+        elif kind == "fwd":
+            _, items, logit_rows = op
+            items = [(self._state(ref), start, toks) for ref, start, toks in items]
+            _, self.last_taps = self.runner.target_forward(items, logit_rows)
+        elif kind == "ctx":
+            _, ref, rows, start = op
+            taps = self.last_taps[rows[0]:rows[1]] if isinstance(rows, tuple) else rows.to(
+                self.runner.device)
+            self.runner.commit_context(self._state(ref), taps, start)
+        elif kind == "draft":
+            reqs = [SimpleNamespace(anchor=a, num_committed=n, draft_state=self._state(ref),
+                                    params=p, seed=s) for a, n, ref, p, s in op[1]]
+            self.runner.draft(reqs)
+        elif kind == "cache":
+            _, name, args, expected = op
+            try:
+                getattr(self.runner.backend.cache, name)(*args)
+                got = None
+            except Exception as e:
+                got = type(e).__name__
+            if got != expected:
+                raise RuntimeError(f"rank {self.tp.rank}: KV cache {name}{args} gave "
+                                   f"{got or 'success'} here but {expected or 'success'} on rank 0")
+        elif kind == "configure":
+            _, quant, backend_cls, spec = op
+            self.runner.quant = quant
+            self.runner.backend = None
+            if backend_cls is not None:
+                from dspark.kvcache.paged import PagedKVCache
+                cache = PagedKVCache(self.runner.model.cfg, device=self.runner.device, **spec)
+                self.runner.backend = backend_cls(cache)
+            for m in (self.runner.model, self.runner.drafter):
+                if m is not None:
+                    set_indexer_mode(m, "auto", paged=backend_cls is not None)
+        elif kind == "stop":
+            return "stop"
+        else:
+            raise ValueError(f"unknown command {kind!r}")
+
+
+# ---- driver side ---------------------------------------------------------------------------
+
+def _wait_ready(procs, status, timeout_s: float | None) -> None:
+    """Block until every worker reported its shard loaded; raise with the worker's traceback
+    (or exit code) as soon as one fails."""
+    pending, waited = {p_rank for p_rank, _ in procs}, 0.0
+    while pending:
+        try:
+            kind, rank, info = status.get(timeout=0.5)
+        except queue.Empty:
+            waited += 0.5
+            for r, p in procs:
+                if r in pending and not p.is_alive():
+                    raise RuntimeError(
+                        f"tensor-parallel rank {r} exited with code {p.exitcode} before loading its "
+                        f"shard (its error is printed above). Workers are started with 'spawn', "
+                        f"which re-imports the main script: a script that creates the engine at "
+                        f"top level needs an `if __name__ == \"__main__\":` guard")
+            if timeout_s is not None and waited > timeout_s:
+                raise TimeoutError(f"tensor-parallel ranks {sorted(pending)} did not load their "
+                                   f"shards within {timeout_s} s")
+            continue
+        if kind == "error":
+            raise RuntimeError(f"tensor-parallel rank {rank} failed while loading its shard:\n{info}")
+        pending.discard(rank)
+
+
+def _reap(procs, timeout_s: float = 30.0) -> None:
+    for _, p in procs:
+        p.join(timeout_s)
+    for _, p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(5)
+
+
+def _close_at_exit(ref) -> None:
+    runner = ref()
+    if runner is not None:
+        runner.shutdown()
+
+
+class DistributedRunner(ModelRunner):
+    """Rank 0 of a tensor-parallel group, with the ModelRunner API the engine uses."""
+
+    def __init__(self, model, drafter, device, quant, tp: TPGroup, procs):
+        super().__init__(model, drafter, device, quant)
+        self.tp, self._procs = tp, procs
+        self._keys = itertools.count()
+        self._freed = collections.deque()      # state refs whose rank-0 objects were collected
+        self._queued: list = []                # commit_context ops awaiting the next message
+        self._last_taps = None
+        self._closed = self._broken = False
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    @property
+    def world_size(self) -> int:
+        return self.tp.world
+
+    @classmethod
+    def launch(cls, path: str, cfg, world_size: int, device="cpu", dtype=torch.float32,
+               drafter: bool = True, quant: QuantSim | None = None, indexer_mode: str = "auto",
+               progress: bool = False, timeout_s: float = 1800.0,
+               start_timeout_s: float | None = None, threads: int | None = None):
+        """Spawn ranks 1..N-1, load rank 0's shard here, wait for every shard, form the group."""
+        check_world_size(cfg, world_size)
+        if dist.is_initialized():
+            raise RuntimeError("torch.distributed is already initialised in this process: one "
+                               "tensor-parallel engine per process (close() the other one first)")
+        device = str(device)
+        if torch.device(device).type == "cuda" and torch.cuda.device_count() < (
+                (torch.device(device).index or 0) + world_size):
+            raise ValueError(f"tensor_parallel_size={world_size} needs {world_size} GPUs from "
+                             f"{device}; {torch.cuda.device_count()} visible")
+        spec = RankSpec(path, cfg, world_size, local_init_method(), device, dtype, drafter,
+                        quant is not None, indexer_mode, timeout_s,
+                        threads or torch.get_num_threads())
+        ctx = mp.get_context("spawn")
+        status = ctx.Queue()
+        procs = []
+        try:
+            for r in range(1, world_size):
+                p = ctx.Process(target=_worker_main, args=(r, spec, status), daemon=True,
+                                name=f"dspark-tp-rank{r}")
+                p.start()
+                procs.append((r, p))
+            tp = TPGroup(0, world_size)
+            dev = rank_device(device, 0)
+            model, draft = build_rank_model(path, cfg, tp, dtype, dev, drafter, indexer_mode,
+                                            progress=progress)
+            _wait_ready(procs, status, start_timeout_s)
+            g = init_distributed(0, world_size, spec.init_method, device, timeout_s)
+            tp.group, tp.cpu_group = g.group, g.cpu_group
+        except BaseException:
+            for _, p in procs:
+                if p.is_alive():
+                    p.terminate()
+            _reap(procs, 5)
+            destroy_distributed()
+            raise
+        return cls(model, draft, dev, quant, tp, procs)
+
+    def configure(self, quant: QuantSim | None = None, backend=None) -> "DistributedRunner":
+        """Set the KV rounding and the attention backend (None: dense per-request state) on
+        every rank. Rank 0 keeps `backend` itself; workers build the same backend class over a
+        PagedKVCache of the same geometry, and rank 0's cache calls are mirrored to them."""
+        self.quant, self.backend = quant, backend
+        spec = None
+        if backend is not None:
+            cache = backend.cache
+            spec = cache_spec(cache)
+            if not isinstance(cache, _MirroredCache):
+                cache.__class__ = type(f"Mirrored{type(cache).__name__}",
+                                       (_MirroredCache, type(cache)), {})
+            cache._tp_record = self._queued_append
+        for m in (self.model, self.drafter):
+            if m is not None:
+                set_indexer_mode(m, "auto", paged=backend is not None)
+        self._queued.append(("configure", quant, None if backend is None else type(backend), spec))
+        return self
+
+    def _queued_append(self, op) -> None:
+        self._queued.append(op)
+
+    # ---- control plane ---------------------------------------------------------------
+    def _ref(self, state, which: str):
+        """The id workers know `state` by (tagged on first use; its collection frees it)."""
+        if state is None:
+            return None
+        ref = getattr(state, "_tp_ref", None)
+        if ref is None:
+            ref = (next(self._keys), which)
+            try:
+                state._tp_ref = ref
+            except AttributeError:
+                return state                   # e.g. a paged-cache request id: sent as is
+            weakref.finalize(state, self._freed.append, ref).atexit = False
+        return ("tp-state", ref)
+
+    def _send(self, *ops) -> None:
+        if self._closed:
+            raise RuntimeError("this tensor-parallel engine is closed")
+        if self._broken:
+            raise RuntimeError("a previous tensor-parallel step failed part-way, so the ranks are "
+                               "out of step; close() this engine and create a new one")
+        frees = []
+        while True:
+            try:
+                frees.append(self._freed.popleft())
+            except IndexError:
+                break
+        # queued ops may name states collected since: they run before those states are freed
+        msg = self._queued + ([("free", frees)] if frees else []) + list(ops)
+        self._queued = []
+        dist.broadcast_object_list([(torch.get_num_threads(), msg)], src=0,
+                                   group=self.tp.cpu_group)
+
+    def _run(self, ops, fn):
+        try:
+            self._send(*ops)
+            return fn()
+        except BaseException:
+            self._broken = True
+            raise
+
+    def _rows_of_last_taps(self, taps):
+        """(lo, hi) when `taps` is taps_last[lo:hi] of the last forward, else None."""
+        base = self._last_taps
+        if base is None or taps is None or taps.dim() != 2 or taps.shape[1] != base.shape[1]:
+            return None
+        if taps.untyped_storage().data_ptr() != base.untyped_storage().data_ptr() or \
+                taps.stride() != base.stride():
+            return None
+        off = taps.storage_offset() - base.storage_offset()
+        lo, rem = divmod(off, base.stride(0))
+        if rem or lo < 0 or lo + taps.shape[0] > base.shape[0]:
+            return None
+        return lo, lo + taps.shape[0]
+
+    # ---- ModelRunner API -------------------------------------------------------------
+    def new_states(self):
+        t, d = super().new_states()
+        key = next(self._keys)
+        for obj, which in ((t, "t"), (d, "d")):
+            if obj is not None:
+                obj._tp_ref = (key, which)
+                weakref.finalize(obj, self._freed.append, (key, which)).atexit = False
+        return t, d
+
+    def target_forward(self, items, logit_rows=None):
+        items = list(items)
+        msg = [(self._ref(st, "t"), int(start), [int(t) for t in toks]) for st, start, toks in items]
+        rows = None if logit_rows is None else [int(r) for r in logit_rows]
+        logits, taps = self._run([("fwd", msg, rows)],
+                                 lambda: ModelRunner.target_forward(self, items, logit_rows))
+        self._last_taps = taps
+        return logits, taps
+
+    def commit_context(self, draft_state, taps, start: int):
+        super().commit_context(draft_state, taps, start)
+        rows = self._rows_of_last_taps(taps)
+        self._queued.append(("ctx", self._ref(draft_state, "d"),
+                             rows if rows is not None else taps.detach().cpu(), int(start)))
+
+    def draft(self, reqs) -> list:
+        reqs = list(reqs)
+        msg = [(int(r.anchor), int(r.num_committed), self._ref(r.draft_state, "d"), r.params,
+                int(r.seed)) for r in reqs]
+        return self._run([("draft", msg)], lambda: ModelRunner.draft(self, reqs))
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the workers and leave the process group (idempotent)."""
+        if self._closed:
+            return
+        try:
+            if not self._broken and dist.is_initialized():
+                self._send(("stop",))
+        except Exception:
+            pass
+        self._closed = True
+        destroy_distributed()
+        _reap(self._procs, timeout_s)

@@ -1,0 +1,106 @@
+"""Rank-sharded checkpoint loading: each rank reads only its slices of each tensor.
+
+    weights = load_checkpoint_shard("/ckpt", cfg, rank=1, world=4)   # {official name: local part}
+
+Same validation as `dspark.models.loader.load_checkpoint` (shard headers against the inventory,
+one CheckpointError listing every problem). Then, for every tensor this rank holds (ShardPlan), the
+rows/columns it needs are read with `safe_open(...).get_slice(name)[...]` and de-quantized on the
+slice: an FP8 weight reads the 128-aligned superset of its rows/columns and the matching 128x128
+scale tiles, an FP4 weight reads whole 32-column groups of packed bytes and their scales; after
+`dequant_fp8_blocks` / `dequant_fp4_experts` the superset is cropped, so the result equals slicing
+the fully de-quantized tensor bit for bit. Routed experts of other ranks are never read.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from tqdm.auto import tqdm
+
+from dspark.config import ModelConfig
+from dspark.models.deepseek_v4.weights import scale_name, tensor_inventory
+from dspark.models.loader import (_REGENERATE, CheckpointError, _headers, _open, _shard_map,
+                                  _validate, load_checkpoint)
+from dspark.models.quant import FP4_GROUP, FP8_BLOCK, dequant_fp4_experts, dequant_fp8_blocks
+
+from .sharding import SKIP, ShardPlan
+
+
+def _bounds(sl: slice, n: int) -> tuple[int, int]:
+    start, stop, step = sl.indices(n)
+    if step != 1:
+        raise ValueError("sharded reads need contiguous slices")
+    return start, stop
+
+
+def _fp8_slice(w_sl, s_sl, shape, sl, dtype) -> torch.Tensor:
+    """Rows/cols `sl` of an FP8 weight with 128x128 tiles, de-quantized."""
+    (r0, r1), (c0, c1) = (_bounds(s, n) for s, n in zip(sl, shape))
+    a, b = r0 // FP8_BLOCK * FP8_BLOCK, c0 // FP8_BLOCK * FP8_BLOCK      # tile-aligned starts
+    w = w_sl[a:r1, b:c1]
+    s = s_sl[a // FP8_BLOCK: math.ceil(r1 / FP8_BLOCK), b // FP8_BLOCK: math.ceil(c1 / FP8_BLOCK)]
+    return dequant_fp8_blocks(w, s, dtype)[r0 - a:, c0 - b:].contiguous()
+
+
+def _fp4_slice(w_sl, s_sl, shape, sl, dtype) -> torch.Tensor:
+    """Rows/cols `sl` (logical columns) of a packed FP4 weight with 1x32 groups, de-quantized."""
+    (r0, r1), (c0, c1) = (_bounds(s, n) for s, n in zip(sl, shape))
+    b = c0 // FP4_GROUP * FP4_GROUP
+    e = min(shape[1], math.ceil(c1 / FP4_GROUP) * FP4_GROUP)                # whole groups
+    w = w_sl[r0:r1, b // 2: e // 2]
+    s = s_sl[r0:r1, b // FP4_GROUP: math.ceil(e / FP4_GROUP)]
+    return dequant_fp4_experts(w, s, dtype)[:, c0 - b: c1 - b].contiguous()
+
+
+def load_checkpoint_shard(path: str, cfg: ModelConfig, rank: int, world: int,
+                          dtype: torch.dtype = torch.float32, device="cpu",
+                          progress: bool = False, include=None) -> dict[str, torch.Tensor]:
+    """{official name: this rank's part} for every tensor the rank holds (see ShardPlan), with the
+    dtypes of `load_checkpoint` (fp8/fp4/bf16 weights as `dtype`, fp32 params as float32, the hash
+    table as int64), on `device`. `include(name) -> bool` restricts the tensors read (e.g. no
+    `mtp.*` without a drafter). world == 1 reads everything with `load_checkpoint`."""
+    if world == 1:
+        out = load_checkpoint(path, cfg, dtype=dtype, device=device, progress=progress)
+        return {k: v for k, v in out.items() if include is None or include(k)}
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path!r} is not a directory; pass the checkpoint directory that holds "
+                              f"config.json and the *.safetensors files")
+    plan = ShardPlan(cfg, rank, world)
+    inventory = tensor_inventory(cfg)
+    found = _headers(path, _shard_map(path))
+    _validate(path, cfg, found)
+
+    handles: dict[str, object] = {}
+
+    def sliced(canon: str):
+        shard, fname = found[canon][0], found[canon][1]
+        if shard not in handles:
+            handles[shard] = _open(path, shard).__enter__()
+        return handles[shard].get_slice(fname)
+
+    wanted = [(n, s) for n, s in inventory.items()
+              if plan.slices(n) is not SKIP and (include is None or include(n))]
+    out = {}
+    try:
+        for name, spec in tqdm(wanted, desc=f"loading rank {rank}/{world}", unit="tensor",
+                               disable=not progress):
+            sl = plan.slices(name)
+            try:
+                if spec.kind in ("fp8", "fp4"):
+                    full = tuple(slice(None) for _ in spec.shape)
+                    read = _fp8_slice if spec.kind == "fp8" else _fp4_slice
+                    t = read(sliced(name), sliced(scale_name(name)), spec.shape, sl or full, dtype)
+                else:
+                    t = sliced(name)[tuple(sl)] if sl else sliced(name)[:]
+                    t = t.to({"bf16": dtype, "int64": torch.int64}.get(spec.kind, torch.float32))
+            except CheckpointError:
+                raise
+            except Exception as e:
+                raise CheckpointError(f"{path}: cannot read rank {rank}'s part of {name} "
+                                      f"({type(e).__name__}: {e}); Fix: {_REGENERATE}") from None
+            out[name] = t.to(device)
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
+    return out

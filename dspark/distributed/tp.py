@@ -1,0 +1,228 @@
+"""Tensor-parallel attention + expert-parallel MoE on top of the reference modules.
+
+`shard_modules(model_or_drafter, plan, tp)` turns every decoder `Block` of a (meta-device or loaded)
+DeepseekV4Model / DSparkDrafter into rank `plan.rank`'s part, without touching the model files:
+the modules' classes are swapped for the thin subclasses below, which reuse every parent method
+and only add the collectives, and per-rank sizes (heads, output groups, expert set) are set on
+the instances. `build_rank_model` builds the local model and drafter from `load_checkpoint_shard`.
+
+* TPAttention: H/N query heads (wq_b rows, attn_sink), the rank's wo_a groups (or its part of one
+  group), wo_b columns; `output` = the parent's grouped projection on local heads + all-reduce.
+  KV head, compressors and everything else run replicated, so every rank keeps the same cache.
+* TPIndexer: H_I/N index heads. Either "scores" mode (the design's REF scheme): each rank scores
+  its heads, the [L, n_entries] scores are all-reduced, then every rank takes the same top-k;
+  or "gather" mode: the rank's index queries and head weights are all-gathered and every rank
+  scores all heads (used with paged attention backends, whose `select(q, w)` is one fused step).
+  "scores" needs `Attention.forward` to call the indexer through the instance
+  (`self.indexer.select(...)`); `indexer_mode="auto"` picks it when that is so.
+* EPMoE: replicated gate; only the rank's routed experts (e % N == r) and its slice of the shared
+  expert run; the fp32 partial outputs are all-reduced.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+from torch import nn
+
+from dspark.models.deepseek_v4.attention import Attention
+from dspark.models.deepseek_v4.indexer import Indexer
+from dspark.models.deepseek_v4.model import Block, DeepseekV4Model
+from dspark.models.deepseek_v4.moe import MoE
+
+from .comm import TPGroup
+from .sharding import ShardPlan, check_world_size
+
+INDEXER_MODES = ("auto", "scores", "gather")
+
+
+class TPAttention(Attention):
+    """Attention over this rank's heads; the output projection is summed over ranks."""
+
+    def output(self, o, positions, dtype):
+        out = super().output(o, positions, dtype)          # wo_a on local groups, wo_b columns
+        return self._tp.all_reduce(out.float()).to(dtype)
+
+
+class TPIndexer(Indexer):
+    """Lightning indexer over this rank's index heads (see module docstring for the two modes)."""
+
+    def queries(self, x, cq, positions, rope, quant):
+        q, w = super().queries(x, cq, positions, rope, quant)
+        # the parent scales the head weights by (d * local heads)^-1/2; the model's scale uses
+        # all heads
+        w = w * self._w_fix
+        if self._mode == "gather":
+            q, w = self._tp.all_gather(q, dim=1), self._tp.all_gather(w, dim=1)
+        return q, w
+
+    def select(self, q, w, keys, positions, ratio: int, topk: int) -> torch.Tensor:
+        """Indexer.select with the head sum split over ranks ("scores" mode): partial scores of
+        the local heads, all-reduced before masking and top-k, so every rank keeps the same
+        entries."""
+        if self._mode == "gather":                # q, w already hold every head
+            return Indexer.select(q, w, keys, positions, ratio, topk)
+        n = keys.shape[0]
+        visible = torch.arange(n, device=q.device)[None, :] < ((positions + 1) // ratio)[:, None]
+        if n == 0:
+            return visible
+        scores = (torch.einsum("lhd,jd->lhj", q, keys.float()).relu() * w[:, :, None]).sum(1)
+        scores = self._tp.all_reduce(scores.contiguous())
+        scores = scores.masked_fill(~visible, float("-inf"))
+        top = scores.topk(min(topk, n), dim=-1).indices
+        chosen = torch.zeros_like(visible).scatter_(1, top, True)
+        return chosen & visible
+
+
+class EPMoE(MoE):
+    """MoE over this rank's routed experts (`experts` is a ModuleDict keyed by global expert id,
+    so parameter names stay the checkpoint's) and its part of the shared expert."""
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        idx, w = self.gate(x, token_ids)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        flat = idx.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self._n_experts)
+        starts = (torch.cumsum(counts, 0) - counts).tolist()
+        counts = counts.tolist()
+        tok, wf = order // idx.shape[1], w.flatten()
+        for key, expert in self.experts.items():
+            e = int(key)
+            n, s = counts[e], starts[e]
+            if n:
+                sel, t = order[s:s + n], tok[s:s + n]
+                out.index_add_(0, t, expert(x[t], wf[sel]).float())
+        if self.shared_experts is not None:
+            out += self.shared_experts(x).float()
+        return self._tp.all_reduce(out).to(x.dtype)
+
+
+def instance_select_hook_present() -> bool:
+    """True when the dense `Attention.forward` calls `self.indexer.select` (so TPIndexer.select,
+    the all-reduce of scores, is reached)."""
+    try:
+        return "self.indexer.select(" in inspect.getsource(Attention.forward)
+    except (OSError, TypeError):
+        return False
+
+
+def resolve_indexer_mode(mode: str, paged: bool = False) -> str:
+    if mode not in INDEXER_MODES:
+        raise ValueError(f"indexer_mode={mode!r}: use one of {INDEXER_MODES}")
+    if mode == "auto":
+        return "scores" if (not paged and instance_select_hook_present()) else "gather"
+    if mode == "scores" and not instance_select_hook_present():
+        raise ValueError("indexer_mode='scores' needs Attention.forward to call "
+                         "self.indexer.select(...); use 'gather' or 'auto'")
+    return mode
+
+
+def set_indexer_mode(root: nn.Module, mode: str, paged: bool = False) -> str:
+    """Switch every TPIndexer under `root` to `mode` (resolved like `shard_modules` does)."""
+    mode = resolve_indexer_mode(mode, paged)
+    for m in root.modules():
+        if isinstance(m, TPIndexer):
+            m._mode = mode
+    return mode
+
+
+def _shard_block(block: Block, plan: ShardPlan, tp: TPGroup, mode: str) -> None:
+    cfg = plan.cfg
+    attn = block.attn
+    attn.__class__ = TPAttention
+    attn._tp = tp
+    attn.n_heads = plan.local_heads
+    # `output` reads o_groups from the module's cfg: local groups (a part of one group counts 1)
+    attn.cfg = cfg.replace(num_attention_heads=plan.local_heads, o_groups=plan.local_groups)
+    if hasattr(attn, "indexer"):
+        ix = attn.indexer
+        ix.__class__ = TPIndexer
+        ix._tp, ix._mode = tp, mode
+        ix.n_heads = plan.local_index_heads
+        ix._w_fix = math.sqrt(plan.local_index_heads / cfg.index_n_heads)
+    ffn = block.ffn
+    ffn.__class__ = EPMoE
+    ffn._tp = tp
+    ffn._n_experts = cfg.n_routed_experts
+    if isinstance(ffn.experts, nn.ModuleList):
+        ffn.experts = nn.ModuleDict({str(e): ffn.experts[e] for e in plan.local_experts})
+    if not plan.holds_shared:
+        ffn.shared_experts = None
+
+
+def shard_modules(root: nn.Module, plan: ShardPlan, tp: TPGroup, indexer_mode: str = "auto",
+                  paged: bool = False) -> nn.Module:
+    """Make every Block under `root` rank plan.rank's part (structure only; in place)."""
+    mode = resolve_indexer_mode(indexer_mode, paged)
+    for m in list(root.modules()):
+        if isinstance(m, Block) and not isinstance(m.attn, TPAttention):
+            _shard_block(m, plan, tp, mode)
+    return root
+
+
+def shard_loaded_(root: nn.Module, plan: ShardPlan, tp: TPGroup, ckpt_name=None,
+                  indexer_mode: str = "auto", paged: bool = False) -> nn.Module:
+    """Shard a model (or drafter) whose full weights are loaded: structure, then every parameter
+    replaced by its plan slice. `ckpt_name(param name) -> checkpoint name` (identity for the
+    model; `drafter.ckpt_names().get` for a drafter)."""
+    from .sharding import take
+    names = {n: (ckpt_name(n) if ckpt_name else n)
+             for n, _ in list(root.named_parameters()) + list(root.named_buffers())}
+    shard_modules(root, plan, tp, indexer_mode, paged)
+    for n, t in list(root.named_parameters()) + list(root.named_buffers()):
+        sl = plan.slices(names[n])
+        if sl:
+            _assign(root, n, take(t.detach(), sl).clone())
+    return root
+
+
+def _assign(root: nn.Module, name: str, t: torch.Tensor) -> None:
+    path, _, leaf = name.rpartition(".")
+    mod = root.get_submodule(path) if path else root
+    if leaf in mod._parameters:
+        mod._parameters[leaf] = nn.Parameter(t, requires_grad=False)
+    elif leaf in mod._buffers:
+        mod._buffers[leaf] = t
+    else:
+        raise KeyError(f"{name}: no such parameter or buffer")
+
+
+def assign_weights(root: nn.Module, weights: dict, what: str) -> None:
+    """Put `weights` {param name: tensor} into a meta-built, sharded module; every parameter and
+    buffer must be covered exactly."""
+    have = {n for n, _ in list(root.named_parameters()) + list(root.named_buffers())}
+    missing, unexpected = sorted(have - set(weights)), sorted(set(weights) - have)
+    if missing or unexpected:
+        raise KeyError(f"{what}: sharded weights do not match the module: missing {missing[:8]}, "
+                       f"unexpected {unexpected[:8]}")
+    for n, t in weights.items():
+        _assign(root, n, t)
+
+
+def build_rank_model(path: str, cfg, tp: TPGroup, dtype=torch.float32, device="cpu",
+                     with_drafter: bool = False, indexer_mode: str = "auto", paged: bool = False,
+                     progress: bool = False):
+    """(model, drafter | None) holding rank tp.rank's shard of the checkpoint at `path`, read with
+    `load_checkpoint_shard` (only the rank's slices). The modules talk over `tp`."""
+    from dspark.models.drafter import DSparkDrafter
+
+    from .loader import load_checkpoint_shard
+    check_world_size(cfg, tp.world)
+    plan = ShardPlan(cfg, tp.rank, tp.world)
+    with torch.device("meta"):
+        model = DeepseekV4Model(cfg)
+        drafter = DSparkDrafter(cfg) if with_drafter else None
+    shard_modules(model, plan, tp, indexer_mode, paged)
+    if drafter is not None:
+        shard_modules(drafter, plan, tp, indexer_mode, paged)
+    weights = load_checkpoint_shard(path, cfg, tp.rank, tp.world, dtype=dtype, device=device,
+                                    progress=progress,
+                                    include=None if with_drafter else lambda n: not n.startswith("mtp."))
+    assign_weights(model, {k: v for k, v in weights.items() if not k.startswith("mtp.")}, "model")
+    if drafter is not None:
+        assign_weights(drafter, {DSparkDrafter.param_name(k): v for k, v in weights.items()
+                                 if k.startswith("mtp.")}, "drafter")
+    del weights
+    return model.eval(), (drafter.eval() if drafter is not None else None)
