@@ -255,6 +255,10 @@ class Engine:
         for req, n in plan.prefill:
             items.append((req.target_state, req.num_prefilled, req.prefill_ids[req.num_prefilled:][:n]))
         if not items:
+            if sch.has_unfinished():    # cannot happen when admission checks hold; never spin
+                raise RuntimeError("scheduler could not place any work although requests are "
+                                   "waiting; the KV cache is too small for them (raise "
+                                   "num_kv_blocks / kv_cache_memory or lower max_num_seqs)")
             return []
         logits, taps = self.runner.target_forward(items)
         self.telemetry.append({"batch_tokens": plan.num_tokens, "num_verify": len(plan.verify),

@@ -49,8 +49,6 @@ from .comm import (TPGroup, destroy_distributed, init_distributed, local_init_me
 from .sharding import check_world_size
 from .tp import build_rank_model, set_indexer_mode
 
-MIRRORED_CACHE_CALLS = ("add_request", "reserve", "truncate", "free")
-
 
 class _MirroredCache:
     """Mixed into rank 0's PagedKVCache (instance class swap): every engine-API mutation is
@@ -145,12 +143,16 @@ class Worker:
     def _state(self, ref):
         if not (isinstance(ref, tuple) and len(ref) == 2 and ref[0] == "tp-state"):
             return ref                      # an id the backend understands (passed through)
-        key, which = ref[1]
-        if (key, which) not in self.states:
+        if ref[1] not in self.states:        # created on first use; only the half asked for
             t, d = self.runner.new_states()
-            self.states.setdefault((key, "t"), t)
-            self.states.setdefault((key, "d"), d)
-        return self.states[(key, which)]
+            self.states[ref[1]] = t if ref[1][1] == "t" else d
+        return self.states[ref[1]]
+
+    def stats(self) -> dict:
+        cache = getattr(self.runner.backend, "cache", None)
+        return {"rank": self.tp.rank, "states": len(self.states),
+                "cache_requests": None if cache is None else len(cache._reqs),
+                "cache_free_pages": None if cache is None else cache.num_free_pages}
 
     def serve(self) -> None:
         while True:
@@ -203,6 +205,8 @@ class Worker:
             for m in (self.runner.model, self.runner.drafter):
                 if m is not None:
                     set_indexer_mode(m, "auto", paged=backend_cls is not None)
+        elif kind == "stats":
+            dist.gather_object(self.stats(), None, dst=0, group=self.tp.cpu_group)
         elif kind == "stop":
             return "stop"
         else:
@@ -418,6 +422,20 @@ class DistributedRunner(ModelRunner):
         msg = [(int(r.anchor), int(r.num_committed), self._ref(r.draft_state, "d"), r.params,
                 int(r.seed)) for r in reqs]
         return self._run([("draft", msg)], lambda: ModelRunner.draft(self, reqs))
+
+    def worker_stats(self) -> list[dict]:
+        """Per-rank bookkeeping (live request states, KV cache requests and free pages), rank 0
+        first; flushes pending frees and cache calls. For tests and debugging."""
+        cache = getattr(self.backend, "cache", None)
+        mine = {"rank": 0, "states": None,
+                "cache_requests": None if cache is None else len(cache._reqs),
+                "cache_free_pages": None if cache is None else cache.num_free_pages}
+        out = [None] * self.tp.world
+
+        def gather():
+            dist.gather_object(mine, out, dst=0, group=self.tp.cpu_group)
+            return out
+        return self._run([("stats",)], gather)
 
     # ---- lifecycle -------------------------------------------------------------------
     def shutdown(self, timeout_s: float = 30.0) -> None:

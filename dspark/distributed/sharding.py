@@ -117,7 +117,9 @@ class ShardPlan:
                 return SKIP
             if not self.shared_split:
                 return FULL
-            return (slice(None), self.shared_rows) if s.group(1) == "w2" else (self.shared_rows, slice(None))
+            if s.group(1) == "w2":                 # row-parallel: its input columns
+                return (slice(None), self.shared_rows)
+            return (self.shared_rows, slice(None))
         return FULL
 
     def local_shape(self, name: str, shape: tuple) -> tuple | None:

@@ -1,10 +1,11 @@
 """Tensor-parallel attention + expert-parallel MoE on top of the reference modules.
 
-`shard_modules(model_or_drafter, plan, tp)` turns every decoder `Block` of a (meta-device or loaded)
-DeepseekV4Model / DSparkDrafter into rank `plan.rank`'s part, without touching the model files:
-the modules' classes are swapped for the thin subclasses below, which reuse every parent method
-and only add the collectives, and per-rank sizes (heads, output groups, expert set) are set on
-the instances. `build_rank_model` builds the local model and drafter from `load_checkpoint_shard`.
+`shard_modules(model_or_drafter, plan, tp)` turns every decoder `Block` of a meta-device-built
+DeepseekV4Model / DSparkDrafter into the structure of rank `plan.rank`'s part without changing
+the model code: the modules' classes are swapped for the thin subclasses below, which reuse every
+parent method and only add the collectives, and the per-rank sizes (heads, output groups, expert
+set) are set on the instances. `build_rank_model` does that and then fills in the weights from
+`load_checkpoint_shard` (only this rank's slices are read).
 
 * TPAttention: H/N query heads (wq_b rows, attn_sink), the rank's wo_a groups (or its part of one
   group), wo_b columns; `output` = the parent's grouped projection on local heads + all-reduce.
@@ -159,22 +160,6 @@ def shard_modules(root: nn.Module, plan: ShardPlan, tp: TPGroup, indexer_mode: s
     for m in list(root.modules()):
         if isinstance(m, Block) and not isinstance(m.attn, TPAttention):
             _shard_block(m, plan, tp, mode)
-    return root
-
-
-def shard_loaded_(root: nn.Module, plan: ShardPlan, tp: TPGroup, ckpt_name=None,
-                  indexer_mode: str = "auto", paged: bool = False) -> nn.Module:
-    """Shard a model (or drafter) whose full weights are loaded: structure, then every parameter
-    replaced by its plan slice. `ckpt_name(param name) -> checkpoint name` (identity for the
-    model; `drafter.ckpt_names().get` for a drafter)."""
-    from .sharding import take
-    names = {n: (ckpt_name(n) if ckpt_name else n)
-             for n, _ in list(root.named_parameters()) + list(root.named_buffers())}
-    shard_modules(root, plan, tp, indexer_mode, paged)
-    for n, t in list(root.named_parameters()) + list(root.named_buffers()):
-        sl = plan.slices(names[n])
-        if sl:
-            _assign(root, n, take(t.detach(), sl).clone())
     return root
 
 
