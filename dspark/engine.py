@@ -74,11 +74,21 @@ class Engine:
                  sps_table=None, draft: str | None = None, cpu_threads: int | None = None,
                  kv_layout: str = "paged", attention_backend: str = "auto",
                  num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
-                 tensor_parallel_size: int = 1, **policy_kwargs):
+                 tensor_parallel_size: int = 1, weight_format: str = "bf16", **policy_kwargs):
         path = path or default_model_path()
+        # "bf16": fp8/fp4 checkpoint weights de-quantized at load to `dtype` (default; the debug
+        # reference). "quantized": kept as FP8 / packed FP4 + e8m0 scales (dspark.models.qlinear)
+        if weight_format not in ("bf16", "quantized"):
+            raise ValueError(f"weight_format={weight_format!r}: use 'bf16' (de-quantize at load) "
+                             f"or 'quantized' (keep FP8 / FP4 weights quantized in memory)")
+        self.weight_format = weight_format
         # > 1: one process per device, attention heads / routed experts split over them
         # (dspark/distributed); this process is rank 0 and drives the others
         self.tensor_parallel_size = int(tensor_parallel_size)
+        if weight_format == "quantized" and self.tensor_parallel_size > 1:
+            raise ValueError("weight_format='quantized' is single-device only for now "
+                             "(tensor-parallel sharding slices de-quantized weights); use "
+                             "tensor_parallel_size=1 or weight_format='bf16'")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if isinstance(dtype, str):
             if dtype not in DTYPES:
@@ -170,12 +180,22 @@ class Engine:
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts; pass one "
                              f"SamplingParams or one per prompt")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        ids = []
+        try:
+            for p, sp in zip(prompts, plist):
+                ids.append(self.add_request(p, sp))
+        except Exception:
+            for rid in ids:                 # a bad prompt admits none of the batch
+                self.abort(rid)
+            raise
         done = {}
-        while self.has_unfinished():
-            for out in self.step():
-                if out.finished:
-                    done[out.request_id] = out
+        from tqdm import tqdm
+        with tqdm(total=len(ids), desc="generate", unit="req", disable=not progress) as bar:
+            while self.has_unfinished():
+                for out in self.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
         outs = [done[i] for i in ids]
         return outs[0] if single else outs
 
@@ -406,6 +426,13 @@ class Engine:
                 path, cfg, self.tensor_parallel_size, self.device, dtype,
                 drafter=speculative == "dspark", progress=progress)
             return cfg, self._tp_runner.model, self._tp_runner.drafter
+        if self.weight_format == "quantized":
+            from .models.qlinear import build_quantized_models, format_memory_report
+            model, drafter = build_quantized_models(path, cfg, dtype, self.device,
+                                                    speculative == "dspark", progress)
+            if progress:
+                print(format_memory_report(self.memory_report(model, drafter)))
+            return cfg, model, drafter
         weights = load_checkpoint(path, cfg, dtype=dtype, device=self.device, progress=progress)
         with torch.device("meta"):
             model = DeepseekV4Model(cfg)
@@ -416,7 +443,19 @@ class Engine:
             drafter.load_state_dict({DSparkDrafter.param_name(k): v for k, v in weights.items()
                                      if k.startswith("mtp.")}, strict=True, assign=True)
         del weights
+        if progress:
+            from .models.qlinear import format_memory_report
+            print(format_memory_report(self.memory_report(model, drafter)))
         return cfg, model.eval(), drafter.eval() if drafter is not None else None
+
+    def memory_report(self, model=None, drafter=None) -> dict:
+        """Weight bytes held by this process by storage format: {"fp8", "fp4" (codes + e8m0
+        scales), "bf16", "fp32", "int64", ..., "total"}; tensors shared by target and drafter
+        count once."""
+        from .models.qlinear import memory_report
+        if model is None:
+            model, drafter = self.model, self.drafter
+        return memory_report(model, drafter)
 
     def _sps_table(self, override, max_num_seqs: int, progress: bool):
         """SPS(B) from the user's [[B, ms], ...] override, the on-disk cache, or a fresh profile."""

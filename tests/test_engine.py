@@ -159,6 +159,10 @@ def test_bad_configuration_errors(tiny_ckpt, tmp_path):
         eng.generate("hello", SamplingParams())
     with pytest.raises(ValueError, match="outside the vocabulary"):
         eng.generate([1, 5000], SamplingParams())
+    # a batch with one bad prompt is rejected whole and leaves nothing behind
+    with pytest.raises(ValueError, match="empty prompt"):
+        eng.generate([[1, 2], []], SamplingParams())
+    assert not eng.requests and not eng.has_unfinished()
     # a bad request leaves the engine usable
     out = eng.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=3))
     assert len(out.token_ids) == 3
