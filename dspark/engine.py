@@ -105,7 +105,8 @@ class Engine:
             # Qwen3 target (+ a separate DeepSpec DSpark drafter checkpoint): own loader and runner
             from .models.qwen3 import build_engine_components
             cfg, model, drafter, self.runner = build_engine_components(
-                path, draft, dtype, self.device, speculative, num_speculative_tokens)
+                path, draft, dtype, self.device, speculative, num_speculative_tokens,
+                kv_layout=kv_layout, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs)
             self.speculative = "dspark" if drafter is not None else "none"
         else:
             cfg, model, drafter = self._load_deepseek_v4(path, dtype, speculative,

@@ -105,7 +105,8 @@ class DSparkDrafter(nn.Module):
     def commit_context(self, state: DraftState, taps: torch.Tensor, positions: torch.Tensor,
                        quant=None):
         """Write draft context rows for committed positions from target taps [n, taps*D]."""
-        main_x = self.main_norm(F.linear(taps.to(self.main_proj.weight.dtype), self.main_proj.weight))
+        proj = self.main_proj     # nn.Linear, or a QuantLinear (raw fp8 `.weight`) in quantized mode
+        main_x = self.main_norm(proj(taps.to(getattr(proj, "compute_dtype", proj.weight.dtype))))
         for s, stage in enumerate(self.stages):
             state.write(s, positions, stage.attn.project_kv(main_x, positions, quant))
         state.length = max(state.length, int(positions.max()) + 1)

@@ -165,12 +165,15 @@ def _dequant(kind: str, w: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Te
 
 
 def load_checkpoint(path: str, cfg: ModelConfig | None = None, dtype: torch.dtype = torch.float32,
-                    device="cpu", progress: bool = True) -> dict[str, torch.Tensor]:
+                    device="cpu", progress: bool = True,
+                    keep_quantized: bool = False) -> dict[str, torch.Tensor]:
     """Read, validate and de-quantize the checkpoint in directory `path`.
 
     Returns {official name: tensor} for every entry of `tensor_inventory(cfg)`: fp8 / fp4 / bf16
     weights as `dtype`, fp32 parameters as float32, the hash table as int64, all on `device`.
     `cfg` defaults to the directory's config.json. Raises CheckpointError on any mismatch.
+    keep_quantized=True (opt-in): fp8 / fp4 weights are returned as stored (e4m3 codes / packed
+    int8) with their `.scale` entries (e8m0) added under the official scale names.
     """
     if not os.path.isdir(path):
         raise CheckpointError(f"{path!r} is not a directory; pass the checkpoint directory that holds "
@@ -214,7 +217,10 @@ def load_checkpoint(path: str, cfg: ModelConfig | None = None, dtype: torch.dtyp
                     pending[canon] = t
                     w, s = pending.get(name), pending.get(scale_name(name))
                     if w is not None and s is not None:
-                        out[name] = _dequant(kind, w, s, dtype)
+                        if keep_quantized:
+                            out[name], out[scale_name(name)] = w, s
+                        else:
+                            out[name] = _dequant(kind, w, s, dtype)
                         del pending[name], pending[scale_name(name)]
                 elif kind == "bf16":
                     out[name] = t.to(dtype)
@@ -224,4 +230,7 @@ def load_checkpoint(path: str, cfg: ModelConfig | None = None, dtype: torch.dtyp
                     out[name] = t.to(torch.float32)
                 bar.update(1)
     bar.close()
+    if keep_quantized:
+        return {n: out[n] for name, spec in inventory.items() for n in
+                ((name, scale_name(name)) if spec.kind in ("fp8", "fp4") else (name,))}
     return {name: out[name] for name in inventory}

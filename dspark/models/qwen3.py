@@ -390,11 +390,20 @@ def load_qwen3(path: str, dtype=torch.float32, device="cpu", cfg: Qwen3Config | 
 # ---- engine wiring --------------------------------------------------------------------------------
 
 def build_engine_components(target_path: str, draft_path: str | None, dtype, device,
-                            speculative: str | None = None, num_speculative_tokens: int | None = None):
+                            speculative: str | None = None, num_speculative_tokens: int | None = None,
+                            kv_layout: str = "paged", num_kv_blocks: int | None = None,
+                            max_num_seqs: int = 64, kv_block_size: int = 256):
     """(cfg, model, drafter | None, runner) for `Engine` on a Qwen3 target (+ DSpark drafter).
 
     The runner is a `ModelRunner` whose draft state comes from the drafter (`new_state()`), not
-    the DeepSeek-V4 window state; no fp8 storage simulation (that models the V4 checkpoint)."""
+    the DeepSeek-V4 window state; no fp8 storage simulation (that models the V4 checkpoint).
+    kv_layout="paged": the target K/V live in a `PagedGQACache` (model dtype, `num_kv_blocks`
+    pages of `kv_block_size` tokens; default: room for `max_num_seqs` sequences of
+    min(max_position_embeddings, 2048) tokens) and `runner.backend.cache` is that cache;
+    "dense": per-request position-indexed `KVState`s (the reference)."""
+    if kv_layout not in ("paged", "dense"):
+        raise ValueError(f"kv_layout={kv_layout!r}: use 'paged' (paged K/V pools, the serving "
+                         f"layout) or 'dense' (the per-request reference state)")
     if speculative not in (None, "dspark", "none"):
         raise ValueError(f"speculative={speculative!r}: use 'dspark' or 'none'")
     if speculative == "dspark" and draft_path is None:
@@ -412,7 +421,17 @@ def build_engine_components(target_path: str, draft_path: str | None, dtype, dev
     else:
         model, drafter = load_qwen3(target_path, dtype, device), None
         cfg = model.cfg
-    runner = Qwen3Runner(model, drafter, device, quant=None)
+    backend = None
+    if kv_layout == "paged":
+        from ..kvcache.paged_gqa import PagedGQABackend, PagedGQACache
+        if num_kv_blocks is None:
+            per_seq = min(cfg.max_position_embeddings, 2048)
+            num_kv_blocks = max(max_num_seqs * -(-per_seq // kv_block_size), 1)
+        wdtype = model.embed.weight.dtype
+        backend = PagedGQABackend(PagedGQACache(cfg, device=device, dtype=wdtype,
+                                                num_blocks=num_kv_blocks, block_size=kv_block_size,
+                                                max_num_seqs=max_num_seqs))
+    runner = Qwen3Runner(model, drafter, device, quant=None, backend=backend)
     return cfg, model, drafter, runner
 
 

@@ -8,7 +8,6 @@ and indexer keys are written into each request's position-indexed state before b
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .compressor import Compressor
@@ -40,13 +39,13 @@ class Attention(nn.Module):
 
     # ---- projections shared by every backend --------------------------------------------
     def project_q(self, x, positions):
-        cq = self.q_norm(F.linear(x, self.wq_a.weight))
-        q = F.linear(cq, self.wq_b.weight).view(-1, self.n_heads, self.head_dim)
+        cq = self.q_norm(self.wq_a(x))
+        q = self.wq_b(cq).view(-1, self.n_heads, self.head_dim)
         q = rms_normalize(q, self.cfg.rms_norm_eps).to(x.dtype)
         return cq, self.rope.apply(q, positions)
 
     def project_kv(self, x, positions, quant):
-        kv = self.rope.apply(self.kv_norm(F.linear(x, self.wkv.weight)), positions)
+        kv = self.rope.apply(self.kv_norm(self.wkv(x)), positions)
         return kv if quant is None else quant.kv(kv)
 
     def finish_entries(self, pooled, j0: int, comp: Compressor, dtype, quant, indexer: bool):
@@ -62,9 +61,12 @@ class Attention(nn.Module):
         """Inverse RoPE, then the grouped low-rank projection. o [T, H, hd] -> [T, D]."""
         o = self.rope.apply(o.to(dtype), positions, inverse=True)
         G = self.cfg.o_groups
-        wa = self.wo_a.weight.view(G, self.cfg.o_lora_rank, -1)
-        z = torch.einsum("tgi,gri->tgr", o.reshape(o.shape[0], G, -1), wa)
-        return F.linear(z.flatten(1), self.wo_b.weight)
+        if hasattr(self.wo_a, "grouped"):      # quantized weights (dspark.models.qlinear)
+            z = self.wo_a.grouped(o.reshape(o.shape[0], G, -1), G)
+        else:
+            wa = self.wo_a.weight.view(G, self.cfg.o_lora_rank, -1)
+            z = torch.einsum("tgi,gri->tgr", o.reshape(o.shape[0], G, -1), wa)
+        return self.wo_b(z.flatten(1))
 
     # ---- reference forward over dense per-request state ---------------------------------
     def forward(self, x, batch, layer_id: int, quant=None):

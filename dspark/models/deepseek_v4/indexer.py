@@ -17,7 +17,7 @@ class Indexer(nn.Module):
 
     def queries(self, x, cq, positions, rope, quant):
         """Index queries [T, Hi, d] (fp32) and head weights [T, Hi] (fp32)."""
-        q = F.linear(cq, self.wq_b.weight).view(-1, self.n_heads, self.head_dim)
+        q = self.wq_b(cq).view(-1, self.n_heads, self.head_dim)
         q = rope.apply(q, positions).float()
         if quant is not None:
             q = quant.indexer(q)

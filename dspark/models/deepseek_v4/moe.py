@@ -16,15 +16,15 @@ class Expert(nn.Module):
         self.limit = swiglu_limit
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        g = F.linear(x, self.w1.weight).float()
-        u = F.linear(x, self.w3.weight).float()
+        g = self.w1(x).float()
+        u = self.w3(x).float()
         if self.limit > 0:
             u = u.clamp(-self.limit, self.limit)
             g = g.clamp(max=self.limit)
         h = F.silu(g) * u
         if weight is not None:               # the reference scales before w2
             h = h * weight.unsqueeze(-1)
-        return F.linear(h.to(x.dtype), self.w2.weight)
+        return self.w2(h.to(x.dtype))
 
 
 class Gate(nn.Module):

@@ -1,0 +1,157 @@
+"""y = x @ W^T with W kept as FP8 e4m3 + UE8M0 128x128 tile scales (spec §5.2), W never
+materialised in bf16.
+
+    y = fp8_linear(x, w, scale)        # x [..., K] (bf16 / fp32), w [N, K] e4m3 (or its uint8
+                                       # view), scale [ceil(N/128), ceil(K/128)] e8m0 (or uint8)
+
+Numerics / design choice (documented per the issue): activations stay in the engine dtype (bf16 on
+GPU) and are NOT quantized to FP8 per token x 128 columns as REF does. Each weight tile is
+de-quantised in registers — e4m3 -> bf16 is exact — the tile GEMM accumulates in fp32 and the tile's
+power-of-two scale is applied to the fp32 partial sum (exact scaling). The result therefore equals
+`F.linear(x, dequant_fp8_blocks(w, scale))` up to fp32 summation order (bf16 x: up to bf16 MMA
+operand rounding of x, which is x itself). This keeps the dequantized debug mode and the quantized
+mode numerically interchangeable; the weight bytes (the decode bottleneck) are halved either way.
+An FP8xFP8 wgmma path (REF's activation quantization, or `torch._scaled_mm` with block-wise
+scales) is a later step: it changes numerics (activation rounding) and needs the 1x128 activation
+scales, so it is not used here.
+
+Backends: "triton" (CUDA, or TRITON_INTERPRET=1 on CPU for tests), "torch" (de-quantize the
+whole weight to x.dtype, then F.linear — exact, used on CPU and as the reference), "auto"
+(triton on CUDA tensors, torch otherwise).
+
+Kernel layout: one program = BLOCK_M tokens x BLOCK_N output rows x one K-split. BLOCK_K = 128 so a
+weight tile [BLOCK_N <= 128, 128] sits inside one scale tile (BLOCK_N divides 128). For decode
+(T small) the GEMM is a weight-streaming GEMV: N/BLOCK_N programs are too few for 132 SMs, so K is
+split and the fp32 partials are summed (deterministically) on the host side.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from dspark.kernels.sparse_mqa import _mma, _pick_precision
+from dspark.models.quant import FP8_BLOCK, dequant_fp8_blocks, fp8_scale_shape
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
+def _e8m0_to_f32(b):
+    """UE8M0 byte (int32 0..255) -> fp32 2^(b-127), built from bits (b=0: subnormal 2^-127)."""
+    bits = tl.where(b > 0, b << 23, 0x400000)
+    bits = tl.where(b == 255, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_linear_kernel(
+    x_ptr, stride_xt, w_ptr, stride_wn, s_ptr, stride_sn, y_ptr, stride_ys, stride_yt,
+    T, N, K, K_PER_SPLIT,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < T
+    n_ok = rn < N
+    s_row = (pid_n * BLOCK_N) // 128                       # BLOCK_N divides 128
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_lo = pid_k * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + rk
+        k_ok = kk < K
+        x = tl.load(x_ptr + rm[:, None] * stride_xt + kk[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        wb = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :],
+                     mask=n_ok[:, None] & k_ok[None, :], other=0)
+        w = wb.to(tl.float8e4nv, bitcast=True)             # exact e4m3 -> bf16/fp32 in _mma
+        sb = tl.load(s_ptr + s_row * stride_sn + k0 // 128).to(tl.int32)
+        part = _mma(x, tl.trans(w), PRECISION)
+        acc += part * _e8m0_to_f32(sb)                      # power of two: exact scaling
+    y = y_ptr + pid_k * stride_ys + rm[:, None] * stride_yt + rn[None, :]
+    tl.store(y, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor):
+    if w.dim() != 2 or w.element_size() != 1:
+        raise ValueError(f"fp8_linear: weight must be a 2-D 1-byte tensor [N, K], got "
+                         f"{tuple(w.shape)} {w.dtype}")
+    N, K = w.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"fp8_linear: x has {x.shape[-1]} features, weight expects {K}")
+    if tuple(scale.shape) != fp8_scale_shape(N, K):
+        raise ValueError(f"fp8_linear: scale shape {tuple(scale.shape)}, expected "
+                         f"{fp8_scale_shape(N, K)} for weight {tuple(w.shape)}")
+    return N, K
+
+
+def fp8_linear_torch(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Reference / CPU path: exact de-quantization to x.dtype, then F.linear (bit-identical to the
+    dequantized engine, which de-quantizes the same way at load)."""
+    _check(x, w, scale)
+    return F.linear(x, dequant_fp8_blocks(w, scale, x.dtype))
+
+
+def _pick_blocks(T: int, N: int, K: int, interp: bool):
+    if interp:
+        return 16, 32, 1                    # small tiles keep the interpreter fast
+    if T <= 64:                             # decode / small verify batches: stream the weight
+        BM, BN = 16, 64
+        progs = triton.cdiv(N, BN)
+        split = max(1, min(triton.cdiv(K, FP8_BLOCK), triton.cdiv(264, progs)))
+        return BM, BN, split
+    return (64 if T <= 256 else 128), 128, 1
+
+
+def fp8_linear_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                      precision: str | None = None, block=None) -> torch.Tensor:
+    N, K = _check(x, w, scale)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    T = x2.shape[0]
+    if T == 0:
+        return x.new_zeros(*lead, N)
+    wu = w.view(torch.uint8)
+    su = scale.view(torch.uint8)
+    if wu.stride(-1) != 1:
+        wu = wu.contiguous()
+    if su.stride(-1) != 1:
+        su = su.contiguous()
+    BM, BN, split = block or _pick_blocks(T, N, K, _interpreting())
+    assert FP8_BLOCK % BN == 0, BN
+    nk = triton.cdiv(K, FP8_BLOCK)
+    split = max(1, min(split, nk))
+    k_per = triton.cdiv(nk, split) * FP8_BLOCK
+    split = triton.cdiv(K, k_per)
+    y = torch.empty(split, T, N, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(T, BM), triton.cdiv(N, BN), split)
+    _fp8_linear_kernel[grid](
+        x2, x2.stride(0), wu, wu.stride(0), su, su.stride(0), y, y.stride(0), y.stride(1),
+        T, N, K, k_per, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=FP8_BLOCK,
+        PRECISION=_pick_precision(x.dtype, precision))
+    y = y[0] if split == 1 else y.sum(0)
+    return y.to(x.dtype).reshape(*lead, N)
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, backend: str = "auto",
+               precision: str | None = None) -> torch.Tensor:
+    """x [..., K] @ dequant(w [N, K], scale)^T -> [..., N] in x.dtype (fp32 accumulation)."""
+    if backend == "auto":
+        backend = "triton" if x.is_cuda else "torch"
+    if backend == "torch":
+        return fp8_linear_torch(x, w, scale)
+    if backend == "triton":
+        return fp8_linear_triton(x, w, scale, precision)
+    raise ValueError(f"fp8_linear: backend={backend!r}; use 'auto', 'triton' or 'torch'")

@@ -1,0 +1,220 @@
+"""Paged K/V cache for GQA targets (Qwen3) with the engine-facing API of ``PagedKVCache``.
+
+Storage: per decoder layer one K pool and one V pool ``[num_blocks * block_size, Hkv, d]`` in the
+model dtype. A request owns one page table from the ``BlockManager``; position ``p`` lives at
+slot ``page_table[p // block_size] * block_size + p % block_size``. Every row is addressed by its
+absolute position, so rollback after verification is a length change (``truncate``) that frees
+the whole pages past the committed length; stale rows inside the last kept page are overwritten
+by the next forward before anything reads them (a forward over [s, e) writes rows s..e-1 first,
+then reads 0..e-1). No rings, no fixed-size per-request state.
+
+``PagedGQABackend`` is the attention hook: ``forward_fn(batch)`` validates the batch against the
+cache (contiguous positions, pages reserved), advances each request's length, and returns the
+``attn_fn(attn, x, batch, layer_id, quant)`` that ``Qwen3Model.forward_hidden`` accepts. It is
+the reference torch path: scatter the batch's K/V into their slots, gather each request's rows
+0..end-1 and run the same causal GQA ``attend`` as the dense path (identical numerics).
+"""
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+
+from .block_manager import BlockManager, CacheFull, OutOfPages, OutOfSlots, SlotPool
+from .paged import CacheTooSmall
+
+
+@dataclass
+class _Request:
+    slot: int
+    length: int = 0        # positions 0..length-1 hold valid (committed or in-flight) K/V
+
+
+class PagedGQACache:
+    """K/V of every running request of a GQA model (``Qwen3Config``-like ``cfg``: reads
+    ``num_hidden_layers``, ``num_key_value_heads``, ``head_dim``).
+
+    ``num_blocks`` pages of ``block_size`` tokens; ``max_num_seqs`` request slots (bookkeeping
+    only: GQA needs no fixed-size per-request state, but admission mirrors ``PagedKVCache``)."""
+
+    def __init__(self, cfg, device="cpu", dtype=torch.float32, num_blocks: int | None = None,
+                 block_size: int = 256, max_num_seqs: int = 64):
+        if num_blocks is None or num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1 or max_num_seqs < 1:
+            raise ValueError(f"need block_size >= 1 and max_num_seqs >= 1; got {block_size}, "
+                             f"{max_num_seqs}")
+        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
+        self.block_size, self.num_slots = block_size, max_num_seqs
+        self.num_layers = cfg.num_hidden_layers
+        self.bm = BlockManager(num_blocks, block_size)
+        self.slots = SlotPool(max_num_seqs)
+        self._reqs: dict[Hashable, _Request] = {}
+        shape = (num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)
+        # every row is written before it is read (see module docstring): no need to zero-fill
+        self.k = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
+
+    @staticmethod
+    def bytes_per_block(cfg, dtype, block_size: int = 256) -> int:
+        """Bytes one page costs over all layers (K and V)."""
+        return (2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim
+                * torch.empty((), dtype=dtype).element_size())
+
+    # ---- engine API -------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.bm.num_blocks
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.bm.num_free
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.slots.num_free
+
+    def has_request(self, rid: Hashable) -> bool:
+        return rid in self._reqs
+
+    def length(self, rid: Hashable) -> int:
+        return self._req(rid).length
+
+    def can_admit(self, prompt_len: int) -> bool:
+        """Whether a new request with this prompt gets a slot and pages for the whole prompt now.
+        Raises CacheTooSmall if it could never fit."""
+        self._check_fits(prompt_len, "a prompt")
+        return self.slots.num_free > 0 and self.bm.blocks_needed(prompt_len) <= self.bm.num_free
+
+    def add_request(self, rid: Hashable) -> None:
+        """Register a request (raises OutOfSlots when all slots are taken). Pages come with
+        ``reserve``."""
+        if rid in self._reqs:
+            raise ValueError(f"request {rid!r} is already in the KV cache")
+        self._reqs[rid] = _Request(self.slots.acquire())
+
+    def reserve(self, rid: Hashable, new_len: int) -> None:
+        """Make sure pages cover positions [0, new_len). Raises OutOfPages with nothing changed,
+        CacheTooSmall if new_len can never fit."""
+        self._req(rid)
+        self._check_fits(new_len, f"request {rid!r}")
+        self.bm.allocate(rid, new_len)
+
+    def truncate(self, rid: Hashable, committed_len: int) -> None:
+        """Roll back to ``committed_len`` positions; frees whole pages past it."""
+        r = self._req(rid)
+        if not 0 <= committed_len <= r.length:
+            raise ValueError(f"truncate({rid!r}, {committed_len}): the request holds {r.length} "
+                             f"positions; committed_len must be in [0, {r.length}]")
+        r.length = committed_len
+        if self.bm.has_request(rid):
+            self.bm.truncate(rid, committed_len)
+
+    def free(self, rid: Hashable) -> None:
+        """Release the request's pages and slot (finished or preempted)."""
+        r = self._reqs.pop(rid, None)
+        if r is None:
+            raise KeyError(f"unknown request {rid!r} (never added or already freed)")
+        if self.bm.has_request(rid):
+            self.bm.free(rid)
+        self.slots.release(r.slot)
+
+    # ---- for the attention backend ----------------------------------------------------------
+    def page_table(self, rid: Hashable) -> list[int]:
+        return self.bm.page_table(rid) if self.bm.has_request(rid) else []
+
+    def check_forward(self, rid: Hashable, start: int, end: int) -> None:
+        """Raise if a forward over positions [start, end) of ``rid`` may not run now."""
+        r = self._req(rid)
+        if start != r.length:
+            raise ValueError(f"request {rid!r}: forward starts at position {start} but its cache "
+                             f"holds {r.length} positions; positions must be fed contiguously "
+                             f"(after acceptance call truncate({rid!r}, committed_len) first)")
+        have = len(self.page_table(rid)) * self.block_size
+        if end > have:
+            raise ValueError(f"request {rid!r}: forward writes up to position {end - 1} but pages "
+                             f"cover {have} positions; call reserve({rid!r}, {end}) first")
+
+    def begin_forward(self, rid: Hashable, start: int, end: int) -> None:
+        self._req(rid).length = end
+
+    def slots_for(self, rid: Hashable, start: int, end: int) -> torch.Tensor:
+        """int64 [end - start] global rows of positions start..end-1 (pages must cover them)."""
+        pos = torch.arange(start, end)
+        table = torch.tensor(self.page_table(rid), dtype=torch.long)
+        return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.device)
+
+    def _req(self, rid: Hashable) -> _Request:
+        try:
+            return self._reqs[rid]
+        except KeyError:
+            raise KeyError(f"unknown request {rid!r}: call add_request({rid!r}) first") from None
+
+    def _check_fits(self, num_tokens: int, what: str) -> None:
+        need = self.bm.blocks_needed(num_tokens)
+        if need > self.bm.num_blocks:
+            raise CacheTooSmall(
+                f"{what} of {num_tokens} tokens needs {need} pages of {self.block_size} tokens but "
+                f"the whole KV cache has {self.bm.num_blocks}; raise num_kv_blocks or limit "
+                f"prompts to {self.bm.num_blocks * self.block_size} tokens")
+
+
+@dataclass
+class _SegPlan:
+    rows: slice            # this segment's rows in the flat batch
+    start: int
+    end: int
+    read: torch.Tensor     # int64 [end] slots of positions 0..end-1
+    mask: torch.Tensor     # bool [end - start, end] causal visibility
+
+
+class PagedGQABackend:
+    """Reference torch attention over a ``PagedGQACache`` (see the module docstring)."""
+
+    name = "paged-gqa-reference"
+
+    def __init__(self, cache: PagedGQACache):
+        self.cache = cache
+
+    def plan(self, batch) -> tuple[torch.Tensor, list]:
+        """Check every segment, then advance lengths; (write slots [T], per-segment plans)."""
+        c, seen = self.cache, set()
+        for s in batch.segments:
+            if s.state in seen:
+                raise ValueError(f"request {s.state!r} appears twice in one forward")
+            seen.add(s.state)
+            c.check_forward(s.state, s.start, s.start + s.length)
+        writes, segs = [], []
+        dev = c.device
+        for s in batch.segments:
+            end = s.start + s.length
+            c.begin_forward(s.state, s.start, end)
+            read = c.slots_for(s.state, 0, end)
+            writes.append(read[s.start:])
+            qpos = torch.arange(s.start, end, device=dev)
+            mask = torch.arange(end, device=dev)[None, :] <= qpos[:, None]
+            segs.append(_SegPlan(slice(s.offset, s.offset + s.length), s.start, end, read, mask))
+        write = torch.cat(writes) if writes else torch.zeros(0, dtype=torch.long, device=dev)
+        return write, segs
+
+    def forward_fn(self, batch):
+        from ..models.qwen3 import attend
+        write, segs = self.plan(batch)
+        c = self.cache
+
+        def attn_fn(attn, x, batch, layer_id, quant=None):
+            q = attn.project_q(x, batch.positions)
+            k, v = attn.project_kv(x, batch.positions)
+            K, V = c.k[layer_id], c.v[layer_id]
+            K[write], V[write] = k.to(K.dtype), v.to(V.dtype)
+            out = torch.empty_like(q)
+            for sp in segs:
+                out[sp.rows] = attend(q[sp.rows], K[sp.read], V[sp.read], sp.mask)
+            return attn.output(out)
+
+        return attn_fn
+
+
+__all__ = ["PagedGQACache", "PagedGQABackend", "CacheTooSmall", "CacheFull", "OutOfPages",
+           "OutOfSlots"]
