@@ -34,27 +34,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable
-from dataclasses import dataclass
 
 import torch
 
-from .block_manager import BlockManager, OutOfPages, SlotPool
+from .block_manager import OutOfPages  # noqa: F401  (re-exported for callers)
+from .requests import CacheTooSmall, PagedRequests  # noqa: F401
 from .layouts import (DATA_ROW_BYTES, HEAD_DIM, INDEXER_DIM, SCALE_ROW_BYTES,
                       fp8_ds_mla_page_bytes, indexer_page_bytes)
 
 KV_DTYPES = {"fp8": torch.uint8, "auto": torch.uint8, "bf16": torch.bfloat16,
              "fp32": torch.float32}
-
-
-class CacheTooSmall(ValueError):
-    """A single request can never fit, even with every other request preempted."""
-
-
-@dataclass
-class _Request:
-    slot: int
-    length: int = 0        # positions 0..length-1 hold valid (committed or in-flight) state
-    max_written: int = 0   # highest position + 1 ever written: bounds how far back a ring can go
 
 
 def _ring_capacity(window: int, lookahead: int) -> int:
@@ -69,7 +58,7 @@ def _ring_capacity(window: int, lookahead: int) -> int:
     return window + lookahead
 
 
-class PagedKVCache:
+class PagedKVCache(PagedRequests):
     """All attention state of every running request; see the module docstring.
 
     cfg: ModelConfig. Sizing: ``num_blocks`` explicitly, or ``memory_bytes`` (total budget for
@@ -118,9 +107,7 @@ class PagedKVCache:
                     f"max_num_seqs={max_num_seqs} plus staging needs {fixed} B and one block of "
                     f"{self.block_size} tokens needs {per_block} B; give at least "
                     f"{fixed + per_block} B or lower max_num_seqs / max_batch_tokens")
-        self.bm = BlockManager(num_blocks, self.block_size)
-        self.slots = SlotPool(max_num_seqs)
-        self._reqs: dict[Hashable, _Request] = {}
+        super().__init__(num_blocks, self.block_size, max_num_seqs)
         self._allocate(num_blocks)
 
     # ---- sizing -----------------------------------------------------------------------------
@@ -183,77 +170,17 @@ class PagedKVCache:
                     torch.zeros(rows, 2 * INDEXER_DIM, device=self.device) for _ in range(2))
 
     # ---- engine API -------------------------------------------------------------------------
-    @property
-    def num_blocks(self) -> int:
-        return self.bm.num_blocks
-
-    @property
-    def num_free_pages(self) -> int:
-        return self.bm.num_free
-
-    @property
-    def num_free_slots(self) -> int:
-        return self.slots.num_free
-
-    def has_request(self, rid: Hashable) -> bool:
-        return rid in self._reqs
-
-    def length(self, rid: Hashable) -> int:
-        return self._req(rid).length
-
-    def can_admit(self, prompt_len: int) -> bool:
-        """Whether a new request with this prompt gets a state slot and pages for the whole
-        prompt now. Raises CacheTooSmall if it could never fit."""
-        self._check_fits(prompt_len, "a prompt")
-        return self.slots.num_free > 0 and self.bm.blocks_needed(prompt_len) <= self.bm.num_free
-
-    def add_request(self, rid: Hashable) -> None:
-        """Register a request and give it a state slot (raises OutOfSlots when all are taken).
-        Pages come with ``reserve``."""
-        if rid in self._reqs:
-            raise ValueError(f"request {rid!r} is already in the KV cache")
-        self._reqs[rid] = _Request(self.slots.acquire())
-
-    def reserve(self, rid: Hashable, new_len: int) -> None:
-        """Make sure pages cover positions [0, new_len) before a forward writes them.
-        Raises OutOfPages with nothing changed (queue or preempt, then retry), CacheTooSmall
-        if new_len can never fit."""
-        self._req(rid)
-        self._check_fits(new_len, f"request {rid!r}")
-        self.bm.allocate(rid, new_len)
-
     def truncate(self, rid: Hashable, committed_len: int) -> None:
         """Roll back to ``committed_len`` positions (after acceptance): every cache then reads
         as if the later tokens had never been fed. Frees whole blocks past it."""
         r = self._req(rid)
-        if not 0 <= committed_len <= r.length:
-            raise ValueError(f"truncate({rid!r}, {committed_len}): the request holds {r.length} "
-                             f"positions; committed_len must be in [0, {r.length}]")
-        if r.max_written - committed_len > self.lookahead + 1:
+        if 0 <= committed_len and r.max_written - committed_len > self.lookahead + 1:
             raise ValueError(
                 f"truncate({rid!r}, {committed_len}) drops {r.max_written - committed_len} written "
                 f"positions but the rings only survive rollbacks of lookahead + 1 = "
                 f"{self.lookahead + 1}; build PagedKVCache(lookahead=...) from the largest verify "
                 f"block, or free() the request and recompute it")
-        r.length = committed_len
-        if self.bm.has_request(rid):
-            self.bm.truncate(rid, committed_len)
-
-    def free(self, rid: Hashable) -> None:
-        """Release the request's pages and slot (finished or preempted)."""
-        r = self._reqs.pop(rid, None)
-        if r is None:
-            raise KeyError(f"unknown request {rid!r} (never added or already freed)")
-        if self.bm.has_request(rid):
-            self.bm.free(rid)
-        self.slots.release(r.slot)
-
-    # ---- for attention backends -------------------------------------------------------------
-    def slot(self, rid: Hashable) -> int:
-        return self._req(rid).slot
-
-    def page_table(self, rid: Hashable) -> list[int]:
-        return self.bm.page_table(rid) if self.bm.has_request(rid) else []
+        super().truncate(rid, committed_len)
 
     def check_forward(self, rid: Hashable, start: int, end: int) -> None:
         """Raise if a forward over positions [start, end) of ``rid`` may not run now."""
@@ -266,25 +193,6 @@ class PagedKVCache:
         if end > have and any(self.ratios):
             raise ValueError(f"request {rid!r}: forward writes up to position {end - 1} but pages "
                              f"cover {have} positions; call reserve({rid!r}, {end}) first")
-
-    def begin_forward(self, rid: Hashable, start: int, end: int) -> None:
-        """Record a (checked) forward over [start, end): those positions now hold state."""
-        r = self._req(rid)
-        r.length, r.max_written = end, max(r.max_written, end)
-
-    def _req(self, rid: Hashable) -> _Request:
-        try:
-            return self._reqs[rid]
-        except KeyError:
-            raise KeyError(f"unknown request {rid!r}: call add_request({rid!r}) first") from None
-
-    def _check_fits(self, num_tokens: int, what: str) -> None:
-        need = self.bm.blocks_needed(num_tokens)
-        if need > self.bm.num_blocks:
-            raise CacheTooSmall(
-                f"{what} of {num_tokens} tokens needs {need} pages of {self.block_size} tokens but "
-                f"the whole KV cache has {self.bm.num_blocks}; raise num_blocks / memory_bytes or "
-                f"limit prompts to {self.bm.num_blocks * self.block_size} tokens")
 
 
 def copy_rows(pool: torch.Tensor, per_page: int, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -21,22 +21,18 @@ from dataclasses import dataclass
 
 import torch
 
-from .block_manager import BlockManager, CacheFull, OutOfPages, OutOfSlots, SlotPool
-from .paged import CacheTooSmall
+from .block_manager import CacheFull, OutOfPages, OutOfSlots  # noqa: F401  (re-exported)
+from .requests import CacheTooSmall, PagedRequests  # noqa: F401
 
 
-@dataclass
-class _Request:
-    slot: int
-    length: int = 0        # positions 0..length-1 hold valid (committed or in-flight) K/V
-
-
-class PagedGQACache:
+class PagedGQACache(PagedRequests):
     """K/V of every running request of a GQA model (``Qwen3Config``-like ``cfg``: reads
     ``num_hidden_layers``, ``num_key_value_heads``, ``head_dim``).
 
     ``num_blocks`` pages of ``block_size`` tokens; ``max_num_seqs`` request slots (bookkeeping
     only: GQA needs no fixed-size per-request state, but admission mirrors ``PagedKVCache``)."""
+
+    sizing_hint = "raise num_kv_blocks"
 
     def __init__(self, cfg, device="cpu", dtype=torch.float32, num_blocks: int | None = None,
                  block_size: int = 256, max_num_seqs: int = 64):
@@ -46,11 +42,9 @@ class PagedGQACache:
             raise ValueError(f"need block_size >= 1 and max_num_seqs >= 1; got {block_size}, "
                              f"{max_num_seqs}")
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
-        self.block_size, self.num_slots = block_size, max_num_seqs
+        self.num_slots = max_num_seqs
         self.num_layers = cfg.num_hidden_layers
-        self.bm = BlockManager(num_blocks, block_size)
-        self.slots = SlotPool(max_num_seqs)
-        self._reqs: dict[Hashable, _Request] = {}
+        super().__init__(num_blocks, block_size, max_num_seqs)
         shape = (num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)
         # every row is written before it is read (see module docstring): no need to zero-fill
         self.k = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
@@ -62,68 +56,7 @@ class PagedGQACache:
         return (2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim
                 * torch.empty((), dtype=dtype).element_size())
 
-    # ---- engine API -------------------------------------------------------------------------
-    @property
-    def num_blocks(self) -> int:
-        return self.bm.num_blocks
-
-    @property
-    def num_free_pages(self) -> int:
-        return self.bm.num_free
-
-    @property
-    def num_free_slots(self) -> int:
-        return self.slots.num_free
-
-    def has_request(self, rid: Hashable) -> bool:
-        return rid in self._reqs
-
-    def length(self, rid: Hashable) -> int:
-        return self._req(rid).length
-
-    def can_admit(self, prompt_len: int) -> bool:
-        """Whether a new request with this prompt gets a slot and pages for the whole prompt now.
-        Raises CacheTooSmall if it could never fit."""
-        self._check_fits(prompt_len, "a prompt")
-        return self.slots.num_free > 0 and self.bm.blocks_needed(prompt_len) <= self.bm.num_free
-
-    def add_request(self, rid: Hashable) -> None:
-        """Register a request (raises OutOfSlots when all slots are taken). Pages come with
-        ``reserve``."""
-        if rid in self._reqs:
-            raise ValueError(f"request {rid!r} is already in the KV cache")
-        self._reqs[rid] = _Request(self.slots.acquire())
-
-    def reserve(self, rid: Hashable, new_len: int) -> None:
-        """Make sure pages cover positions [0, new_len). Raises OutOfPages with nothing changed,
-        CacheTooSmall if new_len can never fit."""
-        self._req(rid)
-        self._check_fits(new_len, f"request {rid!r}")
-        self.bm.allocate(rid, new_len)
-
-    def truncate(self, rid: Hashable, committed_len: int) -> None:
-        """Roll back to ``committed_len`` positions; frees whole pages past it."""
-        r = self._req(rid)
-        if not 0 <= committed_len <= r.length:
-            raise ValueError(f"truncate({rid!r}, {committed_len}): the request holds {r.length} "
-                             f"positions; committed_len must be in [0, {r.length}]")
-        r.length = committed_len
-        if self.bm.has_request(rid):
-            self.bm.truncate(rid, committed_len)
-
-    def free(self, rid: Hashable) -> None:
-        """Release the request's pages and slot (finished or preempted)."""
-        r = self._reqs.pop(rid, None)
-        if r is None:
-            raise KeyError(f"unknown request {rid!r} (never added or already freed)")
-        if self.bm.has_request(rid):
-            self.bm.free(rid)
-        self.slots.release(r.slot)
-
     # ---- for the attention backend ----------------------------------------------------------
-    def page_table(self, rid: Hashable) -> list[int]:
-        return self.bm.page_table(rid) if self.bm.has_request(rid) else []
-
     def check_forward(self, rid: Hashable, start: int, end: int) -> None:
         """Raise if a forward over positions [start, end) of ``rid`` may not run now."""
         r = self._req(rid)
@@ -136,28 +69,11 @@ class PagedGQACache:
             raise ValueError(f"request {rid!r}: forward writes up to position {end - 1} but pages "
                              f"cover {have} positions; call reserve({rid!r}, {end}) first")
 
-    def begin_forward(self, rid: Hashable, start: int, end: int) -> None:
-        self._req(rid).length = end
-
     def slots_for(self, rid: Hashable, start: int, end: int) -> torch.Tensor:
         """int64 [end - start] global rows of positions start..end-1 (pages must cover them)."""
         pos = torch.arange(start, end)
         table = torch.tensor(self.page_table(rid), dtype=torch.long)
         return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.device)
-
-    def _req(self, rid: Hashable) -> _Request:
-        try:
-            return self._reqs[rid]
-        except KeyError:
-            raise KeyError(f"unknown request {rid!r}: call add_request({rid!r}) first") from None
-
-    def _check_fits(self, num_tokens: int, what: str) -> None:
-        need = self.bm.blocks_needed(num_tokens)
-        if need > self.bm.num_blocks:
-            raise CacheTooSmall(
-                f"{what} of {num_tokens} tokens needs {need} pages of {self.block_size} tokens but "
-                f"the whole KV cache has {self.bm.num_blocks}; raise num_kv_blocks or limit "
-                f"prompts to {self.bm.num_blocks * self.block_size} tokens")
 
 
 @dataclass
