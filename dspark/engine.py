@@ -264,7 +264,11 @@ class Engine:
             lens = self.policy(torch.stack([r.draft.conf_logits for r in sch.running]),
                                [r.request_id for r in sch.running])
             for req, n in zip(sch.running, lens.tolist()):
-                req.verify_len = int(n)
+                # never verify past max_tokens or the model length: those drafts could not be
+                # emitted, and their cache writes could exceed the pages a request may hold
+                room = min(req.params.max_tokens - len(req.output_ids) - 1,
+                           self.max_model_len - req.num_committed - 1)
+                req.verify_len = max(0, min(int(n), room))
         plan = sch.schedule()
         for req in plan.preempted:                                # recomputed later from tokens
             req.draft_state = self.runner.new_states()[1]

@@ -106,12 +106,14 @@ def _chi2_pvalue(counts, law, n):
 
 
 def _sample_counts(engine, prompt, steps, temperature, n):
-    sp = [SamplingParams(temperature=temperature, max_tokens=steps, seed=s, ignore_eos=True)
+    # generate past `steps` so the first tokens come from full verify blocks (the engine clips
+    # blocks to max_tokens), then count only the first `steps` tokens
+    sp = [SamplingParams(temperature=temperature, max_tokens=steps + 5, seed=s, ignore_eos=True)
           for s in range(n)]
     outs = engine.generate([prompt] * n, sp)
     counts = {}
     for o in outs:
-        key = tuple(o.token_ids)
+        key = tuple(o.token_ids[:steps])
         counts[key] = counts.get(key, 0) + 1
     return counts
 

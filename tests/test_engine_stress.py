@@ -41,3 +41,14 @@ def test_random_admission_stops_and_preemption(small_vocab_ckpt, seed):
     assert eng.cache.num_free_pages == eng.cache.num_blocks      # nothing leaked
     assert eng.cache.num_free_slots == 6
     assert eng.scheduler.num_preemptions > 0, "the cache was sized to force preemption"
+
+
+def test_generation_up_to_a_full_cache_ends_with_length(small_vocab_ckpt):
+    """A request that grows to the whole cache (one 256-token page) stops there with "length":
+    verify blocks are clipped to the room left instead of asking for pages that cannot exist."""
+    eng = Engine(small_vocab_ckpt, device="cpu", dtype="fp32", kv_cache_dtype="fp32",
+                 num_kv_blocks=1)
+    assert eng.max_model_len == 256
+    out = eng.generate([1] * 240, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    assert out.finish_reason == "length" and len(out.token_ids) == 256 - 240
+    assert eng.cache.num_free_pages == 1
