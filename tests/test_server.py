@@ -196,7 +196,8 @@ def test_concurrent_burst_matches_engine(server, ref):
     assert m['dspark_spec_rounds_total'] > 0
     assert 0.0 <= m["dspark_spec_acceptance_rate"] <= 1.0
     assert m["dspark_spec_mean_accepted_length"] >= 1.0
-    assert m["dspark_spec_verify_budget_mean"] == server.ae.gamma   # fixed policy: ℓ = γ
+    # fixed policy verifies γ drafts, fewer only where a block is clipped to max_tokens
+    assert 0 < m["dspark_spec_verify_budget_mean"] <= server.ae.gamma
     assert m['dspark_spec_verify_budget_per_request_count'] >= len(bodies)
     assert m['dspark_spec_accepted_length_bucket{le="+Inf"}'] == m["dspark_spec_rounds_total"]
     assert m["dspark_queue_depth"] == 0 and m["dspark_running_requests"] == 0
