@@ -23,19 +23,15 @@ step for the H200; this module keeps the per-expert loop.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from dspark.kernels.fp8_gemm import _interpreting, flat_operands
 from dspark.kernels.sparse_mqa import _mma, _pick_precision
 from dspark.models.quant import FP4_GROUP, dequant_fp4_experts, fp4_scale_shape
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
@@ -103,15 +99,10 @@ def fp4_linear_torch(x, packed, scale):
 def fp4_linear_triton(x, packed, scale, precision: str | None = None, block=None):
     N, K = _check(x, packed, scale)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2, wu, su = flat_operands(x, K, packed, scale)
     T = x2.shape[0]
     if T == 0:
         return x.new_zeros(*lead, N)
-    wu, su = packed.view(torch.uint8), scale.view(torch.uint8)
-    wu = wu if wu.stride(-1) == 1 else wu.contiguous()
-    su = su if su.stride(-1) == 1 else su.contiguous()
     if block is None:
         block = (16, 32, 64) if _interpreting() else ((16, 64, 128) if T <= 64 else (64, 128, 128))
     BM, BN, BK = block

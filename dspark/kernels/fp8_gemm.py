@@ -41,6 +41,15 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def flat_operands(x: torch.Tensor, K: int, w: torch.Tensor, scale: torch.Tensor):
+    """(x as a row-contiguous [T, K] matrix, weight bytes, scale bytes) for the weight-only
+    quantized GEMM kernels: they address rows by stride and need unit column stride."""
+    x2 = x.reshape(-1, K)
+    def unit(t):
+        return t if t.stride(-1) == 1 else t.contiguous()
+    return unit(x2), unit(w.view(torch.uint8)), unit(scale.view(torch.uint8))
+
+
 @triton.jit
 def _e8m0_to_f32(b):
     """UE8M0 byte (int32 0..255) -> fp32 2^(b-127), built from bits (b=0: subnormal 2^-127)."""
@@ -117,18 +126,10 @@ def fp8_linear_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
                       precision: str | None = None, block=None) -> torch.Tensor:
     N, K = _check(x, w, scale)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2, wu, su = flat_operands(x, K, w, scale)
     T = x2.shape[0]
     if T == 0:
         return x.new_zeros(*lead, N)
-    wu = w.view(torch.uint8)
-    su = scale.view(torch.uint8)
-    if wu.stride(-1) != 1:
-        wu = wu.contiguous()
-    if su.stride(-1) != 1:
-        su = su.contiguous()
     BM, BN, split = block or _pick_blocks(T, N, K, _interpreting())
     assert FP8_BLOCK % BN == 0, BN
     nk = triton.cdiv(K, FP8_BLOCK)
