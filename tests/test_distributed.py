@@ -211,3 +211,31 @@ def test_free_port_is_bindable():
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", free_port()))
+
+
+# ---- NCCL on GPUs: every world size the machine has (1 on a single-GPU box) -------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (NCCL)")
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_tp_nccl_logits_match_single_process(tiny_quant_ckpt, world, monkeypatch):
+    """The same passes as the gloo tests, with the default process group on NCCL (one process
+    per GPU, NVLink multicast off as on the lent machines), against the fp32 CPU reference."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"world size {world} needs {world} GPUs; {torch.cuda.device_count()} visible")
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    ref_runner, cfg = _reference(tiny_quant_ckpt)
+    ref = _passes(ref_runner, cfg)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    runner = DistributedRunner.launch(tiny_quant_ckpt, cfg, world, device="cuda",
+                                      dtype=torch.float32)
+    try:
+        assert dist.get_backend() == "nccl"
+        got = _passes(runner, cfg)
+        stats = runner.worker_stats()
+    finally:
+        runner.shutdown()
+    for a, b in zip(ref[:3], got[:3]):
+        torch.testing.assert_close(b.cpu(), a, rtol=1e-3, atol=1e-3)
+    assert torch.equal(got[3].tokens.cpu(), ref[3].tokens)
+    assert [s["rank"] for s in stats] == list(range(world))

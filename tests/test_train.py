@@ -173,7 +173,8 @@ def test_pipeline_tiny_end_to_end(tmp_path):
                  "--seq-len", "48", "--eval-tokens", "2000"])
     k = str(tmp_path / "ckpt")
     dtrain.main(["--data", d, "--target", t, "--out", k, "--tiny", "--steps", "4", "--batch", "2",
-                 "--seq-len", "48", "--anchors", "6", "--ablation"])
+                 "--seq-len", "48", "--anchors", "6", "--ablation",
+                 "--updates-per-batch", "2"])
     res = ev.main(["--ckpt", k, "--data", d, "--max-new", "8", "--max-prompts", "3",
                    "--ablation", os.path.join(k, "ablation.pt"), "--greedy-check", "2",
                    "--no-autocast"])

@@ -38,6 +38,8 @@ def run_all(argv=None):
     p.add_argument("--drafter-batch", type=int, default=64)
     p.add_argument("--anchors", type=int, default=96)
     p.add_argument("--drafter-lr", type=float, default=2e-3)
+    p.add_argument("--updates-per-batch", type=int, default=1,
+                   help="drafter updates per frozen-target forward (fresh anchors each)")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--markov-rank", type=int, default=64)
     p.add_argument("--max-new", type=int, default=128)
@@ -90,7 +92,8 @@ def run_all(argv=None):
     cdir = os.path.join(a.work, "ckpt")
     dlog = train_drafter(data, tdir, cdir, steps=a.drafter_steps, time_budget=a.drafter_time,
                          batch=a.drafter_batch, seq_len=a.seq_len, anchors=a.anchors, lr=a.drafter_lr,
-                         markov_rank=a.markov_rank, ablation=True, seed=a.seed, log=log)
+                         markov_rank=a.markov_rank, ablation=True, seed=a.seed, log=log,
+                         updates_per_batch=a.updates_per_batch)
     results["drafter"] = dlog
     for fn in os.listdir(cdir):
         if fn.endswith(".safetensors") or fn in ("model.safetensors.index.json", "config.json"):

@@ -95,7 +95,7 @@ def train_drafter(data: PreparedData, target: str, out: str, steps: int = 0,
                   lr: float = 2e-3, warmup: int = 100, wd: float = 0.1, gamma: int = 5,
                   markov_rank: int = 64, ablation: bool = False, w_ce: float = 0.1,
                   w_tv: float = 0.9, w_conf: float = 1.0, qat: bool = True, seed: int = 0,
-                  log_every: int = 25, device=None, log=print) -> dict:
+                  log_every: int = 25, device=None, log=print, updates_per_batch: int = 1) -> dict:
     if not steps and not time_budget:
         raise ValueError("give --steps or --time-budget")
     dev = pick_device(device)
@@ -116,7 +116,7 @@ def train_drafter(data: PreparedData, target: str, out: str, steps: int = 0,
                       "args": dict(steps=steps, time_budget=time_budget, batch=batch, seq_len=seq_len,
                                    anchors=anchors, lr=lr, warmup=warmup, wd=wd, gamma=gamma,
                                    markov_rank=markov_rank, w_ce=w_ce, w_tv=w_tv, w_conf=w_conf,
-                                   qat=qat, seed=seed),
+                                   qat=qat, seed=seed, updates_per_batch=updates_per_batch),
                       "params": {}, "train": {k: [] for k in variants}}
     for name, d in variants.items():
         init_drafter(d, seed=seed + 1)
@@ -145,9 +145,10 @@ def train_drafter(data: PreparedData, target: str, out: str, steps: int = 0,
             break
         cur_lr = lr_at(step, progress, lr, warmup)
         x = data.train.batch(batch, seq_len, gen)[:, :seq_len].to(dev)
-        anc = sample_anchors(batch, seq_len, anchors, gamma, gen).to(dev)
+        ancs = [sample_anchors(batch, seq_len, anchors, gamma, gen).to(dev)
+                for _ in range(updates_per_batch)]
         try:
-            stats = _step(model, variants, opts, x, anc, cfg, quant, w, (w_ce, w_tv, w_conf), cur_lr)
+            stats = _step(model, variants, opts, x, ancs, cfg, quant, w, (w_ce, w_tv, w_conf), cur_lr)
         except torch.cuda.OutOfMemoryError:
             if batch <= 4:
                 raise
@@ -158,10 +159,10 @@ def train_drafter(data: PreparedData, target: str, out: str, steps: int = 0,
             log(f"[drafter] out of memory: batch -> {batch}")
             logd["args"]["batch"] = batch
             continue
-        for name, st in stats.items():
-            accs[name].append(st)
-        step += 1
-        if step % log_every == 0 or step == 1:
+        for name, sts in stats.items():
+            accs[name].extend(sts)
+        prev_step, step = step, step + len(ancs)
+        if step // log_every != prev_step // log_every or prev_step == 0:
             for name in variants:
                 recs = accs[name]
                 k = len(recs)
@@ -196,33 +197,40 @@ def train_drafter(data: PreparedData, target: str, out: str, steps: int = 0,
     return logd
 
 
-def _step(model, variants, opts, x, anc, cfg, quant, w, loss_w, cur_lr):
+def _step(model, variants, opts, x, ancs, cfg, quant, w, loss_w, cur_lr):
+    """One frozen-target forward over the windows x, then one optimizer update per anchor set
+    in `ancs` (the target forward is the expensive, launch-bound part: reusing it for several
+    sets of blocks from the same windows buys drafter updates at little cost)."""
     dev = x.device
     use_ac = dev.type == "cuda"
     gamma = cfg.dspark_block_size
     B, L = x.shape
-    bpos = anc[..., None] + torch.arange(gamma, device=dev)              # [B, A, γ]
     with torch.no_grad(), autocast(dev, use_ac):
         X, taps, _ = target_forward(model, x, quant=quant, tap_layers=cfg.dspark_target_layer_ids)
-        Xb = X.view(B, L, *X.shape[1:])[torch.arange(B, device=dev)[:, None], bpos.view(B, -1)]
-        tprob = torch.softmax(model.logits(Xb.flatten(0, 1)).float(), -1)
-        tprob = tprob.view(B * anc.shape[1], gamma, -1)
-        del X, Xb
-    labels = x.gather(1, (bpos + 1).view(B, -1)).view(-1, gamma)
-    stats = {}
-    for name, d in variants.items():
-        for gp in opts[name].param_groups:
-            gp["lr"] = cur_lr
-        with autocast(dev, use_ac):
-            z, conf, _ = drafter_forward(d, model.embed, model.head, taps, x, anc, quant=quant,
-                                         markov=(name == "markov"))
-        loss, st = drafter_losses(z.flatten(0, 1), conf.flatten(0, 1), labels, tprob, w, *loss_w)
-        opts[name].zero_grad(set_to_none=True)
-        loss.backward()
-        del z, conf, loss
-        st["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0))
-        opts[name].step()
-        stats[name] = st
+    stats = {name: [] for name in variants}
+    for anc in ancs:
+        bpos = anc[..., None] + torch.arange(gamma, device=dev)          # [B, A, γ]
+        with torch.no_grad(), autocast(dev, use_ac):
+            Xb = X.view(B, L, *X.shape[1:])[torch.arange(B, device=dev)[:, None], bpos.view(B, -1)]
+            tprob = torch.softmax(model.logits(Xb.flatten(0, 1)).float(), -1)
+            tprob = tprob.view(B * anc.shape[1], gamma, -1)
+            del Xb
+        labels = x.gather(1, (bpos + 1).view(B, -1)).view(-1, gamma)
+        for name, d in variants.items():
+            for gp in opts[name].param_groups:
+                gp["lr"] = cur_lr
+            with autocast(dev, use_ac):
+                z, conf, _ = drafter_forward(d, model.embed, model.head, taps, x, anc, quant=quant,
+                                             markov=(name == "markov"))
+            loss, st = drafter_losses(z.flatten(0, 1), conf.flatten(0, 1), labels, tprob, w,
+                                      *loss_w)
+            opts[name].zero_grad(set_to_none=True)
+            loss.backward()
+            del z, conf, loss
+            st["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0))
+            opts[name].step()
+            stats[name].append(st)
+        del tprob
     return stats
 
 
@@ -248,6 +256,8 @@ def add_args(p):
     p.add_argument("--no-qat", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--updates-per-batch", type=int, default=1,
+                   help="drafter updates (fresh anchors each) per frozen-target forward")
     p.add_argument("--device")
 
 
@@ -259,7 +269,8 @@ def main(argv=None):
     data = PreparedData(a.data)
     return train_drafter(data, a.target, a.out, a.steps, a.time_budget, a.batch, a.seq_len, a.anchors,
                          a.lr, a.warmup, a.wd, a.gamma, a.markov_rank, a.ablation, a.w_ce, a.w_tv,
-                         a.w_conf, not a.no_qat, a.seed, a.log_every, a.device)
+                         a.w_conf, not a.no_qat, a.seed, a.log_every, a.device,
+                         updates_per_batch=a.updates_per_batch)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,8 @@ FILE_NOTES = {
     "heldout_prompts.jsonl": "held-out code prefixes for τ / speed benchmarks",
     "training_log.json": "everything the GPU run logged: args, curves, eval results, samples",
     "loss_curves.png": "target CE, drafter losses, drafter τ estimate",
+    "dspark_sts.json": "per-position confidence temperatures (STS, `python -m dspark.calibrate`), loaded by the engine",
+    "dspark_sts_reliability.png": "confidence reliability diagram before/after STS (held-out half)",
     "TRAINING.md": "this file",
 }
 
