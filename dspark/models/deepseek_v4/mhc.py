@@ -3,20 +3,64 @@
 All mixing math is fp32. `hc_pre` collapses the streams into the sub-block input and returns the
 `post` weights and the Sinkhorn-normalised `comb` matrix that `hc_post` uses to expand the
 sub-block output back into n streams.
+
+Each public function dispatches: CUDA tensors go to the fused Triton kernels in
+`dspark.kernels.mhc` (hc_pre: two launches instead of ~130 small ops with 20 Sinkhorn
+iterations); anything else, and anything that needs gradients (the kernels have no backward),
+runs the `*_reference` torch code below. `BACKEND` (initialised from the environment variable
+DSPARK_MHC_BACKEND) overrides this: "reference" forces torch everywhere (debugging), "triton"
+forces the kernels everywhere (CPU tensors then need TRITON_INTERPRET=1).
 """
+import os
+
 import torch
 
 from .norm import rms_normalize
 
+BACKENDS = ("auto", "reference", "triton")
+BACKEND = os.environ.get("DSPARK_MHC_BACKEND", "auto")
 
+
+def _kernels(*tensors):
+    """The dspark.kernels.mhc module when the kernels should run on these tensors, else None."""
+    if BACKEND not in BACKENDS:
+        raise ValueError(f"mHC backend {BACKEND!r} (DSPARK_MHC_BACKEND): use one of {BACKENDS}")
+    if BACKEND == "reference" or (BACKEND == "auto" and not tensors[0].is_cuda):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    from dspark.kernels import mhc   # imports triton: only where a kernel actually runs
+    return mhc
+
+
+def hc_pre(X, fn, base, scale, n: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+    """Returns (u [T, D] in X.dtype, post [T, n] fp32, comb [T, n, n] fp32)."""
+    k = _kernels(X, fn, base, scale)
+    impl = k.hc_pre if k is not None else hc_pre_reference
+    return impl(X, fn, base, scale, n, sinkhorn_iters, hc_eps, norm_eps)
+
+
+def hc_post(o: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """X'[k] = post[k] * o + sum_j comb[j, k] * X[j]  (column k of comb feeds new stream k)."""
+    k = _kernels(X, o, post, comb)
+    return (k.hc_post if k is not None else hc_post_reference)(o, X, post, comb)
+
+
+def hc_head(X, fn, base, scale, hc_eps: float, norm_eps: float) -> torch.Tensor:
+    """Final collapse of the streams: sigmoid-gated sum, no post/comb. Returns [T, D]."""
+    k = _kernels(X, fn, base, scale)
+    return (k.hc_head if k is not None else hc_head_reference)(X, fn, base, scale, hc_eps, norm_eps)
+
+
+# ---- torch reference ------------------------------------------------------------------------
 def _mixes(X: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
     # X [T, n, D] -> mu [T, rows]; RMS over the flattened n*D stream, then the fn projection
     flat = rms_normalize(X.flatten(1), eps)
     return flat @ fn.float().t()
 
 
-def hc_pre(X, fn, base, scale, n: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
-    """Returns (u [T, D] in X.dtype, post [T, n] fp32, comb [T, n, n] fp32)."""
+def hc_pre_reference(X, fn, base, scale, n: int, sinkhorn_iters: int, hc_eps: float,
+                     norm_eps: float):
     mu = _mixes(X, fn, norm_eps)
     base, scale = base.float(), scale.float()
     pre = torch.sigmoid(scale[0] * mu[:, :n] + base[:n]) + hc_eps
@@ -31,14 +75,12 @@ def hc_pre(X, fn, base, scale, n: int, sinkhorn_iters: int, hc_eps: float, norm_
     return u.to(X.dtype), post, comb
 
 
-def hc_post(o: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """X'[k] = post[k] * o + sum_j comb[j, k] * X[j]  (column k of comb feeds new stream k)."""
+def hc_post_reference(o, X, post, comb) -> torch.Tensor:
     mixed = torch.einsum("tjk,tjd->tkd", comb, X.float())
     return (post.unsqueeze(-1) * o.float().unsqueeze(1) + mixed).to(X.dtype)
 
 
-def hc_head(X, fn, base, scale, hc_eps: float, norm_eps: float) -> torch.Tensor:
-    """Final collapse of the streams: sigmoid-gated sum, no post/comb. Returns [T, D]."""
+def hc_head_reference(X, fn, base, scale, hc_eps: float, norm_eps: float) -> torch.Tensor:
     mu = _mixes(X, fn, norm_eps)
     pre = torch.sigmoid(scale.float()[0] * mu + base.float()) + hc_eps
     return (pre.unsqueeze(-1) * X.float()).sum(1).to(X.dtype)

@@ -31,39 +31,60 @@ def rope_frequencies(rope_dim: int, base: float, yarn: dict | None = None) -> to
 
 
 class Rope:
-    """cos/sin lookup by absolute position; tables grow on demand."""
+    """Rotation by absolute position as a complex multiply with a cached e^{i·pos·freq} table.
+
+    x's rotated pairs (re, im) times (cos + i·sin) is (re·cos − im·sin, re·sin + im·cos): the
+    reference formula in one op instead of ~10; the inverse rotation multiplies by the stored
+    conjugate (cos − i·sin), which is the reference's sin → −sin. Tables grow on demand, one per
+    device. (Rows are gathered per call on purpose: caching them by `positions` identity would go
+    stale under in-place updated static buffers, e.g. CUDA-graph inputs.)
+    """
 
     def __init__(self, rope_dim: int, base: float, yarn: dict | None = None):
         self.rope_dim = rope_dim
         self.freqs = rope_frequencies(rope_dim, base, yarn)
-        self._cos = self._sin = None
+        self._tables = {}      # device -> (cis [size, r/2] complex64, its conjugate)
 
     def _table(self, n: int, device):
-        if self._cos is None or self._cos.shape[0] < n or self._cos.device != torch.device(device):
-            size = max(n, 2 * (0 if self._cos is None else self._cos.shape[0]), 256)
+        device = torch.device(device)
+        table = self._tables.get(device)
+        if table is None or table[0].shape[0] < n:
+            size = max(n, 2 * (0 if table is None else table[0].shape[0]), 256)
             ang = torch.arange(size, dtype=torch.float64, device="cpu")[:, None] * self.freqs[None, :]
-            self._cos = ang.cos().float().to(device)
-            self._sin = ang.sin().float().to(device)
-        return self._cos, self._sin
+            cos, sin = ang.cos().float(), ang.sin().float()
+            table = (torch.complex(cos, sin).to(device), torch.complex(cos, -sin).to(device))
+            self._tables[device] = table
+        return table
+
+    def rows(self, positions: torch.Tensor, device, inverse: bool = False) -> torch.Tensor:
+        """complex64 [T, r/2]: e^{±i·p·freq} for each position p (− for the inverse rotation)."""
+        cis, conj = self._table(int(positions.max()) + 1 if positions.numel() else 1, device)
+        return (conj if inverse else cis)[positions]
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """Rotate the last rope_dim dims of x [..., T, (heads,) dim] at positions [T]; returns new x."""
-        cos_t, sin_t = self._table(int(positions.max()) + 1 if positions.numel() else 1, x.device)
-        cos, sin = cos_t[positions], sin_t[positions]          # [T, r/2]
-        while cos.dim() < x.dim():                              # broadcast over head axes
-            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        if inverse:
-            sin = -sin
+        cis = self.rows(positions, x.device, inverse)          # [T, r/2]
+        while cis.dim() < x.dim():                              # broadcast over head axes
+            cis = cis.unsqueeze(-2)
         r = self.rope_dim
-        rot = x[..., -r:].float().unflatten(-1, (r // 2, 2))
-        re, im = rot[..., 0], rot[..., 1]
-        out = torch.stack((re * cos - im * sin, re * sin + im * cos), dim=-1).flatten(-2)
+        pairs = x[..., -r:].float().unflatten(-1, (r // 2, 2))
+        if pairs.storage_offset() % 2 or any(st % 2 for st in pairs.stride()[:-1]):
+            pairs = pairs.contiguous()                          # view_as_complex needs even strides
+        out = torch.view_as_real(torch.view_as_complex(pairs) * cis).flatten(-2)
         return torch.cat((x[..., :-r], out.to(x.dtype)), dim=-1)
 
 
+_SHARED: dict = {}
+
+
 def rope_for_layer(cfg, ratio: int) -> Rope:
+    """The Rope of a layer kind: one shared instance (and table) per distinct (dim, base, YaRN)."""
     if ratio == 0:
-        return Rope(cfg.qk_rope_head_dim, cfg.rope_theta)
-    yarn = dict(factor=cfg.rope_factor, original_seq_len=cfg.original_seq_len,
-                beta_fast=cfg.beta_fast, beta_slow=cfg.beta_slow)
-    return Rope(cfg.qk_rope_head_dim, cfg.compress_rope_theta, yarn)
+        key = (cfg.qk_rope_head_dim, cfg.rope_theta, None)
+    else:
+        key = (cfg.qk_rope_head_dim, cfg.compress_rope_theta,
+               (("factor", cfg.rope_factor), ("original_seq_len", cfg.original_seq_len),
+                ("beta_fast", cfg.beta_fast), ("beta_slow", cfg.beta_slow)))
+    if key not in _SHARED:
+        _SHARED[key] = Rope(key[0], key[1], dict(key[2]) if key[2] else None)
+    return _SHARED[key]

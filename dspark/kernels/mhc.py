@@ -1,0 +1,221 @@
+"""Fused mHC hyper-connection kernels (spec §3.2): `hc_pre`, `hc_post` and `hc_head` in one or
+two launches each, for any number of tokens T.
+
+Same contract and fp32 math as the torch reference in ``dspark.models.deepseek_v4.mhc`` (which
+dispatches here for CUDA tensors); ``n`` streams of width ``D``, ``K = n·D``:
+
+    mu   = rms_normalize(X.flatten(1)) @ fnᵀ                          [T, R]  R = (2+n)·n or n
+    pre  = sigmoid(scale[0]·mu[:, :n] + base[:n]) + hc_eps            [T, n]
+    post = 2·sigmoid(scale[1]·mu[:, n:2n] + base[n:2n])               [T, n]
+    comb = Sinkhorn(softmax_rows(scale[2]·mu[:, 2n:] + base[2n:]) + hc_eps)   [T, n, n]
+    u    = Σ_i pre_i · X_i                                            [T, D]  (X.dtype)
+    X'_k = post_k · o + Σ_j comb_jk · X_j                             (hc_post, X.dtype)
+
+Launch 1 (`_mix_partials`): split-K over the flattened stream. Program (token block, K chunk)
+accumulates Σ x·fnᵀ for its chunk with an exact fp32 ('ieee') dot, plus Σ x² — the RMS factor
+is a per-token scalar, so it is applied to the finished dot products instead of to x
+(mathematically the reference's normalise-then-project; only rounding differs, ~1e-7 relative).
+Splitting K (up to 128 chunks) keeps the SMs busy at T = 1, where the cost is streaming fn (R·K
+fp32); at large T the token blocks supply the parallelism and fewer, longer chunks are used.
+Launch 2 (`_finish_pre`): program (token, D block) reduces the partials, applies the RMS factor,
+the sigmoids, and collapses its D block of u. The Sinkhorn normalisation of the n×n comb runs in
+registers by the D-block-0 program only (the others need `pre` alone), in the reference's order:
+softmax over rows, + eps, column-normalise, then (iters − 1) × (row-, column-normalise).
+`hc_post` is one launch: program (token, D block) writes all n output streams of its block.
+
+bf16 outputs are rounded to nearest even by bit arithmetic (as in cache_write) so the interpreter,
+whose float down-cast does not round correctly, gives the same bytes as the GPU.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dspark.kernels.cache_write import _bf16_round
+
+# launch 1 aims at ~256 programs (H200: 132 SMs) split between token blocks and K chunks
+_TARGET_PROGRAMS = 256
+_MAX_SPLITS = 128
+_BLOCK_K = 64
+_BLOCK_D = 256
+
+
+@triton.jit
+def _store_rounded(ptr, value, mask, OUT_BF16: tl.constexpr):
+    if OUT_BF16:            # exact in bf16 afterwards, so the store's cast only truncates zeros
+        value = _bf16_round(value)
+    tl.store(ptr, value, mask=mask)
+
+
+@triton.jit
+def _mix_partials(x_ptr, fn_ptr, part_ptr, sq_ptr, T, K, R, CHUNK,
+                  BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """part[s, t, r] = Σ_{k in chunk s} x[t, k]·fn[r, k];  sq[s, t] = Σ_{k in chunk s} x[t, k]²."""
+    pid_t = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    r = tl.arange(0, BLOCK_R)
+    t_ok = t < T
+    r_ok = r < R
+    acc = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_T], dtype=tl.float32)
+    k0 = pid_s * CHUNK
+    for kk in range(0, CHUNK, BLOCK_K):
+        k = k0 + kk + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        x = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=t_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        w = tl.load(fn_ptr + r[:, None] * K + k[None, :], mask=r_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        sq += tl.sum(x * x, axis=1)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+    row = pid_s * T + t
+    tl.store(part_ptr + row[:, None] * BLOCK_R + r[None, :], acc, mask=t_ok[:, None])
+    tl.store(sq_ptr + row, sq, mask=t_ok)
+
+
+@triton.jit
+def _finish_pre(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, comb_ptr,
+                T, D, S, K, norm_eps, hc_eps, sinkhorn_iters,
+                N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HEAD: tl.constexpr,
+                OUT_BF16: tl.constexpr):
+    """Reduce the split-K partials of token t, then u (its D block) and, unless HEAD, post/comb."""
+    t = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    i = tl.arange(0, BLOCK_N)
+    s_ok = s < S
+    i_ok = i < N
+    rows = (s * T + t) * BLOCK_R                                   # [BLOCK_S] partial rows
+    sq = tl.sum(tl.load(sq_ptr + s * T + t, mask=s_ok, other=0.0), axis=0)
+    inv_rms = tl.math.rsqrt(sq / K + norm_eps)
+
+    pre_dot = tl.sum(tl.load(part_ptr + rows[:, None] + i[None, :],
+                             mask=s_ok[:, None] & i_ok[None, :], other=0.0), axis=0)
+    pre = tl.sigmoid(tl.load(scale_ptr) * (pre_dot * inv_rms)
+                     + tl.load(base_ptr + i, mask=i_ok, other=0.0)) + hc_eps
+    pre = tl.where(i_ok, pre, 0.0)
+
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    x = tl.load(x_ptr + (t * N + i[:, None]) * D + d[None, :], mask=i_ok[:, None] & d_ok[None, :],
+                other=0.0).to(tl.float32)
+    u = tl.sum(pre[:, None] * x, axis=0)
+    _store_rounded(u_ptr + t * D + d, u, d_ok, OUT_BF16)
+
+    if not HEAD:
+        if pid_d == 0:
+            post_dot = tl.sum(tl.load(part_ptr + rows[:, None] + N + i[None, :],
+                                      mask=s_ok[:, None] & i_ok[None, :], other=0.0), axis=0)
+            post = 2 * tl.sigmoid(tl.load(scale_ptr + 1) * (post_dot * inv_rms)
+                                  + tl.load(base_ptr + N + i, mask=i_ok, other=0.0))
+            tl.store(post_ptr + t * N + i, post, mask=i_ok)
+
+            # comb[i, j] = mixes row 2N + i·N + j; partial tile [BLOCK_S, BLOCK_N, BLOCK_N]
+            ij = i[:, None] * N + i[None, :]
+            ij_ok = i_ok[:, None] & i_ok[None, :]
+            comb_dot = tl.sum(tl.load(part_ptr + rows[:, None, None] + 2 * N + ij[None, :, :],
+                                      mask=s_ok[:, None, None] & ij_ok[None, :, :], other=0.0),
+                              axis=0)
+            c = (tl.load(scale_ptr + 2) * (comb_dot * inv_rms)
+                 + tl.load(base_ptr + 2 * N + ij, mask=ij_ok, other=0.0))
+            c = tl.where(ij_ok, c, float("-inf"))
+            # padded rows are all -inf: pivot 0 and divisor 1 keep them at exactly 0, not NaN
+            row_max = tl.where(i_ok, tl.max(c, axis=1), 0.0)
+            c = tl.exp(c - row_max[:, None])
+            c = c / tl.where(i_ok, tl.sum(c, axis=1), 1.0)[:, None]
+            c = tl.where(ij_ok, c + hc_eps, 0.0)                      # padding stays 0
+            c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
+            for _ in range(sinkhorn_iters - 1):
+                c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
+                c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
+            tl.store(comb_ptr + t * N * N + ij, c, mask=ij_ok)
+
+
+@triton.jit
+def _post(o_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D,
+          N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, OUT_BF16: tl.constexpr):
+    """out[t, k, d] = post[t, k]·o[t, d] + Σ_j comb[t, j, k]·X[t, j, d] for one D block."""
+    t = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    k = tl.arange(0, BLOCK_N)
+    k_ok = k < N
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    o = tl.load(o_ptr + t * D + d, mask=d_ok, other=0.0).to(tl.float32)
+    post = tl.load(post_ptr + t * N + k, mask=k_ok, other=0.0)
+    mixed = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(N):                 # the reference einsum's sum over j, in order
+        xj = tl.load(x_ptr + (t * N + j) * D + d, mask=d_ok, other=0.0).to(tl.float32)
+        cj = tl.load(comb_ptr + (t * N + j) * N + k, mask=k_ok, other=0.0)
+        mixed += cj[:, None] * xj[None, :]
+    out = post[:, None] * o[None, :] + mixed
+    _store_rounded(out_ptr + (t * N + k[:, None]) * D + d[None, :], out,
+                   k_ok[:, None] & d_ok[None, :], OUT_BF16)
+
+
+def _mixes(X: torch.Tensor, fn: torch.Tensor):
+    """Launch 1. Returns (partials [S, T, BLOCK_R] fp32, sum-of-squares partials [S, T], S, BLOCK_R)."""
+    T, n, D = X.shape
+    K, R = n * D, fn.shape[0]
+    assert fn.shape == (R, K), f"fn {tuple(fn.shape)} does not match X {tuple(X.shape)}"
+    BLOCK_T = 16 if T <= 128 else 64       # tl.dot needs ≥ 16 rows; larger T re-reads fn less
+    BLOCK_R = max(16, triton.next_power_of_2(R))
+    t_programs = triton.cdiv(T, BLOCK_T)
+    splits = max(1, min(triton.cdiv(_TARGET_PROGRAMS, t_programs), _MAX_SPLITS,
+                        triton.cdiv(K, _BLOCK_K)))
+    chunk = triton.cdiv(triton.cdiv(K, splits), _BLOCK_K) * _BLOCK_K
+    S = triton.cdiv(K, chunk)
+    part = torch.empty(S, T, BLOCK_R, dtype=torch.float32, device=X.device)
+    sq = torch.empty(S, T, dtype=torch.float32, device=X.device)
+    _mix_partials[(t_programs, S)](X, fn, part, sq, T, K, R, chunk,
+                                   BLOCK_T=BLOCK_T, BLOCK_R=BLOCK_R, BLOCK_K=_BLOCK_K)
+    return part, sq, S, BLOCK_R
+
+
+def _collapse(X, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, head: bool):
+    T, n, D = X.shape
+    X, fn = X.contiguous(), fn.contiguous()
+    u = torch.empty(T, D, dtype=X.dtype, device=X.device)
+    post = torch.empty(T, n, dtype=torch.float32, device=X.device)
+    comb = torch.empty(T, n, n, dtype=torch.float32, device=X.device)
+    if T == 0:
+        return u, post, comb
+    part, sq, S, BLOCK_R = _mixes(X, fn)
+    block_d = min(_BLOCK_D, triton.next_power_of_2(D))
+    _finish_pre[(T, triton.cdiv(D, block_d))](
+        X, part, sq, base.float().contiguous(), scale.float().contiguous(), u, post, comb,
+        T, D, S, n * D, norm_eps, hc_eps, sinkhorn_iters,
+        N=n, BLOCK_N=triton.next_power_of_2(n), BLOCK_S=triton.next_power_of_2(S),
+        BLOCK_R=BLOCK_R, BLOCK_D=block_d, HEAD=head, OUT_BF16=X.dtype == torch.bfloat16)
+    return u, post, comb
+
+
+def hc_pre(X, fn, base, scale, n: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+    """X [T, n, D] -> (u [T, D] in X.dtype, post [T, n] fp32, comb [T, n, n] fp32)."""
+    assert X.dim() == 3 and X.shape[1] == n, f"X {tuple(X.shape)} is not [T, {n}, D]"
+    assert fn.shape[0] == (2 + n) * n, f"hc_pre fn has {fn.shape[0]} rows, expected {(2 + n) * n}"
+    return _collapse(X, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, head=False)
+
+
+def hc_head(X, fn, base, scale, hc_eps: float, norm_eps: float) -> torch.Tensor:
+    """Final collapse: sigmoid-gated sum of the streams, [T, n, D] -> [T, D] in X.dtype."""
+    assert fn.shape[0] == X.shape[1], f"hc_head fn has {fn.shape[0]} rows for {X.shape[1]} streams"
+    return _collapse(X, fn, base, scale, hc_eps, norm_eps, 0, head=True)[0]
+
+
+def hc_post(o: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """X'[k] = post[k]·o + Σ_j comb[j, k]·X[j]; o [T, D], X [T, n, D] -> [T, n, D] in X.dtype."""
+    T, n, D = X.shape
+    assert o.shape == (T, D), f"o {tuple(o.shape)} does not match X {tuple(X.shape)}"
+    out = torch.empty(T, n, D, dtype=X.dtype, device=X.device)
+    if T == 0:
+        return out
+    block_d = min(_BLOCK_D, triton.next_power_of_2(D))
+    _post[(T, triton.cdiv(D, block_d))](
+        o.contiguous(), X.contiguous(), post.float().contiguous(), comb.float().contiguous(), out, D,
+        N=n, BLOCK_N=triton.next_power_of_2(n), BLOCK_D=block_d,
+        OUT_BF16=X.dtype == torch.bfloat16)
+    return out

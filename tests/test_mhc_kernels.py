@@ -1,0 +1,177 @@
+"""Fused mHC kernels (dspark/kernels/mhc.py) against the torch reference in
+dspark/models/deepseek_v4/mhc.py, and the dispatch between them.
+
+Without CUDA the kernels run under TRITON_INTERPRET=1 (set by conftest.py before triton is
+imported) at small shapes; GPU-sized cases are marked ``gpu`` and skipped without CUDA.
+Mixing math is fp32 in both, so post/comb and fp32 outputs agree to fp32 rounding (~1e-7
+relative, 1e-5 asserted); bf16 outputs agree exactly or by one bf16 step where the fp32 value
+sits on a rounding boundary.
+"""
+import os
+import sys
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+TRITON_PREIMPORTED = "triton" in sys.modules
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import triton  # noqa: E402
+
+import dspark.kernels.mhc as kernels  # noqa: E402
+import dspark.models.deepseek_v4.mhc as mhc  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_interp_usable = INTERPRET and type(triton.language.zeros).__name__ == "InterpretedFunction"
+triton_ok = pytest.mark.skipif(not (HAS_CUDA or _interp_usable),
+                               reason="needs CUDA, or TRITON_INTERPRET=1 set before triton is "
+                                      f"first imported (already imported: {TRITON_PREIMPORTED})")
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+DEV = "cuda" if HAS_CUDA else "cpu"
+HC_EPS, NORM_EPS, ITERS = 1e-6, 1e-6, 20
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
+
+
+def make_case(T, n, D, dtype, seed=0, device=DEV):
+    """Random mHC inputs at the scale of a trained model: |mu| ~ 1, so sigmoids and the comb
+    softmax are neither saturated nor uniform."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = (2 + n) * n
+    X = (torch.randn(T, n, D, generator=gen) * 2).to(dtype)
+    fn = torch.randn(rows, n * D, generator=gen) / (n * D) ** 0.5
+    base = torch.randn(rows, generator=gen) * 0.5
+    scale = torch.rand(3, generator=gen) + 0.5
+    head_fn = torch.randn(n, n * D, generator=gen) / (n * D) ** 0.5
+    o = torch.randn(T, D, generator=gen).to(dtype)
+    return [t.to(device) for t in (X, fn, base, scale, head_fn, o)]
+
+
+def assert_out_close(got, want):
+    """fp32: 1e-5 relative; bf16: at most one bf16 step anywhere, where an element that
+    cancels to near zero may also differ by the fp32 summation-order noise (1e-5 of the scale:
+    at GPU sizes, T*D ~ 1e5 elements, a few of them land there)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if want.dtype == torch.bfloat16:
+        diff = (got.double() - want.double()).abs()
+        atol = 1e-5 * float(want.double().abs().max()) + 1e-30
+        assert torch.all(diff <= want.double().abs() * 2 ** -7 + atol), diff.max()
+        assert (diff > 0).double().mean() < 0.01       # rounding ties only, not a systematic error
+    else:
+        assert rel_err(got, want) < 1e-5
+
+
+def check_all(T, n, D, dtype, seed=0):
+    X, fn, base, scale, head_fn, o = make_case(T, n, D, dtype, seed)
+    u, post, comb = kernels.hc_pre(X, fn, base, scale, n, ITERS, HC_EPS, NORM_EPS)
+    u_ref, post_ref, comb_ref = mhc.hc_pre_reference(X, fn, base, scale, n, ITERS, HC_EPS, NORM_EPS)
+    assert post.dtype == comb.dtype == torch.float32
+    assert post.shape == (T, n) and comb.shape == (T, n, n)
+    assert_out_close(u, u_ref)
+    assert rel_err(post, post_ref) < 1e-5
+    assert rel_err(comb, comb_ref) < 1e-5
+    # hc_post from the same (reference) mixes, so only the kernel's own arithmetic is compared
+    assert_out_close(kernels.hc_post(o, X, post_ref, comb_ref),
+                     mhc.hc_post_reference(o, X, post_ref, comb_ref))
+    assert_out_close(kernels.hc_head(X, head_fn, base[:n], scale[:1], HC_EPS, NORM_EPS),
+                     mhc.hc_head_reference(X, head_fn, base[:n], scale[:1], HC_EPS, NORM_EPS))
+
+
+@triton_ok
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,D", [(1, 64), (3, 192), (17, 64)])
+def test_kernels_match_reference(T, D, dtype):
+    check_all(T, 4, D, dtype)
+
+
+@triton_ok
+def test_kernels_padded_streams_and_ragged_width():
+    """n = 3 (padded to 4 lanes: the padding must not leak into softmax / Sinkhorn sums) and a
+    width that is not a power of two nor a multiple of the K tile."""
+    check_all(5, 3, 40, torch.float32, seed=3)
+
+
+@triton_ok
+def test_kernels_sinkhorn_makes_comb_doubly_stochastic():
+    X, fn, base, scale, _, _ = make_case(3, 4, 64, torch.float32, seed=4)
+    _, _, comb = kernels.hc_pre(X, fn, base, scale, 4, ITERS, HC_EPS, NORM_EPS)
+    ones = torch.ones(3, 4, device=comb.device)
+    assert torch.allclose(comb.sum(-2), ones, atol=1e-5)    # last step normalises columns
+    assert torch.allclose(comb.sum(-1), ones, atol=1e-3)
+
+
+@triton_ok
+def test_kernels_empty_batch():
+    X, fn, base, scale, head_fn, o = make_case(0, 4, 64, torch.float32)
+    u, post, comb = kernels.hc_pre(X, fn, base, scale, 4, ITERS, HC_EPS, NORM_EPS)
+    assert u.shape == (0, 64) and post.shape == (0, 4) and comb.shape == (0, 4, 4)
+    assert kernels.hc_post(o, X, post, comb).shape == (0, 4, 64)
+    assert kernels.hc_head(X, head_fn, base[:4], scale[:1], HC_EPS, NORM_EPS).shape == (0, 64)
+
+
+# ---- dispatch ----------------------------------------------------------------------------------
+
+@pytest.fixture
+def backend():
+    """Set dspark.models.deepseek_v4.mhc.BACKEND for one test, restored afterwards."""
+    saved = mhc.BACKEND
+    yield lambda name: setattr(mhc, "BACKEND", name)
+    mhc.BACKEND = saved
+
+
+def test_dispatch_reference_on_cpu_and_for_gradients(backend):
+    X, fn, base, scale, _, o = make_case(2, 4, 64, torch.float32, device="cpu")
+    backend("auto")
+    assert mhc._kernels(X, fn) is None                       # CPU tensors: torch reference
+    backend("triton")
+    fn.requires_grad_(True)
+    u, post, comb = mhc.hc_pre(X, fn, base, scale, 4, ITERS, HC_EPS, NORM_EPS)
+    assert u.grad_fn is not None                             # kernels have no backward
+    backend("reference")
+    assert mhc._kernels(X.to(DEV)) is None
+    backend("fast")
+    with pytest.raises(ValueError, match="DSPARK_MHC_BACKEND"):
+        mhc.hc_post(o, X, post, comb)
+
+
+@triton_ok
+def test_dispatch_triton_runs_kernels(backend):
+    X, fn, base, scale, head_fn, o = make_case(2, 4, 64, torch.bfloat16)
+    backend("triton")
+    assert mhc._kernels(X, fn) is kernels
+    with torch.no_grad():
+        u, post, comb = mhc.hc_pre(X, fn, base, scale, 4, ITERS, HC_EPS, NORM_EPS)
+        assert torch.equal(u, kernels.hc_pre(X, fn, base, scale, 4, ITERS, HC_EPS, NORM_EPS)[0])
+        assert torch.equal(mhc.hc_post(o, X, post, comb), kernels.hc_post(o, X, post, comb))
+
+
+@triton_ok
+def test_model_logits_with_kernels_match_reference(tiny_ckpt, backend):
+    """The whole tiny model (a 6-token prompt) with every mHC call on the kernels."""
+    from dspark import Engine
+
+    eng = Engine(tiny_ckpt, device=DEV, dtype="fp32", kv_cache_dtype="fp32", speculative="none",
+                 kv_layout="dense")
+    ids = [5, 17, 3, 99, 42, 7]
+    logits = {}
+    for name in ("reference", "triton"):
+        backend(name)
+        logits[name] = eng.score(ids)
+    assert rel_err(logits["triton"], logits["reference"]) < 1e-4
+
+
+# ---- GPU-sized cases (H200) --------------------------------------------------------------------
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 2, 6, 64, 300])
+@pytest.mark.parametrize("D", [4096, 7168])
+def test_gpu_kernels_realistic(T, D):
+    check_all(T, 4, D, torch.bfloat16, seed=T)
+    check_all(T, 4, D, torch.float32, seed=T + 1)
