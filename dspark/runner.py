@@ -4,13 +4,18 @@ The target forward takes a flattened ragged batch (prefill chunks, decode tokens
 blocks of many requests together) and returns logits for the rows the caller needs plus the
 hc-mean taps the drafter's context is built from. The draft pass runs the parallel block for all
 requests at once, then the Markov head left to right.
+
+DeepSeek-V4 drafter: every request's draft context lives in one `DraftContextPool`; the context
+rows committed during a step are written for all requests at once by the next `draft()`, and the
+draft pass is one fixed-shape `DraftPass` (a CUDA graph per batch-size bucket when enabled).
 """
 from __future__ import annotations
 
 import torch
 
+from .draft_pass import DraftPass
 from .models.deepseek_v4.model import Batch
-from .models.drafter import DraftState
+from .models.drafter import DraftState, DSparkDrafter
 from .request import DraftBlock
 from .sampling import Purpose, probs_from_logits, sample_from_probs, stack_params, uniforms
 
@@ -21,8 +26,16 @@ class QuantSim:
     The paged fp8_ds_mla cache applies the same rounding by storing the real records."""
 
     def kv(self, x):
-        from .kvcache.layouts import fp8_ds_mla_roundtrip
-        return fp8_ds_mla_roundtrip(x)
+        """fp8_ds_mla_roundtrip(x) bit for bit, without building the record bytes: about half
+        the ops (the drafter runs it three times per draft pass and per context write)."""
+        from .kvcache.layouts import (FP8_AMAX_FLOOR, FP8_MAX, HEAD_DIM, NOPE_DIM, TILE,
+                                      _ceil_log2, _pow2)
+        xb = x.reshape(-1, HEAD_DIM).to(torch.bfloat16).float()   # records hold bf16 activations
+        tiles = xb[:, :NOPE_DIM].unflatten(-1, (-1, TILE))
+        amax = tiles.abs().amax(dim=-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR)
+        scale = _pow2(_ceil_log2(amax / FP8_MAX))                  # UE8M0: a power of two
+        q = (tiles / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
+        return torch.cat([q.flatten(-2), xb[:, NOPE_DIM:]], -1).to(x.dtype).reshape(x.shape)
 
     def indexer(self, x):
         from .kvcache.layouts import fp4_roundtrip, hadamard128
@@ -31,19 +44,28 @@ class QuantSim:
 
 class ModelRunner:
     def __init__(self, model, drafter=None, device="cpu", quant: QuantSim | None = None,
-                 backend=None):
+                 backend=None, cuda_graphs: bool = False, max_num_seqs: int = 8):
         self.model, self.drafter, self.device, self.quant = model, drafter, torch.device(device), quant
         # paged attention (dspark.attention backend over a PagedKVCache) or None: dense states
         self.backend = backend
         self.tap_layers = tuple(model.cfg.dspark_target_layer_ids) if drafter is not None else ()
+        self.draft_pool = self.draft_pass = None
+        self._pending_context = []          # (draft_state, taps, start) awaiting flush_context
+        if isinstance(drafter, DSparkDrafter):
+            # with graphs, room for every sequence up front (growing reallocates the pool and
+            # recaptures); without, start small and double on demand
+            slots = max_num_seqs if cuda_graphs else min(max_num_seqs, 8)
+            self.draft_pool = drafter.new_pool(slots, drafter.main_proj.weight.device)
+            self.draft_pass = DraftPass(drafter, model.embed, model.head, self.draft_pool,
+                                        cuda_graphs)
 
     @property
     def backend_name(self) -> str:
         return getattr(self.backend, "name", "paged") if self.backend is not None else "dense-reference"
 
     def new_states(self):
-        ds = DraftState(self.model.cfg.num_dspark_stages, self.model.cfg.sliding_window) \
-            if self.drafter is not None else None
+        ds = DraftState(self.model.cfg.num_dspark_stages, self.model.cfg.sliding_window,
+                        self.draft_pool) if self.drafter is not None else None
         return self.model.new_state(), ds
 
     @torch.inference_mode()
@@ -51,6 +73,7 @@ class ModelRunner:
         """items: list of (target_state, start, token list); with a paged backend the state is
         the request id registered in backend.cache. Returns (logits fp32 [N, V] for the flat
         rows in `logit_rows` (all rows when None), taps [T, taps*D] or None)."""
+        self.flush_context()        # leftovers of a step that drafted nothing
         batch = Batch.build(items, self.device)
         attn_fn = self.backend.forward_fn(batch) if self.backend is not None else None
         X, taps = self.model.forward_hidden(batch, attn_fn=attn_fn, quant=self.quant,
@@ -61,14 +84,58 @@ class ModelRunner:
 
     @torch.inference_mode()
     def commit_context(self, draft_state, taps, start: int):
-        """Draft context rows for committed positions start..start+len(taps)-1."""
-        pos = torch.arange(start, start + taps.shape[0], device=self.device)
-        self.drafter.commit_context(draft_state, taps, pos, self.quant)
+        """Draft context rows for committed positions start..start+len(taps)-1. With the pooled
+        DeepSeek-V4 context they are queued (taps kept by reference) and written for every
+        request at once by the next `flush_context` (called by `draft` and `target_forward`)."""
+        n = taps.shape[0]
+        if self.draft_pool is None or draft_state.pool is not self.draft_pool:
+            pos = torch.arange(start, start + n, device=self.device)
+            self.drafter.commit_context(draft_state, taps, pos, self.quant)
+            return
+        if n:
+            draft_state.length = max(draft_state.length, start + n)
+            self._pending_context.append((draft_state, taps, start))
+
+    @torch.inference_mode()
+    def flush_context(self):
+        """Write all queued context rows with one batched projection per stage (a CUDA graph
+        replay when graphs are on)."""
+        if not self._pending_context:
+            return
+        pending, self._pending_context = self._pending_context, []
+        cap = self.draft_pool.capacity
+        end = {}                          # per state: end of its newest queued row
+        for st, taps, start in pending:
+            end[id(st)] = max(end.get(id(st), 0), start + taps.shape[0])
+        rows, slots, positions = [], [], []
+        for st, taps, start in pending:
+            # rows `capacity` or more behind the state's newest row share ring entries with
+            # newer ones and are never read again; two writes to one entry in one index_put
+            # would leave either value
+            lo = max(start, end[id(st)] - cap)
+            hi = start + taps.shape[0]
+            if lo < hi:
+                rows.append(taps[lo - start:].to(self.draft_pool.device))
+                slots += [st.take_slot()] * (hi - lo)
+                positions += range(lo, hi)
+        self.draft_pass.write_context(slots, positions, rows, self.quant)
 
     @torch.inference_mode()
     def draft(self, reqs) -> list:
         """One DSpark block per request: parallel backbone, then Markov sampling left to right.
         Keeps the exact distributions each draft token was sampled from (q) and the confidences."""
+        if not reqs:
+            return []
+        if self.draft_pass is not None:
+            self.flush_context()
+            toks, probs, confs = self.draft_pass(reqs, self.quant)
+            # greedy requests keep no [γ, V] distribution: their q is the point mass on the token
+            return [DraftBlock(toks[i], None if r.params.greedy else probs[i], confs[i])
+                    for i, r in enumerate(reqs)]
+        return self._draft_per_request_state(reqs)
+
+    def _draft_per_request_state(self, reqs) -> list:
+        """Drafters with their own per-request state (Qwen3 DSpark): the generic pass."""
         d, g = self.drafter, self.drafter.gamma
         anchors = torch.tensor([r.anchor for r in reqs], dtype=torch.long, device=self.device)
         starts = [r.num_committed for r in reqs]
@@ -85,7 +152,6 @@ class ModelRunner:
             prev = sample_from_probs(q, uniforms(seeds, P + k + 1, Purpose.DRAFT))
             toks.append(prev), probs.append(q), confs.append(conf)
         toks, probs, confs = torch.stack(toks, 1), torch.stack(probs, 1), torch.stack(confs, 1)
-        # greedy requests keep no [γ, V] distribution: their q is the point mass on the token
         return [DraftBlock(toks[i], None if r.params.greedy else probs[i], confs[i])
                 for i, r in enumerate(reqs)]
 

@@ -85,15 +85,22 @@ class SamplingParams:
         return tuple(dict.fromkeys(self.stop_token_ids + extra))
 
 
+def filters_used(params: Sequence[SamplingParams]) -> tuple[bool, bool]:
+    """(some request filters by top-k, some by top-p): when neither, probs_from_logits skips the
+    O(V log V) sort. Decided from host-side params, never from device values."""
+    return (any(s.top_k > 0 and not s.greedy for s in params),
+            any(s.top_p < 1 and not s.greedy for s in params))
+
+
 def stack_params(params: Sequence[SamplingParams], device=None):
     """Batch per-request params into (temperature f32[N], top_k i64[N] | None, top_p f32[N] | None).
-    top_k / top_p come back as None when no request uses them, so probs_from_logits skips the
-    O(V log V) sort; this decision is made from host-side params, never from device values."""
+    top_k / top_p come back as None when no request uses them (`filters_used`)."""
     temperature = torch.tensor([float(s.temperature) for s in params], dtype=torch.float32, device=device)
+    use_top_k, use_top_p = filters_used(params)
     top_k = top_p = None
-    if any(s.top_k > 0 and not s.greedy for s in params):
+    if use_top_k:
         top_k = torch.tensor([s.top_k for s in params], dtype=torch.int64, device=device)
-    if any(s.top_p < 1 and not s.greedy for s in params):
+    if use_top_p:
         top_p = torch.tensor([float(s.top_p) for s in params], dtype=torch.float32, device=device)
     return temperature, top_k, top_p
 
@@ -176,5 +183,5 @@ def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.where(first < v, first, last_positive)
 
 
-__all__ = ["Purpose", "SamplingParams", "stack_params", "probs_from_logits", "uniforms",
+__all__ = ["Purpose", "SamplingParams", "filters_used", "stack_params", "probs_from_logits", "uniforms",
            "sample_from_probs"]

@@ -7,17 +7,90 @@ Draft block: [anchor, noise x (γ-1)] at positions P..P+γ-1 through the stages 
 whose attention is non-causal over ctx[max(0,P-128):P] ∪ the whole block), hc_head, norm, the
 target's head -> base logits U; then the Markov head adds W2·W1[prev] left to right and the
 confidence head scores each slot from [pre-norm hidden ; W1[prev]].
+
+Serving keeps the context rows of all requests in one `DraftContextPool` (a ring of window rows
+per request slot) and runs the block of all requests as one batch of fixed shapes
+(`block_hidden_batched`): context entries are masked by the position they hold, the MoE of small
+stages runs dense and the stages' RoPE (`DraftRope`) takes a host-side position bound, so nothing
+is read back from the device and the pass can be replayed as a CUDA graph (dspark/draft_pass.py).
 """
 from __future__ import annotations
+
+import contextlib
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .deepseek_v4.attention import sparse_attention_with_sink
-from .deepseek_v4.mhc import hc_head
-from .deepseek_v4.model import Batch, Block
+from .deepseek_v4.mhc import hc_head, hc_post
+from .deepseek_v4.model import Block
+from .deepseek_v4.moe import MoE, clamped_swiglu
 from .deepseek_v4.norm import RMSNorm
+
+# Routed experts up to this many bytes per stage run densely (every token through every expert,
+# off-route tokens weighted 0): no data-dependent shapes, so the draft pass needs no host sync
+# and can be a CUDA graph. Larger MoEs keep the routed loop (reading every expert would cost more
+# than the sync it avoids).
+DENSE_MOE_MAX_BYTES = 16 << 20
+
+
+class DraftContextPool:
+    """Draft context rows of many requests: per stage one tensor [slots, capacity, head_dim],
+    plus the absolute position each ring entry holds ([slots, capacity] int64, -1 = empty).
+
+    A request owns one slot (as a request owns pages in the KV cache); its row for position p
+    lives at ring entry p % capacity. A draft pass gathers the slots of all its requests and masks
+    entries by position, so it has the same shapes whatever the requests' positions are.
+    Two slots are never handed out: EMPTY_SLOT stays empty (read by requests without context
+    and by the padding rows of a CUDA-graph bucket), SCRATCH_SLOT takes the padding rows of a
+    batched context write and is never read.
+    """
+
+    EMPTY_SLOT, SCRATCH_SLOT = 0, 1
+    _RESERVED = 2
+
+    def __init__(self, num_stages: int, window: int, head_dim: int, dtype, device, num_slots: int = 8):
+        self.num_stages, self.window, self.capacity = num_stages, window, window
+        self.head_dim, self.dtype, self.device = head_dim, dtype, torch.device(device)
+        self.kv, self.pos = [], None
+        self._free: list = []
+        self._resize(num_slots + self._RESERVED)
+        self.device = self.pos.device      # with its index ("cuda" -> "cuda:0")
+
+    @property
+    def num_slots(self) -> int:
+        return self.pos.shape[0] - self._RESERVED
+
+    def allocate(self) -> int:
+        if not self._free:
+            self._resize(2 * self.num_slots + self._RESERVED)
+        slot = self._free.pop()
+        self.pos[slot] = -1       # the previous owner's rows become invisible (masked by position)
+        return slot
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def _resize(self, n: int) -> None:
+        old = self.pos.shape[0] if self.pos is not None else 0
+        # normal (not inference-mode) tensors: they are written in and outside inference mode
+        with torch.inference_mode(False):
+            kv = [torch.zeros(n, self.capacity, self.head_dim, dtype=self.dtype, device=self.device)
+                  for _ in range(self.num_stages)]
+            pos = torch.full((n, self.capacity), -1, dtype=torch.long, device=self.device)
+            if old:
+                for new, cur in zip(kv, self.kv):
+                    new[:old] = cur
+                pos[:old] = self.pos
+        self.kv, self.pos = kv, pos
+        # pop() hands out low slots first. Tensors read by address (captured CUDA graphs) are
+        # stale from here on: users compare `kv` / `pos` by identity.
+        self._free.extend(range(n - 1, max(old, self._RESERVED) - 1, -1))
+
+    def gather(self, slots: torch.Tensor):
+        """(per stage kv [R, capacity, head_dim], positions [R, capacity]) of slots [R]."""
+        return [kv[slots] for kv in self.kv], self.pos[slots]
 
 
 class DraftState:
@@ -25,30 +98,115 @@ class DraftState:
 
     Only committed (target-verified) rows are ever written, so rejection needs no rollback.
     Rows older than the window are never read; memory is bounded by keeping a ring of
-    `capacity` >= window slots addressed by position % capacity.
+    `capacity` >= window slots addressed by position % capacity. The rows live in a
+    `DraftContextPool` slot (the runner's shared pool, or a private one-slot pool when the state
+    is made without one), taken at the first write and given back when the state is collected.
     """
 
-    def __init__(self, num_stages: int, window: int):
-        self.window = window
-        self.capacity = window
-        self.kv = [None] * num_stages          # [capacity, head_dim] per stage
+    def __init__(self, num_stages: int, window: int, pool: DraftContextPool | None = None):
+        if pool is not None and (pool.num_stages, pool.window) != (num_stages, window):
+            raise ValueError(f"DraftState({num_stages} stages, window {window}) does not fit a pool "
+                             f"of {pool.num_stages} stages, window {pool.window}")
+        self.num_stages, self.window, self.capacity = num_stages, window, window
+        self.pool, self.slot = pool, None
         self.length = 0                        # number of committed context positions
 
+    def take_slot(self, like: torch.Tensor | None = None) -> int:
+        """This state's slot in its pool, taken on first use. `like` (a context row tensor) sets
+        head_dim / dtype / device of a private pool when the state has none."""
+        if self.slot is None:
+            if self.pool is None:
+                self.pool = DraftContextPool(self.num_stages, self.window, like.shape[-1],
+                                             like.dtype, like.device, num_slots=1)
+            self.slot = self.pool.allocate()
+            weakref.finalize(self, self.pool.release, self.slot)
+        return self.slot
+
+    @property
+    def kv(self) -> list:
+        """Per stage [capacity, head_dim] ring of this request (None before the first write)."""
+        if self.slot is None:
+            return [None] * self.num_stages
+        return [kv[self.slot] for kv in self.pool.kv]
+
     def write(self, stage: int, positions: torch.Tensor, rows: torch.Tensor):
-        if self.kv[stage] is None:
-            self.kv[stage] = rows.new_zeros(self.capacity, rows.shape[-1])
+        slot = self.take_slot(rows)
         # only the newest `capacity` rows can be read again; writing more in one call would
         # collide in the ring (which of two writes to one slot wins is undefined)
         positions, rows = positions[-self.capacity:], rows[-self.capacity:]
-        self.kv[stage][positions % self.capacity] = rows
+        ring = positions % self.capacity
+        self.pool.kv[stage][slot, ring] = rows.to(self.pool.dtype)
+        self.pool.pos[slot, ring] = positions
 
     def window_rows(self, stage: int, P: int) -> torch.Tensor:
         """Context kv for positions max(0, P-W)..P-1 (order irrelevant: attention is non-causal)."""
         lo = max(0, P - self.window)
-        if P == 0 or self.kv[stage] is None:
+        if P == 0 or self.slot is None:
             return torch.zeros(0, 0)
-        idx = torch.arange(lo, P, device=self.kv[stage].device) % self.capacity
-        return self.kv[stage][idx]
+        idx = torch.arange(lo, P, device=self.pool.device) % self.capacity
+        return self.pool.kv[stage][self.slot][idx]
+
+
+def attention_with_sink_batched(q, keys, mask, sink, scale):
+    """`sparse_attention_with_sink` for R requests at once, each with its own keys.
+
+    q [R, L, H, d], keys [R, N, d] (K = V), mask [R, N] bool (the same for the L queries of a
+    request: block attention is non-causal), sink [H]. Returns fp32 [R, L, H, d]."""
+    logits = torch.einsum("rlhd,rnd->rlhn", q.float(), keys.float()) * scale
+    logits = logits.masked_fill(~mask[:, None, None, :], float("-inf"))
+    R, L, H, _ = q.shape
+    sink_col = sink.float()[None, None, :, None].expand(R, L, H, 1)
+    probs = torch.softmax(torch.cat([logits, sink_col], -1), dim=-1)[..., :-1]
+    return torch.einsum("rlhn,rnd->rlhd", probs, keys.float())
+
+
+class DraftRope:
+    """RoPE of the drafter stages: the rotation of the stage's `Rope` (same frequencies,
+    interleaved pairs on the last rope_dim dims) over tables owned by this drafter alone.
+
+    Inside `bounded(n)` the caller promises positions < n, so `apply` reads nothing back from
+    the device (the draft pass is then CUDA-graph capturable) and the tables are not reallocated;
+    outside it reads positions.max() and grows the tables like `Rope`. Owning the tables keeps
+    the promise local: the target's (shared) RoPE instances are never put in that mode.
+    """
+
+    def __init__(self, rope):
+        self.rope_dim, self.freqs = rope.rope_dim, rope.freqs
+        self.cis = self.conj = None       # complex64 [size, rope_dim/2]: e^{+i p f}, e^{-i p f}
+        self._bound = None
+
+    @contextlib.contextmanager
+    def bounded(self, n: int, device):
+        self.reserve(n, device)
+        previous, self._bound = self._bound, n
+        try:
+            yield
+        finally:
+            self._bound = previous
+
+    def reserve(self, n: int, device):
+        """Tables covering positions < n on `device` (reallocated only to grow or move)."""
+        if self.cis is None or self.cis.shape[0] < n or self.cis.device != torch.device(device):
+            size = max(n, 2 * (0 if self.cis is None else self.cis.shape[0]), 256)
+            ang = torch.arange(size, dtype=torch.float64, device="cpu")[:, None] * self.freqs[None, :]
+            cos, sin = ang.cos().float(), ang.sin().float()
+            with torch.inference_mode(False):
+                self.cis = torch.complex(cos, sin).to(device)
+                self.conj = torch.complex(cos, -sin).to(device)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """Rotate the last rope_dim dims of x [..., T, (heads,) dim] at positions [T]."""
+        if self._bound is None:
+            self.reserve(int(positions.max()) + 1 if positions.numel() else 1, x.device)
+        cis = (self.conj if inverse else self.cis)[positions]                # [T, r/2]
+        while cis.dim() < x.dim():                                           # over head axes
+            cis = cis.unsqueeze(-2)
+        r = self.rope_dim
+        pairs = x[..., -r:].float().unflatten(-1, (r // 2, 2))
+        if pairs.storage_offset() % 2 or any(st % 2 for st in pairs.stride()[:-1]):
+            pairs = pairs.contiguous()                          # view_as_complex needs even strides
+        out = torch.view_as_real(torch.view_as_complex(pairs) * cis).flatten(-2)
+        return torch.cat((x[..., :-r], out.to(x.dtype)), dim=-1)
 
 
 class DSparkDrafter(nn.Module):
@@ -60,6 +218,8 @@ class DSparkDrafter(nn.Module):
         self.num_taps = len(cfg.dspark_target_layer_ids)
         # stage s runs as layer num_hidden_layers + s: ratio 0 (SWA), never hash-routed
         self.stages = nn.ModuleList(Block(cfg, cfg.num_hidden_layers + s, 0, False) for s in range(S))
+        for stage in self.stages:
+            stage.attn.rope = DraftRope(stage.attn.rope)
         self.main_proj = nn.Linear(self.num_taps * D, D, bias=False)
         self.main_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
@@ -102,48 +262,152 @@ class DSparkDrafter(nn.Module):
         return out
 
     # context --------------------------------------------------------------------------
+    def context_dtype(self):
+        proj = self.main_proj     # nn.Linear, or a QuantLinear (raw fp8 `.weight`) in quantized mode
+        return getattr(proj, "compute_dtype", proj.weight.dtype)
+
+    def new_pool(self, num_slots: int, device) -> DraftContextPool:
+        return DraftContextPool(self.cfg.num_dspark_stages, self.cfg.sliding_window,
+                                self.stages[0].attn.head_dim, self.context_dtype(), device, num_slots)
+
     def commit_context(self, state: DraftState, taps: torch.Tensor, positions: torch.Tensor,
                        quant=None):
-        """Write draft context rows for committed positions from target taps [n, taps*D]."""
-        proj = self.main_proj     # nn.Linear, or a QuantLinear (raw fp8 `.weight`) in quantized mode
-        main_x = self.main_norm(proj(taps.to(getattr(proj, "compute_dtype", proj.weight.dtype))))
-        for s, stage in enumerate(self.stages):
-            state.write(s, positions, stage.attn.project_kv(main_x, positions, quant))
-        state.length = max(state.length, int(positions.max()) + 1)
+        """Write draft context rows for committed positions of one request from target taps
+        [n, taps*D] (the runner batches many requests through `commit_rows` instead)."""
+        if state.pool is None:
+            state.pool = self.new_pool(1, taps.device)
+        slot = state.take_slot()
+        # the newest `capacity` rows only: more would collide in the ring inside one index_put
+        taps, positions = taps[-state.capacity:], positions[-state.capacity:]
+        top = int(positions.max()) + 1
+        self.commit_rows(state.pool, torch.full_like(positions, slot), taps, positions, quant, top)
+        state.length = max(state.length, top)
+
+    def commit_rows(self, pool: DraftContextPool, slots: torch.Tensor, taps: torch.Tensor,
+                    positions: torch.Tensor, quant=None, max_position: int | None = None):
+        """Context rows for n committed positions of any requests at once: taps [n, taps*D],
+        slots / positions [n] int64 on the pool's device. (slot, position % capacity) must be
+        distinct over the n rows. max_position: a host-side bound (exclusive) on the positions,
+        so RoPE needs no device read; None reads it from the device."""
+        proj = self.main_proj
+        main_x = self.main_norm(proj(taps.to(self.context_dtype())))
+        ring = positions % pool.capacity
+        with self.rope_bound(max_position, main_x.device):
+            for s, stage in enumerate(self.stages):
+                rows = stage.attn.project_kv(main_x, positions, quant)
+                pool.kv[s].index_put_((slots, ring), rows.to(pool.dtype))
+        pool.pos.index_put_((slots, ring), positions)
+
+    def rope_bound(self, max_position: int | None, device):
+        """Context in which the stages' RoPE trusts `max_position` instead of a device read."""
+        stack = contextlib.ExitStack()
+        if max_position is not None:
+            for stage in self.stages:
+                stack.enter_context(stage.attn.rope.bounded(max_position, device))
+        return stack
+
+    def ropes(self) -> list:
+        return [stage.attn.rope for stage in self.stages]
 
     # block ------------------------------------------------------------------------------
     def block_hidden(self, embed: nn.Embedding, anchors: torch.Tensor, starts: list,
                      states: list, quant=None) -> torch.Tensor:
         """Pre-norm head hidden [R, γ, D] for blocks [anchor, noise...] at positions P_r + (0..γ-1)."""
-        R, g = anchors.shape[0], self.gamma
-        ids = torch.full((R, g), self.cfg.dspark_noise_token_id, dtype=torch.long,
-                         device=anchors.device)
-        ids[:, 0] = anchors
-        batch = Batch.build([(st, P, ids[r].tolist()) for r, (st, P) in enumerate(zip(states, starts))],
-                            anchors.device)
-        X = embed(batch.token_ids)
+        dev = anchors.device
+        pools = {id(st.pool): st.pool for st in states if st.slot is not None}
+        if len(pools) <= 1:            # one shared pool (or no context at all): one gather
+            pool = next(iter(pools.values())) if pools else self.new_pool(0, dev)
+            slots = [st.slot if st.slot is not None else pool.EMPTY_SLOT for st in states]
+            ctx_kv, ctx_pos = pool.gather(torch.tensor(slots, device=pool.device))
+        else:                          # states with private pools: gather each
+            parts = [st.pool.gather(torch.tensor([st.slot], device=st.pool.device))
+                     if st.slot is not None else self.new_pool(0, dev).gather(
+                         torch.zeros(1, dtype=torch.long, device=dev)) for st in states]
+            ctx_kv = [torch.cat([p[0][s] for p in parts]) for s in range(len(self.stages))]
+            ctx_pos = torch.cat([p[1] for p in parts])
+        starts_t = torch.tensor(starts, dtype=torch.long, device=dev)
+        return self.block_hidden_batched(embed, anchors, starts_t, ctx_kv, ctx_pos, quant,
+                                         max(starts) + self.gamma)
+
+    def block_hidden_batched(self, embed: nn.Embedding, anchors: torch.Tensor, starts: torch.Tensor,
+                             ctx_kv: list, ctx_pos: torch.Tensor, quant=None,
+                             max_position: int | None = None) -> torch.Tensor:
+        """`block_hidden` from tensors only, for R requests at once with the same shapes whatever
+        their positions: anchors / starts [R] int64, per stage context ring rows ctx_kv
+        [R, capacity, hd] and the positions they hold ctx_pos [R, capacity] (-1: empty), as
+        `DraftContextPool.gather` returns them. max_position: host bound (exclusive) on
+        starts + γ, so nothing is read back from the device (CUDA-graph capturable when every
+        stage's MoE runs dense, see `static_shapes`)."""
+        R, g, W = anchors.shape[0], self.gamma, self.cfg.sliding_window
+        offsets = torch.arange(g, device=anchors.device)
+        positions = (starts[:, None] + offsets).flatten()                       # [R*γ]
+        ids = torch.where(offsets == 0, anchors[:, None],
+                          self.cfg.dspark_noise_token_id).flatten()             # [anchor, noise...]
+        # a query block at P sees the ring entries holding positions max(0, P-W)..P-1; entries
+        # holding anything else (older rows, -1 = never written) are masked out. The block
+        # itself is seen whole (non-causal).
+        P = starts[:, None]
+        visible = (ctx_pos >= 0) & (ctx_pos >= P - W) & (ctx_pos < P)
+        mask = torch.cat([visible, visible.new_ones(R, g)], 1)                  # [R, cap+γ]
+        X = embed(ids)
         X = X.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
-        for s, stage in enumerate(self.stages):
-            X = stage(X, batch, attn_fn=self._block_attention(s), quant=quant)
+        with self.rope_bound(max_position, X.device):
+            for s, stage in enumerate(self.stages):
+                X = self._stage_forward(stage, X, ids, positions, ctx_kv[s], mask, quant)
         h = hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg.hc_eps,
                     self.cfg.rms_norm_eps)
         return h.view(R, g, -1)
 
-    def _block_attention(self, s: int):
-        def attend(attn, x, batch, layer_id, quant):
-            pos = batch.positions
-            _, q = attn.project_q(x, pos)
-            kv = attn.project_kv(x, pos, quant)
-            out = torch.empty(q.shape, dtype=torch.float32, device=x.device)
-            for seg in batch.segments:
-                sl = slice(seg.offset, seg.offset + seg.length)
-                ctx = seg.state.window_rows(s, seg.start)
-                keys = torch.cat([ctx.to(kv.dtype).view(-1, kv.shape[-1]), kv[sl]], 0)
-                mask = torch.ones(seg.length, keys.shape[0], dtype=torch.bool, device=x.device)
-                out[sl] = sparse_attention_with_sink(q[sl], keys, mask, attn.attn_sink,
-                                                     attn.head_dim ** -0.5)
-            return attn.output(out, pos, x.dtype)
-        return attend
+    def _stage_forward(self, stage: Block, X, ids, positions, ctx_kv, mask, quant):
+        """Block.forward with batched block attention and the sync-free MoE."""
+        u, post, comb = stage._pre(X, "attn")
+        o = self._block_attention(stage.attn, stage.attn_norm(u), positions, ctx_kv, mask, quant)
+        X = hc_post(o, X, post, comb)
+        u, post, comb = stage._pre(X, "ffn")
+        o = self._moe(stage.ffn, stage.ffn_norm(u), ids)
+        return hc_post(o, X, post, comb)
+
+    def _block_attention(self, attn, x, positions, ctx_kv, mask, quant):
+        R = mask.shape[0]
+        _, q = attn.project_q(x, positions)                                     # [R*γ, H, hd]
+        kv = attn.project_kv(x, positions, quant)                               # [R*γ, hd]
+        keys = torch.cat([ctx_kv.to(kv.dtype), kv.view(R, -1, kv.shape[-1])], 1)
+        o = attention_with_sink_batched(q.view(R, -1, *q.shape[1:]), keys, mask, attn.attn_sink,
+                                        attn.head_dim ** -0.5)
+        return attn.output(o.flatten(0, 1), positions, x.dtype)
+
+    # MoE --------------------------------------------------------------------------------
+    def static_shapes(self) -> bool:
+        """True when the block pass has no data-dependent shapes (every stage's MoE dense)."""
+        return all(self._dense_moe(stage.ffn) for stage in self.stages)
+
+    @staticmethod
+    def _dense_moe(ffn) -> bool:
+        # decided once per module (after any tensor-parallel class swap, at first use)
+        if getattr(ffn, "_draft_dense", None) is None:
+            linears = [lin for e in ffn.experts for lin in (e.w1, e.w2, e.w3)] \
+                if isinstance(ffn.experts, nn.ModuleList) else []
+            ffn._draft_dense = (type(ffn) is MoE                 # not an expert-parallel shard
+                                and all(type(lin) is nn.Linear for lin in linears)  # not quantized
+                                and sum(lin.weight.nbytes for lin in linears) <= DENSE_MOE_MAX_BYTES)
+        return ffn._draft_dense
+
+    def _moe(self, ffn, x, token_ids):
+        if not self._dense_moe(ffn):
+            return ffn(x, token_ids)
+        # Expert.forward for every expert at once, as two plain GEMMs over the experts' weights
+        # laid side by side; the routing weight of an expert a token is not routed to is 0
+        # (applied before w2, as the reference does)
+        idx, w = ffn.gate(x, token_ids)
+        E, T = len(ffn.experts), x.shape[0]
+        route = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_(1, idx, w)
+        w13 = torch.cat([e.w1.weight for e in ffn.experts] + [e.w3.weight for e in ffn.experts])
+        w2 = torch.cat([e.w2.weight for e in ffn.experts], dim=1)             # [D, E*I]
+        g, u = F.linear(x, w13).float().view(T, 2, E, -1).unbind(1)           # [T, E, I] each
+        h = clamped_swiglu(g, u, ffn.experts[0].limit, route)
+        out = F.linear(h.to(x.dtype).flatten(1), w2).float()
+        out += ffn.shared_experts(x).float()
+        return out.to(x.dtype)
 
     def base_logits(self, head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(self.norm(hidden).float(), head.weight.float())

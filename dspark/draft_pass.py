@@ -1,0 +1,221 @@
+"""The drafter's per-round work for many requests as fixed-shape tensor ops, replayed as CUDA graphs.
+
+Draft pass: gather every request's context ring from the `DraftContextPool`, run the parallel
+block through the stages, base logits, then the Markov head left to right: γ steps of (Markov
+bias, `probs_from_logits`, inverse-CDF sample). Randomness is `uniforms(seed, position, DRAFT)`
+(counter-based), so a replay draws exactly what an eager pass draws.
+Context write: the rows committed in a round (anchor + accepted drafts of every request, or a
+prefill chunk's last window) projected and written into the pool in one batch.
+
+Nothing is read back from the device and the shapes depend only on the batch size, so on CUDA
+each size bucket is captured once and replayed. Batches are padded up to the bucket: draft rows
+read the pool's empty slot, context rows are written to its scratch slot; both are dropped
+(rows never mix: attention, MoE and sampling are per row).
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .sampling import Purpose, filters_used, probs_from_logits, sample_from_probs, uniforms
+
+PAD_INTS = (0, 0, 0, 0, 0)            # slot, anchor, start, seed, top_k: slot 0 = EMPTY_SLOT
+PAD_FLOATS = (1.0, 1.0)               # temperature 1, top_p 1 = off
+MAX_GRAPH_CONTEXT_ROWS = 1024         # larger context writes (prefill of many requests) run eagerly
+
+
+def bucket_size(n: int, smallest: int = 1) -> int:
+    """Batch sizes are padded to powers of two: few graphs, at most 2x padding rows."""
+    return max(smallest, 1 << max(n - 1, 0).bit_length())
+
+
+class DraftPass:
+    """`__call__(reqs, quant)` -> (tokens [R, γ] int64, q [R, γ, V] fp32 | None, confidence
+    logits [R, γ] fp32) for requests with .draft_state (of `pool`), .anchor, .num_committed,
+    .seed and .params. q is None when every request is greedy (their q is a point mass).
+    `write_context(...)` writes committed context rows into the pool."""
+
+    def __init__(self, drafter, embed, head, pool, cuda_graphs: bool = False):
+        self.drafter, self.embed, self.head, self.pool = drafter, embed, head, pool
+        self.device = pool.device
+        self.gamma = drafter.gamma
+        # graphs need a pass without data-dependent shapes (dense MoE in every stage)
+        self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda" and drafter.static_shapes()
+        self.max_position = 0          # bound (exclusive) on positions the stages' RoPE sees
+        self._offsets = torch.arange(1, self.gamma + 1, device=self.device)
+        # ("draft", bucket, top-k?, top-p?, all greedy?, quantized?) or
+        # ("context", rows bucket, taps dtype, quantized?) -> _Captured
+        self._graphs: dict = {}
+        self._captured_on = None       # tensors the graphs read by address (see _tensors_read)
+        self._mempool = None
+
+    # ---- host side -----------------------------------------------------------------------
+    def position_bound(self, n: int) -> int:
+        """Raise the RoPE bound to cover positions < n (powers of two from 1024: the stages'
+        tables, which captured graphs read by address, are reallocated rarely)."""
+        if n > self.max_position:
+            self.max_position = max(1024, 1 << (n - 1).bit_length())
+        return self.max_position
+
+    def to_device(self, rows, dtype) -> torch.Tensor:
+        """Host lists -> device tensor without a host sync (pinned memory, async copy)."""
+        t = torch.tensor(rows, dtype=dtype)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def _fill(self, buffer: torch.Tensor, rows, dtype):
+        buffer.copy_(torch.tensor(rows, dtype=dtype).pin_memory(), non_blocking=True)
+
+    def _host_inputs(self, reqs, size: int):
+        pad = size - len(reqs)
+        cols = [(r.draft_state.slot if r.draft_state.slot is not None else self.pool.EMPTY_SLOT,
+                 r.anchor, r.num_committed, r.seed, r.params.top_k) for r in reqs]
+        fcols = [(float(r.params.temperature), float(r.params.top_p)) for r in reqs]
+        ints = [list(row) + [p] * pad for row, p in zip(zip(*cols), PAD_INTS)]
+        floats = [list(row) + [p] * pad for row, p in zip(zip(*fcols), PAD_FLOATS)]
+        return ints, floats
+
+    def __call__(self, reqs, quant=None):
+        R = len(reqs)
+        if R == 0:
+            raise ValueError("draft pass of no requests")
+        for r in reqs:
+            if r.draft_state.pool is not None and r.draft_state.pool is not self.pool:
+                raise ValueError("draft state of another pool: make it with this runner's new_states()")
+        bound = self.position_bound(max(r.num_committed for r in reqs) + self.gamma + 1)
+        use_top_k, use_top_p = filters_used([r.params for r in reqs])
+        greedy = all(r.params.greedy for r in reqs)
+        size = bucket_size(R)
+
+        def capture():
+            ints, floats = self._host_inputs([], size)
+            buffers = (torch.tensor(ints, dtype=torch.long, device=self.device),
+                       torch.tensor(floats, dtype=torch.float32, device=self.device))
+            return buffers, lambda i, f: self._draft(i, f, use_top_k, use_top_p, greedy, quant)
+
+        graph = self._graph(("draft", size, use_top_k, use_top_p, greedy, quant is not None),
+                            bound, capture) if self.cuda_graphs else None
+        if graph is None:
+            ints, floats = self._host_inputs(reqs, R)
+            return self._draft(self.to_device(ints, torch.long),
+                               self.to_device(floats, torch.float32),
+                               use_top_k, use_top_p, greedy, quant)
+        ints, floats = self._host_inputs(reqs, size)
+        self._fill(graph.inputs[0], ints, torch.long)
+        self._fill(graph.inputs[1], floats, torch.float32)
+        graph.graph.replay()
+        # copies: the graph's outputs are overwritten by its next replay
+        toks, probs, confs = graph.outputs
+        return toks[:R].clone(), None if greedy else probs[:R].clone(), confs[:R].clone()
+
+    def write_context(self, slots: list, positions: list, taps: list, quant=None):
+        """Context rows for committed positions: host lists slots / positions [n] and the taps
+        rows as a list of [n_i, taps*D] tensors (n = Σ n_i). (slot, position % capacity) must be
+        distinct over the n rows."""
+        n = len(positions)
+        bound = self.position_bound(max(positions) + 1)
+        d = self.drafter
+        size, dtype = bucket_size(n, smallest=8), taps[0].dtype
+
+        def capture():
+            # padding rows: scratch slot, position 0, zero taps
+            buffers = (torch.tensor([[self.pool.SCRATCH_SLOT] * size, [0] * size],
+                                    dtype=torch.long, device=self.device),
+                       torch.zeros(size, taps[0].shape[-1], dtype=dtype, device=self.device))
+            return buffers, lambda index, rows: d.commit_rows(
+                self.pool, index[0], rows, index[1], quant, self.max_position)
+
+        graph = self._graph(("context", size, dtype, quant is not None), bound, capture) \
+            if self.cuda_graphs and n <= MAX_GRAPH_CONTEXT_ROWS else None
+        if graph is None:
+            index = self.to_device([slots, positions], torch.long)
+            d.commit_rows(self.pool, index[0], torch.cat(taps), index[1], quant, bound)
+            return
+        pad = size - n
+        self._fill(graph.inputs[0], [slots + [self.pool.SCRATCH_SLOT] * pad, positions + [0] * pad],
+                   torch.long)
+        # rows past n keep what an earlier round left there: they land in the scratch slot
+        graph.inputs[1][:n].copy_(taps[0] if len(taps) == 1 else torch.cat(taps))
+        graph.graph.replay()
+
+    # ---- graphs ----------------------------------------------------------------------------
+    def _tensors_read(self) -> tuple:
+        ropes = self.drafter.ropes()
+        return (self.pool.pos, *self.pool.kv, *[r.cis for r in ropes], *[r.conj for r in ropes])
+
+    def _graph(self, key, bound: int, capture):
+        """The graph for `key`; `capture()` -> (static input buffers, fn(*buffers)) builds it.
+        None when capturing failed: graphs are then off for good and the caller runs eagerly."""
+        for rope in self.drafter.ropes():    # grow the RoPE tables now, not inside a capture
+            rope.reserve(bound, self.device)
+        if self._captured_on is None or any(a is not b for a, b in
+                                            zip(self._captured_on, self._tensors_read())):
+            self._graphs.clear()        # pool or RoPE tables reallocated: graphs read stale memory
+            self._captured_on = self._tensors_read()
+        if key not in self._graphs:
+            buffers, fn = capture()
+            try:
+                self._graphs[key] = self._capture(buffers, fn)
+            except RuntimeError as e:
+                warnings.warn(f"capturing the drafter as a CUDA graph failed, running it eagerly "
+                              f"from now on (Engine(cuda_graphs=False) skips the attempt): {e}")
+                self.cuda_graphs = False
+                self._graphs.clear()
+                return None
+        return self._graphs[key]
+
+    def _capture(self, buffers, fn):
+        # warm up on a side stream: lazy initialisation (cuBLAS handles, Triton compiles) must
+        # not happen inside the capture. Padding inputs only: the pool's scratch slot is the
+        # only thing a warm-up may write.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn(*buffers)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._mempool is None:       # one memory pool for all graphs (replays are serial)
+            self._mempool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: other threads (an async server's loop) may use CUDA meanwhile
+        with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
+            outputs = fn(*buffers)
+        return _Captured(graph, buffers, outputs)
+
+    # ---- device side: no host reads, shapes fixed by the batch size ----------------------
+    def _draft(self, ints, floats, use_top_k: bool, use_top_p: bool, greedy: bool, quant):
+        """(tokens [R, γ], q [R, γ, V] or None when `greedy` (every request greedy), confidence
+        logits [R, γ])."""
+        d = self.drafter
+        slots, anchors, starts, seeds, top_k = ints
+        temperature, top_p = floats
+        top_k, top_p = (top_k if use_top_k else None), (top_p if use_top_p else None)
+        ctx_kv, ctx_pos = self.pool.gather(slots)
+        hidden = d.block_hidden_batched(self.embed, anchors, starts, ctx_kv, ctx_pos, quant,
+                                        self.max_position)
+        base = d.base_logits(self.head, hidden)                               # [R, γ, V]
+        if not greedy:
+            # the uniform deciding the token at P+k+1, for all k at once (elementwise the same
+            # values as one uniforms() call per step)
+            u = uniforms(seeds[:, None], starts[:, None] + self._offsets, Purpose.DRAFT)
+        prev, toks, probs, confs = anchors, [], [], []
+        for k in range(self.gamma):
+            bias, conf = d.markov_step(hidden[:, k], prev)
+            if greedy:
+                # what probs_from_logits + sample_from_probs give at temperature 0: the point
+                # mass on the argmax (first index on ties), so that token, without the [R, V] work
+                prev = (base[:, k] + bias).argmax(dim=1)
+            else:
+                q = probs_from_logits(base[:, k] + bias, temperature, top_k, top_p)
+                prev = sample_from_probs(q, u[:, k])
+                probs.append(q)
+            toks.append(prev), confs.append(conf)
+        return (torch.stack(toks, 1), torch.stack(probs, 1) if probs else None,
+                torch.stack(confs, 1))
+
+
+class _Captured:
+    def __init__(self, graph, inputs, outputs):
+        self.graph, self.inputs, self.outputs = graph, inputs, outputs
