@@ -74,7 +74,8 @@ class Engine:
                  sps_table=None, draft: str | None = None, cpu_threads: int | None = None,
                  kv_layout: str = "paged", attention_backend: str = "auto",
                  num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
-                 tensor_parallel_size: int = 1, weight_format: str = "bf16", **policy_kwargs):
+                 tensor_parallel_size: int = 1, weight_format: str = "bf16",
+                 cuda_graphs: bool | None = None, **policy_kwargs):
         path = path or default_model_path()
         # "bf16": fp8/fp4 checkpoint weights de-quantized at load to `dtype` (default; the debug
         # reference). "quantized": kept as FP8 / packed FP4 + e8m0 scales (dspark.models.qlinear)
@@ -106,9 +107,13 @@ class Engine:
             from .models.qwen3 import build_engine_components
             cfg, model, drafter, self.runner = build_engine_components(
                 path, draft, dtype, self.device, speculative, num_speculative_tokens,
-                kv_layout=kv_layout, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs)
+                kv_layout=kv_layout, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
+                cuda_graphs=cuda_graphs)
             self.speculative = "dspark" if drafter is not None else "none"
         else:
+            if cuda_graphs and self.tensor_parallel_size > 1:
+                raise ValueError("cuda_graphs=True is single-device only for DeepSeek-V4 (the "
+                                 "tensor-parallel draft pass runs eagerly); leave it unset")
             cfg, model, drafter = self._load_deepseek_v4(path, dtype, speculative,
                                                          num_speculative_tokens, progress)
             quant = QuantSim() if kv_cache_dtype in ("fp8", "auto") else None
@@ -123,7 +128,10 @@ class Engine:
             if self.tensor_parallel_size > 1:
                 self.runner = self._tp_runner.configure(quant, backend)
             else:
-                self.runner = ModelRunner(model, drafter, self.device, quant, backend=backend)
+                # the draft pass as CUDA graphs (dspark/draft_pass.py); default on CUDA
+                graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
+                self.runner = ModelRunner(model, drafter, self.device, quant, backend=backend,
+                                          cuda_graphs=graphs, max_num_seqs=max_num_seqs)
         self.cache = getattr(self.runner.backend, "cache", None) if hasattr(self.runner, "backend") \
             else None
         self.cfg = cfg

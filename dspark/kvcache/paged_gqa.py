@@ -35,7 +35,7 @@ class PagedGQACache(PagedRequests):
     sizing_hint = "raise num_kv_blocks"
 
     def __init__(self, cfg, device="cpu", dtype=torch.float32, num_blocks: int | None = None,
-                 block_size: int = 256, max_num_seqs: int = 64):
+                 block_size: int = 256, max_num_seqs: int = 64, scratch_rows: int = 0):
         if num_blocks is None or num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1 or max_num_seqs < 1:
@@ -45,10 +45,14 @@ class PagedGQACache(PagedRequests):
         self.num_slots = max_num_seqs
         self.num_layers = cfg.num_hidden_layers
         super().__init__(num_blocks, block_size, max_num_seqs)
-        shape = (num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)
-        # every row is written before it is read (see module docstring): no need to zero-fill
-        self.k = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
+        # `scratch_rows` rows past the last page belong to no request: the fixed-shape decode
+        # path (models/qwen3_graph.py) points the K/V writes of its batch-padding rows there
+        self.scratch_slot = num_blocks * block_size if scratch_rows else None
+        shape = (num_blocks * block_size + scratch_rows, cfg.num_key_value_heads, cfg.head_dim)
+        # the eager path writes every row before reading it, but fixed-shape readers gather whole
+        # pages and mask the unwritten tail: zeros keep that tail finite (0 * NaN would poison it)
+        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
 
     @staticmethod
     def bytes_per_block(cfg, dtype, block_size: int = 256) -> int:

@@ -392,7 +392,8 @@ def load_qwen3(path: str, dtype=torch.float32, device="cpu", cfg: Qwen3Config | 
 def build_engine_components(target_path: str, draft_path: str | None, dtype, device,
                             speculative: str | None = None, num_speculative_tokens: int | None = None,
                             kv_layout: str = "paged", num_kv_blocks: int | None = None,
-                            max_num_seqs: int = 64, kv_block_size: int = 256):
+                            max_num_seqs: int = 64, kv_block_size: int = 256,
+                            cuda_graphs: bool | None = None):
     """(cfg, model, drafter | None, runner) for `Engine` on a Qwen3 target (+ DSpark drafter).
 
     The runner is a `ModelRunner` whose draft state comes from the drafter (`new_state()`), not
@@ -400,7 +401,11 @@ def build_engine_components(target_path: str, draft_path: str | None, dtype, dev
     kv_layout="paged": the target K/V live in a `PagedGQACache` (model dtype, `num_kv_blocks`
     pages of `kv_block_size` tokens; default: room for `max_num_seqs` sequences of
     min(max_position_embeddings, 2048) tokens) and `runner.backend.cache` is that cache;
-    "dense": per-request position-indexed `KVState`s (the reference)."""
+    "dense": per-request position-indexed `KVState`s (the reference).
+    cuda_graphs (default: on for a paged cache on CUDA): steps in which every request feeds the
+    same number of tokens (decode, equal-length verify blocks) run through `DecodeGraphs`
+    (models/qwen3_graph.py), captured CUDA graphs; other steps stay eager. On CPU, True runs the
+    same fixed-shape path without capture (what the tests check)."""
     if kv_layout not in ("paged", "dense"):
         raise ValueError(f"kv_layout={kv_layout!r}: use 'paged' (paged K/V pools, the serving "
                          f"layout) or 'dense' (the per-request reference state)")
@@ -421,6 +426,12 @@ def build_engine_components(target_path: str, draft_path: str | None, dtype, dev
     else:
         model, drafter = load_qwen3(target_path, dtype, device), None
         cfg = model.cfg
+    device = torch.device(device)
+    if cuda_graphs is None:
+        cuda_graphs = device.type == "cuda" and kv_layout == "paged"
+    if cuda_graphs and kv_layout != "paged":
+        raise ValueError("cuda_graphs=True needs kv_layout='paged' (the graphs read the paged "
+                         "K/V pools); use cuda_graphs=False with kv_layout='dense'")
     backend = None
     if kv_layout == "paged":
         from ..kvcache.paged_gqa import PagedGQABackend, PagedGQACache
@@ -430,14 +441,34 @@ def build_engine_components(target_path: str, draft_path: str | None, dtype, dev
         wdtype = model.embed.weight.dtype
         backend = PagedGQABackend(PagedGQACache(cfg, device=device, dtype=wdtype,
                                                 num_blocks=num_kv_blocks, block_size=kv_block_size,
-                                                max_num_seqs=max_num_seqs))
+                                                max_num_seqs=max_num_seqs,
+                                                scratch_rows=1 if cuda_graphs else 0))
     runner = Qwen3Runner(model, drafter, device, quant=None, backend=backend)
+    if cuda_graphs:
+        from .qwen3_graph import DecodeGraphs
+        # plain decode (q = 1) and every verify-block length a DSpark round can produce
+        q_lens = range(1, drafter.gamma + 2) if drafter is not None else (1,)
+        runner.graphs = DecodeGraphs(model, backend.cache, q_lens, max_batch=max_num_seqs,
+                                     tap_layers=runner.tap_layers)
     return cfg, model, drafter, runner
 
 
 class Qwen3Runner(ModelRunner):
     """ModelRunner whose per-request draft state is `drafter.new_state()` (dense Qwen3 context)
-    instead of the DeepSeek-V4 window state."""
+    instead of the DeepSeek-V4 window state; uniform-length steps go through `graphs`
+    (a `DecodeGraphs`, when enabled) instead of the eager paged forward."""
+
+    graphs = None
+
+    @torch.inference_mode()
+    def target_forward(self, items, logit_rows=None):
+        out = self.graphs.run(items) if self.graphs is not None else None
+        if out is None:
+            return super().target_forward(items, logit_rows)
+        logits, taps = out
+        if logit_rows is not None:
+            logits = logits[torch.as_tensor(logit_rows, dtype=torch.long, device=logits.device)]
+        return logits, taps
 
     def new_states(self):
         return self.model.new_state(), (self.drafter.new_state() if self.drafter is not None else None)
