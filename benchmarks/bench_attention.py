@@ -13,8 +13,12 @@ GB/s counts the bytes of the cache records the kernel must read: T · (valid key
 (index lists and q excluded). Tokens of one request share their window keys, so the distinct
 HBM traffic can be lower than this logical count.
 
-    python benchmarks/bench_attention.py                    # batches 64/128/256
-    python benchmarks/bench_attention.py --sweep --json out/bench_attention.json
+    python benchmarks/bench_attention.py                    # batches 64/128/256, default config
+    python benchmarks/bench_attention.py --impl v2 --split-d 2 --num-warps 4 --block-k 32
+    python benchmarks/bench_attention.py --sweep --json out/bench_attention.json   # small v1 grid
+
+The full configuration sweep (v1 / v2 kernels, split-D, split-KV, stages; parallel compile; picks
+the default-config table) is benchmarks/sweep_attention.py.
 """
 from __future__ import annotations
 
@@ -154,6 +158,9 @@ def main(argv=None):
     ap.add_argument("--split-d", type=int)
     ap.add_argument("--num-warps", type=int)
     ap.add_argument("--num-stages", type=int)
+    ap.add_argument("--impl", choices=["v1", "v2"])
+    ap.add_argument("--kv-splits", type=int, help="split-KV (flash-decoding) programs per token")
+    ap.add_argument("--maxnreg", type=int, help="register cap per thread")
     ap.add_argument("--sweep", action="store_true",
                     help="also try a small grid of block/warp/stage choices, report the best")
     ap.add_argument("--json", help="write the results here")
@@ -169,7 +176,8 @@ def main(argv=None):
     dev = "cuda"
     flush = None if args.no_flush else torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     base_cfg = dict(block_h=args.block_h, block_k=args.block_k, split_d=args.split_d,
-                    num_warps=args.num_warps, num_stages=args.num_stages)
+                    num_warps=args.num_warps, num_stages=args.num_stages, impl=args.impl,
+                    kv_splits=args.kv_splits, maxnreg=args.maxnreg)
     configs = [base_cfg]
     if args.sweep:
         # H200 sweeps found 16 warps, BLOCK_H 32/16 and split_d 4 always slower: not retried
@@ -193,6 +201,8 @@ def main(argv=None):
                 print(f"  batch {batch} cfg {cfg}: failed ({type(exc).__name__}: "
                       f"{str(exc).splitlines()[0][:100]})")
                 continue
+            from dspark.kernels.sparse_mqa import LAST_LAUNCH
+            resolved = dict(LAST_LAUNCH.get("config", {}))   # what the defaults resolved to
             err = ((out - ref).abs().max() / ref.abs().max()).item()
             if not err < 2e-2:
                 print(f"  batch {batch} cfg {cfg}: WRONG (rel err {err:.2e}), not timed")
@@ -200,7 +210,8 @@ def main(argv=None):
             med, mn = time_call(lambda c=case, g=cfg: sparse_mqa_fp8(**c, **g), args.warmup,
                                 args.iters, flush)
             rec = dict(batch=batch, tokens=T, heads=args.heads, keys_per_token=n_keys / T,
-                       config={k: v for k, v in cfg.items() if v is not None}, median_us=med,
+                       config={k: v for k, v in cfg.items() if v is not None},
+                       resolved_config=resolved, median_us=med,
                        min_us=mn, gbps=bytes_read / (med * 1e-6) / 1e9, rel_err=err,
                        flashmla_us=FLASHMLA_US.get(batch),
                        ratio_vs_flashmla=(med / FLASHMLA_US[batch]) if batch in FLASHMLA_US
@@ -226,9 +237,12 @@ def main(argv=None):
         print(f"{r['batch']:>6} {r['tokens']:>7} {r['median_us']:>10.1f} {r['min_us']:>8.1f} "
               f"{r['gbps']:>8.0f} {fm:>12} {ratio:>14} {r['rel_err']:>9.1e}  "
               f"{r['config'] or 'default'}")
+        if not r["config"]:
+            print(f"{'':>6} default = {r['resolved_config']}")
     print("\ncompiled variants:")
     from dspark.kernels import sparse_mqa as smqa
     report_compiled(smqa._sparse_mqa_kernel)
+    report_compiled(smqa._sparse_mqa_v2_kernel)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,

@@ -249,6 +249,77 @@ def test_sparse_mqa_dense_kernel(kv_dtype, qdtype, split_d):
     assert torch.all(got[3] == 0)
 
 
+@triton_ok
+@pytest.mark.parametrize("cfg", [
+    dict(impl="v2", block_h=16, block_k=16),                      # full width, 2 head blocks
+    dict(impl="v2", block_h=16, block_k=16, split_d=2),           # split-D: own + other half
+    dict(impl="v2", block_h=32, block_k=16, kv_splits=3),         # flash-decoding + combine
+    dict(impl="v2", block_h=16, block_k=32, split_d=2, kv_splits=4),  # splits with no keys
+    dict(impl="v2", block_h=16, block_k=16, halves=True, kv_splits=2),  # two 256-col halves
+])
+def test_sparse_mqa_fp8_kernel_v2(cfg):
+    """Every v2 variant: two lists over two caches (different N), lengths, masked ids, an
+    all-masked token, heads not a multiple of BLOCK_H."""
+    gen = torch.Generator().manual_seed(7)
+    T, H = 5, 20
+    cache, _ = make_fp8_cache(3, 8, gen)
+    cache2, _ = make_fp8_cache(4, 2, gen)
+    q = (torch.randn(T, H, 512, generator=gen) * 2).to(DEV)
+    sink = (torch.randn(H, generator=gen) * 2).to(DEV)
+    idx = make_indices(T, 37, 24, gen, all_masked_row=1).to(DEV)
+    idx2 = make_indices(T, 11, 8, gen, all_masked_row=1).to(DEV)
+    lengths = torch.tensor([37, 30, 0, 20, 36], dtype=torch.int32, device=DEV)
+    kw = dict(lengths=lengths, extra_cache=cache2, extra_entries_per_page=2, extra_indices=idx2)
+    got = smqa.sparse_mqa_fp8(q, cache, 8, idx, sink, SCALE, precision="ieee", **kw, **cfg)
+    want = smqa.sparse_mqa_fp8_torch(q, cache, 8, idx, sink, SCALE, **kw)
+    assert got.shape == (T, H, 512) and got.dtype == torch.float32
+    assert rel_err(got, want) < 1e-3
+    assert torch.all(got[1] == 0), "all-masked row must be exactly zero"
+
+
+@triton_ok
+@pytest.mark.parametrize("cfg", [dict(impl="v2", split_d=2),
+                                 dict(impl="v2", kv_splits=2)])
+def test_sparse_mqa_dense_kernel_v2(cfg):
+    gen = torch.Generator().manual_seed(8)
+    T, H, E = 4, 12, 50
+    kv = torch.randn(E, 512, generator=gen).to(DEV)
+    kv2 = torch.randn(9, 512, generator=gen).to(DEV)
+    q = torch.randn(T, H, 512, generator=gen).to(DEV)
+    sink = torch.randn(H, generator=gen).to(DEV)
+    idx = make_indices(T, 37, E, gen, all_masked_row=3).to(DEV)
+    idx2 = make_indices(T, 4, 9, gen, all_masked_row=3).to(DEV)
+    got = smqa.sparse_mqa_dense(q, kv, idx, sink, SCALE, block_k=16, extra_kv=kv2,
+                                extra_indices=idx2, precision="ieee", **cfg)
+    want = smqa.sparse_mqa_dense_torch(q, kv, idx, sink, SCALE, extra_kv=kv2, extra_indices=idx2)
+    assert rel_err(got, want) < 1e-3
+    assert torch.all(got[3] == 0)
+
+
+def test_sparse_mqa_default_config_table(monkeypatch):
+    """No knobs + bf16 + H >= 64: the DEFAULT_CONFIGS row for T; any knob: heuristic + knobs."""
+    v2a = dict(impl="v2", block_h=64, block_k=32, split_d=2, kv_splits=2, num_warps=4,
+               num_stages=2)
+    v2b = dict(impl="v2", block_h=64, block_k=64, split_d=1, kv_splits=1, num_warps=8,
+               num_stages=1, maxnreg=None)
+    monkeypatch.setattr(smqa, "DEFAULT_CONFIGS", [(32, v2a), (None, v2b)])
+    assert smqa._resolve_config(32, 64, "bf16", {}) == {**v2a, "maxnreg": None, "halves": False}
+    assert smqa._resolve_config(33, 64, "bf16", {}) == {**v2b, "halves": False}
+    # fp32 operands / few heads / any explicit knob: the heuristic, knobs on top
+    assert smqa._resolve_config(8, 64, "ieee", {})["block_k"] == 32
+    assert smqa._resolve_config(8, 16, "bf16", {})["impl"] == "v1"
+    cfg = smqa._resolve_config(8, 64, "bf16", dict(impl="v2", split_d=2, block_k=None))
+    assert cfg["impl"] == "v2" and cfg["split_d"] == 2 and cfg["kv_splits"] == 1
+    with pytest.raises(AssertionError):
+        smqa._resolve_config(8, 64, "bf16", dict(impl="v2", split_d=4))
+    with pytest.raises(AssertionError):
+        smqa._resolve_config(8, 64, "bf16", dict(kv_splits=2))      # v1 has no split-KV
+    with pytest.raises(AssertionError):
+        smqa._resolve_config(8, 64, "bf16", dict(impl="v2", split_d=2, halves=True))
+    for bound, row in smqa.DEFAULT_CONFIGS:                          # shipped rows are valid
+        smqa._resolve_config(1, 64, "bf16", dict(row))
+
+
 # ---------------------------------------------------------------------------------------------
 # cache writes: byte-identical to the torch layout writers
 # ---------------------------------------------------------------------------------------------
@@ -451,7 +522,12 @@ def test_gpu_sparse_mqa_fp8_realistic(T):
     got32 = smqa.sparse_mqa_fp8(q.float(), swa, N, win, sink, SCALE, extra_cache=comp,
                                 extra_indices=top, precision="ieee")
     assert rel_err(got32, want) < 1e-4
-    for cfg in (dict(split_d=2), dict(block_k=32, split_d=1), dict(block_h=32, split_d=4)):
+    for cfg in (dict(split_d=2), dict(block_k=32, split_d=1), dict(block_h=32, split_d=4),
+                dict(impl="v2", block_k=64), dict(impl="v2", block_k=32, num_stages=2),
+                dict(impl="v2", split_d=2, num_warps=4, block_k=32),
+                dict(impl="v2", split_d=2, num_warps=4, block_k=16, num_stages=3),
+                dict(impl="v2", kv_splits=3), dict(impl="v2", split_d=2, kv_splits=2),
+                dict(impl="v2", block_k=32, num_stages=2, halves=True)):
         alt = smqa.sparse_mqa_fp8(q, swa, N, win, sink, SCALE, extra_cache=comp,
                                   extra_indices=top, **cfg)
         assert rel_err(alt, want) < 2e-2, cfg

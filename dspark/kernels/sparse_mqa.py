@@ -28,7 +28,25 @@ Kernel design (Hopper): one program = one query token × BLOCK_H heads. Since K 
 heads, each key tile is loaded and de-quantized once and used by every head of the block for both
 products (S = Q·Kᵀ and O += P·K), so BLOCK_H should cover as many heads as registers allow (64 on
 H200 puts the whole V4-Flash head set in one wgmma M=64 tile). Online softmax in base 2 over key
-tiles of BLOCK_K, fp32 statistics and accumulator; the sink joins at the end.
+tiles of BLOCK_K, fp32 statistics and accumulator; the sink joins at the end. Two implementations,
+chosen per call (``impl``) or by the DEFAULT_CONFIGS table (keyed by the number of query tokens,
+filled from benchmarks/sweep_attention.py):
+
+* ``v1``: the first kernel; split_d > 1 re-gathers the value slice.
+* ``v2``: the tile is decoded in one 3-D [BLOCK_K, groups, 64] shape (fp8 bytes; scale byte and
+  one [BLOCK_K, 64] RoPE load broadcast over it) with int32 page arithmetic: at BLOCK_K 64 /
+  8 warps an offline sm_90 compile (triton 3.9 ptxas) spills 92 B/thread instead of v1's 452 and
+  issues 1768 instead of 2221 SASS instructions per key tile. ``split_d=2`` gives each program
+  half of the 512 output columns (a 64×256 accumulator: with 4 warps and ≤ 110 KB of shared
+  memory two CTAs fit an SM) and computes the scores from its own half plus the other half, so
+  every byte is gathered once per program and the value tile is its own half (no re-gather).
+  ``kv_splits>1`` is flash-decoding: each split takes an equal share of the token's key tiles and
+  writes a normalised partial output and log-sum-exp; a small combine kernel merges the splits
+  with the sink (fills the GPU when T is small). ``halves=True`` (split_d 1) decodes and
+  accumulates the 512 columns as two 256-column halves in the same program (same work, fewer
+  live decode registers: no spills at BLOCK_K 32 with 2 stages).
+Knobs: impl, block_h, block_k, split_d, kv_splits, halves, num_warps, num_stages, maxnreg,
+precision.
 """
 from __future__ import annotations
 
@@ -223,31 +241,338 @@ def _sparse_mqa_kernel(
 
 
 # ----------------------------------------------------------------------------------------------
+# Triton kernel v2: lean tile decode, split-D without re-gather, split-KV (flash-decoding)
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr):
+    """acc + a @ b (fp32 accumulation); a, b already in the MMA operand type."""
+    if PRECISION == "bf16":
+        return tl.dot(a, b, acc)
+    elif PRECISION == "tf32":
+        return tl.dot(a, b, acc, input_precision="tf32")
+    else:
+        return tl.dot(a, b, acc, input_precision="ieee")
+
+
+@triton.jit
+def _v2_load_groups(ent, valid, g0, cache_u8_ptr, cache_bf16_ptr, page_bytes, N,
+                    FP8: tl.constexpr, BLOCK_N: tl.constexpr, NG: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """Columns [64·g0, 64·(g0 + NG)) of BLOCK_N keys -> MMA operand [BLOCK_N, 64·NG].
+
+    ent: int32 [BLOCK_N] global entry ids (0 where invalid); valid: bool [BLOCK_N].
+    FP8: the decode works in one 3-D [BLOCK_N, NG, 64] shape (fp8 bytes; the scale byte and
+    the 64 bf16 RoPE values broadcast over it), so only the raw fp8 bytes may be re-laid-out
+    (v1 moved the decoded fp32 tile); with num_stages >= 2 they reach shared memory by cp.async
+    anyway. Page/row arithmetic is int32 (ids < 2^31); only the byte offset is int64. Invalid
+    keys come back as zero rows.
+    Dense: cache_u8_ptr is the kv base pointer (bf16 or fp32), page_bytes its row stride."""
+    if FP8:
+        page = ent // N
+        row = ent - page * N
+        base = page.to(tl.int64) * page_bytes
+        rec = base + row * 576                                     # data row (bytes)
+        sc = base + N * 576 + row * 8                              # its scale row (bytes)
+        g = g0 + tl.arange(0, NG)[None, :, None]                   # global 64-wide group
+        i = tl.arange(0, 64)[None, None, :]
+        v3 = valid[:, None, None]
+        rec3 = rec[:, None, None]
+        is_nope = g < 7
+        f8 = tl.load(cache_u8_ptr + rec3 + g * 64 + i, mask=v3 & is_nope, other=0)
+        sbyte = tl.load(cache_u8_ptr + sc[:, None, None] + g, mask=v3 & is_nope, other=127)
+        scale = (sbyte.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # UE8M0 -> 2^(b-127)
+        # RoPE: 64 bf16 at byte rec + 448 = bf16 element rec/2 + 224 (rec is even); one
+        # [BLOCK_N, 1, 64] load broadcast over the groups (read only if group 7 is in range)
+        rope = tl.load(cache_bf16_ptr + ((rec3 >> 1) + 224) + i,
+                       mask=v3 & (i * 0 + g0 + NG > 7), other=0.0)
+        # fp32 decode, then one packed cast to the MMA type (fewer instructions than decoding
+        # to bf16 directly, which sm_90 does element by element); e4m3 · 2^k is exact in bf16
+        kv = tl.where(is_nope, f8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale,
+                      rope.to(tl.float32))
+        kv = tl.reshape(kv, (BLOCK_N, NG * 64))
+    else:
+        d = g0 * 64 + tl.arange(0, NG * 64)[None, :]
+        kv = tl.load(cache_u8_ptr + ent.to(tl.int64)[:, None] * page_bytes + d,
+                     mask=valid[:, None], other=0.0)
+    return _mma_operand(kv, PRECISION)
+
+
+@triton.jit
+def _v2_attend(q_own, q_oth, m_i, l_i, acc, g_own, g_oth, idx_row_ptr, k_lo, k_hi,
+               cache_u8_ptr, cache_bf16_ptr, page_bytes, N, qk_scale_log2,
+               FP8: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_D: tl.constexpr,
+               BLOCK_H: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax (base 2) over keys [k_lo, k_hi) of one index list.
+
+    Scores use all 512 dims: the program's own column groups (q_own · k_ownᵀ, which is also the
+    value tile) plus, with SPLIT_D = 2, the other half (q_oth · k_othᵀ). So a split-D program
+    gathers every byte once and never re-gathers its value slice."""
+    NG: tl.constexpr = 8 // SPLIT_D
+    for k0 in range(k_lo, k_hi, BLOCK_N):
+        offs = k0 + tl.arange(0, BLOCK_N)
+        ent = tl.load(idx_row_ptr + offs, mask=offs < k_hi, other=-1)
+        valid = ent >= 0
+        ent = tl.where(valid, ent, 0)
+        k_own = _v2_load_groups(ent, valid, g_own, cache_u8_ptr, cache_bf16_ptr, page_bytes, N,
+                                FP8, BLOCK_N, NG, PRECISION)
+        s = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
+        s = _dot(q_own, tl.trans(k_own), s, PRECISION)
+        if SPLIT_D == 2:
+            k_oth = _v2_load_groups(ent, valid, g_oth, cache_u8_ptr, cache_bf16_ptr, page_bytes,
+                                    N, FP8, BLOCK_N, NG, PRECISION)
+            s = _dot(q_oth, tl.trans(k_oth), s, PRECISION)
+        s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # all-masked so far: pivot 0
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = _dot(_mma_operand(p, PRECISION), k_own, acc * alpha[:, None], PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _v2_attend_halves(q_lo, q_hi, m_i, l_i, acc_lo, acc_hi, idx_row_ptr, k_lo, k_hi,
+                      cache_u8_ptr, cache_bf16_ptr, page_bytes, N, qk_scale_log2,
+                      FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+                      PRECISION: tl.constexpr):
+    """Like _v2_attend with SPLIT_D = 1, but the key tile is decoded, multiplied and accumulated
+    as two 256-column halves (two 64x256 accumulators): the same work with half the decode
+    registers live at a time."""
+    for k0 in range(k_lo, k_hi, BLOCK_N):
+        offs = k0 + tl.arange(0, BLOCK_N)
+        ent = tl.load(idx_row_ptr + offs, mask=offs < k_hi, other=-1)
+        valid = ent >= 0
+        ent = tl.where(valid, ent, 0)
+        k_a = _v2_load_groups(ent, valid, 0, cache_u8_ptr, cache_bf16_ptr, page_bytes, N,
+                              FP8, BLOCK_N, 4, PRECISION)
+        s = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
+        s = _dot(q_lo, tl.trans(k_a), s, PRECISION)
+        k_b = _v2_load_groups(ent, valid, 4, cache_u8_ptr, cache_bf16_ptr, page_bytes, N,
+                              FP8, BLOCK_N, 4, PRECISION)
+        s = _dot(q_hi, tl.trans(k_b), s, PRECISION)
+        s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p = _mma_operand(p, PRECISION)
+        acc_lo = _dot(p, k_a, acc_lo * alpha[:, None], PRECISION)
+        acc_hi = _dot(p, k_b, acc_hi * alpha[:, None], PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc_lo, acc_hi
+
+
+@triton.jit
+def _sparse_mqa_v2_kernel(
+    q_ptr, stride_qt, stride_qh,
+    out_ptr, stride_ot, stride_oh,
+    part_ptr, lse_ptr,
+    sink_ptr, H, qk_scale_log2,
+    a_u8_ptr, a_bf16_ptr, a_page_bytes, a_N, a_idx_ptr, a_stride_it, a_K, a_len_ptr,
+    b_u8_ptr, b_bf16_ptr, b_page_bytes, b_N, b_idx_ptr, b_stride_it, b_K, b_len_ptr,
+    FP8: tl.constexpr, HAS_B: tl.constexpr, A_HAS_LEN: tl.constexpr, B_HAS_LEN: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HALVES: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """1-D grid over T × NUM_SPLITS × cdiv(H, BLOCK_H) × SPLIT_D (split-D fastest, so the
+    programs sharing a token's keys run side by side and the second gather hits L2).
+    HALVES (SPLIT_D = 1 only): the program's 512 columns are decoded and accumulated as two
+    256-column halves (_v2_attend_halves).
+
+    NUM_SPLITS == 1: writes the final output (sink applied). NUM_SPLITS > 1 (flash-decoding):
+    split s takes an equal share of the token's key tiles (list a, then list b) and writes its
+    normalised partial output part[t, s, h, :] and log2-sum-exp lse[t, s, h] (−inf if it saw no
+    valid key); _combine_kernel merges the splits and the sink."""
+    pid = tl.program_id(0)
+    n_hb = tl.cdiv(H, BLOCK_H)
+    dsel = pid % SPLIT_D
+    rest = pid // SPLIT_D
+    hb = rest % n_hb
+    rest = rest // n_hb
+    split = rest % NUM_SPLITS
+    t = (rest // NUM_SPLITS).to(tl.int64)
+
+    NG: tl.constexpr = 8 // SPLIT_D if not HALVES else 4
+    D_OUT: tl.constexpr = 512 // SPLIT_D if not HALVES else 256
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < H
+    g_own = dsel * NG
+    g_oth = (1 - dsel) * NG
+    dq = tl.arange(0, D_OUT)
+    q_rows = q_ptr + t * stride_qt + h[:, None] * stride_qh
+    q_own = _mma_operand(tl.load(q_rows + (g_own * 64 + dq)[None, :], mask=h_ok[:, None],
+                                 other=0.0), PRECISION)
+    if SPLIT_D == 2:
+        q_oth = _mma_operand(tl.load(q_rows + (g_oth * 64 + dq)[None, :], mask=h_ok[:, None],
+                                     other=0.0), PRECISION)
+    elif HALVES:
+        q_oth = _mma_operand(tl.load(q_rows + (256 + dq)[None, :], mask=h_ok[:, None],
+                                     other=0.0), PRECISION)
+    else:
+        q_oth = q_own
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, D_OUT), tl.float32)
+    acc2 = tl.zeros((BLOCK_H, D_OUT), tl.float32)    # second half (HALVES only)
+
+    n_a = a_K
+    if A_HAS_LEN:
+        n_a = tl.minimum(tl.load(a_len_ptr + t), a_K)
+    n_b = 0
+    if HAS_B:
+        n_b = b_K
+        if B_HAS_LEN:
+            n_b = tl.minimum(tl.load(b_len_ptr + t), b_K)
+    if NUM_SPLITS == 1:
+        lo_a = 0
+        hi_a = n_a
+        lo_b = 0
+        hi_b = n_b
+    else:
+        ta = tl.cdiv(n_a, BLOCK_N)
+        tb = tl.cdiv(n_b, BLOCK_N)
+        per = tl.cdiv(ta + tb, NUM_SPLITS)
+        t0 = split * per
+        t1 = t0 + per
+        lo_a = tl.minimum(t0, ta) * BLOCK_N
+        hi_a = tl.minimum(t1 * BLOCK_N, n_a)
+        lo_b = tl.maximum(t0 - ta, 0) * BLOCK_N
+        hi_b = tl.minimum(tl.maximum(t1 - ta, 0) * BLOCK_N, n_b)
+
+    if HALVES:
+        m_i, l_i, acc, acc2 = _v2_attend_halves(
+            q_own, q_oth, m_i, l_i, acc, acc2, a_idx_ptr + t * a_stride_it, lo_a, hi_a,
+            a_u8_ptr, a_bf16_ptr, a_page_bytes, a_N, qk_scale_log2,
+            FP8, BLOCK_N, BLOCK_H, PRECISION)
+        if HAS_B:
+            m_i, l_i, acc, acc2 = _v2_attend_halves(
+                q_own, q_oth, m_i, l_i, acc, acc2, b_idx_ptr + t * b_stride_it, lo_b, hi_b,
+                b_u8_ptr, b_bf16_ptr, b_page_bytes, b_N, qk_scale_log2,
+                FP8, BLOCK_N, BLOCK_H, PRECISION)
+    else:
+        m_i, l_i, acc = _v2_attend(q_own, q_oth, m_i, l_i, acc, g_own, g_oth,
+                                   a_idx_ptr + t * a_stride_it, lo_a, hi_a,
+                                   a_u8_ptr, a_bf16_ptr, a_page_bytes, a_N, qk_scale_log2,
+                                   FP8, BLOCK_N, SPLIT_D, BLOCK_H, PRECISION)
+        if HAS_B:
+            m_i, l_i, acc = _v2_attend(q_own, q_oth, m_i, l_i, acc, g_own, g_oth,
+                                       b_idx_ptr + t * b_stride_it, lo_b, hi_b,
+                                       b_u8_ptr, b_bf16_ptr, b_page_bytes, b_N, qk_scale_log2,
+                                       FP8, BLOCK_N, SPLIT_D, BLOCK_H, PRECISION)
+
+    do = g_own * 64 + dq
+    if NUM_SPLITS == 1:
+        # sink: one extra logit per head, only in the denominator; pivot on max(m, sink)
+        sink = tl.load(sink_ptr + h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_fin = tl.maximum(m_i, sink)
+        m_fin = tl.where(m_fin == float("-inf"), 0.0, m_fin)
+        alpha = tl.exp2(m_i - m_fin)                      # 0 for an all-masked row
+        f = alpha / (l_i * alpha + tl.exp2(sink - m_fin))
+        o_rows = out_ptr + t * stride_ot + h[:, None] * stride_oh
+    else:
+        has = l_i > 0.0
+        f = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        row = (t * NUM_SPLITS + split) * H + h                    # [BLOCK_H] rows of part/lse
+        o_rows = part_ptr + row[:, None] * 512
+        tl.store(lse_ptr + row, lse, mask=h_ok)   # split-D twins store the same values
+    tl.store(o_rows + do[None, :], acc * f[:, None], mask=h_ok[:, None])
+    if HALVES:
+        tl.store(o_rows + (256 + dq)[None, :], acc2 * f[:, None], mask=h_ok[:, None])
+
+
+@triton.jit
+def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr, stride_ot, stride_oh, H,
+                    NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t, h] = Σ_s 2^(lse_s − m) · part_s / (Σ_s 2^(lse_s − m) + 2^(sink·log2e − m)),
+    m = max(lse_s, sink·log2e) (finite: the sink is). Grid (T, cdiv(H, BLOCK_H))."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < H
+    d = tl.arange(0, 512)
+    sink = tl.load(sink_ptr + h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    m = sink
+    for s in tl.static_range(NUM_SPLITS):
+        lse = tl.load(lse_ptr + (t * NUM_SPLITS + s) * H + h, mask=h_ok, other=float("-inf"))
+        m = tl.maximum(m, lse)
+    denom = tl.exp2(sink - m)
+    acc = tl.zeros((BLOCK_H, 512), tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        row = (t * NUM_SPLITS + s) * H + h
+        w = tl.exp2(tl.load(lse_ptr + row, mask=h_ok, other=float("-inf")) - m)
+        denom += w
+        acc += w[:, None] * tl.load(part_ptr + row[:, None] * 512 + d[None, :],
+                                    mask=h_ok[:, None], other=0.0)
+    tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + d[None, :],
+             acc / denom[:, None], mask=h_ok[:, None])
+
+
+# ----------------------------------------------------------------------------------------------
 # Python wrappers
 # ----------------------------------------------------------------------------------------------
 
-def _default_blocks(H: int, block_h, block_k, split_d, num_warps, num_stages, prec):
-    """Simple heuristic; every choice can be overridden for tuning.
+# Default launch configuration for the production case (bf16 q -> bf16 MMAs, H >= 64), keyed by
+# the number of query tokens T: the first row with T <= max_tokens wins (None = no bound).
+# Paste the table printed by benchmarks/sweep_attention.py (H200 sweep) here. Until that sweep
+# has run, every row is the v1 configuration measured on the H200 (130.6 / 245.0 / 482.7 µs at
+# T = 128 / 256 / 512, benchmarks/results/bench_attention_h200.json).
+# H200 sweep (benchmarks/sweep_attention.py, results in benchmarks/results/sweep_attention_h200.json):
+# up to 32 query tokens split-KV 4 wins (50.4 µs at 16 requests x 2 tokens vs 93.3 unsplit);
+# from 128 tokens on v2 unsplit (111.0 / 207.9 / 406.5 µs at 64 / 128 / 256 requests, 2.27-2.34x
+# FlashMLA; v1 in the same run 136.0 / 255.6 / 506.1)
+DEFAULT_CONFIGS: list[tuple[int | None, dict]] = [
+    (32, dict(impl="v2", block_h=64, block_k=64, split_d=1, kv_splits=4, num_warps=8,
+              num_stages=1)),
+    (None, dict(impl="v2", block_h=64, block_k=64, split_d=1, kv_splits=1, num_warps=8,
+                num_stages=1)),
+]
 
-    BLOCK_H: all heads up to 64 (one wgmma M-tile; each K/V tile is shared by all of them).
-    BLOCK_K 64, 8 warps, 1 stage, split_d 1: fastest of the H200 sweep (benchmarks/
-    bench_attention.py --sweep) at V4-Flash decode shapes; 16 warps, BLOCK_H 32 and split_d > 1
-    were slower there. fp32 MMA operands ('tf32' / 'ieee') double the shared-memory tiles, so
-    they get BLOCK_K 32 (64 exceeds the 227 KB of an H200 SM).
+
+def _resolve_config(T: int, H: int, prec: str, user: dict) -> dict:
+    """Full launch configuration.
+
+    No tuning knob given, bf16 MMAs (bf16 q) and H ≥ 64 (the production case): the
+    DEFAULT_CONFIGS row for T. Otherwise a simple heuristic for the chosen implementation (v1
+    unless ``impl`` says otherwise) with the given knobs on top: BLOCK_H = all heads up to 64 (one
+    wgmma M-tile; every key tile is shared by all of them), BLOCK_K 64 for bf16 operands and
+    32 (v1) / 16 (v2) for fp32 ones (an fp32 K tile of 64 rows next to q exceeds the 227 KB of an
+    H200 SM), 8 warps for 64 heads, one stage, no splits.
     """
-    if block_h is None:
-        block_h = min(64, max(16, triton.next_power_of_2(H)))
-    if block_k is None:
-        block_k = 64 if prec == "bf16" else 32
-    if num_warps is None:
-        num_warps = 8 if block_h >= 64 else 4
-    if num_stages is None:
-        num_stages = 1
-    if split_d is None:
-        split_d = 1
-    assert block_h >= 16 and block_k >= 16, "tl.dot needs tiles of at least 16"
-    assert split_d in (1, 2, 4), "split_d must be 1, 2 or 4"
-    return block_h, block_k, split_d, num_warps, num_stages
+    user = {k: v for k, v in user.items() if v is not None}
+    cfg = None
+    if not user and prec == "bf16" and H >= 64:
+        for bound, row in DEFAULT_CONFIGS:
+            if bound is None or T <= bound:
+                cfg = dict(row)
+                break
+    if cfg is None:
+        impl = user.get("impl", "v1")
+        bh = user.get("block_h", min(64, max(16, triton.next_power_of_2(H))))
+        # fp32 operands: v2 keeps q and the key tile in shared memory (and a layout-conversion
+        # scratch), so 16 keys per tile there (32 would need 256 KB at tf32)
+        bk = 64 if prec == "bf16" else (32 if impl == "v1" else 16)
+        cfg = dict(impl=impl, block_h=bh, block_k=bk, split_d=1, kv_splits=1,
+                   num_warps=8 if bh >= 64 else 4, num_stages=1)
+    cfg.update(user)
+    cfg.setdefault("kv_splits", 1)
+    cfg.setdefault("split_d", 1)
+    cfg.setdefault("maxnreg", None)
+    cfg.setdefault("halves", False)
+    assert cfg["impl"] in ("v1", "v2"), f"impl must be 'v1' or 'v2', got {cfg['impl']!r}"
+    assert cfg["block_h"] >= 16 and cfg["block_k"] >= 16, "tl.dot needs tiles of at least 16"
+    if cfg["impl"] == "v1":
+        assert cfg["split_d"] in (1, 2, 4), "split_d must be 1, 2 or 4"
+        assert cfg["kv_splits"] == 1, "kv_splits > 1 needs impl='v2'"
+        assert not cfg["halves"], "halves needs impl='v2'"
+    else:
+        assert cfg["split_d"] in (1, 2), "impl='v2': split_d must be 1 or 2"
+        assert cfg["kv_splits"] >= 1, "kv_splits must be >= 1"
+        assert not (cfg["halves"] and cfg["split_d"] != 1), "halves needs split_d=1"
+    return cfg
 
 
 def _check_list(indices: torch.Tensor, lengths, T: int, name: str):
@@ -269,35 +594,60 @@ def _prep_q(q: torch.Tensor, sink: torch.Tensor):
     return q, sink.float().contiguous()
 
 
-def _launch(q, sink, scale, fp8, a, b, block_h, block_k, split_d, num_warps, num_stages,
-            precision):
+# The resolved configuration and compiled kernel of the latest launch (diagnostics for the sweep:
+# registers, spills, shared memory); the kernel entry is None under TRITON_INTERPRET.
+LAST_LAUNCH: dict = {}
+
+
+def _launch(q, sink, scale, fp8, a, b, tuning: dict, precision):
     """a / b = (u8 view, bf16 view, page_bytes_or_row_stride, N, indices, lengths) or None."""
     T, H, _ = q.shape
     out = torch.empty((T, H, D_HEAD), dtype=torch.float32, device=q.device)
     if T == 0 or H == 0:
         return out
     prec = _pick_precision(q.dtype, precision)
-    block_h, block_k, split_d, num_warps, num_stages = _default_blocks(
-        H, block_h, block_k, split_d, num_warps, num_stages, prec)
+    cfg = _resolve_config(T, H, prec, tuning)
     has_b = b is not None
     if not has_b:
         b = a  # dummy arguments, never read (HAS_B = False)
     a_u8, a_bf, a_pb, a_N, a_idx, a_len = a
     b_u8, b_bf, b_pb, b_N, b_idx, b_len = b
-    grid = (T, triton.cdiv(H, block_h), split_d)
-    _sparse_mqa_kernel[grid](
-        q, q.stride(0), q.stride(1),
-        out, out.stride(0), out.stride(1),
-        sink, H, float(scale) * LOG2E,
+    list_args = (
         a_u8, a_bf, a_pb, a_N, a_idx, a_idx.stride(0), a_idx.shape[1],
         a_len if a_len is not None else a_idx,
         b_u8, b_bf, b_pb, b_N, b_idx, b_idx.stride(0), b_idx.shape[1],
         b_len if b_len is not None else b_idx,
-        FP8=fp8, HAS_B=has_b, A_HAS_LEN=a_len is not None,
-        B_HAS_LEN=has_b and b_len is not None,
-        BLOCK_H=block_h, BLOCK_K=block_k, SPLIT_D=split_d, PRECISION=prec,
-        num_warps=num_warps, num_stages=num_stages,
     )
+    launch_opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if cfg["maxnreg"] is not None and not _interpreting():
+        launch_opts["maxnreg"] = cfg["maxnreg"]
+    flags = dict(FP8=fp8, HAS_B=has_b, A_HAS_LEN=a_len is not None,
+                 B_HAS_LEN=has_b and b_len is not None, BLOCK_H=cfg["block_h"],
+                 SPLIT_D=cfg["split_d"], PRECISION=prec)
+    LAST_LAUNCH["config"] = cfg
+    if cfg["impl"] == "v1":
+        grid = (T, triton.cdiv(H, cfg["block_h"]), cfg["split_d"])
+        LAST_LAUNCH["kernel"] = _sparse_mqa_kernel[grid](
+            q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1),
+            sink, H, float(scale) * LOG2E, *list_args,
+            BLOCK_K=cfg["block_k"], **flags, **launch_opts)
+        return out
+    ns = cfg["kv_splits"]
+    if ns > 1:
+        part = torch.empty((T, ns, H, D_HEAD), dtype=torch.float32, device=q.device)
+        lse = torch.empty((T, ns, H), dtype=torch.float32, device=q.device)
+    else:
+        part = lse = out  # never read or written
+    grid = (T * ns * triton.cdiv(H, cfg["block_h"]) * cfg["split_d"],)
+    LAST_LAUNCH["kernel"] = _sparse_mqa_v2_kernel[grid](
+        q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), part, lse,
+        sink, H, float(scale) * LOG2E, *list_args,
+        BLOCK_N=cfg["block_k"], NUM_SPLITS=ns, HALVES=cfg["halves"], **flags, **launch_opts)
+    if ns > 1:
+        bh = min(16, triton.next_power_of_2(H))
+        _combine_kernel[(T, triton.cdiv(H, bh))](
+            part, lse, sink, out, out.stride(0), out.stride(1), H,
+            NUM_SPLITS=ns, BLOCK_H=bh, num_warps=4)
     return out
 
 
@@ -321,7 +671,9 @@ def sparse_mqa_fp8(q: torch.Tensor, cache: torch.Tensor, entries_per_page: int,
                    block_h: int | None = None, block_k: int | None = None,
                    split_d: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None,
-                   precision: str | None = None) -> torch.Tensor:
+                   precision: str | None = None, kv_splits: int | None = None,
+                   impl: str | None = None, maxnreg: int | None = None,
+                   halves: bool | None = None) -> torch.Tensor:
     """Sparse MQA with sink over a paged ``fp8_ds_mla`` cache (Triton).
 
     q:        [T, H, 512] bf16 or fp32 (other float dtypes are upcast to fp32).
@@ -334,9 +686,11 @@ def sparse_mqa_fp8(q: torch.Tensor, cache: torch.Tensor, entries_per_page: int,
               skipped, not just masked — use it when lists are padded with long −1 tails).
     extra_*:  optional second cache / index list (e.g. compressed entries next to the SWA
               window), joined into the same softmax. ``extra_cache`` defaults to ``cache``.
-    block_h, block_k, split_d, num_warps, num_stages, precision ('bf16' | 'tf32' | 'ieee'):
-              tuning knobs; split_d > 1 splits the 512 output columns over that many programs
-              (smaller accumulator, scores recomputed per program).
+    impl ('v1' | 'v2'), block_h, block_k, split_d, kv_splits, halves, num_warps, num_stages,
+    maxnreg, precision ('bf16' | 'tf32' | 'ieee'):
+              tuning knobs (none given: the DEFAULT_CONFIGS row for T). split_d > 1 splits the
+              512 output columns over that many programs (scores computed by each); kv_splits > 1
+              (v2) splits each token's keys over that many programs plus a combine kernel.
     Returns float32 [T, H, 512]; rows with every key masked are 0.
     """
     q, sink = _prep_q(q, sink)
@@ -348,8 +702,10 @@ def sparse_mqa_fp8(q: torch.Tensor, cache: torch.Tensor, entries_per_page: int,
                             entries_per_page if extra_entries_per_page is None
                             else extra_entries_per_page,
                             extra_indices, extra_lengths, T, "extra_cache")
-    return _launch(q, sink, scale, True, a, b, block_h, block_k, split_d, num_warps, num_stages,
-                   precision)
+    tuning = dict(impl=impl, block_h=block_h, block_k=block_k, split_d=split_d,
+                  kv_splits=kv_splits, halves=halves, num_warps=num_warps,
+                  num_stages=num_stages, maxnreg=maxnreg)
+    return _launch(q, sink, scale, True, a, b, tuning, precision)
 
 
 def _dense_args(kv: torch.Tensor, indices, lengths, T, name):
@@ -370,7 +726,9 @@ def sparse_mqa_dense(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
                      block_h: int | None = None, block_k: int | None = None,
                      split_d: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None,
-                     precision: str | None = None) -> torch.Tensor:
+                     precision: str | None = None, kv_splits: int | None = None,
+                     impl: str | None = None, maxnreg: int | None = None,
+                     halves: bool | None = None) -> torch.Tensor:
     """Sparse MQA with sink over a non-quantised cache ``kv`` [num_entries, 512] (bf16/fp32).
 
     Same contract as :func:`sparse_mqa_fp8` with row ids into ``kv`` as indices (−1 = masked);
@@ -383,8 +741,10 @@ def sparse_mqa_dense(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     if extra_indices is not None:
         b = _dense_args(kv if extra_kv is None else extra_kv, extra_indices, extra_lengths, T,
                         "extra_kv")
-    return _launch(q, sink, scale, False, a, b, block_h, block_k, split_d, num_warps,
-                   num_stages, precision)
+    tuning = dict(impl=impl, block_h=block_h, block_k=block_k, split_d=split_d,
+                  kv_splits=kv_splits, halves=halves, num_warps=num_warps,
+                  num_stages=num_stages, maxnreg=maxnreg)
+    return _launch(q, sink, scale, False, a, b, tuning, precision)
 
 
 # ----------------------------------------------------------------------------------------------
