@@ -1,4 +1,5 @@
-"""python -m dspark.bench — acceptance and throughput of DSpark vs speculation off.
+"""python -m dspark.bench — acceptance and throughput of DSpark vs speculation off
+(`--profile`: the batch-1 round latency split instead, see profile.py).
 
 Default model: the shipped small trained pair (dspark/assets/default), prompts from its held-out
 split. Prints a table per concurrency level, saves JSON / PNG on request, and ends with a
@@ -83,7 +84,8 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint directory (default: shipped pair)")
     p.add_argument("--dataset", default=None, help="JSONL prompts (default: held-out split)")
-    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="default 32 (8 with --profile)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=1.0, help="1.0 = paper protocol; 0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -95,7 +97,21 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="few short prompts: a CPU smoke run")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--plot", default=None, help="write a PNG here")
+    p.add_argument("--profile", action="store_true",
+                   help="instead: batch-1 DSpark round latency split (draft / verify / "
+                        "sampling+accept / commit) and the saved benchmark results "
+                        "(dspark/bench/profile.py)")
+    p.add_argument("--results-dir", default=None,
+                   help="--profile: where the benchmark JSONs are (default benchmarks/results)")
     a = p.parse_args(argv)
+    if a.num_prompts is None:
+        a.num_prompts = 8 if a.profile else 32
+    if a.profile:
+        from .profile import main_profile
+        if a.quick:
+            a.num_prompts, a.max_tokens = min(a.num_prompts, 3), min(a.max_tokens, 32)
+        main_profile(a)
+        return
     if a.quick:
         a.num_prompts, a.max_tokens = min(a.num_prompts, 6), min(a.max_tokens, 32)
     model = a.model or default_model_path()

@@ -1,0 +1,701 @@
+"""Batch-1 decode of a V4-Flash-width checkpoint: (a) step time vs the HBM roofline, (b) end-to-end
+tokens/s vs HF transformers' DeepseekV4ForCausalLM on the same weights.
+
+Checkpoint: `--model DIR`, or a random one in the official layout written by this script (the
+tensors of `python -m dspark.tools.make_checkpoint --preset flash --layers 4 --dtype fp8
+--fp4-experts`, byte for byte; written shard-parallel with --workers processes into --workdir and
+reused when it is already there). The engine loads it with `weight_format="quantized"`: FP8
+projections and packed-FP4 routed experts stay quantized on the device and run through the
+Triton `fp8_linear` / `fp4_moe` kernels on CUDA (torch de-quantize-then-linear on CPU); KV cache
+`fp8_ds_mla` pages with the Triton attention backend; speculation off.
+
+(a) Decode step vs roofline. Per context length L: one request with an L-token random prompt,
+prefilled in one chunk; then --warmup + --iters `Engine.step()` calls, each one decode step (target
+forward of 1 token, greedy accept, commit), timed with a device sync before and after; the
+median of the last --iters is the step time (the target forward alone is timed too, by a
+synchronising wrapper; the first context's prefill time includes Triton compilation).
+Bytes one step must read:
+  weights  every target tensor once, except: routed experts only the top-k (k = num_experts_per_tok
+           distinct experts per layer at batch 1: k/E of each layer's expert bytes), the
+           embedding and the hash-routing table one row each. Sizes as held in memory (FP8 codes
+           + e8m0 scales, packed FP4 + scales, bf16 / fp32 as loaded).
+  KV       per layer: the SWA window (min(L+1, window) records), CSA (ratio 4): every indexer key
+           (132 B) + the top-k (index_topk) selected compressed records, HCA: every compressed
+           record; records are 584 B (fp8_ds_mla). The small fp32 compressor rings are left out.
+Roofline time = bytes / copy bandwidth, the bandwidth measured here with a large device-to-device
+copy (2 x bytes / time; the H200 anchor is ~4.3 TB/s). % of roofline = roofline time / step time
+(issue target: >= 60%).
+
+(b) End to end. One --prompt-len-token random prompt, --new-tokens greedy tokens (EOS ignored),
+batch 1, each side warmed up first; tok/s = new tokens / wall time of the whole generate call
+(prefill included), and decode-only tok/s = (N - 1) / (time(N tokens) - time(1 token)).
+HF: `DeepseekV4ForCausalLM` built from config.json (quantization_config dropped) in --hf-dtype
+(bf16 on CUDA) and filled from the same checkpoint, every FP8 / FP4 tensor de-quantized on the
+device with dspark.models.quant (bit-identical to the NumPy formulas of tests/hf_oracle.py, see
+tests/test_quant.py), routed experts merged into HF's gate_up_proj / down_proj exactly like
+transformers' own conversion mapping (checked against from_pretrained in
+tests/test_bench_decode_v4.py). The fill is strict: every HF parameter / persistent buffer must be
+written exactly once. Also reported: whether the greedy tokens agree (leading run of equal tokens;
+ours uses the fp8 KV cache, HF an unquantized one, so a late divergence on random weights is
+expected numerics, an early one is worth a look).
+
+    python benchmarks/bench_decode_v4.py --json benchmarks/results/bench_decode_v4_h200.json
+    python benchmarks/bench_decode_v4.py --preset tiny          # CPU smoke run (seconds)
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import multiprocessing as mp
+import os
+import re
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
+
+from dspark.models.deepseek_v4.weights import (scale_name, stored_tensors,  # noqa: E402
+                                               tensor_inventory)
+from dspark.tools import make_checkpoint as mc  # noqa: E402
+
+H200_COPY_TBPS = 4.3
+KV_RECORD_BYTES = 584          # fp8_ds_mla record (512-d kv)
+INDEXER_ROW_BYTES = 132        # fp8 indexer key row (128-d)
+TARGET_ROOFLINE_PCT = 60.0
+TARGET_HF_RATIO = 5.0
+PRESET_DEFAULTS = {   # contexts, new tokens, prompt length
+    "flash": ("128,1024,4096", 64, 128),
+    "pro": ("128,1024,4096", 64, 128),
+    "tiny": ("16,64", 16, 16),
+}
+
+
+# ---- checkpoint ---------------------------------------------------------------------------------
+
+def _write_shard(job) -> dict:
+    """Worker: generate and save one shard exactly as make_checkpoint does; {key: file name}."""
+    out, fname, names, cfg, seed = job
+    torch.set_num_threads(1)
+    from safetensors.torch import save_file
+    inv = tensor_inventory(cfg)
+    tensors = {}
+    for name in names:
+        tensors.update(mc.generate_tensor(name, inv[name], cfg, seed))
+    save_file(tensors, os.path.join(out, fname), metadata={"format": "pt"})
+    return {k: fname for k in tensors}
+
+
+def write_checkpoint(out: str, preset: str, layers: int | None, seed: int = 0,
+                     workers: int = 8, shard_bytes: int | None = None) -> tuple:
+    """The FP8 + FP4-expert random checkpoint of make_checkpoint (same tensors, same bytes), shards
+    generated by `workers` processes at once. Reuses `out` when its config.json already matches.
+    Returns (ModelConfig, seconds spent writing, reused?)."""
+    cfg = mc.preset_config(preset, layers, "fp8", True, False)
+    config_json = mc.hf_config(cfg)
+    cfg_fn = os.path.join(out, "config.json")
+    if os.path.exists(cfg_fn):
+        with open(cfg_fn) as f:
+            if json.load(f) == config_json:
+                return cfg, 0.0, True
+    t0 = time.perf_counter()
+    inv = tensor_inventory(cfg)
+    total = sum(st.nbytes for n, s in inv.items() for st in stored_tensors(n, s))
+    if shard_bytes is None:   # ~2 shards per worker, 64 MiB .. 2 GiB (tiny: a quarter of the total)
+        shard_bytes = min(2 << 30, max(min(64 << 20, math.ceil(total / 4)),
+                                       math.ceil(total / (2 * max(workers, 1)))))
+    shards = mc._plan_shards(inv, shard_bytes)
+    os.makedirs(out, exist_ok=True)
+    if os.path.exists(cfg_fn):
+        os.remove(cfg_fn)           # written last: its presence marks a complete checkpoint
+    jobs = [(out, f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors", names, cfg, seed)
+            for k, names in enumerate(shards)]
+    weight_map = {}
+    if workers > 1 and len(jobs) > 1:
+        # fork: no CUDA context exists yet in this process (the checkpoint comes first)
+        ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+        with ctx.Pool(min(workers, len(jobs))) as pool:
+            for m in pool.imap_unordered(_write_shard, jobs):
+                weight_map.update(m)
+    else:
+        for job in jobs:
+            weight_map.update(_write_shard(job))
+    weight_map = dict(sorted(weight_map.items()))
+    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    with open(cfg_fn, "w") as f:
+        json.dump(config_json, f, indent=2)
+    return cfg, time.perf_counter() - t0, False
+
+
+# ---- bytes a decode step reads ----------------------------------------------------------------------
+
+def weight_bytes_per_step(cfg, dtype: torch.dtype, tokens: int = 1) -> dict:
+    """Bytes of target weights one decode step of `tokens` tokens reads, by category."""
+    inv = tensor_inventory(cfg)
+    k, E, V = cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.vocab_size
+    frac = min(k * tokens, E) / E
+    elt = torch.empty((), dtype=dtype).element_size()
+    cats = dict(attention=0, routed_experts=0, shared_experts=0, router=0, mhc_norms=0, head=0,
+                embed=0)
+    for name, spec in inv.items():
+        if name.startswith("mtp."):
+            continue
+        if spec.kind == "bf16":       # loaded in the engine dtype
+            nb = math.prod(spec.shape) * elt
+        else:
+            nb = sum(st.nbytes for st in stored_tensors(name, spec))
+        if name == "embed.weight":
+            cats["embed"] += min(tokens, V) * nb / V
+        elif name == "head.weight":
+            cats["head"] += nb
+        elif ".ffn.experts." in name:
+            cats["routed_experts"] += nb * frac
+        elif ".ffn.shared_experts." in name:
+            cats["shared_experts"] += nb
+        elif name.endswith("gate.tid2eid"):
+            cats["router"] += min(tokens, V) * nb / V
+        elif ".ffn.gate." in name:
+            cats["router"] += nb
+        elif ".attn." in name:
+            cats["attention"] += nb
+        else:
+            cats["mhc_norms"] += nb
+    cats = {c: int(v) for c, v in cats.items()}
+    cats["total"] = sum(cats.values())
+    return cats
+
+
+def kv_bytes_per_step(cfg, context: int, kv_cache_dtype: str = "fp8") -> dict:
+    """Bytes of KV cache one decode step at position `context` reads (see the module doc)."""
+    rec = {"fp8": KV_RECORD_BYTES, "bf16": 1024, "fp32": 2048}[kv_cache_dtype]
+    irow = {"fp8": INDEXER_ROW_BYTES, "bf16": 256, "fp32": 512}[kv_cache_dtype]
+    p = context
+    out = dict(window=0, compressed=0, indexer=0)
+    for i in range(cfg.num_hidden_layers):
+        m = cfg.layer_ratio(i)
+        out["window"] += min(p + 1, cfg.sliding_window) * rec
+        if m == 4:
+            n = (p + 1) // 4
+            out["indexer"] += n * irow
+            out["compressed"] += min(n, cfg.index_topk) * rec
+        elif m > 0:
+            out["compressed"] += (p + 1) // m * rec
+    out["total"] = sum(out.values())
+    return out
+
+
+def hf_model_bytes(cfg, dtype: torch.dtype) -> int:
+    """Bytes of the HF model's weights: every non-mtp tensor at its logical shape, de-quantized
+    FP8 / FP4 / bf16 tensors in `dtype`, fp32 parameters fp32, the hash table int64."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    size = {"fp32": 4, "int64": 8}
+    return sum(math.prod(s.shape) * size.get(s.kind, elt)
+               for n, s in tensor_inventory(cfg).items() if not n.startswith("mtp."))
+
+
+# ---- timing --------------------------------------------------------------------------------------
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device, nbytes: int | None = None, iters: int = 20) -> dict:
+    """Device-to-device copy bandwidth: 2 * nbytes (read + write) / median copy time."""
+    dev = torch.device(device)
+    nbytes = nbytes or ((2 << 30) if dev.type == "cuda" else (256 << 20))
+    src = torch.ones(nbytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(iters):
+        if dev.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src)
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b) * 1e-3)
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+    t = statistics.median(times)
+    del src, dst
+    return {"bytes": nbytes, "median_s": t, "tbps": 2 * nbytes / t / 1e12}
+
+
+def _random_prompt(n: int, vocab: int, seed: int) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (n,), generator=g).tolist()   # no BOS (0) / EOS (1)
+
+
+def decode_steps(eng, context: int, warmup: int, iters: int) -> dict:
+    """Prefill a `context`-token prompt, then time warmup + iters single decode steps."""
+    from dspark.bench.profile import PhaseTimer
+    from dspark.sampling import SamplingParams
+
+    dev = eng.device
+    prompt = _random_prompt(context, eng.cfg.vocab_size, seed=context)
+    rid = eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=warmup + iters + 4,
+                                                 ignore_eos=True))
+    req = eng.requests[rid]
+    fwd = []
+    timer = PhaseTimer(dev)
+    timer.wrap(eng.runner, "target_forward", "forward")
+    timer.listeners.append(lambda ph, excl, incl: fwd.append(incl))
+    try:
+        _sync(dev)
+        t0 = time.perf_counter()
+        while not req.output_ids:
+            eng.step()
+        _sync(dev)
+        prefill_s = time.perf_counter() - t0
+        fwd.clear()
+        steps = []
+        for _ in range(warmup + iters):
+            n0 = len(req.output_ids)
+            _sync(dev)
+            t0 = time.perf_counter()
+            eng.step()
+            _sync(dev)
+            steps.append(time.perf_counter() - t0)
+            assert len(req.output_ids) == n0 + 1, "a decode step must emit exactly one token"
+    finally:
+        timer.unwrap()
+        eng.abort(rid)
+    st, fw = steps[warmup:], fwd[warmup:]
+    return {"context": context, "prefill_s": prefill_s, "step_ms": 1e3 * statistics.median(st),
+            "step_min_ms": 1e3 * min(st), "forward_ms": 1e3 * statistics.median(fw),
+            "steps": len(st)}
+
+
+# ---- HF model ------------------------------------------------------------------------------------
+
+# transformers' conversion mapping for model_type "deepseek_v4" (official name -> HF name), in
+# its order; the merged routed experts are handled in hf_target()
+_HF_RENAMES = [(re.compile(a), b) for a, b in (
+    (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."),
+    (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"^embed\.weight", "embed_tokens.weight"), (r"^head\.weight", "lm_head.weight"),
+    (r"^hc_head_fn", "hc_head.hc_fn"), (r"^hc_head_base", "hc_head.hc_base"),
+    (r"^hc_head_scale", "hc_head.hc_scale"),
+    (r"\.attn_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_attn_fn", ".attn_hc.fn"), (r"\.hc_attn_base", ".attn_hc.base"),
+    (r"\.hc_attn_scale", ".attn_hc.scale"), (r"\.hc_ffn_fn", ".ffn_hc.fn"),
+    (r"\.hc_ffn_base", ".ffn_hc.base"), (r"\.hc_ffn_scale", ".ffn_hc.scale"),
+    (r"\.attn_sink", ".sinks"),
+    (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."),
+    (r"\.norm\.", ".kv_norm."), (r"\.ape", ".position_bias"),
+    (r"\.wq_a\.", ".q_a_proj."), (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."),
+    (r"\.wkv\.", ".kv_proj."), (r"\.wgate\.", ".gate_proj."), (r"\.wo_a\.", ".o_a_proj."),
+    (r"\.wo_b\.", ".o_b_proj."), (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.gate\.bias", ".gate.e_score_correction_bias"),
+    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
+)]
+_EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
+
+
+def hf_target(name: str, inter: int) -> tuple:
+    """(HF state-dict key, index into it or None) of an official tensor name. Routed experts are
+    merged like transformers does: gate_up_proj [E, 2I, D] = experts' w1 rows then w3 rows,
+    down_proj [E, D, I] = w2."""
+    m = _EXPERT.match(name)
+    if m:
+        layer, e, w = int(m.group(1)), int(m.group(2)), m.group(3)
+        base = f"model.layers.{layer}.mlp.experts."
+        if w == "w2":
+            return base + "down_proj", (e,)
+        rows = slice(0, inter) if w == "w1" else slice(inter, 2 * inter)
+        return base + "gate_up_proj", (e, rows)
+    for pat, rep in _HF_RENAMES:
+        name = pat.sub(rep, name)
+    return (name if name.startswith("lm_head.") else "model." + name), None
+
+
+def _dequant(kind, w, s, dtype):
+    from dspark.models.quant import dequant_fp4_experts, dequant_fp8_blocks
+    return dequant_fp8_blocks(w, s, dtype) if kind == "fp8" else dequant_fp4_experts(w, s, dtype)
+
+
+def build_hf_model(ckpt: str, device, dtype: torch.dtype):
+    """transformers' DeepseekV4ForCausalLM holding the checkpoint's weights de-quantized to
+    `dtype` (fp32 parameters stay fp32, as from_pretrained keeps them), built directly on
+    `device` and filled tensor by tensor (no de-quantized copy of the checkpoint is ever held)."""
+    from safetensors import safe_open
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    from dspark.config import ModelConfig
+
+    with open(os.path.join(ckpt, "config.json")) as f:
+        raw = json.load(f)
+    cfg = ModelConfig.from_dict(raw)            # storage kinds come from quantization_config
+    raw.pop("quantization_config", None)        # ... which HF must not see: weights arrive de-quantized
+    with torch.device(device):
+        model = DeepseekV4ForCausalLM._from_config(DeepseekV4Config(**raw), dtype=dtype)
+    model.eval()
+    dest = model.state_dict(keep_vars=True)     # params + persistent buffers, the live tensors
+    written = {k: 0 for k in dest}
+    inv = {n: s for n, s in tensor_inventory(cfg).items() if not n.startswith("mtp.")}
+    owner = {st.name: n for n, s in inv.items() for st in stored_tensors(n, s)}
+    with open(os.path.join(ckpt, "model.safetensors.index.json")) as f:
+        wmap = json.load(f)["weight_map"]
+    by_file: dict = {}
+    for key, fn in wmap.items():
+        if key.removeprefix("model.") in owner:
+            by_file.setdefault(fn, []).append(key)
+    dev = torch.device(device)
+    open_dev = f"cuda:{dev.index if dev.index is not None else torch.cuda.current_device()}" \
+        if dev.type == "cuda" else "cpu"
+    pending, unknown = {}, []
+    with torch.no_grad():
+        for fn in sorted(by_file):
+            with safe_open(os.path.join(ckpt, fn), framework="pt", device=open_dev) as f:
+                for key in by_file[fn]:
+                    stored = key.removeprefix("model.")
+                    name = owner[stored]
+                    kind = inv[name].kind
+                    t = f.get_tensor(key)
+                    if kind in ("fp8", "fp4"):
+                        pending[stored] = t
+                        if name not in pending or scale_name(name) not in pending:
+                            continue
+                        t = _dequant(kind, pending.pop(name), pending.pop(scale_name(name)), dtype)
+                    target, index = hf_target(name, cfg.moe_intermediate_size)
+                    if target not in dest:
+                        unknown.append(f"{name} -> {target}")
+                        continue
+                    view = dest[target] if index is None else dest[target][index]
+                    if tuple(view.shape) != tuple(t.shape):
+                        raise RuntimeError(f"HF {target}{'' if index is None else list(index)}: "
+                                           f"shape {list(view.shape)}, checkpoint {name}: "
+                                           f"{list(t.shape)}")
+                    view.copy_(t)
+                    written[target] += t.numel()
+                    del t
+    bad = [k for k, n in written.items() if n != dest[k].numel()]
+    if unknown or bad or pending:
+        raise RuntimeError(
+            "could not map the checkpoint onto this transformers version's DeepseekV4ForCausalLM "
+            f"(the name mapping in benchmarks/bench_decode_v4.py follows transformers 5.24): "
+            f"{len(unknown)} checkpoint tensors without an HF target {unknown[:5]}, "
+            f"{len(bad)} HF tensors not filled exactly once {bad[:5]}, "
+            f"{len(pending)} quantized tensors without their partner {list(pending)[:5]}")
+    return model
+
+
+def hf_generate(model, prompt: list, n: int, device) -> tuple:
+    """(new token ids, seconds) of HF greedy generation of exactly n tokens (EOS ignored)."""
+    from transformers import GenerationConfig
+    gc_ = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                           eos_token_id=None, pad_token_id=0)
+    ids = torch.tensor([prompt], dtype=torch.long, device=device)
+    with torch.no_grad():
+        _sync(device)
+        t0 = time.perf_counter()
+        out = model.generate(ids, generation_config=gc_, attention_mask=torch.ones_like(ids))
+        _sync(device)
+    return out[0, len(prompt):].tolist(), time.perf_counter() - t0
+
+
+def ours_generate(eng, prompt: list, n: int) -> tuple:
+    from dspark.sampling import SamplingParams
+    _sync(eng.device)
+    t0 = time.perf_counter()
+    out = eng.generate(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    _sync(eng.device)
+    return list(out.token_ids), time.perf_counter() - t0
+
+
+def _leading_agreement(a: list, b: list) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+# ---- main ----------------------------------------------------------------------------------------
+
+def _device_info(device) -> dict:
+    dev = torch.device(device)
+    info = {"type": dev.type, "torch": torch.__version__}
+    if dev.type == "cuda":
+        info["name"] = torch.cuda.get_device_name()
+        info["memory_gb"] = torch.cuda.get_device_properties(dev).total_memory / 1e9
+        try:
+            import triton
+            info["triton"] = triton.__version__
+        except ImportError:
+            pass
+    else:
+        info["name"] = "cpu"
+    try:
+        import transformers
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def _kernel_report(eng, device) -> dict:
+    """Which implementations the engine runs (kept in a function: no module references survive)."""
+    from dspark.models.qlinear import QuantLinear, QuantMoE
+    mods = list(eng.model.modules())
+    return {
+        "attention_backend": eng.runner.backend_name,
+        "quant_linear": {k: sum(1 for m in mods if isinstance(m, QuantLinear) and m.kind == k)
+                         for k in ("fp8", "fp4")},
+        "quant_moe_layers": sum(1 for m in mods if isinstance(m, QuantMoE)),
+        "gemm_backend": "triton" if torch.device(device).type == "cuda"
+        else "torch (de-quantize + F.linear)",
+    }
+
+
+def _gb(b):
+    return b / 1e9
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(mc.PRESETS), default="flash",
+                    help="checkpoint widths when generating one (tiny = CPU smoke run)")
+    ap.add_argument("--layers", type=int, default=None, help="backbone layers (flash: 4)")
+    ap.add_argument("--model", default=None, help="use this checkpoint instead of generating one")
+    ap.add_argument("--workdir", default=None,
+                    help="where to write / reuse the generated checkpoint "
+                         "(default /tmp/dspark_bench/<preset>-<layers>L-fp8-fp4)")
+    ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1),
+                    help="processes writing checkpoint shards")
+    ap.add_argument("--context", default=None,
+                    help="comma list of context lengths for (a) (flash: 128,1024,4096)")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--new-tokens", type=int, default=None, help="(b): tokens to generate")
+    ap.add_argument("--prompt-len", type=int, default=None, help="(b): prompt tokens")
+    ap.add_argument("--skip-hf", action="store_true", help="leave out the HF transformers side")
+    ap.add_argument("--skip-decode", action="store_true", help="leave out (a)")
+    ap.add_argument("--hf-dtype", choices=("bf16", "fp32"), default=None,
+                    help="HF weights / compute dtype (default: bf16 on CUDA, fp32 on CPU)")
+    ap.add_argument("--kv-cache-dtype", default="fp8", choices=("fp8", "bf16", "fp32"))
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+
+    ctx_default, new_default, prompt_default = PRESET_DEFAULTS[args.preset]
+    contexts = [int(c) for c in (args.context or ctx_default).split(",") if c]
+    new_tokens = args.new_tokens or new_default
+    prompt_len = args.prompt_len or prompt_default
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    result = {"args": vars(args), "device": None}
+    timings = result["timings"] = {}
+
+    def save():
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2, default=str)
+
+    # -- checkpoint (before anything touches CUDA: the writers are forked) --
+    t_all = time.perf_counter()
+    if args.model:
+        from dspark.config import ModelConfig
+        path, cfg = args.model, ModelConfig.from_path(args.model)
+        result["checkpoint"] = {"path": path, "generated": False}
+    else:
+        layers = args.layers or mc._DEFAULT_LAYERS[args.preset]
+        path = args.workdir or os.path.join("/tmp", "dspark_bench",
+                                            f"{args.preset}-{layers}L-fp8-fp4")
+        cfg, secs, reused = write_checkpoint(path, args.preset, layers, workers=args.workers)
+        size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+        result["checkpoint"] = {"path": path, "generated": not reused, "write_s": secs,
+                                "bytes": size}
+        print(f"checkpoint {path}: {_gb(size):.2f} GB, "
+              + ("reused" if reused else f"written in {secs:.1f} s by {args.workers} workers"))
+    result["device"] = _device_info(device)
+    result["config"] = {k: getattr(cfg, k) for k in (
+        "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "vocab_size",
+        "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "sliding_window",
+        "index_topk", "weight_dtype", "expert_format")}
+    result["config"]["compress_ratios"] = list(cfg.compress_ratios)
+
+    from dspark.engine import Engine
+    from dspark.models.qlinear import format_memory_report
+
+    eng_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    hf_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[
+        args.hf_dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    hf_need = hf_model_bytes(cfg, hf_dtype)
+    print(f"HF {str(hf_dtype).replace('torch.', '')} model of this checkpoint: "
+          f"{_gb(hf_need):.2f} GB of weights"
+          + (f"; device memory {_gb(torch.cuda.get_device_properties(device).total_memory):.1f}"
+             f" GB" if device.type == "cuda" else ""))
+    result["hf_model_bytes"] = hf_need
+
+    bw = copy_bandwidth(device)
+    result["copy_bandwidth"] = bw
+    print(f"copy bandwidth: {bw['tbps']:.2f} TB/s ({_gb(bw['bytes']):.1f} GB device-to-device"
+          + (f"; H200 anchor {H200_COPY_TBPS} TB/s)" if device.type == "cuda" else ")"))
+
+    max_len = max(max(contexts) + args.warmup + args.iters + 8, prompt_len + new_tokens + 8)
+    t0 = time.perf_counter()
+    eng = Engine(path, device=str(device), dtype=eng_dtype, weight_format="quantized",
+                 speculative="none", kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=1,
+                 max_num_batched_tokens=max(max(contexts), prompt_len) + 8,
+                 max_model_len=-(-max_len // 256) * 256)
+    _sync(device)
+    load_s = time.perf_counter() - t0
+    mem = eng.memory_report()
+    kernels = _kernel_report(eng, device)
+    timings["engine_load_s"] = load_s
+    result["engine"] = {"load_s": load_s, "memory": mem, "kernels": kernels,
+                        "dtype": str(eng_dtype).replace("torch.", "")}
+    print(f"engine loaded in {load_s:.1f} s — {format_memory_report(mem)}; attention "
+          f"{kernels['attention_backend']}, {kernels['quant_linear']['fp8']} FP8 / "
+          f"{kernels['quant_linear']['fp4']} FP4 linears ({kernels['gemm_backend']}), "
+          f"{kernels['quant_moe_layers']} FP4 MoE layers")
+    save()
+
+    # -- (a) decode step vs roofline --
+    t_phase = time.perf_counter()
+    wbytes = weight_bytes_per_step(cfg, eng_dtype)
+    result["weight_bytes_per_step"] = wbytes
+    rows = []
+    if not args.skip_decode:
+        for L in contexts:
+            try:
+                r = decode_steps(eng, L, args.warmup, args.iters)
+            except Exception as exc:     # keep the other contexts and (b)
+                msg = f"{type(exc).__name__}: {str(exc)[:500]}"
+                print(f"decode at context {L} failed: {msg}")
+                result.setdefault("decode_errors", {})[L] = msg
+                continue
+            kv = kv_bytes_per_step(cfg, L, args.kv_cache_dtype)
+            total = wbytes["total"] + kv["total"]
+            roof_ms = 1e3 * total / (bw["tbps"] * 1e12)
+            r.update(weight_bytes=wbytes["total"], kv_bytes=kv, bytes=total,
+                     roofline_ms=roof_ms, roofline_pct=100 * roof_ms / r["step_ms"],
+                     forward_roofline_pct=100 * roof_ms / r["forward_ms"],
+                     achieved_tbps=total / (r["step_ms"] * 1e-3) / 1e12)
+            rows.append(r)
+            result["decode"] = rows
+            save()
+        print(f"\n(a) batch-1 decode step vs HBM roofline — {cfg.num_hidden_layers} layers "
+              f"{cfg.compress_ratios}, {torch.device(device).type}, weights "
+              f"{cfg.weight_dtype}/{cfg.expert_format}, KV {args.kv_cache_dtype}; "
+              f"median of {args.iters} steps")
+        print("weights read per step: " + ", ".join(
+            f"{k} {wbytes[k] / 1e6:.1f}" for k in wbytes if k != "total")
+            + f" MB (total {wbytes['total'] / 1e6:.1f} MB)")
+        hdr = (f"{'context':>8} {'prefill s':>9} {'step ms':>8} {'min ms':>7} {'fwd ms':>7} "
+               f"{'weights MB':>10} {'KV MB':>7} {'roof ms':>8} {'% roof':>7} {'% roof fwd':>10} "
+               f"{'TB/s':>6}")
+        print(hdr)
+        print("-" * len(hdr))
+        for r in rows:
+            print(f"{r['context']:>8} {r['prefill_s']:>9.2f} {r['step_ms']:>8.3f} "
+                  f"{r['step_min_ms']:>7.3f} {r['forward_ms']:>7.3f} {r['weight_bytes'] / 1e6:>10.1f} "
+                  f"{r['kv_bytes']['total'] / 1e6:>7.2f} {r['roofline_ms']:>8.3f} "
+                  f"{r['roofline_pct']:>6.1f}% {r['forward_roofline_pct']:>9.1f}% "
+                  f"{r['achieved_tbps']:>6.2f}")
+        print(f"target: >= {TARGET_ROOFLINE_PCT:.0f}% of roofline")
+
+    timings["decode_s"] = time.perf_counter() - t_phase
+    # -- (b) end to end vs HF --
+    t_phase = time.perf_counter()
+    prompt = _random_prompt(prompt_len, cfg.vocab_size, seed=12345)
+    e2e = {"prompt_len": prompt_len, "new_tokens": new_tokens}
+    ours_generate(eng, prompt, min(4, new_tokens))                    # warm-up
+    ours_tok, ours_s = ours_generate(eng, prompt, new_tokens)
+    _, ours_1 = ours_generate(eng, prompt, 1)
+    e2e["ours"] = {"tok_s": new_tokens / ours_s, "wall_s": ours_s, "first_token_s": ours_1,
+                   "decode_tok_s": (new_tokens - 1) / max(ours_s - ours_1, 1e-9),
+                   "tokens": ours_tok}
+    result["e2e"] = e2e
+    timings["ours_e2e_s"] = time.perf_counter() - t_phase
+    save()
+    del eng
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if not args.skip_hf:
+        try:
+            if device.type == "cuda":
+                free = torch.cuda.mem_get_info(device)[0]
+                print(f"HF: needs {_gb(hf_need):.1f} GB of weights, {_gb(free):.1f} GB free")
+                if hf_need > 0.92 * free:
+                    raise RuntimeError(f"HF model ({_gb(hf_need):.1f} GB) does not fit in the "
+                                       f"{_gb(free):.1f} GB free; use fewer --layers")
+            t0 = time.perf_counter()
+            hf = build_hf_model(path, device, hf_dtype)
+            _sync(device)
+            e2e["hf_load_s"] = timings["hf_load_s"] = time.perf_counter() - t0
+            t_phase = time.perf_counter()
+            hf_generate(hf, prompt, min(2, new_tokens), device)            # warm-up
+            hf_tok, hf_s = hf_generate(hf, prompt, new_tokens, device)
+            _, hf_1 = hf_generate(hf, prompt, 1, device)
+            e2e["hf"] = {"tok_s": new_tokens / hf_s, "wall_s": hf_s, "first_token_s": hf_1,
+                         "decode_tok_s": (new_tokens - 1) / max(hf_s - hf_1, 1e-9),
+                         "tokens": hf_tok, "dtype": str(hf_dtype).replace("torch.", ""),
+                         "attn_implementation": getattr(hf.config, "_attn_implementation", None),
+                         "experts_implementation": getattr(hf.config, "_experts_implementation",
+                                                           None)}
+            timings["hf_generate_s"] = time.perf_counter() - t_phase
+            e2e["speedup"] = e2e["ours"]["tok_s"] / e2e["hf"]["tok_s"]
+            e2e["decode_speedup"] = e2e["ours"]["decode_tok_s"] / e2e["hf"]["decode_tok_s"]
+            e2e["agree_leading"] = _leading_agreement(ours_tok, hf_tok)
+            e2e["first_token_agrees"] = bool(ours_tok[:1] == hf_tok[:1])
+            del hf
+            gc.collect()
+        except Exception as exc:     # (a) and our side of (b) are kept either way
+            e2e["hf_error"] = f"{type(exc).__name__}: {exc}"
+            print(f"HF side failed: {e2e['hf_error']}")
+    save()
+    print(f"\n(b) end to end, batch 1, {prompt_len}-token prompt, {new_tokens} greedy tokens")
+    hdr = f"{'engine':<34} {'tok/s':>8} {'decode tok/s':>13} {'wall s':>8} {'1st tok s':>10}"
+    print(hdr)
+    print("-" * len(hdr))
+    sides = [("dspark (quantized, speculation off)", e2e["ours"])]
+    if "hf" in e2e:
+        sides.append((f"HF DeepseekV4ForCausalLM {e2e['hf']['dtype']}", e2e["hf"]))
+    for label, s in sides:
+        print(f"{label:<34} {s['tok_s']:>8.1f} {s['decode_tok_s']:>13.1f} {s['wall_s']:>8.3f} "
+              f"{s['first_token_s']:>10.3f}")
+    if "hf" in e2e:
+        print(f"speed-up {e2e['speedup']:.2f}x end to end, {e2e['decode_speedup']:.2f}x decode "
+              f"(target >= {TARGET_HF_RATIO:.0f}x); greedy tokens agree for the first "
+              f"{e2e['agree_leading']}/{new_tokens} (first token "
+              f"{'agrees' if e2e['first_token_agrees'] else 'DIFFERS'})")
+        print(f"  ours {e2e['ours']['tokens'][:12]}\n  HF   {e2e['hf']['tokens'][:12]}")
+
+    parts = []
+    if rows:
+        parts.append(", ".join(f"decode@{r['context']} {r['step_ms']:.2f} ms = "
+                               f"{r['roofline_pct']:.0f}% roofline" for r in rows))
+    parts.append(f"e2e {e2e['ours']['tok_s']:.1f} tok/s")
+    if "hf" in e2e:
+        parts[-1] += (f" vs HF {e2e['hf']['tok_s']:.1f} = {e2e['speedup']:.1f}x, greedy agree "
+                      f"{e2e['agree_leading']}/{new_tokens}")
+    result["summary"] = (f"{args.preset if not args.model else os.path.basename(path)} "
+                         f"{cfg.num_hidden_layers}L: " + "; ".join(parts))
+    result["total_s"] = time.perf_counter() - t_all
+    save()
+    timings["checkpoint_s"] = result["checkpoint"].get("write_s", 0.0)
+    print(f"\n{result['summary']}\ntotal {result['total_s']:.0f} s ("
+          + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()) + ")"
+          + (f"; wrote {args.json}" if args.json else ""))
+    return result
+
+
+if __name__ == "__main__":
+    main()

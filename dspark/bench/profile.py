@@ -1,0 +1,235 @@
+"""python -m dspark.bench --profile — where the time of one DSpark round goes, at batch 1.
+
+Every phase is timed by a synchronising wrapper around the engine's own methods (on CUDA a
+`torch.cuda.synchronize()` before and after each call, so a phase is charged for the GPU work it
+launched, not just for its Python):
+
+  draft             ModelRunner.draft           parallel block + Markov head of the next block
+  verify            ModelRunner.target_forward  the target forward over anchor + drafted tokens
+  sampling+accept   Engine._accept              rejection sampling / greedy compare, stops,
+                                                 bookkeeping (minus the commit calls inside it)
+  commit            ModelRunner.commit_context  draft-context rows for the accepted tokens
+  other             Engine.step, exclusive      verify policy, scheduler, cache rollback, Python
+
+Times are exclusive (a nested call is charged to its own phase only). Steps that carry a prompt
+chunk (prefill) are reported apart and left out of the round split. The table is followed by
+the benchmark scripts' saved results (benchmarks/results/*.json), one line each.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+PHASES = ("draft", "verify", "sampling+accept", "commit", "other")
+
+
+class PhaseTimer:
+    """Exclusive wall time per phase of wrapped methods; syncs the device around every call.
+
+        t = PhaseTimer(device)
+        t.wrap(engine.runner, "draft", "draft")      # instance attribute shadows the method
+        ...; t.totals -> {phase: seconds}, t.calls -> {phase: n}
+    """
+
+    def __init__(self, device):
+        dev = torch.device(device)
+        self.sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+        self.totals: dict = defaultdict(float)
+        self.calls: dict = defaultdict(int)
+        self._stack: list = []          # [phase, start, child seconds]
+        self._wrapped: list = []
+        self.listeners: list = []       # called with (phase, exclusive s, inclusive s) per call
+
+    def wrap(self, obj, attr: str, phase: str) -> bool:
+        """Time every call of obj.attr as `phase`; False (nothing wrapped) if obj has no attr."""
+        orig = getattr(obj, attr, None)
+        if orig is None or not callable(orig):
+            return False
+
+        def timed(*args, **kwargs):
+            self.sync()
+            self._stack.append([phase, time.perf_counter(), 0.0])
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                self.sync()
+                ph, t0, child = self._stack.pop()
+                dt = time.perf_counter() - t0
+                self.totals[ph] += dt - child
+                self.calls[ph] += 1
+                if self._stack:
+                    self._stack[-1][2] += dt
+                for fn in self.listeners:
+                    fn(ph, dt - child, dt)
+
+        setattr(obj, attr, timed)
+        self._wrapped.append((obj, attr))
+        return True
+
+    def unwrap(self) -> None:
+        for obj, attr in reversed(self._wrapped):
+            try:
+                delattr(obj, attr)          # the class method shows through again
+            except AttributeError:
+                pass
+        self._wrapped.clear()
+
+    def reset(self) -> None:
+        self.totals.clear()
+        self.calls.clear()
+
+
+def instrument_engine(engine, timer: PhaseTimer) -> list:
+    """Wrap the DSpark round's methods of `engine`; returns the phases that could be wrapped."""
+    done = []
+    for obj, attr, phase in ((engine.runner, "draft", "draft"),
+                             (engine.runner, "target_forward", "verify"),
+                             (engine, "_accept", "sampling+accept"),
+                             (engine.runner, "commit_context", "commit"),
+                             (engine, "step", "other")):
+        if timer.wrap(obj, attr, phase):
+            done.append(phase)
+    return done
+
+
+def profile_rounds(engine, prompts, sp, warmup_prompts=()) -> dict:
+    """Run `prompts` one at a time (batch 1) and split every decode round's time by phase.
+    `warmup_prompts` run first, untimed (first-call overheads, kernel compiles)."""
+    from ..sampling import SamplingParams
+
+    engine.scheduler.max_num_seqs = 1
+    timer = PhaseTimer(engine.device)
+    phases = instrument_engine(engine, timer)
+    steps: list = []                       # (exclusive s by phase, prefill step?)
+    current = defaultdict(float)
+    last = [engine.telemetry[-1] if engine.telemetry else None]
+
+    def listen(phase, excl, incl):
+        current[phase] += excl
+        if phase == "other":               # Engine.step returned: one step is complete
+            tel = engine.telemetry[-1] if engine.telemetry else None
+            if tel is not None and tel is not last[0]:        # the step ran a forward
+                steps.append((dict(current), bool(tel["prefill_tokens"])))
+                last[0] = tel
+            current.clear()
+
+    try:
+        for i, p in enumerate(warmup_prompts):
+            engine.generate(p, SamplingParams(**{**sp.__dict__, "seed": 10_000 + i}))
+        last[0] = engine.telemetry[-1] if engine.telemetry else None
+        timer.listeners.append(listen)
+        tokens = emitted = n_rounds_metric = 0
+        for i, p in enumerate(prompts):
+            out = engine.generate(p, SamplingParams(**{**sp.__dict__, "seed": i}))
+            tokens += len(out.token_ids)
+            emitted += out.metrics.emitted
+            n_rounds_metric += out.metrics.rounds
+    finally:
+        timer.unwrap()
+    split, prefill = defaultdict(float), defaultdict(float)
+    rounds = sum(1 for _, pf in steps if not pf)
+    prefill_steps = len(steps) - rounds
+    for s, pf in steps:
+        for k, v in s.items():
+            (prefill if pf else split)[k] += v
+    round_total = sum(split.values())
+    return {"phases_wrapped": phases, "rounds": rounds, "prefill_steps": prefill_steps,
+            "output_tokens": tokens,
+            "tau": emitted / n_rounds_metric if n_rounds_metric else 0.0,
+            "ms_per_round": {k: 1e3 * split.get(k, 0.0) / max(rounds, 1) for k in PHASES},
+            "round_ms": 1e3 * round_total / max(rounds, 1),
+            "prefill_ms_per_step": {k: 1e3 * prefill.get(k, 0.0) / max(prefill_steps, 1)
+                                    for k in PHASES}}
+
+
+def print_profile(res: dict, header: str) -> None:
+    print(header)
+    r = res["round_ms"]
+    print(f"{'phase':<18} {'ms/round':>9} {'% round':>8}")
+    print("-" * 37)
+    for k in PHASES:
+        v = res["ms_per_round"][k]
+        print(f"{k:<18} {v:>9.3f} {100 * v / r if r else 0:>7.1f}%")
+    print("-" * 37)
+    print(f"{'round':<18} {r:>9.3f} {100.0:>7.1f}%")
+    tau = res["tau"]
+    per_tok = r / tau if tau else float("nan")
+    print(f"{res['rounds']} decode rounds, τ = {tau:.2f} tokens/round -> {per_tok:.3f} ms/token "
+          f"({1e3 / per_tok if per_tok == per_tok and per_tok else 0:.1f} tok/s); "
+          f"{res['prefill_steps']} prefill steps left out "
+          f"({sum(res['prefill_ms_per_step'].values()):.2f} ms each)")
+    missing = [p for p in PHASES if p not in res["phases_wrapped"]]
+    if missing:
+        print(f"(not timed: {', '.join(missing)} — the engine has no such method)")
+
+
+def default_results_dir() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    return os.path.normpath(os.path.join(here, "..", "..", "benchmarks", "results"))
+
+
+def summarize_result_file(path: str) -> str:
+    """One line about a saved benchmark result: its own `summary` if it has one."""
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (OSError, ValueError) as e:
+        return f"unreadable ({type(e).__name__})"
+    if not isinstance(d, dict):
+        return f"{type(d).__name__} of {len(d)}" if hasattr(d, "__len__") else "?"
+    dev = d.get("device")
+    dev = dev.get("name") if isinstance(dev, dict) else dev
+    if d.get("summary"):
+        return f"{d['summary']}" + (f"  [{dev}]" if dev else "")
+    n = len(d.get("results", [])) if isinstance(d.get("results"), list) else None
+    return (f"{n} result rows" if n is not None else f"keys {sorted(d)[:6]}") + \
+        (f"  [{dev}]" if dev else "")
+
+
+def print_results_index(results_dir: str) -> None:
+    files = sorted(glob.glob(os.path.join(results_dir, "*.json")))
+    print(f"\nbenchmark results in {results_dir}:")
+    if not files:
+        print("  none yet (run benchmarks/bench_decode_v4.py, bench_attention.py, bench_gemm.py "
+              "with --json benchmarks/results/NAME.json)")
+        return
+    for fn in files:
+        print(f"  {os.path.basename(fn)}: {summarize_result_file(fn)}")
+
+
+def main_profile(a) -> dict:
+    """Entry point of `python -m dspark.bench --profile` (argparse namespace of the bench)."""
+    from ..engine import Engine, default_model_path
+    from ..sampling import SamplingParams
+    from .datasets import load_prompts
+
+    model = a.model or default_model_path()
+    dataset = a.dataset or os.path.join(model, "heldout_prompts.jsonl")
+    prompts = load_prompts(dataset, a.num_prompts + 1)
+    sp = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                        max_tokens=a.max_tokens, ignore_eos=False)
+    eng = Engine(model, device=a.device, dtype=a.dtype, verify_policy=a.verify_policy,
+                 max_num_seqs=1)
+    if eng.drafter is None:
+        sys.exit(f"{model}: no DSpark drafter, so there are no draft / verify rounds to profile")
+    measured = prompts[1:] if len(prompts) > 1 else prompts
+    res = profile_rounds(eng, measured, sp, warmup_prompts=prompts[:1])
+    res.update(model=model, device=str(eng.device), dtype=str(eng.dtype).replace("torch.", ""),
+               gamma=eng.cfg.dspark_block_size, policy=a.verify_policy,
+               temperature=a.temperature, prompts=len(measured),
+               max_tokens=a.max_tokens)
+    print_profile(res, f"DSpark round latency, batch 1 — model {model}  device {eng.device}  "
+                       f"dtype {res['dtype']}  γ={res['gamma']}  policy {a.verify_policy}  "
+                       f"temperature {a.temperature}  {res['prompts']} prompts × "
+                       f"{a.max_tokens} tokens")
+    print_results_index(getattr(a, "results_dir", None) or default_results_dir())
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": vars(a), "profile": res}, f, indent=2, default=str)
+    return res
