@@ -73,8 +73,10 @@ class DraftPass:
         cols = [(r.draft_state.slot if r.draft_state.slot is not None else self.pool.EMPTY_SLOT,
                  r.anchor, r.num_committed, r.seed, r.params.top_k) for r in reqs]
         fcols = [(float(r.params.temperature), float(r.params.top_p)) for r in reqs]
-        ints = [list(row) + [p] * pad for row, p in zip(zip(*cols), PAD_INTS)]
-        floats = [list(row) + [p] * pad for row, p in zip(zip(*fcols), PAD_FLOATS)]
+        # column-major [field][row]; built per field so that reqs == [] (the padding-only
+        # inputs a capture warms up on) still gives every field its row of padding
+        ints = [[c[j] for c in cols] + [p] * pad for j, p in enumerate(PAD_INTS)]
+        floats = [[c[j] for c in fcols] + [p] * pad for j, p in enumerate(PAD_FLOATS)]
         return ints, floats
 
     def __call__(self, reqs, quant=None):

