@@ -79,7 +79,11 @@ class ModelRunner:
         X, taps = self.model.forward_hidden(batch, attn_fn=attn_fn, quant=self.quant,
                                             tap_layers=self.tap_layers)
         if logit_rows is not None:
-            X = X[torch.as_tensor(logit_rows, dtype=torch.long, device=self.device)]
+            rows = list(logit_rows) if not isinstance(logit_rows, torch.Tensor) else None
+            if rows and rows == list(range(rows[0], rows[0] + len(rows))) and rows[0] >= 0:
+                X = X[rows[0]:rows[0] + len(rows)]       # a contiguous run: a view, no copy
+            else:
+                X = X[torch.as_tensor(logit_rows, dtype=torch.long, device=self.device)]
         return self.model.logits(X), taps
 
     @torch.inference_mode()

@@ -100,11 +100,13 @@ class AttentionBackend:
         and return one PoolWindow per request that completes entries in this forward."""
         rp = md.ratios[self.cache.ratios[layer]]
         ring_a, ring_z = self.cache.comp_rows[layer, kind]
-        old_a, old_z = ring_a[rp.ring_read], ring_z[rp.ring_read]    # read before overwriting
-        wins = [PoolWindow(e.j0, e.j1, e.jb,
-                           torch.cat([old_a[slice(*e.ring)], a[slice(*e.toks)]]),
-                           torch.cat([old_z[slice(*e.ring)], z[slice(*e.toks)]]))
-                for e in rp.emits]
+        wins = []
+        if rp.emits:             # (most decode steps complete no entry: no gather at all)
+            old_a, old_z = ring_a[rp.ring_read], ring_z[rp.ring_read]  # read before overwriting
+            wins = [PoolWindow(e.j0, e.j1, e.jb,
+                               torch.cat([old_a[slice(*e.ring)], a[slice(*e.toks)]]),
+                               torch.cat([old_z[slice(*e.ring)], z[slice(*e.toks)]]))
+                    for e in rp.emits]
         ring_a[rp.persist_dst] = a[rp.persist_src]
         ring_z[rp.persist_dst] = z[rp.persist_src]
         return wins
@@ -124,7 +126,7 @@ class AttentionBackend:
         c = self.cache
         o = self.sparse_mqa(md, q, c.swa[layer], c.capacity, md.window_ids,
                             *self.entry_lists(md, layer, selected), sink, scale)
-        copy_rows(c.swa[layer], c.capacity, md.ring_src, md.ring_dst)
+        copy_rows(c.swa[layer], c.capacity, md.ring_src, md.ring_dst, md.ring_split)
         return o
 
     def entry_lists(self, md: AttnMetadata, layer: int, selected=None):
@@ -134,7 +136,9 @@ class AttentionBackend:
         if not m:
             return None, 0, None, None
         rp = md.ratios[m]
-        local = rp.all_visible if selected is None else selected
-        ids = global_ids(local, md.req_index, md.page_table, rp.per_page)
+        if selected is None:      # HCA: every visible entry, global ids built with the plan
+            ids = rp.all_visible_ids
+        else:
+            ids = global_ids(selected, md.req_index, md.page_table, rp.per_page)
         return (self.cache.entries[layer], rp.per_page, ids,
                 rp.n_visible if selected is None else None)

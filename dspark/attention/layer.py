@@ -38,18 +38,18 @@ def make_attn_fn(backend, md):
 
 def paged_attention(attn, x, be, md, layer: int, quant):
     """x [T, D] (attn-normed hidden of the flat batch) -> attention output [T, D]."""
-    pos = md.positions
-    cq, q = attn.project_q(x, pos)
-    be.write_window(md, layer, attn.project_kv(x, pos, quant))
+    pos, bound, memo = md.positions, md.position_bound, md.rope_memo
+    cq, q = attn.project_q(x, pos, bound, memo)
+    be.write_window(md, layer, attn.project_kv(x, pos, quant, bound, memo))
     selected = None
     if attn.ratio:
         _emit(attn, attn.compressor, be, md, layer, "main", x, quant)
     if attn.ratio == 4:
         _emit(attn, attn.indexer.compressor, be, md, layer, "indexer", x, quant)
-        qi, wi = attn.indexer.queries(x, cq, pos, attn.rope, quant)
+        qi, wi = attn.indexer.queries(x, cq, pos, attn.rope, quant, bound, memo)
         selected = be.select(md, layer, qi, wi, attn.indexer.topk)
     o = be.attend(md, layer, q, attn.attn_sink, attn.head_dim ** -0.5, selected)
-    return attn.output(o, pos, x.dtype)
+    return attn.output(o, pos, x.dtype, bound, memo)
 
 
 def _emit(attn, comp, be, md, layer, kind, x, quant):

@@ -46,6 +46,11 @@ class RatioPlan:
     persist_dst: torch.Tensor      # [n] ... and their ring rows
     emits: list = field(default_factory=list)   # [Emit] in request order
     all_visible: torch.Tensor | None = None     # HCA: [T, max_visible] local ids j, -1 pad
+    all_visible_ids: torch.Tensor | None = None  # HCA: the same as global ids (global_ids)
+    # int32 copies for kernels that take int32 lists (Triton backend): built on the host and
+    # moved with everything else, so no per-layer cast kernel
+    n_visible_i32: torch.Tensor | None = None
+    all_visible_ids_i32: torch.Tensor | None = None
 
 
 @dataclass
@@ -62,7 +67,12 @@ class AttnMetadata:
     stage_ids: torch.Tensor        # [T] int64 where write_window puts each token's row
     ring_src: torch.Tensor         # [n] staged rows that move into the ring after attend ...
     ring_dst: torch.Tensor         # [n] ... and their ring ids
+    ring_split: torch.Tensor       # [4, n] page/row of ring_src and ring_dst (copy_rows' split)
     ratios: dict                   # ratio -> RatioPlan
+    position_bound: int = 1        # host int > every position (RoPE table size, no sync)
+    rope_memo: dict = field(default_factory=dict)   # RoPE rows of `positions` (Rope.rows)
+    req_index_i32: torch.Tensor | None = None      # int32 copies of req_index / window_ids
+    window_ids_i32: torch.Tensor | None = None     # (see RatioPlan.n_visible_i32)
 
 
 def build_plan(cache, batch) -> AttnMetadata:
@@ -99,17 +109,21 @@ def build_plan(cache, batch) -> AttnMetadata:
     win = torch.where(q >= s_t[:, None], c.stage_base + tok[:, None] + q - pos[:, None],
                       slot_t[:, None] * C + q % C)
     keep = pos >= end_t - C        # rows of a long chunk older than that are overwritten anyway
+    ring_src, ring_dst = (c.stage_base + tok)[keep], (slot_t * C + pos % C)[keep]
     md = AttnMetadata(
         positions=pos, req_index=req, cu_seqlens=torch.cat([offs, offs[-1:] + lens[-1:]]).int(),
         rids=rids, starts=starts.tolist(), lengths=lens.tolist(), page_table=page_table,
         window_ids=torch.where(q >= 0, win, -1), stage_ids=c.stage_base + tok,
-        ring_src=(c.stage_base + tok)[keep], ring_dst=(slot_t * C + pos % C)[keep],
-        ratios={m: _plan_ratio(c, m, segs, tables, pos, end_t, slot_t)
-                for m in sorted({m for m in c.ratios if m})})
+        ring_src=ring_src, ring_dst=ring_dst,
+        ring_split=torch.stack([ring_src // C, ring_src % C, ring_dst // C, ring_dst % C]),
+        ratios={m: _plan_ratio(c, m, segs, tables, pos, end_t, slot_t, req, page_table)
+                for m in sorted({m for m in c.ratios if m})},
+        position_bound=max(s.start + s.length for s in segs))
+    md.req_index_i32, md.window_ids_i32 = md.req_index.int(), md.window_ids.int()
     return _to_device(md, batch.positions.device)
 
 
-def _plan_ratio(c, m, segs, tables, pos, end_t, slot_t) -> RatioPlan:
+def _plan_ratio(c, m, segs, tables, pos, end_t, slot_t, req, page_table) -> RatioPlan:
     N, R = c.entries_per_page(m), c.comp_ring(m)
     ring_read, slots, emits = [], [], []
     for r, s in enumerate(segs):
@@ -125,19 +139,45 @@ def _plan_ratio(c, m, segs, tables, pos, end_t, slot_t) -> RatioPlan:
         slots += [tables[r][j // N] * N + j % N for j in range(j0, j1)]
     keep = pos >= end_t - R
     n_vis = (pos + 1) // m
-    plan = RatioPlan(m, N, n_vis, int(n_vis.max()), torch.tensor(slots, dtype=torch.long),
+    max_vis = max((s.start + s.length) // m for s in segs)    # = n_vis.max(), from host ints
+    plan = RatioPlan(m, N, n_vis, max_vis, torch.tensor(slots, dtype=torch.long),
                      torch.tensor(ring_read, dtype=torch.long), torch.arange(len(pos))[keep],
                      (slot_t * R + pos % R)[keep], emits)
     if m != 4:                     # HCA attends to every visible entry: one list for its layers
         local = torch.arange(plan.max_visible).expand(len(pos), -1)
         plan.all_visible = torch.where(local < n_vis[:, None], local, -1)
+        from .backend import global_ids          # (backend imports this module)
+        plan.all_visible_ids = global_ids(plan.all_visible, req, page_table, N)
+        plan.all_visible_ids_i32 = plan.all_visible_ids.int()
+    plan.n_visible_i32 = n_vis.int()
     return plan
 
 
-def _to_device(md: AttnMetadata, device) -> AttnMetadata:
-    def mv(x):
-        return x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x
-    for obj in (md, *md.ratios.values()):
-        for k, v in vars(obj).items():
-            setattr(obj, k, mv(v))
+def _to_device(md: AttnMetadata, device, pack: bool | None = None) -> AttnMetadata:
+    """Move every tensor of the plan to ``device`` in ONE host->device copy: the host tensors
+    are packed (8-byte aligned) into one byte buffer, pinned on CUDA, copied non-blocking, and
+    the device tensors are views of the copy. ``pack`` defaults to "device is not the CPU"."""
+    device = torch.device(device)
+    if pack is None:
+        pack = device.type != "cpu"
+    fields = [(obj, k, v) for obj in (md, *md.ratios.values())
+              for k, v in vars(obj).items() if isinstance(v, torch.Tensor)]
+    if not pack:
+        for obj, k, v in fields:
+            setattr(obj, k, v.to(device))
+        return md
+    offs, total = [], 0
+    for _, _, v in fields:
+        offs.append(total)
+        total += -(-v.numel() * v.element_size() // 8) * 8
+    host = torch.empty(max(total, 8), dtype=torch.uint8, pin_memory=device.type == "cuda")
+
+    def view(buf, off, v):
+        n = v.numel() * v.element_size()
+        return buf[off:off + n].view(v.dtype).view(v.shape)
+    for (_, _, v), off in zip(fields, offs):
+        view(host, off, v).copy_(v)
+    dev = host.to(device, non_blocking=True)
+    for (obj, k, v), off in zip(fields, offs):
+        setattr(obj, k, view(dev, off, v))
     return md

@@ -33,12 +33,21 @@ class TritonBackend(ReferenceBackend):
         if not self.cache.fp8:
             return super().select(md, layer, q, w, topk)
         rp = md.ratios[4]
-        return indexer_topk(q, w, self.cache.index_keys[layer], rp.per_page, md.req_index,
-                            md.page_table, rp.n_visible, topk,
+        return indexer_topk(q, w, self.cache.index_keys[layer], rp.per_page,
+                            _i32(md.req_index_i32, md.req_index), md.page_table,
+                            _i32(rp.n_visible_i32, rp.n_visible), topk,
                             n_cols=max(1, rp.max_visible)).long()
 
     def sparse_mqa(self, md, q, window_pool, capacity, window_ids, entry_pool, per_page, entry_ids,
                    entry_lens, sink, scale):
+        # the plan's int32 copies of its own lists (the kernels take int32: no cast per layer)
+        if window_ids is md.window_ids:
+            window_ids = _i32(md.window_ids_i32, window_ids)
+        for rp in md.ratios.values():
+            if entry_ids is not None and entry_ids is rp.all_visible_ids:
+                entry_ids = _i32(rp.all_visible_ids_i32, entry_ids)
+            if entry_lens is not None and entry_lens is rp.n_visible:
+                entry_lens = _i32(rp.n_visible_i32, entry_lens)
         extra = {}
         if entry_ids is not None:
             extra = dict(extra_indices=entry_ids, extra_lengths=entry_lens)
@@ -49,3 +58,8 @@ class TritonBackend(ReferenceBackend):
         if entry_ids is not None:
             extra.update(extra_kv=entry_pool)
         return sparse_mqa_dense(q, window_pool, window_ids, sink, scale, **extra)
+
+
+def _i32(copy, orig):
+    """The plan's int32 copy of ``orig`` when it has one, else ``orig`` (the kernel casts)."""
+    return orig if copy is None else copy

@@ -195,11 +195,14 @@ class PagedKVCache(PagedRequests):
                              f"cover {have} positions; call reserve({rid!r}, {end}) first")
 
 
-def copy_rows(pool: torch.Tensor, per_page: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+def copy_rows(pool: torch.Tensor, per_page: int, src: torch.Tensor, dst: torch.Tensor,
+              split: torch.Tensor | None = None) -> None:
     """Copy stored rows (records or plain rows) between global ids of one pool, bytes as-is.
 
     pool: fp8_ds_mla uint8 [pages, page_bytes] or plain [pages * per_page, dim]; src/dst int64 [n]
     (distinct dst). Used to move staged window rows into the rings without re-quantizing.
+    split: optional int64 [4, n] = (src // per_page, src % per_page, dst // per_page,
+    dst % per_page), precomputed once per forward (the attention plan) instead of per call.
     """
     if pool.dtype != torch.uint8:
         pool[dst] = pool[src]
@@ -208,7 +211,9 @@ def copy_rows(pool: torch.Tensor, per_page: int, src: torch.Tensor, dst: torch.T
     data = pool[:, :per_page * DATA_ROW_BYTES].view(pages, per_page, DATA_ROW_BYTES)
     scales = pool[:, per_page * DATA_ROW_BYTES:per_page * (DATA_ROW_BYTES + SCALE_ROW_BYTES)]
     scales = scales.view(pages, per_page, SCALE_ROW_BYTES)
-    sp, sr, dp, dr = src // per_page, src % per_page, dst // per_page, dst % per_page
+    if split is None:
+        split = (src // per_page, src % per_page, dst // per_page, dst % per_page)
+    sp, sr, dp, dr = split
     data[dp, dr] = data[sp, sr]
     scales[dp, dr] = scales[sp, sr]
 

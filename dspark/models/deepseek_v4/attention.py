@@ -38,28 +38,35 @@ class Attention(nn.Module):
             self.indexer = Indexer(cfg)
 
     # ---- projections shared by every backend --------------------------------------------
-    def project_q(self, x, positions):
+    # ``bound`` (optional, here and below): a host-side int > every position, so RoPE needs no
+    # device->host sync to size its table; ``memo``: the forward's RoPE-row memo (Rope.rows)
+    def _rope(self, x, positions, inverse, bound, memo):
+        if bound is None and memo is None:    # any rope (e.g. the drafter's DraftRope)
+            return self.rope.apply(x, positions, inverse)
+        return self.rope.apply(x, positions, inverse, bound=bound, memo=memo)
+
+    def project_q(self, x, positions, bound=None, memo=None):
         cq = self.q_norm(self.wq_a(x))
         q = self.wq_b(cq).view(-1, self.n_heads, self.head_dim)
         q = rms_normalize(q, self.cfg.rms_norm_eps).to(x.dtype)
-        return cq, self.rope.apply(q, positions)
+        return cq, self._rope(q, positions, False, bound, memo)
 
-    def project_kv(self, x, positions, quant):
-        kv = self.rope.apply(self.kv_norm(self.wkv(x)), positions)
+    def project_kv(self, x, positions, quant, bound=None, memo=None):
+        kv = self._rope(self.kv_norm(self.wkv(x)), positions, False, bound, memo)
         return kv if quant is None else quant.kv(kv)
 
     def finish_entries(self, pooled, j0: int, comp: Compressor, dtype, quant, indexer: bool):
         """norm -> RoPE at position j*ratio -> quantisation of freshly pooled entries."""
         e = comp.norm(pooled.to(dtype))
         pos = torch.arange(j0, j0 + e.shape[0], device=e.device) * self.ratio
-        e = self.rope.apply(e, pos)
+        e = self._rope(e, pos, False, (j0 + e.shape[0]) * self.ratio, None)
         if quant is not None:
             e = quant.indexer(e).to(dtype) if indexer else quant.kv(e)
         return e
 
-    def output(self, o, positions, dtype):
+    def output(self, o, positions, dtype, bound=None, memo=None):
         """Inverse RoPE, then the grouped low-rank projection. o [T, H, hd] -> [T, D]."""
-        o = self.rope.apply(o.to(dtype), positions, inverse=True)
+        o = self._rope(o.to(dtype), positions, True, bound, memo)
         G = self.cfg.o_groups
         if hasattr(self.wo_a, "grouped"):      # quantized weights (dspark.models.qlinear)
             z = self.wo_a.grouped(o.reshape(o.shape[0], G, -1), G)
@@ -71,12 +78,13 @@ class Attention(nn.Module):
     # ---- reference forward over dense per-request state ---------------------------------
     def forward(self, x, batch, layer_id: int, quant=None):
         pos = batch.positions
-        cq, q = self.project_q(x, pos)
-        kv = self.project_kv(x, pos, quant)
+        bound, memo = getattr(batch, "position_bound", None), getattr(batch, "rope_memo", None)
+        cq, q = self.project_q(x, pos, bound, memo)
+        kv = self.project_kv(x, pos, quant, bound, memo)
         if self.ratio:
             a, z = self.compressor.rows(x, pos)
         if self.ratio == 4:
-            qi, wi = self.indexer.queries(x, cq, pos, self.rope, quant)
+            qi, wi = self.indexer.queries(x, cq, pos, self.rope, quant, bound, memo)
             ia, iz = self.indexer.compressor.rows(x, pos)
         out = torch.empty(q.shape, dtype=torch.float32, device=x.device)
         for seg in batch.segments:
@@ -110,7 +118,7 @@ class Attention(nn.Module):
                 mask = torch.cat([mask, cmask], 1)
             out[sl] = sparse_attention_with_sink(q[sl], keys, mask, self.attn_sink,
                                                  self.head_dim ** -0.5)
-        return self.output(out, pos, x.dtype)
+        return self.output(out, pos, x.dtype, bound, memo)
 
     def _window(self, st, qpos, s: int, e: int):
         """Window keys for queries at qpos (inside [s, e)): positions max(0,p-W+1)..p."""

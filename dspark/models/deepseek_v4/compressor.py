@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .norm import RMSNorm
+from .norm import RMSNorm, fp32
 
 
 class Compressor(nn.Module):
@@ -26,8 +26,8 @@ class Compressor(nn.Module):
     def rows(self, x: torch.Tensor, positions: torch.Tensor):
         """Per-token rows (a [T, c*d], z [T, c*d]) in fp32."""
         xf = x.float()
-        a = F.linear(xf, self.wkv.weight.float())
-        z = F.linear(xf, self.wgate.weight.float()) + self.ape.float()[positions % self.ratio]
+        a = F.linear(xf, fp32(self.wkv.weight))
+        z = F.linear(xf, fp32(self.wgate.weight)) + fp32(self.ape)[positions % self.ratio]
         return a, z
 
     def pool(self, a: torch.Tensor, z: torch.Tensor, j0: int, j1: int) -> torch.Tensor:

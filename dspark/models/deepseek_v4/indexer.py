@@ -15,10 +15,12 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
         self.compressor = Compressor(cfg.hidden_size, self.head_dim, 4, cfg.rms_norm_eps)
 
-    def queries(self, x, cq, positions, rope, quant):
-        """Index queries [T, Hi, d] (fp32) and head weights [T, Hi] (fp32)."""
+    def queries(self, x, cq, positions, rope, quant, bound=None, memo=None):
+        """Index queries [T, Hi, d] (fp32) and head weights [T, Hi] (fp32). ``bound``, ``memo``:
+        see Rope.rows."""
         q = self.wq_b(cq).view(-1, self.n_heads, self.head_dim)
-        q = rope.apply(q, positions).float()
+        q = (rope.apply(q, positions) if bound is None and memo is None
+             else rope.apply(q, positions, bound=bound, memo=memo)).float()
         if quant is not None:
             q = quant.indexer(q)
         w = F.linear(x, self.weights_proj.weight).float() * (self.head_dim * self.n_heads) ** -0.5

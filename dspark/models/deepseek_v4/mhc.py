@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from .norm import rms_normalize
+from .norm import fp32, rms_normalize
 
 BACKENDS = ("auto", "reference", "triton")
 BACKEND = os.environ.get("DSPARK_MHC_BACKEND", "auto")
@@ -56,13 +56,13 @@ def hc_head(X, fn, base, scale, hc_eps: float, norm_eps: float) -> torch.Tensor:
 def _mixes(X: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
     # X [T, n, D] -> mu [T, rows]; RMS over the flattened n*D stream, then the fn projection
     flat = rms_normalize(X.flatten(1), eps)
-    return flat @ fn.float().t()
+    return flat @ fp32(fn).t()
 
 
 def hc_pre_reference(X, fn, base, scale, n: int, sinkhorn_iters: int, hc_eps: float,
                      norm_eps: float):
     mu = _mixes(X, fn, norm_eps)
-    base, scale = base.float(), scale.float()
+    base, scale = fp32(base), fp32(scale)
     pre = torch.sigmoid(scale[0] * mu[:, :n] + base[:n]) + hc_eps
     post = 2 * torch.sigmoid(scale[1] * mu[:, n:2 * n] + base[n:2 * n])
     comb = (scale[2] * mu[:, 2 * n:] + base[2 * n:]).view(-1, n, n)
@@ -82,5 +82,5 @@ def hc_post_reference(o, X, post, comb) -> torch.Tensor:
 
 def hc_head_reference(X, fn, base, scale, hc_eps: float, norm_eps: float) -> torch.Tensor:
     mu = _mixes(X, fn, norm_eps)
-    pre = torch.sigmoid(scale.float()[0] * mu + base.float()) + hc_eps
+    pre = torch.sigmoid(fp32(scale)[0] * mu + fp32(base)) + hc_eps
     return (pre.unsqueeze(-1) * X.float()).sum(1).to(X.dtype)

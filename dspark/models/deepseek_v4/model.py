@@ -14,7 +14,7 @@ from torch import nn
 from .attention import Attention
 from .mhc import hc_head, hc_post, hc_pre
 from .moe import MoE
-from .norm import RMSNorm
+from .norm import RMSNorm, fp32
 from .state import DenseState
 
 
@@ -31,18 +31,23 @@ class Batch:
     token_ids: torch.Tensor            # [T] int64
     positions: torch.Tensor            # [T] int64
     segments: list = field(default_factory=list)
+    position_bound: int | None = None  # host int > every position (RoPE sizes its table from it)
+    rope_memo: dict = field(default_factory=dict)   # RoPE rows of `positions`, this forward only
 
     @classmethod
     def build(cls, items, device) -> "Batch":
-        """items: list of (state, start, token_ids list)."""
+        """items: list of (state, start, token_ids list). Token ids and positions reach the
+        device in one copy (pinned, non-blocking on CUDA)."""
         ids, pos, segs, off = [], [], [], 0
         for state, start, toks in items:
             ids.extend(toks)
             pos.extend(range(start, start + len(toks)))
             segs.append(Segment(state, start, len(toks), off))
             off += len(toks)
-        return cls(torch.tensor(ids, dtype=torch.long, device=device),
-                   torch.tensor(pos, dtype=torch.long, device=device), segs)
+        device = torch.device(device)
+        host = torch.tensor([ids, pos], dtype=torch.long, pin_memory=device.type == "cuda")
+        both = host.to(device, non_blocking=True)
+        return cls(both[0], both[1], segs, max(pos, default=-1) + 1)
 
 
 class Block(nn.Module):
@@ -127,7 +132,7 @@ class DeepseekV4Model(nn.Module):
     def logits(self, X) -> torch.Tensor:
         """fp32 logits from final streams X [T, n, D]."""
         y = self.norm(self.head_hidden(X))
-        return F.linear(y.float(), self.head.weight.float())
+        return F.linear(y.float(), fp32(self.head.weight))
 
     def forward(self, batch: Batch, attn_fn=None, quant=None) -> torch.Tensor:
         X, _ = self.forward_hidden(batch, attn_fn, quant)

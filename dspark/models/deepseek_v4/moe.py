@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .norm import fp32
+
 
 class Expert(nn.Module):
     """SwiGLU with the asymmetric clamp: up in [-limit, limit], gate <= limit (fp32 math)."""
@@ -57,11 +59,12 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor):
         """Returns (expert ids [T, k] int64, weights [T, k] fp32)."""
-        scores = torch.sqrt(F.softplus(F.linear(x.float(), self.weight.float())))
+        scores = torch.sqrt(F.softplus(F.linear(x.float(), fp32(self.weight))))
         if self.hash:
-            idx = self.tid2eid[token_ids].long()
+            idx = self.tid2eid[token_ids]
+            idx = idx if idx.dtype == torch.long else idx.long()
         else:
-            idx = torch.topk(scores + self.bias.float(), self.topk, dim=-1).indices
+            idx = torch.topk(scores + fp32(self.bias), self.topk, dim=-1).indices
         w = scores.gather(1, idx)
         w = w / w.sum(-1, keepdim=True)
         return idx, w * self.route_scale

@@ -9,6 +9,31 @@ import torch.nn.functional as F
 from torch import nn
 
 
+FP32_CACHE_MAX_NUMEL = 1 << 22    # larger weights (e.g. a big vocab head) are cast per call
+
+
+def fp32(w: torch.Tensor) -> torch.Tensor:
+    """``w.float()`` without a cast kernel per call: an fp32 copy of a non-fp32 weight is kept
+    on the tensor and reused while the weight is unchanged (same storage, dtype and version
+    counter). Same values as ``w.float()``. With grad mode on (training), for inference tensors (no
+    version counter) and for weights above FP32_CACHE_MAX_NUMEL it is just ``w.float()``."""
+    if w.dtype == torch.float32:
+        return w
+    if torch.is_grad_enabled() or w.numel() > FP32_CACHE_MAX_NUMEL:   # training: autograd cast
+        return w.float()
+    try:
+        key = (w.data_ptr(), w._version, w.dtype, w.device)
+    except RuntimeError:                   # inference tensor: in-place changes are untracked
+        return w.float()
+    hit = getattr(w, "_dspark_fp32", None)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    with torch.no_grad():
+        f = w.detach().float()
+    w._dspark_fp32 = (key, f)
+    return f
+
+
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Unweighted RMS normalisation in fp32 (used per query head and inside mHC)."""
     x = x.float()
@@ -22,4 +47,4 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+        return F.rms_norm(x.float(), (x.shape[-1],), fp32(self.weight), self.eps).to(x.dtype)

@@ -56,14 +56,31 @@ class Rope:
             self._tables[device] = table
         return table
 
-    def rows(self, positions: torch.Tensor, device, inverse: bool = False) -> torch.Tensor:
-        """complex64 [T, r/2]: e^{±i·p·freq} for each position p (− for the inverse rotation)."""
-        cis, conj = self._table(int(positions.max()) + 1 if positions.numel() else 1, device)
+    def rows(self, positions: torch.Tensor, device, inverse: bool = False,
+             bound: int | None = None, memo: dict | None = None) -> torch.Tensor:
+        """complex64 [T, r/2]: e^{±i·p·freq} for each position p (− for the inverse rotation).
+
+        ``bound``: a host-side int > every position (the caller knows its positions on the host:
+        Batch.position_bound, the attention plan). Without it the table size is read from
+        ``positions`` — a device->host sync on GPU. ``memo``: a dict owned by ONE forward and
+        used only with that forward's positions tensor; rows gathered once per (table, direction)
+        are reused by every layer of the forward."""
+        if memo is not None:
+            key = (id(self), torch.device(device), inverse)
+            got = memo.get(key)
+            if got is None:
+                got = memo[key] = self.rows(positions, device, inverse, bound)
+            return got
+        if bound is None:
+            bound = int(positions.max()) + 1 if positions.numel() else 1
+        cis, conj = self._table(max(bound, 1), device)
         return (conj if inverse else cis)[positions]
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        """Rotate the last rope_dim dims of x [..., T, (heads,) dim] at positions [T]; returns new x."""
-        cis = self.rows(positions, x.device, inverse)          # [T, r/2]
+    def apply(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False,
+              bound: int | None = None, memo: dict | None = None) -> torch.Tensor:
+        """Rotate the last rope_dim dims of x [..., T, (heads,) dim] at positions [T]; returns new x.
+        ``bound``, ``memo``: see ``rows``."""
+        cis = self.rows(positions, x.device, inverse, bound, memo)   # [T, r/2]
         while cis.dim() < x.dim():                              # broadcast over head axes
             cis = cis.unsqueeze(-2)
         r = self.rope_dim
