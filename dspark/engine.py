@@ -86,10 +86,6 @@ class Engine:
         # > 1: one process per device, attention heads / routed experts split over them
         # (dspark/distributed); this process is rank 0 and drives the others
         self.tensor_parallel_size = int(tensor_parallel_size)
-        if weight_format == "quantized" and self.tensor_parallel_size > 1:
-            raise ValueError("weight_format='quantized' is single-device only for now "
-                             "(tensor-parallel sharding slices de-quantized weights); use "
-                             "tensor_parallel_size=1 or weight_format='bf16'")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if isinstance(dtype, str):
             if dtype not in DTYPES:
@@ -437,7 +433,8 @@ class Engine:
             from .distributed.engine import DistributedRunner
             self._tp_runner = DistributedRunner.launch(
                 path, cfg, self.tensor_parallel_size, self.device, dtype,
-                drafter=speculative == "dspark", progress=progress)
+                drafter=speculative == "dspark", progress=progress,
+                weight_format=self.weight_format)
             return cfg, self._tp_runner.model, self._tp_runner.drafter
         if self.weight_format == "quantized":
             from .models.qlinear import build_quantized_models, format_memory_report

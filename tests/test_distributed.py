@@ -107,6 +107,59 @@ def test_sharded_loader_reads_only_its_slices(ckpt, request, monkeypatch):
                     assert numel * world == shape[0] * shape[1]
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_loader_keeps_quantized_slices(tiny_quant_ckpt, world, monkeypatch):
+    """keep_quantized: each rank gets its rows/cols of the stored codes and exactly the scale
+    tiles under them (de-quantized, they equal the slice of the de-quantized tensor), reads only
+    its slices, and never opens other ranks' experts."""
+    import dspark.distributed.loader as L
+    from dspark.models.deepseek_v4.weights import scale_name, tensor_inventory
+    from dspark.models.quant import dequant_fp4_experts, dequant_fp8_blocks
+    cfg = ModelConfig.from_path(tiny_quant_ckpt)
+    inv = tensor_inventory(cfg)
+    full = load_checkpoint(tiny_quant_ckpt, cfg, progress=False)
+    real_open = L._open
+    for rank in range(world):
+        log = []
+        monkeypatch.setattr(L, "_open", lambda p, s: _RecordingOpen(real_open(p, s), log))
+        part = load_checkpoint_shard(tiny_quant_ckpt, cfg, rank, world, keep_quantized=True)
+        plan = ShardPlan(cfg, rank, world)
+        for name, spec in inv.items():
+            sl = plan.slices(name)
+            if sl is SKIP:
+                assert name not in part
+                continue
+            want = take(full[name], sl)
+            if spec.kind in ("fp8", "fp4"):
+                w, sc = part[name], part[scale_name(name)]
+                deq = dequant_fp8_blocks if spec.kind == "fp8" else dequant_fp4_experts
+                assert torch.equal(deq(w, sc, torch.float32), want), name
+            else:
+                assert torch.equal(part[name], want), name
+        read = {n for n, _, _ in log}
+        for e in range(cfg.n_routed_experts):
+            assert any(f".ffn.experts.{e}." in n for n in read) == plan.owns_expert(e)
+        for name, numel, shape in log:
+            if name.endswith("attn.wq_b.weight") and "indexer" not in name:
+                assert numel * world == shape[0] * shape[1]
+
+
+def test_quantized_split_must_fall_on_blocks():
+    from dspark.distributed.sharding import check_quantized_split
+    flash = preset_config("flash", dtype="fp8", fp4_experts=True, dspark=True)
+    for n in (1, 2, 4, 8):
+        check_quantized_split(flash, n)                  # V4-Flash widths split on 128-blocks
+    tiny = preset_config("tiny", dtype="fp8", fp4_experts=True)
+    check_quantized_split(tiny, 2)                       # 64-row halves inside one block: fine
+    check_quantized_split(tiny, 4)
+    bad = preset_config("tiny", dtype="fp8", overrides={"o_lora_rank": 192})
+    with pytest.raises(ValueError, match=r"wo_a.*rows 192:384.*128x128 FP8 scale blocks"):
+        check_quantized_split(bad, 2)
+    check_quantized_split(preset_config("tiny", overrides={"o_lora_rank": 192}), 2)   # bf16: ok
+    with pytest.raises(ValueError, match="weight_format='bf16'"):
+        DistributedRunner.launch("/nonexistent", bad, 2, weight_format="quantized")
+
+
 # ---- logits: world size 2 and 4 against the single-process engine ----------------------------
 
 def _reference(path):
@@ -131,27 +184,48 @@ def _passes(runner, cfg):
     return l1, l2, t2, block
 
 
-@pytest.mark.parametrize("ckpt,world,mode", [("tiny_ckpt", 2, "auto"), ("tiny_ckpt", 4, "auto"),
-                                             ("tiny_quant_ckpt", 2, "auto"),
-                                             ("tiny_quant_ckpt", 4, "auto"),
-                                             ("tiny_ckpt", 2, "gather")])
-def test_tp_logits_match_single_process(ckpt, world, mode, request):
+@pytest.mark.parametrize("ckpt,world,mode,fmt", [("tiny_ckpt", 2, "auto", "bf16"),
+                                                 ("tiny_ckpt", 4, "auto", "bf16"),
+                                                 ("tiny_quant_ckpt", 2, "auto", "bf16"),
+                                                 ("tiny_quant_ckpt", 4, "auto", "bf16"),
+                                                 ("tiny_ckpt", 2, "gather", "bf16"),
+                                                 ("tiny_quant_ckpt", 2, "auto", "quantized"),
+                                                 ("tiny_quant_ckpt", 4, "auto", "quantized")])
+def test_tp_logits_match_single_process(ckpt, world, mode, fmt, request):
+    """World N against the single-process engine. weight_format="quantized": every rank keeps its
+    FP8 codes + scale tiles / its packed FP4 experts; on CPU a QuantLinear de-quantizes exactly
+    and then runs F.linear, so the reference is the de-quantized ("bf16" format, fp32 compute)
+    single-process engine at the same 1e-4 (fp32 partial sums reduced in another order) and the
+    single-process quantized engine equally."""
     path = request.getfixturevalue(ckpt)
     ref_runner, cfg = _reference(path)
     ref = _passes(ref_runner, cfg)
-    runner = DistributedRunner.launch(path, cfg, world, dtype=torch.float32, indexer_mode=mode)
+    refs = [ref]
+    if fmt == "quantized":
+        q1 = Engine(path, device="cpu", dtype="fp32", kv_cache_dtype="fp32", kv_layout="dense",
+                    weight_format="quantized")
+        refs.append(_passes(q1.runner, cfg))
+    runner = DistributedRunner.launch(path, cfg, world, dtype=torch.float32, indexer_mode=mode,
+                                      weight_format=fmt)
     try:
         got = _passes(runner, cfg)
         stats = runner.worker_stats()
     finally:
         runner.shutdown()
-    for a, b in zip(ref[:3], got[:3]):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
-    assert torch.equal(got[3].tokens, ref[3].tokens)
-    torch.testing.assert_close(got[3].conf_logits, ref[3].conf_logits, rtol=1e-4, atol=1e-4)
+    for r in refs:
+        for a, b in zip(r[:3], got[:3]):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        assert torch.equal(got[3].tokens, r[3].tokens)
+        torch.testing.assert_close(got[3].conf_logits, r[3].conf_logits, rtol=1e-4, atol=1e-4)
     # workers hold one state pair per live request and drop them with rank 0's objects
     assert [s["rank"] for s in stats] == list(range(world))
     assert all(s["states"] <= 4 for s in stats[1:])
+    if fmt == "quantized":
+        from dspark.models.qlinear import QuantLinear
+        assert isinstance(runner.model.layers[2].attn.wo_a, QuantLinear)
+        assert all(s["weights"]["fp8"] > 0 and s["weights"]["fp4"] > 0 for s in stats)
+        # every rank holds 1/world of the routed experts, packed
+        assert len({s["weights"]["fp4"] for s in stats}) == 1
 
 
 def test_tp_fp8_kv_rounding_stays_close(tiny_quant_ckpt):
@@ -197,6 +271,22 @@ def test_engine_generate_tp2_equals_single_process(tiny_ckpt, layout):
     eng.close()                                            # idempotent
 
 
+def test_engine_generate_tp2_quantized_equals_single_process(tiny_quant_ckpt):
+    kw = dict(device="cpu", dtype="fp32", kv_cache_dtype="fp32", max_num_seqs=3,
+              max_num_batched_tokens=40, weight_format="quantized")
+    prompts = [_ids(5 + 13 * r, 1024, 7, 3 * r) for r in range(3)]
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = [o.token_ids for o in Engine(tiny_quant_ckpt, **kw).generate(prompts, greedy)]
+    eng = Engine(tiny_quant_ckpt, tensor_parallel_size=2, **kw)
+    try:
+        got = [o.token_ids for o in eng.generate(prompts, greedy)]
+        rep = eng.memory_report()
+    finally:
+        eng.close()
+    assert got == want
+    assert rep["fp8"] > 0 and rep["fp4"] > 0
+
+
 # ---- failures ----------------------------------------------------------------------------------
 
 def test_launch_failure_cleans_up(tiny_ckpt, tmp_path):
@@ -239,3 +329,50 @@ def test_tp_nccl_logits_match_single_process(tiny_quant_ckpt, world, monkeypatch
         torch.testing.assert_close(b.cpu(), a, rtol=1e-3, atol=1e-3)
     assert torch.equal(got[3].tokens.cpu(), ref[3].tokens)
     assert [s["rank"] for s in stats] == list(range(world))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (NCCL)")
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_tp_nccl_quantized_matches_world_1(tiny_quant_ckpt, world, monkeypatch):
+    """weight_format="quantized" over NCCL (Triton FP8 / FP4 kernels on each rank's codes)
+    against the same kernels at world 1: only the split GEMMs and the reduction order differ."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"world size {world} needs {world} GPUs; {torch.cuda.device_count()} visible")
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    cfg = ModelConfig.from_path(tiny_quant_ckpt)
+    outs = []
+    for n in (1, world):
+        runner = DistributedRunner.launch(tiny_quant_ckpt, cfg, n, device="cuda",
+                                          dtype=torch.float32, weight_format="quantized")
+        try:
+            outs.append([t.cpu() for t in _passes(runner, cfg)[:3]])
+            stats = runner.worker_stats()
+        finally:
+            runner.shutdown()
+    for a, b in zip(*outs):
+        torch.testing.assert_close(b, a, rtol=1e-2, atol=1e-2)
+    assert all(s["weights"]["fp8"] > 0 and s["cuda_allocated"] > 0 for s in stats)
+
+
+def test_bench_tp_smoke(tmp_path):
+    """benchmarks/bench_tp.py --preset tiny --device cpu: world 1 and 2 (gloo), greedy tokens
+    equal, weight-bytes estimate = what each rank holds."""
+    import importlib.util
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("bench_tp", os.path.join(root, "benchmarks",
+                                                                           "bench_tp.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = bench.main(["--preset", "tiny", "--device", "cpu", "--workers", "1", "--batch", "1,2",
+                      "--new-tokens", "3", "--workdir", str(tmp_path / "ckpt"),
+                      "--json", str(tmp_path / "r.json")])
+    runs = {r["world"]: r for r in out["runs"]}
+    assert set(runs) == {1, 2} and all("error" not in r for r in runs.values())
+    assert all(a["all_equal"] for a in runs[2]["agreement_vs_world"]["by_batch"].values())
+    for w, r in runs.items():
+        est = out["weight_bytes_per_rank_estimate"][w]
+        got = [m["weights"]["total"] for m in r["memory"]]
+        assert all(abs(e - g) <= 1024 for e, g in zip(est, got)), (w, est, got)
+    assert (tmp_path / "r.json").exists()

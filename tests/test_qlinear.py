@@ -221,10 +221,9 @@ def test_memory_report_matches_stored_bytes(engines, tiny_quant_ckpt):
     assert format_memory_report(rep).startswith("weights: ") and "fp8" in format_memory_report(rep)
 
 
-def test_quantized_rejects_tensor_parallel(tiny_quant_ckpt):
+def test_quantized_rejects_bad_weight_format(tiny_quant_ckpt):
+    # weight_format="quantized" with tensor_parallel_size > 1: tests/test_distributed.py
     from dspark import Engine
-    with pytest.raises(ValueError, match="single-device"):
-        Engine(tiny_quant_ckpt, weight_format="quantized", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="weight_format"):
         Engine(tiny_quant_ckpt, weight_format="fp16")
 

@@ -3,6 +3,7 @@
     runner = DistributedRunner.launch(path, cfg, world_size=4, device="cuda", dtype=torch.bfloat16,
                                       drafter=True, quant=QuantSim())
     Engine(path, tensor_parallel_size=4)          # the same, from the engine
+    Engine(path, tensor_parallel_size=2, weight_format="quantized")   # FP8 / FP4 shards kept quantized
 
 Rank 0 lives in the caller's process: it runs the scheduler, sampling and verification exactly as
 a single-process engine does, through `DistributedRunner`, a `ModelRunner` over rank 0's shard.
@@ -46,7 +47,7 @@ from dspark.runner import ModelRunner, QuantSim
 
 from .comm import (TPGroup, destroy_distributed, init_distributed, local_init_method,
                    rank_device)
-from .sharding import check_world_size
+from .sharding import check_quantized_split, check_world_size
 from .tp import build_rank_model, set_indexer_mode
 
 
@@ -99,6 +100,20 @@ class RankSpec:
     indexer_mode: str
     timeout_s: float
     threads: int
+    weight_format: str = "bf16"
+
+
+def memory_stats(runner) -> dict:
+    """Weight bytes this rank holds (by storage format, dspark.models.qlinear.memory_report) and,
+    on CUDA, its device's allocated / peak-allocated / reserved bytes."""
+    from dspark.models.qlinear import memory_report
+    out = {"weights": memory_report(runner.model, runner.drafter)}
+    dev = torch.device(runner.device)
+    if dev.type == "cuda":
+        out.update(cuda_allocated=torch.cuda.memory_allocated(dev),
+                   cuda_max_allocated=torch.cuda.max_memory_allocated(dev),
+                   cuda_reserved=torch.cuda.memory_reserved(dev))
+    return out
 
 
 # ---- worker side ---------------------------------------------------------------------------
@@ -111,7 +126,7 @@ def _worker_main(rank: int, spec: RankSpec, status) -> None:
             torch.cuda.set_device(dev)
         tp = TPGroup(rank, spec.world)
         model, drafter = build_rank_model(spec.path, spec.cfg, tp, spec.dtype, dev, spec.drafter,
-                                          spec.indexer_mode)
+                                          spec.indexer_mode, weight_format=spec.weight_format)
     except BaseException:
         status.put(("error", rank, traceback.format_exc()))
         return
@@ -152,7 +167,8 @@ class Worker:
         cache = getattr(self.runner.backend, "cache", None)
         return {"rank": self.tp.rank, "states": len(self.states),
                 "cache_requests": None if cache is None else len(cache._reqs),
-                "cache_free_pages": None if cache is None else cache.num_free_pages}
+                "cache_free_pages": None if cache is None else cache.num_free_pages,
+                **memory_stats(self.runner)}
 
     def serve(self) -> None:
         while True:
@@ -276,9 +292,16 @@ class DistributedRunner(ModelRunner):
     def launch(cls, path: str, cfg, world_size: int, device="cpu", dtype=torch.float32,
                drafter: bool = True, quant: QuantSim | None = None, indexer_mode: str = "auto",
                progress: bool = False, timeout_s: float = 1800.0,
-               start_timeout_s: float | None = None, threads: int | None = None):
-        """Spawn ranks 1..N-1, load rank 0's shard here, wait for every shard, form the group."""
+               start_timeout_s: float | None = None, threads: int | None = None,
+               weight_format: str = "bf16"):
+        """Spawn ranks 1..N-1, load rank 0's shard here, wait for every shard, form the group.
+        weight_format="quantized": FP8 / FP4 slices stay quantized on every rank (QuantLinear)."""
         check_world_size(cfg, world_size)
+        if weight_format == "quantized":        # fail before spawning anything
+            check_quantized_split(cfg, world_size,
+                                  None if drafter else lambda n: not n.startswith("mtp."))
+        elif weight_format != "bf16":
+            raise ValueError(f"weight_format={weight_format!r}: use 'bf16' or 'quantized'")
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialised in this process: one "
                                "tensor-parallel engine per process (close() the other one first)")
@@ -289,7 +312,7 @@ class DistributedRunner(ModelRunner):
                              f"{device}; {torch.cuda.device_count()} visible")
         spec = RankSpec(path, cfg, world_size, local_init_method(), device, dtype, drafter,
                         quant is not None, indexer_mode, timeout_s,
-                        threads or torch.get_num_threads())
+                        threads or torch.get_num_threads(), weight_format)
         ctx = mp.get_context("spawn")
         status = ctx.Queue()
         procs = []
@@ -302,7 +325,7 @@ class DistributedRunner(ModelRunner):
             tp = TPGroup(0, world_size)
             dev = rank_device(device, 0)
             model, draft = build_rank_model(path, cfg, tp, dtype, dev, drafter, indexer_mode,
-                                            progress=progress)
+                                            progress=progress, weight_format=weight_format)
             _wait_ready(procs, status, start_timeout_s)
             g = init_distributed(0, world_size, spec.init_method, device, timeout_s)
             tp.group, tp.cpu_group = g.group, g.cpu_group
@@ -424,12 +447,14 @@ class DistributedRunner(ModelRunner):
         return self._run([("draft", msg)], lambda: ModelRunner.draft(self, reqs))
 
     def worker_stats(self) -> list[dict]:
-        """Per-rank bookkeeping (live request states, KV cache requests and free pages), rank 0
-        first; flushes pending frees and cache calls. For tests and debugging."""
+        """Per-rank bookkeeping (live request states, KV cache requests and free pages, weight
+        bytes, CUDA memory), rank 0 first; flushes pending frees and cache calls. For tests,
+        benchmarks and debugging."""
         cache = getattr(self.backend, "cache", None)
         mine = {"rank": 0, "states": None,
                 "cache_requests": None if cache is None else len(cache._reqs),
-                "cache_free_pages": None if cache is None else cache.num_free_pages}
+                "cache_free_pages": None if cache is None else cache.num_free_pages,
+                **memory_stats(self)}
         out = [None] * self.tp.world
 
         def gather():

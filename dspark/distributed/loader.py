@@ -9,6 +9,11 @@ slice: an FP8 weight reads the 128-aligned superset of its rows/columns and the 
 scale tiles, an FP4 weight reads whole 32-column groups of packed bytes and their scales; after
 `dequant_fp8_blocks` / `dequant_fp4_experts` the superset is cropped, so the result equals slicing
 the fully de-quantized tensor bit for bit. Routed experts of other ranks are never read.
+
+keep_quantized=True (weight_format="quantized"): FP8 / FP4 weights stay as stored: the rank's
+rows/columns of the e4m3 codes (packed int8 for FP4) and exactly the scale tiles / groups under
+them, under the official `.scale` names (what `QuantLinear` loads). The split must fall on the
+scale blocks (`sharding.check_quantized_split`); otherwise a ValueError names the tensor.
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ from dspark.models.loader import (_REGENERATE, CheckpointError, _headers, _open,
                                   _validate, load_checkpoint)
 from dspark.models.quant import FP4_GROUP, FP8_BLOCK, dequant_fp4_experts, dequant_fp8_blocks
 
-from .sharding import SKIP, ShardPlan
+from .sharding import SKIP, ShardPlan, quantized_split_problem
 
 
 def _bounds(sl: slice, n: int) -> tuple[int, int]:
@@ -53,15 +58,35 @@ def _fp4_slice(w_sl, s_sl, shape, sl, dtype) -> torch.Tensor:
     return dequant_fp4_experts(w, s, dtype)[:, c0 - b: c1 - b].contiguous()
 
 
+def _fp8_raw_slice(w_sl, s_sl, shape, sl):
+    """Rows/cols `sl` of an FP8 weight as stored (e4m3 codes) + the scale tiles under them."""
+    (r0, r1), (c0, c1) = (_bounds(s, n) for s, n in zip(sl, shape))
+    w = w_sl[r0:r1, c0:c1]
+    s = s_sl[r0 // FP8_BLOCK: (r1 - 1) // FP8_BLOCK + 1, c0 // FP8_BLOCK: (c1 - 1) // FP8_BLOCK + 1]
+    return w, s
+
+
+def _fp4_raw_slice(w_sl, s_sl, shape, sl):
+    """Rows/cols `sl` (logical columns; cols start on a 32-group) of a packed FP4 weight + its
+    scale groups."""
+    (r0, r1), (c0, c1) = (_bounds(s, n) for s, n in zip(sl, shape))
+    w = w_sl[r0:r1, c0 // 2: math.ceil(c1 / 2)]
+    s = s_sl[r0:r1, c0 // FP4_GROUP: math.ceil(c1 / FP4_GROUP)]
+    return w, s
+
+
 def load_checkpoint_shard(path: str, cfg: ModelConfig, rank: int, world: int,
                           dtype: torch.dtype = torch.float32, device="cpu",
-                          progress: bool = False, include=None) -> dict[str, torch.Tensor]:
+                          progress: bool = False, include=None,
+                          keep_quantized: bool = False) -> dict[str, torch.Tensor]:
     """{official name: this rank's part} for every tensor the rank holds (see ShardPlan), with the
     dtypes of `load_checkpoint` (fp8/fp4/bf16 weights as `dtype`, fp32 params as float32, the hash
     table as int64), on `device`. `include(name) -> bool` restricts the tensors read (e.g. no
-    `mtp.*` without a drafter). world == 1 reads everything with `load_checkpoint`."""
+    `mtp.*` without a drafter). world == 1 reads everything with `load_checkpoint`.
+    keep_quantized: fp8 / fp4 weights as stored plus their `.scale` entries (module docstring)."""
     if world == 1:
-        out = load_checkpoint(path, cfg, dtype=dtype, device=device, progress=progress)
+        out = load_checkpoint(path, cfg, dtype=dtype, device=device, progress=progress,
+                              keep_quantized=keep_quantized)
         return {k: v for k, v in out.items() if include is None or include(k)}
     if not os.path.isdir(path):
         raise CheckpointError(f"{path!r} is not a directory; pass the checkpoint directory that holds "
@@ -86,8 +111,19 @@ def load_checkpoint_shard(path: str, cfg: ModelConfig, rank: int, world: int,
         for name, spec in tqdm(wanted, desc=f"loading rank {rank}/{world}", unit="tensor",
                                disable=not progress):
             sl = plan.slices(name)
+            if keep_quantized and spec.kind in ("fp8", "fp4"):
+                why = quantized_split_problem(name, spec.kind, spec.shape, sl)
+                if why:
+                    raise ValueError(f"weight_format='quantized', tensor_parallel_size={world}: "
+                                     f"rank {rank}'s part of {why}; use weight_format='bf16'")
             try:
-                if spec.kind in ("fp8", "fp4"):
+                if keep_quantized and spec.kind in ("fp8", "fp4"):
+                    full = tuple(slice(None) for _ in spec.shape)
+                    read = _fp8_raw_slice if spec.kind == "fp8" else _fp4_raw_slice
+                    w, s = read(sliced(name), sliced(scale_name(name)), spec.shape, sl or full)
+                    out[scale_name(name)] = s.contiguous().to(device)
+                    t = w.contiguous()
+                elif spec.kind in ("fp8", "fp4"):
                     full = tuple(slice(None) for _ in spec.shape)
                     read = _fp8_slice if spec.kind == "fp8" else _fp4_slice
                     t = read(sliced(name), sliced(scale_name(name)), spec.shape, sl or full, dtype)

@@ -19,6 +19,13 @@
 
 The same rules apply to the DSpark stages (`mtp.{s}.` prefix). Ranks combine partial results with
 one all-reduce after the attention output projection and one after the MoE.
+
+Quantized weights kept quantized (`weight_format="quantized"`): a rank holds the e4m3 codes of its
+rows/columns of an FP8 weight and the 128x128 UE8M0 scale tiles under them, so each split must fall
+on the scale blocks: a local range must start on a multiple of 128 or lie inside one 128-block
+(then its one scale tile applies to all of it: e.g. 32 of 64 index heads' `weights_proj` rows).
+FP4 experts are never split (a rank owns whole experts, kept packed); an FP4 column split must start
+on a 32-column scale group. `check_quantized_split(cfg, world)` checks every tensor of every rank.
 """
 from __future__ import annotations
 
@@ -55,6 +62,57 @@ def check_world_size(cfg: ModelConfig, world: int) -> None:
         ok = [n for n in range(1, H + 1) if H % n == 0 and HI % n == 0 and (G % n == 0 or n % G == 0)]
         raise ValueError(f"tensor_parallel_size={world} cannot shard this model: "
                          f"{'; '.join(problems)}. Valid sizes: {ok}")
+
+
+FP8_TILE, FP4_GROUP_COLS = 128, 32
+
+
+def quantized_range_ok(start: int, stop: int, block: int) -> bool:
+    """True when rows/cols [start, stop) of a block-scaled tensor, taken as a tensor of their own,
+    see the same scale for every element: the range starts on a block boundary (local blocks are
+    the global ones, shifted) or lies inside one block (one scale for all of it)."""
+    return stop <= start or start % block == 0 or start // block == (stop - 1) // block
+
+
+def quantized_split_problem(name: str, kind: str, shape: tuple, sl) -> str | None:
+    """Why this rank's part `sl` of quantized tensor `name` cannot stay quantized (None: it can)."""
+    if sl is SKIP or not sl:
+        return None
+    for d, (s, n) in enumerate(zip(sl, shape)):
+        a, b, step = s.indices(n)
+        if step != 1:
+            return f"{name}: non-contiguous split"
+        if (a, b) == (0, n):
+            continue
+        block = FP8_TILE if kind == "fp8" else (FP4_GROUP_COLS if d == 1 else 1)
+        ok = quantized_range_ok(a, b, block) if kind == "fp8" else (a % block == 0)
+        if not ok:
+            what = ("128x128 FP8 scale blocks" if kind == "fp8"
+                    else "32-column FP4 scale groups")
+            return (f"{name} {tuple(shape)}: this rank's {('rows', 'columns')[d]} {a}:{b} do not "
+                    f"fall on its {what}")
+    return None
+
+
+def check_quantized_split(cfg: ModelConfig, world: int, include=None) -> None:
+    """Raise ValueError unless every rank's part of every FP8 / FP4 tensor can be held quantized
+    (see module docstring); `include(name)` limits the tensors checked."""
+    from dspark.models.deepseek_v4.weights import tensor_inventory
+    check_world_size(cfg, world)
+    if world == 1:
+        return
+    inv = {n: s for n, s in tensor_inventory(cfg).items() if s.kind in ("fp8", "fp4")
+           and (include is None or include(n))}
+    for rank in range(world):
+        plan = ShardPlan(cfg, rank, world)
+        for name, spec in inv.items():
+            why = quantized_split_problem(name, spec.kind, spec.shape, plan.slices(name))
+            if why:
+                raise ValueError(
+                    f"weight_format='quantized' with tensor_parallel_size={world}: rank {rank}'s "
+                    f"part of {why} (a split must start on a multiple of the block or lie inside "
+                    f"one block, so the rank's scales are a slice of the checkpoint's). Use "
+                    f"weight_format='bf16' (de-quantize at load) or another tensor_parallel_size")
 
 
 class ShardPlan:

@@ -18,6 +18,12 @@ set) are set on the instances. `build_rank_model` does that and then fills in th
   (`self.indexer.select(...)`); `indexer_mode="auto"` picks it when that is so.
 * EPMoE: replicated gate; only the rank's routed experts (e % N == r) and its slice of the shared
   expert run; the fp32 partial outputs are all-reduced.
+
+weight_format="quantized": after the structure is sharded, every nn.Linear whose checkpoint tensor
+is FP8 / FP4 and that the rank holds becomes a `QuantLinear` of the rank's local shape
+(dspark/models/qlinear.py), loaded with the rank's codes and scale tiles (keep_quantized loads).
+TPAttention's output then takes QuantLinear.grouped over the local groups; EPMoE runs each owned
+FP4 expert from its packed weights (the same per-expert SwiGLU as `fp4_moe`).
 """
 from __future__ import annotations
 
@@ -41,16 +47,17 @@ INDEXER_MODES = ("auto", "scores", "gather")
 class TPAttention(Attention):
     """Attention over this rank's heads; the output projection is summed over ranks."""
 
-    def output(self, o, positions, dtype):
-        out = super().output(o, positions, dtype)          # wo_a on local groups, wo_b columns
+    def output(self, o, positions, dtype, *args, **kwargs):
+        # extra arguments (e.g. a host-side position bound) pass through to the parent
+        out = super().output(o, positions, dtype, *args, **kwargs)   # local wo_a groups, wo_b cols
         return self._tp.all_reduce(out.float()).to(dtype)
 
 
 class TPIndexer(Indexer):
     """Lightning indexer over this rank's index heads (see module docstring for the two modes)."""
 
-    def queries(self, x, cq, positions, rope, quant):
-        q, w = super().queries(x, cq, positions, rope, quant)
+    def queries(self, x, cq, positions, rope, quant, *args, **kwargs):
+        q, w = super().queries(x, cq, positions, rope, quant, *args, **kwargs)
         # the parent scales the head weights by (d * local heads)^-1/2; the model's scale uses
         # all heads
         w = w * self._w_fix
@@ -86,8 +93,7 @@ class EPMoE(MoE):
         flat = idx.flatten()
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self._n_experts)
-        starts = (torch.cumsum(counts, 0) - counts).tolist()
-        counts = counts.tolist()
+        counts, starts = torch.stack([counts, torch.cumsum(counts, 0) - counts]).tolist()  # 1 sync
         tok, wf = order // idx.shape[1], w.flatten()
         for key, expert in self.experts.items():
             e = int(key)
@@ -186,15 +192,55 @@ def assign_weights(root: nn.Module, weights: dict, what: str) -> None:
         _assign(root, n, t)
 
 
+WEIGHT_FORMATS = ("bf16", "quantized")
+
+
+def quantize_sharded(model, drafter, plan: ShardPlan, dtype, include=None) -> int:
+    """Replace, in meta-built sharded modules, every nn.Linear whose checkpoint weight is FP8 / FP4
+    and held by this rank with a QuantLinear of the rank's local shape. Returns how many."""
+    from dspark.models.deepseek_v4.weights import tensor_inventory
+    from dspark.models.qlinear import QUANT_KINDS, QuantLinear, drafter_param_name
+    n = 0
+    for name, spec in tensor_inventory(plan.cfg).items():
+        if spec.kind not in QUANT_KINDS or (include is not None and not include(name)):
+            continue
+        shape = plan.local_shape(name, spec.shape)
+        if shape is None:
+            continue
+        root, pname = (drafter, drafter_param_name(name)) if name.startswith("mtp.") else (model, name)
+        if root is None:
+            continue
+        path = pname[:-len(".weight")]
+        parent_path, _, leaf = path.rpartition(".")
+        parent = root.get_submodule(parent_path) if parent_path else root
+        lin = getattr(parent, leaf)
+        if isinstance(lin, QuantLinear):              # shared by several stages
+            continue
+        if not isinstance(lin, nn.Linear):
+            raise TypeError(f"{name}: expected an nn.Linear to quantize, found {type(lin).__name__}")
+        setattr(parent, leaf, QuantLinear(shape[1], shape[0], spec.kind, dtype))
+        n += 1
+    return n
+
+
 def build_rank_model(path: str, cfg, tp: TPGroup, dtype=torch.float32, device="cpu",
                      with_drafter: bool = False, indexer_mode: str = "auto", paged: bool = False,
-                     progress: bool = False):
+                     progress: bool = False, weight_format: str = "bf16"):
     """(model, drafter | None) holding rank tp.rank's shard of the checkpoint at `path`, read with
-    `load_checkpoint_shard` (only the rank's slices). The modules talk over `tp`."""
+    `load_checkpoint_shard` (only the rank's slices). The modules talk over `tp`.
+    weight_format="quantized" keeps the rank's FP8 / FP4 slices quantized (QuantLinear)."""
     from dspark.models.drafter import DSparkDrafter
+    from dspark.models.qlinear import drafter_param_name
 
     from .loader import load_checkpoint_shard
+    from .sharding import check_quantized_split
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format={weight_format!r}: use one of {WEIGHT_FORMATS}")
+    quantized = weight_format == "quantized"
     check_world_size(cfg, tp.world)
+    include = None if with_drafter else lambda n: not n.startswith("mtp.")
+    if quantized:
+        check_quantized_split(cfg, tp.world, include)
     plan = ShardPlan(cfg, tp.rank, tp.world)
     with torch.device("meta"):
         model = DeepseekV4Model(cfg)
@@ -202,12 +248,13 @@ def build_rank_model(path: str, cfg, tp: TPGroup, dtype=torch.float32, device="c
     shard_modules(model, plan, tp, indexer_mode, paged)
     if drafter is not None:
         shard_modules(drafter, plan, tp, indexer_mode, paged)
+    if quantized:
+        quantize_sharded(model, drafter, plan, dtype, include)
     weights = load_checkpoint_shard(path, cfg, tp.rank, tp.world, dtype=dtype, device=device,
-                                    progress=progress,
-                                    include=None if with_drafter else lambda n: not n.startswith("mtp."))
+                                    progress=progress, include=include, keep_quantized=quantized)
     assign_weights(model, {k: v for k, v in weights.items() if not k.startswith("mtp.")}, "model")
     if drafter is not None:
-        assign_weights(drafter, {DSparkDrafter.param_name(k): v for k, v in weights.items()
+        assign_weights(drafter, {drafter_param_name(k): v for k, v in weights.items()
                                  if k.startswith("mtp.")}, "drafter")
     del weights
     return model.eval(), (drafter.eval() if drafter is not None else None)

@@ -13,8 +13,8 @@
 * `QuantMoE` (set as the class of a MoE whose routed experts are FP4) runs the routed experts
   through `fp4_moe` (grouped per expert, from the packed weights); gate and shared expert are
   unchanged.
-* Tensor parallelism is not supported in quantized mode (dspark/distributed slices logical
-  weights); the engine raises a clear error.
+* Tensor parallelism: `dspark/distributed` builds QuantLinears of each rank's local shape from the
+  rank's codes and scale tiles (splits on 128-blocks; `sharding.check_quantized_split`).
 """
 from __future__ import annotations
 
