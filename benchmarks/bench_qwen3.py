@@ -244,9 +244,15 @@ def main(argv=None):
     if draft is not None and not a.no_dspark:
         gc.collect()
         eng = Engine(target, draft=draft, **kw)
+        dp = eng.runner.draft_pass
         for B in batches:
-            round_split(eng, prompts[:B], 8)         # warm-up
+            round_split(eng, prompts[:B], 8)         # warm-up (draft-pass graph capture)
             split[B] = round_split(eng, prompts[:B], a.dspark_tokens)
+            split[B]["draft_graphs"] = dp.cuda_graphs
+            if dp.cuda_graphs:                       # the same rounds with the draft pass eager
+                dp.cuda_graphs = False
+                split[B]["draft_eager"] = round_split(eng, prompts[:B], a.dspark_tokens)
+                dp.cuda_graphs = True
         del eng
 
     # ---- report -----------------------------------------------------------------------------------
@@ -279,13 +285,17 @@ def main(argv=None):
             row["dspark_round_ms"] = split[B]
         res["batches"][B] = row
     if split:
-        print("\nDSpark round (random drafter, graphs on; mean ms per decode round, synchronised)")
+        print("\nDSpark round (random drafter, target + draft graphs on; mean ms per decode round, synchronised)")
         print(f"{'batch':>5} | {'verify':>7} | {'draft':>7} | {'accept':>7} | {'other':>7} | "
               f"{'total':>7} | rounds | tau")
         for B, s in split.items():
             print(f"{B:>5} | {s['verify']:>7.2f} | {s['draft']:>7.2f} | {s['accept']:>7.2f} | "
                   f"{s['other']:>7.2f} | {s['total']:>7.2f} | {s['rounds']:>6} | "
                   f"{s['mean_accepted_length']:.2f}")
+            if "draft_eager" in s:
+                e = s["draft_eager"]
+                print(f"{'':>5} | draft pass eager (no graphs): draft {e['draft']:.2f}, total "
+                      f"{e['total']:.2f} ms")
     res["total_s"] = time.perf_counter() - t_start
     print(f"\ncheckpoints {t_ckpt:.1f}s, total {res['total_s']:.1f}s")
     if a.json:

@@ -12,7 +12,10 @@ or rnn with a state carried along the block); the confidence head scores slot k 
 [h_k ; W1[x_{k-1}]] with its bias.
 
 The drafter offers the same duck-typed API as the DeepSeek-V4 `DSparkDrafter`:
-`gamma`, `new_state()`, `commit_context`, `block_hidden`, `base_logits`, `markov_step`, `param_name`.
+`gamma`, `new_state()`, `commit_context`, `block_hidden`, `base_logits`, `markov_step`, `param_name`
+(per-request `DraftContext`s: the reference path). The engine uses the batched, tensor-only form
+of the same computation: `new_pool`, `commit_rows`, `block_hidden_batched`, `markov_state` +
+`head_step`, driven by `Qwen3DraftPass` (dspark_qwen3_pass.py, CUDA graphs on CUDA).
 """
 from __future__ import annotations
 
@@ -24,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .qwen3 import (CheckpointError, ConfigError, KVState, Qwen3Config, Qwen3DecoderLayer, RMSNorm,
-                    attend, check_tensors, load_qwen3, read_config, read_tensors, tensor_headers)
+                    apply_rope, attend, check_tensors, load_qwen3, read_config, read_tensors,
+                    rope_cos_sin, tensor_headers)
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +100,8 @@ class DraftContext:
     """Draft context KV of one request: per draft layer, K (post k_norm + RoPE) and V at every
     committed position (full context, no window). Only target-verified rows are written, so
     rejection needs no rollback; a position is simply rewritten if it is committed again."""
+
+    pool = None                       # not pooled (the runner's batched pass uses Qwen3DraftState)
 
     def __init__(self, num_layers: int):
         self.kv = KVState(num_layers)
@@ -242,23 +248,37 @@ class Qwen3DSparkDrafter(nn.Module):
         calls must therefore come in slot order, once per slot, after block_hidden. No confidence
         head -> +inf (survival 1: verify everything, as vLLM does for such checkpoints)."""
         R = prev.shape[0]
+        s = None
+        if self.markov_head is not None and self.markov_head.kind == "rnn":
+            if self._rnn is None or self._rnn[0].shape[0] != R or self._rnn[1] >= self.gamma:
+                raise RuntimeError("rnn Markov head: call block_hidden before the γ markov_step "
+                                   "calls of a block (the state s is carried along the block)")
+            s = self._rnn[0]
+        bias, conf, s = self.head_step(hidden_k, prev, s)
+        if s is not None:
+            self._rnn = (s, self._rnn[1] + 1)
+        return bias, conf
+
+    def markov_state(self, R: int, like: torch.Tensor):
+        """The sequential stage's state at the start of a block: zeros [R, r] for the rnn head,
+        None otherwise."""
+        mh = self.markov_head
+        if mh is None or mh.kind != "rnn":
+            return None
+        return like.new_zeros(R, self.cfg.markov_rank, dtype=mh.markov_w1.weight.dtype)
+
+    def head_step(self, hidden_k: torch.Tensor, prev: torch.Tensor, s):
+        """`markov_step` with the rnn state passed explicitly: (bias [R, V] fp32, confidence
+        logit [R] fp32, next state). Tensor ops only (the batched draft pass and its graphs)."""
+        R = prev.shape[0]
         mh, ch = self.markov_head, self.confidence_head
         if mh is None:
             bias = torch.zeros(R, self.cfg.vocab_size, device=prev.device)
             e = None
         else:
             e = mh.markov_w1(prev)
-            h = hidden_k.to(e.dtype)
-            s = None
-            if mh.kind == "rnn":
-                if self._rnn is None or self._rnn[0].shape[0] != R or self._rnn[1] >= self.gamma:
-                    raise RuntimeError("rnn Markov head: call block_hidden before the γ markov_step "
-                                       "calls of a block (the state s is carried along the block)")
-                s = self._rnn[0]
             # the head runs in the weight dtype, as DeepSpec trained it; the bias is upcast
-            b, s = mh.step(h, e, s)
-            if mh.kind == "rnn":
-                self._rnn = (s, self._rnn[1] + 1)
+            b, s = mh.step(hidden_k.to(e.dtype), e, s)
             bias = b.float()
         if ch is None:
             conf = torch.full((R,), float("inf"), device=prev.device)
@@ -267,7 +287,81 @@ class Qwen3DSparkDrafter(nn.Module):
             if self.cfg.confidence_head_with_markov:
                 x = torch.cat([x, e.float()], -1)
             conf = F.linear(x, ch.proj.weight.float(), ch.proj.bias.float())[:, 0]   # fp32 (§2.6)
-        return bias, conf
+        return bias, conf, s
+
+    # pooled, batched (dspark_qwen3_pass.py) -------------------------------------------------
+    def new_pool(self, num_slots: int, device=None):
+        from .dspark_qwen3_pass import Qwen3DraftPool
+        a = self.layers[0].self_attn
+        w = self.fc.weight
+        return Qwen3DraftPool(len(self.layers), a.nkv, a.head_dim, w.dtype,
+                              w.device if device is None else device, num_slots)
+
+    def ropes(self) -> tuple:
+        return ()                     # RoPE is computed from the position tensors (no tables)
+
+    def _rope(self, positions):
+        a = self.layers[0].self_attn
+        return rope_cos_sin(positions, a.head_dim, a.theta)
+
+    def static_shapes(self) -> bool:
+        return True                   # the pass has no data-dependent shapes (CUDA graphs)
+
+    def commit_rows(self, pool, slots: torch.Tensor, taps: torch.Tensor, positions: torch.Tensor):
+        """Context K/V of every draft layer for rows (slots[i], positions[i]) from taps [n, Lt*H],
+        all requests at once. (slot, position) pairs must be distinct; pool rows must exist."""
+        c = self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
+        cos, sin = self._rope(positions)            # once for all layers
+        for j, layer in enumerate(self.layers):
+            k, v = _project_kv(layer.self_attn, c, cos, sin)
+            pool.k[j][slots, positions] = k.to(pool.dtype)
+            pool.v[j][slots, positions] = v.to(pool.dtype)
+
+    def block_hidden_batched(self, embed: nn.Embedding, anchors: torch.Tensor, starts: torch.Tensor,
+                             slots: torch.Tensor, pool, ctx_len: int) -> torch.Tensor:
+        """`block_hidden` for R requests from device tensors: anchors / starts / pool slots [R];
+        each block attends over its slot's pool rows 0..ctx_len-1 masked to positions < start
+        (ctx_len >= every start) plus the whole block. Post-norm hidden [R, γ, H]."""
+        R, g, dev = anchors.shape[0], self.gamma, anchors.device
+        ar = torch.arange(g, device=dev)
+        ids = torch.where(ar[None] == 0, anchors[:, None], self.cfg.mask_token_id)
+        pos = (starts[:, None] + ar).flatten()
+        h = (self.embed_tokens or embed)(ids.flatten())
+        visible = torch.cat([torch.arange(ctx_len, device=dev)[None] < starts[:, None],
+                             torch.ones(R, g, dtype=torch.bool, device=dev)], 1)[:, None, None]
+
+        cos, sin = self._rope(pos)                  # once for all layers
+
+        def block_attention(j):
+            def fn(attn, u):
+                q = apply_rope(attn.q_norm(attn.q_proj(u).view(-1, attn.nq, attn.head_dim)), cos, sin)
+                k, v = _project_kv(attn, u, cos, sin)
+                ck = pool.k[j][:, :ctx_len].index_select(0, slots).to(k.dtype)
+                cv = pool.v[j][:, :ctx_len].index_select(0, slots).to(v.dtype)
+                K, V = (_gqa(torch.cat([c, x.view(R, g, *x.shape[1:])], 1), attn.nq)
+                        for c, x in ((ck, k), (cv, v)))
+                Q = q.view(R, g, *q.shape[1:]).transpose(1, 2)
+                o = F.scaled_dot_product_attention(Q, K, V, attn_mask=visible)
+                return attn.output(o.transpose(1, 2).reshape(R * g, *q.shape[1:]))
+            return fn
+
+        for j, layer in enumerate(self.layers):
+            h = layer(h, block_attention(j))
+        return self.norm(h).view(R, g, -1)
+
+
+def _gqa(x, heads: int):
+    """[R, S, Hkv, d] -> [R, heads, S, d], query head h reading kv head h // (heads / Hkv): what
+    SDPA's enable_gqa does, spelled out so that every SDPA backend (and torch version) takes it."""
+    R, S, Hkv, d = x.shape
+    x = x.transpose(1, 2)
+    return x[:, :, None].expand(R, Hkv, heads // Hkv, S, d).reshape(R, heads, S, d)
+
+
+def _project_kv(attn, x, cos, sin):
+    """`Qwen3Attention.project_kv` with the RoPE tables given (shared by the draft layers)."""
+    k = apply_rope(attn.k_norm(attn.k_proj(x).view(-1, attn.nkv, attn.head_dim)), cos, sin)
+    return k, attn.v_proj(x).view(-1, attn.nkv, attn.head_dim)
 
 
 # ---- loading --------------------------------------------------------------------------------------

@@ -443,7 +443,8 @@ def build_engine_components(target_path: str, draft_path: str | None, dtype, dev
                                                 num_blocks=num_kv_blocks, block_size=kv_block_size,
                                                 max_num_seqs=max_num_seqs,
                                                 scratch_rows=1 if cuda_graphs else 0))
-    runner = Qwen3Runner(model, drafter, device, quant=None, backend=backend)
+    runner = Qwen3Runner(model, drafter, device, quant=None, backend=backend,
+                         cuda_graphs=cuda_graphs, max_num_seqs=max_num_seqs)
     if cuda_graphs:
         from .qwen3_graph import DecodeGraphs
         # plain decode (q = 1) and every verify-block length a DSpark round can produce
@@ -454,14 +455,28 @@ def build_engine_components(target_path: str, draft_path: str | None, dtype, dev
 
 
 class Qwen3Runner(ModelRunner):
-    """ModelRunner whose per-request draft state is `drafter.new_state()` (dense Qwen3 context)
-    instead of the DeepSeek-V4 window state; uniform-length steps go through `graphs`
-    (a `DecodeGraphs`, when enabled) instead of the eager paged forward."""
+    """ModelRunner for Qwen3 targets: uniform-length steps go through `graphs` (a `DecodeGraphs`,
+    when enabled) instead of the eager paged forward; the DeepSpec drafter's context lives in one
+    `Qwen3DraftPool` and every round's draft pass is one batched `Qwen3DraftPass` (CUDA graphs per
+    batch / context bucket when `cuda_graphs`), models/dspark_qwen3_pass.py."""
 
     graphs = None
 
+    def __init__(self, model, drafter=None, device="cpu", quant=None, backend=None,
+                 cuda_graphs: bool = False, max_num_seqs: int = 8):
+        super().__init__(model, drafter, device, quant, backend)
+        if drafter is not None:
+            from .dspark_qwen3_pass import Qwen3DraftPass
+            # with graphs, room for every sequence up front (growing reallocates the pool and
+            # recaptures); without, start small and double on demand
+            slots = max_num_seqs if cuda_graphs else min(max_num_seqs, 8)
+            self.draft_pool = drafter.new_pool(slots, self.device)
+            self.draft_pass = Qwen3DraftPass(drafter, model.embed, model.head, self.draft_pool,
+                                             cuda_graphs)
+
     @torch.inference_mode()
     def target_forward(self, items, logit_rows=None):
+        self.flush_context()        # leftovers of a step that drafted nothing
         out = self.graphs.run(items) if self.graphs is not None else None
         if out is None:
             return super().target_forward(items, logit_rows)
@@ -471,7 +486,10 @@ class Qwen3Runner(ModelRunner):
         return logits, taps
 
     def new_states(self):
-        return self.model.new_state(), (self.drafter.new_state() if self.drafter is not None else None)
+        if self.drafter is None:
+            return self.model.new_state(), None
+        from .dspark_qwen3_pass import Qwen3DraftState
+        return self.model.new_state(), Qwen3DraftState(self.draft_pool)
 
     def draft_blocks_for_profile(self, states, start: int):
         # SPS profiling warms only the target state; a block at `start` needs draft context for
