@@ -90,6 +90,21 @@ def _write_shard(job) -> dict:
     return {k: fname for k in tensors}
 
 
+def prepare_checkpoint(model: str | None, preset: str, layers: int, workdir: str | None,
+                       workers: int):
+    """(path, cfg, info): the user's checkpoint, or a generated FP8 + FP4 one under /tmp (reused
+    when its config matches). Call before anything touches CUDA: the writers are forked."""
+    if model:
+        from dspark.config import ModelConfig
+        return model, ModelConfig.from_path(model), {"path": model, "generated": False}
+    path = workdir or os.path.join("/tmp", "dspark_bench", f"{preset}-{layers}L-fp8-fp4")
+    cfg, secs, reused = write_checkpoint(path, preset, layers, workers=workers)
+    size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+    print(f"checkpoint {path}: {_gb(size):.2f} GB, "
+          + ("reused" if reused else f"written in {secs:.1f} s by {workers} workers"), flush=True)
+    return path, cfg, {"path": path, "generated": not reused, "write_s": secs, "bytes": size}
+
+
 def write_checkpoint(out: str, preset: str, layers: int | None, seed: int = 0,
                      workers: int = 8, shard_bytes: int | None = None) -> tuple:
     """The FP8 + FP4-expert random checkpoint of make_checkpoint (same tensors, same bytes), shards
@@ -508,20 +523,9 @@ def main(argv=None):
 
     # -- checkpoint (before anything touches CUDA: the writers are forked) --
     t_all = time.perf_counter()
-    if args.model:
-        from dspark.config import ModelConfig
-        path, cfg = args.model, ModelConfig.from_path(args.model)
-        result["checkpoint"] = {"path": path, "generated": False}
-    else:
-        layers = args.layers or mc._DEFAULT_LAYERS[args.preset]
-        path = args.workdir or os.path.join("/tmp", "dspark_bench",
-                                            f"{args.preset}-{layers}L-fp8-fp4")
-        cfg, secs, reused = write_checkpoint(path, args.preset, layers, workers=args.workers)
-        size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
-        result["checkpoint"] = {"path": path, "generated": not reused, "write_s": secs,
-                                "bytes": size}
-        print(f"checkpoint {path}: {_gb(size):.2f} GB, "
-              + ("reused" if reused else f"written in {secs:.1f} s by {args.workers} workers"))
+    path, cfg, result["checkpoint"] = prepare_checkpoint(
+        args.model, args.preset, args.layers or mc._DEFAULT_LAYERS[args.preset], args.workdir,
+        args.workers)
     result["device"] = _device_info(device)
     result["config"] = {k: getattr(cfg, k) for k in (
         "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "vocab_size",

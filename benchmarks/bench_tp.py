@@ -42,7 +42,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))  # repo root
 sys.path.insert(0, _HERE)
 
-from bench_decode_v4 import write_checkpoint  # noqa: E402
+from bench_decode_v4 import _leading_agreement as _leading, prepare_checkpoint  # noqa: E402
 
 from dspark.models.deepseek_v4.weights import stored_tensors, tensor_inventory  # noqa: E402
 from dspark.tools import make_checkpoint as mc  # noqa: E402
@@ -155,15 +155,6 @@ def run_world(path, world: int, device, dtype, batches, new_tokens: int, prompts
     return res
 
 
-def _leading(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _gb(b):
     return b / 1e9
 
@@ -204,21 +195,8 @@ def main(argv=None):
                 json.dump(result, f, indent=2, default=str)
 
     # -- checkpoint first (its writers are forked: no CUDA context yet) --
-    if args.model:
-        from dspark.config import ModelConfig
-        path, cfg = args.model, ModelConfig.from_path(args.model)
-        result["checkpoint"] = {"path": path, "generated": False}
-    else:
-        layers = args.layers or d_layers
-        path = args.workdir or os.path.join("/tmp", "dspark_bench",
-                                            f"{args.preset}-{layers}L-fp8-fp4")
-        cfg, secs, reused = write_checkpoint(path, args.preset, layers, workers=args.workers)
-        size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
-        result["checkpoint"] = {"path": path, "generated": not reused, "write_s": secs,
-                                "bytes": size}
-        print(f"checkpoint {path}: {_gb(size):.2f} GB, "
-              + ("reused" if reused else f"written in {secs:.1f} s by {args.workers} workers"),
-              flush=True)
+    path, cfg, result["checkpoint"] = prepare_checkpoint(
+        args.model, args.preset, args.layers or d_layers, args.workdir, args.workers)
     result["config"] = {k: getattr(cfg, k) for k in (
         "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
         "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "weight_dtype",

@@ -135,7 +135,12 @@ class DraftPass:
             index = self.to_device([slots, positions], torch.long)
             d.commit_rows(self.pool, index[0], torch.cat(taps), index[1], quant, bound)
             return
-        pad = size - n
+        self._replay_context(graph, slots, positions, taps, size)
+
+    def _replay_context(self, graph, slots: list, positions: list, taps: list, size: int):
+        """Fill a captured context write's inputs (padded to `size` with the scratch slot at
+        position 0) and replay it."""
+        n, pad = len(positions), size - len(positions)
         self._fill(graph.inputs[0], [slots + [self.pool.SCRATCH_SLOT] * pad, positions + [0] * pad],
                    torch.long)
         # rows past n keep what an earlier round left there: they land in the scratch slot
@@ -198,13 +203,20 @@ class DraftPass:
         hidden = d.block_hidden_batched(self.embed, anchors, starts, ctx_kv, ctx_pos, quant,
                                         self.max_position)
         base = d.base_logits(self.head, hidden)                               # [R, γ, V]
+        return self._sample_block(base, anchors, starts, seeds, temperature, top_k, top_p, greedy,
+                                  lambda k, prev: d.markov_step(hidden[:, k], prev))
+
+    def _sample_block(self, base, anchors, starts, seeds, temperature, top_k, top_p,
+                      greedy: bool, head_step):
+        """The sequential part of a draft pass: slot k's logits are base[:, k] plus the head's
+        bias given the previous token; `head_step(k, prev)` -> (bias [R, V], confidence [R])."""
         if not greedy:
             # the uniform deciding the token at P+k+1, for all k at once (elementwise the same
             # values as one uniforms() call per step)
             u = uniforms(seeds[:, None], starts[:, None] + self._offsets, Purpose.DRAFT)
         prev, toks, probs, confs = anchors, [], [], []
         for k in range(self.gamma):
-            bias, conf = d.markov_step(hidden[:, k], prev)
+            bias, conf = head_step(k, prev)
             if greedy:
                 # what probs_from_logits + sample_from_probs give at temperature 0: the point
                 # mass on the argmax (first index on ties), so that token, without the [R, V] work

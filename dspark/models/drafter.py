@@ -27,6 +27,7 @@ from .deepseek_v4.mhc import hc_head, hc_post
 from .deepseek_v4.model import Block
 from .deepseek_v4.moe import MoE, clamped_swiglu
 from .deepseek_v4.norm import RMSNorm
+from .deepseek_v4.rope import rotate
 
 # Routed experts up to this many bytes per stage run densely (every token through every expert,
 # off-route tokens weighted 0): no data-dependent shapes, so the draft pass needs no host sync
@@ -198,15 +199,7 @@ class DraftRope:
         """Rotate the last rope_dim dims of x [..., T, (heads,) dim] at positions [T]."""
         if self._bound is None:
             self.reserve(int(positions.max()) + 1 if positions.numel() else 1, x.device)
-        cis = (self.conj if inverse else self.cis)[positions]                # [T, r/2]
-        while cis.dim() < x.dim():                                           # over head axes
-            cis = cis.unsqueeze(-2)
-        r = self.rope_dim
-        pairs = x[..., -r:].float().unflatten(-1, (r // 2, 2))
-        if pairs.storage_offset() % 2 or any(st % 2 for st in pairs.stride()[:-1]):
-            pairs = pairs.contiguous()                          # view_as_complex needs even strides
-        out = torch.view_as_real(torch.view_as_complex(pairs) * cis).flatten(-2)
-        return torch.cat((x[..., :-r], out.to(x.dtype)), dim=-1)
+        return rotate(x, (self.conj if inverse else self.cis)[positions], self.rope_dim)
 
 
 class DSparkDrafter(nn.Module):

@@ -20,7 +20,7 @@ import weakref
 import torch
 
 from ..draft_pass import MAX_GRAPH_CONTEXT_ROWS, DraftPass, bucket_size
-from ..sampling import Purpose, filters_used, probs_from_logits, sample_from_probs, uniforms
+from ..sampling import filters_used
 
 MIN_CONTEXT_ROWS = 256        # smallest context bucket (and initial pool rows)
 NO_RING = 1 << 62             # the pool keeps every row: `capacity` for the runner's ring trimming
@@ -162,11 +162,7 @@ class Qwen3DraftPass(DraftPass):
             index = self.to_device([slots, positions], torch.long)
             d.commit_rows(self.pool, index[0], torch.cat(taps).to(self.device), index[1])
             return
-        pad = size - n
-        self._fill(graph.inputs[0], [slots + [self.pool.SCRATCH_SLOT] * pad, positions + [0] * pad],
-                   torch.long)
-        graph.inputs[1][:n].copy_(taps[0] if len(taps) == 1 else torch.cat(taps))
-        graph.graph.replay()
+        self._replay_context(graph, slots, positions, taps, size)
 
     # ---- device side: no host reads, shapes fixed by (batch size, ctx) -----------------------
     def _draft(self, ints, floats, ctx: int, use_top_k: bool, use_top_p: bool, greedy: bool):
@@ -176,22 +172,13 @@ class Qwen3DraftPass(DraftPass):
         top_k, top_p = (top_k if use_top_k else None), (top_p if use_top_p else None)
         hidden = d.block_hidden_batched(self.embed, anchors, starts, slots, self.pool, ctx)
         base = d.base_logits(self.head, hidden)                               # [R, γ, V]
-        if not greedy:
-            u = uniforms(seeds[:, None], starts[:, None] + self._offsets, Purpose.DRAFT)
-        s = d.markov_state(anchors.shape[0], hidden)
-        prev, toks, probs, confs = anchors, [], [], []
-        for k in range(self.gamma):
-            bias, conf, s = d.head_step(hidden[:, k], prev, s)
-            if greedy:
-                # the point mass probs_from_logits + sample_from_probs give at temperature 0
-                prev = (base[:, k] + bias).argmax(dim=1)
-            else:
-                q = probs_from_logits(base[:, k] + bias, temperature, top_k, top_p)
-                prev = sample_from_probs(q, u[:, k])
-                probs.append(q)
-            toks.append(prev), confs.append(conf)
-        return (torch.stack(toks, 1), torch.stack(probs, 1) if probs else None,
-                torch.stack(confs, 1))
+        state = [d.markov_state(anchors.shape[0], hidden)]      # the RNN head's carry (or None)
+
+        def head_step(k, prev):
+            bias, conf, state[0] = d.head_step(hidden[:, k], prev, state[0])
+            return bias, conf
+        return self._sample_block(base, anchors, starts, seeds, temperature, top_k, top_p, greedy,
+                                  head_step)
 
 
 __all__ = ["Qwen3DraftPool", "Qwen3DraftState", "Qwen3DraftPass", "context_bucket"]

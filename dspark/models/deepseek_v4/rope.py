@@ -80,15 +80,20 @@ class Rope:
               bound: int | None = None, memo: dict | None = None) -> torch.Tensor:
         """Rotate the last rope_dim dims of x [..., T, (heads,) dim] at positions [T]; returns new x.
         ``bound``, ``memo``: see ``rows``."""
-        cis = self.rows(positions, x.device, inverse, bound, memo)   # [T, r/2]
-        while cis.dim() < x.dim():                              # broadcast over head axes
-            cis = cis.unsqueeze(-2)
-        r = self.rope_dim
-        pairs = x[..., -r:].float().unflatten(-1, (r // 2, 2))
-        if pairs.storage_offset() % 2 or any(st % 2 for st in pairs.stride()[:-1]):
-            pairs = pairs.contiguous()                          # view_as_complex needs even strides
-        out = torch.view_as_real(torch.view_as_complex(pairs) * cis).flatten(-2)
-        return torch.cat((x[..., :-r], out.to(x.dtype)), dim=-1)
+        return rotate(x, self.rows(positions, x.device, inverse, bound, memo), self.rope_dim)
+
+
+def rotate(x: torch.Tensor, cis: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """x [..., T, (heads,) dim] with its last rope_dim dims (interleaved pairs) multiplied by the
+    unit complex rows cis [T, rope_dim/2]; returns a new tensor in x's dtype."""
+    while cis.dim() < x.dim():                                  # broadcast over head axes
+        cis = cis.unsqueeze(-2)
+    r = rope_dim
+    pairs = x[..., -r:].float().unflatten(-1, (r // 2, 2))
+    if pairs.storage_offset() % 2 or any(st % 2 for st in pairs.stride()[:-1]):
+        pairs = pairs.contiguous()                              # view_as_complex needs even strides
+    out = torch.view_as_real(torch.view_as_complex(pairs) * cis).flatten(-2)
+    return torch.cat((x[..., :-r], out.to(x.dtype)), dim=-1)
 
 
 _SHARED: dict = {}
