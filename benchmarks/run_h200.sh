@@ -12,8 +12,12 @@ for T in 0 1.0; do      # issue 6: τ and speed-up vs speculation off at batch 1
     --json "$OUT/bench_default_T$T.json" --plot "$OUT/bench_default_T$T.png" 2>/dev/null | tail -4
 done
 python benchmarks/bench_draft.py --batch 1 8 --json "$OUT/bench_draft.json" 2>/dev/null | tail -4
-python benchmarks/bench_qwen3.py --json "$OUT/bench_qwen3.json" 2>/dev/null | tail -10     # issue 8
+python benchmarks/bench_qwen3.py --json "$OUT/bench_qwen3.json" 2>/dev/null | tail -14     # issue 8
 python benchmarks/sweep_attention.py --json "$OUT/sweep_attention.json" 2>/dev/null | tail -12  # issue 7
 python -m dspark.kernels.mhc_bench --T 1,2,6,64 2>/dev/null | tail -6
 python benchmarks/bench_decode_v4.py --context 128,4096 --new-tokens 32 \
     --json "$OUT/bench_decode_v4.json" 2>/dev/null | tail -12
+# on a multi-GPU box (e.g. nvidia-h200-x2): NCCL tests ran above (-m gpu); tokens/s vs world size
+if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+  python benchmarks/bench_tp.py --world 1,2 --json "$OUT/bench_tp.json" 2>/dev/null | tail -12
+fi
