@@ -17,7 +17,6 @@ from .draft_pass import DraftPass
 from .models.deepseek_v4.model import Batch
 from .models.drafter import DraftState, DSparkDrafter
 from .request import DraftBlock
-from .sampling import Purpose, probs_from_logits, sample_from_probs, stack_params, uniforms
 
 
 class QuantSim:
@@ -136,28 +135,8 @@ class ModelRunner:
             # greedy requests keep no [γ, V] distribution: their q is the point mass on the token
             return [DraftBlock(toks[i], None if r.params.greedy else probs[i], confs[i])
                     for i, r in enumerate(reqs)]
-        return self._draft_per_request_state(reqs)
-
-    def _draft_per_request_state(self, reqs) -> list:
-        """Drafters with their own per-request state (Qwen3 DSpark): the generic pass."""
-        d, g = self.drafter, self.drafter.gamma
-        anchors = torch.tensor([r.anchor for r in reqs], dtype=torch.long, device=self.device)
-        starts = [r.num_committed for r in reqs]
-        hidden = d.block_hidden(self.model.embed, anchors, starts, [r.draft_state for r in reqs],
-                                self.quant)
-        base = d.base_logits(self.model.head, hidden)                    # [R, γ, V]
-        temp, top_k, top_p = stack_params([r.params for r in reqs], self.device)
-        seeds = torch.tensor([r.seed for r in reqs], dtype=torch.long, device=self.device)
-        P = torch.tensor(starts, dtype=torch.long, device=self.device)
-        prev, toks, probs, confs = anchors, [], [], []
-        for k in range(g):
-            bias, conf = d.markov_step(hidden[:, k], prev)
-            q = probs_from_logits(base[:, k] + bias, temp, top_k, top_p)
-            prev = sample_from_probs(q, uniforms(seeds, P + k + 1, Purpose.DRAFT))
-            toks.append(prev), probs.append(q), confs.append(conf)
-        toks, probs, confs = torch.stack(toks, 1), torch.stack(probs, 1), torch.stack(confs, 1)
-        return [DraftBlock(toks[i], None if r.params.greedy else probs[i], confs[i])
-                for i, r in enumerate(reqs)]
+        raise TypeError(f"{type(self.drafter).__name__} has no batched draft pass: drafters must "
+                        "come with one (dspark/draft_pass.py, dspark/models/dspark_qwen3_pass.py)")
 
     def draft_blocks_for_profile(self, states, start: int):
         """Draft pass for len(states) synthetic requests anchored at `start` (SPS profiling)."""

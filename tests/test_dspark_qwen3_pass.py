@@ -11,7 +11,8 @@ import torch
 from dspark import Engine, SamplingParams
 from dspark.models.dspark_qwen3 import load_qwen3_pair
 from dspark.models.dspark_qwen3_pass import Qwen3DraftPass, Qwen3DraftState
-from dspark.runner import ModelRunner
+from dspark.request import DraftBlock
+from dspark.sampling import Purpose, probs_from_logits, sample_from_probs, stack_params, uniforms
 from dspark.tools.make_qwen3_checkpoint import make_qwen3_checkpoint
 
 PARAMS = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=20),
@@ -63,13 +64,36 @@ def _setup(pair, params, device="cpu", cuda_graphs=False):
     return drafter, dp, pooled, ref, ref_runner
 
 
+def per_request_draft(runner, reqs) -> list:
+    """The draft the engine ran before the batched pass: each request's own DraftContext, the
+    drafter's per-request block_hidden, one Markov step at a time (the reference)."""
+    d, g = runner.drafter, runner.drafter.gamma
+    anchors = torch.tensor([r.anchor for r in reqs], dtype=torch.long, device=runner.device)
+    starts = [r.num_committed for r in reqs]
+    hidden = d.block_hidden(runner.model.embed, anchors, starts, [r.draft_state for r in reqs],
+                            runner.quant)
+    base = d.base_logits(runner.model.head, hidden)                    # [R, γ, V]
+    temp, top_k, top_p = stack_params([r.params for r in reqs], runner.device)
+    seeds = torch.tensor([r.seed for r in reqs], dtype=torch.long, device=runner.device)
+    P = torch.tensor(starts, dtype=torch.long, device=runner.device)
+    prev, toks, probs, confs = anchors, [], [], []
+    for k in range(g):
+        bias, conf = d.markov_step(hidden[:, k], prev)
+        q = probs_from_logits(base[:, k] + bias, temp, top_k, top_p)
+        prev = sample_from_probs(q, uniforms(seeds, P + k + 1, Purpose.DRAFT))
+        toks.append(prev), probs.append(q), confs.append(conf)
+    toks, probs, confs = torch.stack(toks, 1), torch.stack(probs, 1), torch.stack(confs, 1)
+    return [DraftBlock(toks[i], None if r.params.greedy else probs[i], confs[i])
+            for i, r in enumerate(reqs)]
+
+
 @pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
 @pytest.mark.parametrize("params", [PARAMS[:1], PARAMS], ids=["greedy", "sampled"])
 @torch.inference_mode()
 def test_batched_pass_equals_per_request(pairs, head, params):
     drafter, dp, pooled, ref, ref_runner = _setup(pairs[head], params)
     toks, q, conf = dp(pooled)
-    want = ModelRunner._draft_per_request_state(ref_runner, ref)
+    want = per_request_draft(ref_runner, ref)
     assert (q is None) == all(r.params.greedy for r in pooled)
     for i, b in enumerate(want):
         assert torch.equal(toks[i], b.tokens), (i, toks[i], b.tokens)
