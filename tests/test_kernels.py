@@ -8,36 +8,18 @@ module imported first), the Triton tests are skipped with that reason — set TR
 the environment or in tests/conftest.py then. GPU-sized comparisons are marked ``gpu`` and
 skipped without CUDA.
 """
-import os
-import sys
-
-import torch
-
-HAS_CUDA = torch.cuda.is_available()
-TRITON_PREIMPORTED = "triton" in sys.modules
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from triton_env import DEV, INTERPRET, gpu, needs_cuda, triton_ok  # noqa: F401 (before triton)
 
 import math  # noqa: E402
 
 import pytest  # noqa: E402
-import triton  # noqa: E402
+import torch  # noqa: E402
 
 import dspark.kernels.cache_write as cw  # noqa: E402
 import dspark.kernels.indexer as ix  # noqa: E402
 import dspark.kernels.sparse_mqa as smqa  # noqa: E402
 from dspark.kvcache import layouts as L  # noqa: E402
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-# triton's own @jit helpers (tl.zeros, tl.sum, ...) are interpretable only if TRITON_INTERPRET was
-# set when triton was imported
-_interp_usable = INTERPRET and type(triton.language.zeros).__name__ == "InterpretedFunction"
-_skip_reason = ("needs CUDA, or TRITON_INTERPRET=1 set before triton is first imported "
-                f"(triton already imported: {TRITON_PREIMPORTED})")
-DEV = "cuda" if HAS_CUDA else "cpu"
-triton_ok = pytest.mark.skipif(not (HAS_CUDA or _interp_usable), reason=_skip_reason)
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 SCALE = 512 ** -0.5
 
 

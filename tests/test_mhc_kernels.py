@@ -7,30 +7,13 @@ Mixing math is fp32 in both, so post/comb and fp32 outputs agree to fp32 roundin
 relative, 1e-5 asserted); bf16 outputs agree exactly or by one bf16 step where the fp32 value
 sits on a rounding boundary.
 """
-import os
-import sys
-
-import torch
-
-HAS_CUDA = torch.cuda.is_available()
-TRITON_PREIMPORTED = "triton" in sys.modules
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from triton_env import DEV, gpu, needs_cuda, triton_ok  # noqa: F401 (before triton)
 
 import pytest  # noqa: E402
-import triton  # noqa: E402
+import torch  # noqa: E402
 
 import dspark.kernels.mhc as kernels  # noqa: E402
 import dspark.models.deepseek_v4.mhc as mhc  # noqa: E402
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-_interp_usable = INTERPRET and type(triton.language.zeros).__name__ == "InterpretedFunction"
-triton_ok = pytest.mark.skipif(not (HAS_CUDA or _interp_usable),
-                               reason="needs CUDA, or TRITON_INTERPRET=1 set before triton is "
-                                      f"first imported (already imported: {TRITON_PREIMPORTED})")
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-DEV = "cuda" if HAS_CUDA else "cpu"
 HC_EPS, NORM_EPS, ITERS = 1e-6, 1e-6, 20
 
 

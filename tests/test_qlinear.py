@@ -3,32 +3,16 @@ small odd shapes with partial tiles) and torch paths against de-quantize-then-F.
 grouped MoE against the reference MoE with de-quantized experts, the quantized engine against the
 de-quantized engine on the tiny FP8+FP4 checkpoint, and the start-up memory report.
 GPU tests at V4-Flash shapes are marked ``gpu`` (skipped without CUDA)."""
-import os
-import sys
-
-import torch
-
-HAS_CUDA = torch.cuda.is_available()
-TRITON_PREIMPORTED = "triton" in sys.modules
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from triton_env import DEV, needs_cuda, triton_ok  # noqa: F401 (before triton)
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
 
 from dspark.kernels.fp4_moe import fp4_linear, fp4_linear_triton, fp4_moe  # noqa: E402
 from dspark.kernels.fp8_gemm import fp8_linear, fp8_linear_triton  # noqa: E402
 from dspark.models.quant import (dequant_fp4_experts, dequant_fp8_blocks, quant_fp4,  # noqa: E402
                                  quant_fp8_blocks)
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-_interp_usable = INTERPRET and type(triton.language.zeros).__name__ == "InterpretedFunction"
-triton_ok = pytest.mark.skipif(not (HAS_CUDA or _interp_usable),
-                               reason="needs CUDA, or TRITON_INTERPRET=1 set before triton is first "
-                                      f"imported (already imported: {TRITON_PREIMPORTED})")
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-DEV = "cuda" if HAS_CUDA else "cpu"
 
 
 def rel_err(a, b):
