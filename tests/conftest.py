@@ -20,6 +20,16 @@ sys.path.insert(0, os.path.dirname(__file__))   # test utilities such as hf_orac
 from dspark.tools.make_checkpoint import make_checkpoint  # noqa: E402
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Small element-wise tensors: the intra-op thread pool only adds wake-up latency. (Restores
+    the count afterwards: an Engine earlier in the session may have changed it.)"""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """Spec §9 tiny config (every layer type within ~70 tokens), bf16 storage, DSpark stages."""

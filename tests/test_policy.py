@@ -10,12 +10,7 @@ from dspark.spec.policy import (AsyncScheduledPolicy, ScheduledPolicy, SpsTable,
 from dspark.spec.verify import verify
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def logit(c):

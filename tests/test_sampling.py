@@ -12,13 +12,7 @@ from dspark.sampling import (Purpose, SamplingParams, probs_from_logits, sample_
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Element-wise ops on ~1e5 elements: the intra-op thread pool only adds wake-up latency.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---- SamplingParams ----------------------------------------------------------------------------

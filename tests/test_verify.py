@@ -19,13 +19,7 @@ TARGET_LOGITS = torch.randn(V, V, generator=_g) * 1.5
 DRAFT_LOGITS = torch.randn(V, V, generator=_g) * 1.5  # unrelated to the target: low acceptance
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Small tensors: the intra-op thread pool only adds wake-up latency here.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def target_table(temperature=1.0, top_k=0):

@@ -244,23 +244,14 @@ def write_fp8_ds_mla(
     ``cache`` is uint8 [num_pages, fp8_ds_mla_page_bytes(N)], written in place. Duplicate slots
     in one call: which write wins is unspecified (as with any scatter).
     """
-    _check_rows(x, HEAD_DIM, "write_fp8_ds_mla x")
-    if slots.shape != x.shape[:1]:
-        raise ValueError(f"write_fp8_ds_mla: {tuple(slots.shape)} slots for {x.shape[0]} vectors")
-    values, scale_rows, page, row = _paged_rows(
-        cache, entries_per_page, slots, DATA_ROW_BYTES, SCALE_ROW_BYTES, "write_fp8_ds_mla"
-    )
-    data, scales = quantize_fp8_ds_mla(x.to(cache.device))
-    values[page, row] = data
-    scale_rows[page, row] = scales
+    _write_paged(cache, entries_per_page, slots, x, HEAD_DIM, DATA_ROW_BYTES, SCALE_ROW_BYTES,
+                 quantize_fp8_ds_mla, "write_fp8_ds_mla", "vectors")
 
 
 def read_fp8_ds_mla(cache: torch.Tensor, entries_per_page: int, slots: torch.Tensor) -> torch.Tensor:
     """Gather and decode the records at ``slots`` [n] -> float32 [n, 512]."""
-    values, scale_rows, page, row = _paged_rows(
-        cache, entries_per_page, slots, DATA_ROW_BYTES, SCALE_ROW_BYTES, "read_fp8_ds_mla"
-    )
-    return dequantize_fp8_ds_mla(values[page, row], scale_rows[page, row])
+    return _read_paged(cache, entries_per_page, slots, DATA_ROW_BYTES, SCALE_ROW_BYTES,
+                       dequantize_fp8_ds_mla, "read_fp8_ds_mla")
 
 
 def write_indexer_fp8(
@@ -268,23 +259,35 @@ def write_indexer_fp8(
 ) -> None:
     """Quantize keys ``x`` [n, 128] and store row i at ``slots[i]`` in ``cache``
     (uint8 [num_pages, indexer_page_bytes(N)], written in place)."""
-    _check_rows(x, INDEXER_DIM, "write_indexer_fp8 x")
-    if slots.shape != x.shape[:1]:
-        raise ValueError(f"write_indexer_fp8: {tuple(slots.shape)} slots for {x.shape[0]} keys")
-    values, scale_rows, page, row = _paged_rows(
-        cache, entries_per_page, slots, INDEXER_DIM, INDEXER_SCALE_BYTES, "write_indexer_fp8"
-    )
-    data, scales = quantize_indexer_fp8(x.to(cache.device))
-    values[page, row] = data
-    scale_rows[page, row] = scales
+    _write_paged(cache, entries_per_page, slots, x, INDEXER_DIM, INDEXER_DIM, INDEXER_SCALE_BYTES,
+                 quantize_indexer_fp8, "write_indexer_fp8", "keys")
 
 
 def read_indexer_fp8(cache: torch.Tensor, entries_per_page: int, slots: torch.Tensor) -> torch.Tensor:
     """Gather and decode the indexer rows at ``slots`` [n] -> float32 [n, 128]."""
+    return _read_paged(cache, entries_per_page, slots, INDEXER_DIM, INDEXER_SCALE_BYTES,
+                       dequantize_indexer_fp8, "read_indexer_fp8")
+
+
+def _write_paged(cache, entries_per_page, slots, x, dim, value_bytes, scale_bytes, quantize,
+                 name, what):
+    """Quantize rows x [n, dim] with `quantize` and store row i at slots[i] of a paged cache
+    whose pages hold value rows then scale rows (layout: _paged_rows)."""
+    _check_rows(x, dim, f"{name} x")
+    if slots.shape != x.shape[:1]:
+        raise ValueError(f"{name}: {tuple(slots.shape)} slots for {x.shape[0]} {what}")
     values, scale_rows, page, row = _paged_rows(
-        cache, entries_per_page, slots, INDEXER_DIM, INDEXER_SCALE_BYTES, "read_indexer_fp8"
-    )
-    return dequantize_indexer_fp8(values[page, row], scale_rows[page, row])
+        cache, entries_per_page, slots, value_bytes, scale_bytes, name)
+    data, scales = quantize(x.to(cache.device))
+    values[page, row] = data
+    scale_rows[page, row] = scales
+
+
+def _read_paged(cache, entries_per_page, slots, value_bytes, scale_bytes, dequantize, name):
+    """Gather the rows at slots [n] of a paged cache and decode them with `dequantize`."""
+    values, scale_rows, page, row = _paged_rows(
+        cache, entries_per_page, slots, value_bytes, scale_bytes, name)
+    return dequantize(values[page, row], scale_rows[page, row])
 
 
 # ---- FP4 fake-quant and Hadamard (indexer q / keys in the reference) ----------------------------

@@ -182,17 +182,10 @@ class PagedKVCache(PagedRequests):
                 f"block, or free() the request and recompute it")
         super().truncate(rid, committed_len)
 
-    def check_forward(self, rid: Hashable, start: int, end: int) -> None:
-        """Raise if a forward over positions [start, end) of ``rid`` may not run now."""
-        r = self._req(rid)
-        if start != r.length:
-            raise ValueError(f"request {rid!r}: forward starts at position {start} but its cache "
-                             f"holds {r.length} positions; positions must be fed contiguously "
-                             f"(after acceptance call truncate({rid!r}, committed_len) first)")
-        have = len(self.page_table(rid)) * self.block_size
-        if end > have and any(self.ratios):
-            raise ValueError(f"request {rid!r}: forward writes up to position {end - 1} but pages "
-                             f"cover {have} positions; call reserve({rid!r}, {end}) first")
+    @property
+    def pages_hold_state(self) -> bool:
+        """Only compressed layers keep per-position state in pages (SWA-only: rings alone)."""
+        return any(self.ratios)
 
 
 def copy_rows(pool: torch.Tensor, per_page: int, src: torch.Tensor, dst: torch.Tensor,

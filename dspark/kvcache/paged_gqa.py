@@ -60,19 +60,7 @@ class PagedGQACache(PagedRequests):
         return (2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim
                 * torch.empty((), dtype=dtype).element_size())
 
-    # ---- for the attention backend ----------------------------------------------------------
-    def check_forward(self, rid: Hashable, start: int, end: int) -> None:
-        """Raise if a forward over positions [start, end) of ``rid`` may not run now."""
-        r = self._req(rid)
-        if start != r.length:
-            raise ValueError(f"request {rid!r}: forward starts at position {start} but its cache "
-                             f"holds {r.length} positions; positions must be fed contiguously "
-                             f"(after acceptance call truncate({rid!r}, committed_len) first)")
-        have = len(self.page_table(rid)) * self.block_size
-        if end > have:
-            raise ValueError(f"request {rid!r}: forward writes up to position {end - 1} but pages "
-                             f"cover {have} positions; call reserve({rid!r}, {end}) first")
-
+    # ---- for the attention backend (check_forward: PagedRequests) ----------------------------
     def slots_for(self, rid: Hashable, start: int, end: int) -> torch.Tensor:
         """int64 [end - start] global rows of positions start..end-1 (pages must cover them)."""
         pos = torch.arange(start, end)

@@ -101,6 +101,21 @@ class PagedRequests:
         r = self._req(rid)
         r.length, r.max_written = end, max(r.max_written, end)
 
+    # pages back every position (False: a cache whose state is all fixed-size rings)
+    pages_hold_state = True
+
+    def check_forward(self, rid: Hashable, start: int, end: int) -> None:
+        """Raise if a forward over positions [start, end) of ``rid`` may not run now."""
+        r = self._req(rid)
+        if start != r.length:
+            raise ValueError(f"request {rid!r}: forward starts at position {start} but its cache "
+                             f"holds {r.length} positions; positions must be fed contiguously "
+                             f"(after acceptance call truncate({rid!r}, committed_len) first)")
+        have = len(self.page_table(rid)) * self.block_size
+        if end > have and self.pages_hold_state:
+            raise ValueError(f"request {rid!r}: forward writes up to position {end - 1} but pages "
+                             f"cover {have} positions; call reserve({rid!r}, {end}) first")
+
     def _req(self, rid: Hashable) -> RequestPages:
         try:
             return self._reqs[rid]
