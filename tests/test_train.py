@@ -184,3 +184,55 @@ def test_pipeline_tiny_end_to_end(tmp_path):
             assert 1.0 <= r["tau"] <= 6.0
     assert res["markov"]["greedy"]["greedy_check_match"] == 1.0
     assert os.path.exists(os.path.join(k, "config.json"))
+
+
+def test_sample_anchors_stay_in_range():
+    from dspark.train.drafter import sample_anchors
+    g = torch.Generator().manual_seed(0)
+    a = sample_anchors(3, 64, 100, 5, g, lo=40)
+    assert a.shape == (3, 64 - 5 - 1 - 40 + 1)          # capped at the positions that fit
+    assert int(a.min()) >= 40 and int(a.max()) <= 64 - 5 - 1
+    assert all(len(set(r.tolist())) == a.shape[1] for r in a)
+    b = sample_anchors(2, 64, 8, 5, g)
+    assert int(b.min()) >= 1 and b.shape == (2, 8)
+    with pytest.raises(ValueError, match="no anchor fits"):
+        sample_anchors(1, 16, 4, 5, g, lo=12)
+
+
+@pytest.mark.slow
+def test_on_policy_rows_and_ablation_only(tmp_path):
+    """sample (DSpark rounds and plain ancestral) -> drafter on sampled rows -> ablation alone."""
+    import numpy as np
+    from dspark.train import data as dmod
+    from dspark.train import drafter as dtrain
+    from dspark.train import sample as smod
+    from dspark.train import target as ttrain
+    d = str(tmp_path / "data")
+    dmod.main(["--out", d, "--vocab", "512", "--limit-files", "40", "--prompts", "4"])
+    t = str(tmp_path / "target")
+    ttrain.main(["--data", d, "--out", t, "--tiny", "--steps", "2", "--batch", "2",
+                 "--seq-len", "48", "--eval-tokens", "500"])
+    stream = np.load(os.path.join(d, "train.npy"))
+    k = str(tmp_path / "ckpt")
+    dtrain.main(["--data", d, "--target", t, "--out", k, "--steps", "2", "--batch", "2",
+                 "--seq-len", "48", "--anchors", "4"])
+    for ckpt, name in ((k, "spec"), (t, "plain")):       # with / without DSpark stages
+        out = str(tmp_path / f"rows_{name}.npy")
+        smod.main(["--ckpt", ckpt, "--data", d, "--out", out, "--rows", "3", "--prompt-len", "40",
+                   "--new", "8", "--batch", "2"])
+        rows, meta = smod.load_rows(out)
+        assert rows.shape == (3, 48) and meta["prompt_len"] == 40 and meta["rows"] == 3
+        assert int(rows.max()) < 512
+        for r in rows:       # the prompt is a real window of the train stream
+            hits = np.flatnonzero(stream[:len(stream) - 40] == r[0])
+            assert any((stream[h:h + 40] == r[:40]).all() for h in hits)
+    a = str(tmp_path / "abl")
+    log = dtrain.main(["--data", d, "--target", t, "--out", a, "--steps", "2", "--batch", "2",
+                       "--seq-len", "48", "--anchors", "4", "--ablation-only",
+                       "--sampled", str(tmp_path / "rows_spec.npy"), "--sampled-frac", "1.0"])
+    assert list(log["train"]) == ["no_markov"] and log["args"]["sampled_rows"] == 3
+    assert os.path.exists(os.path.join(a, "ablation.pt"))
+    assert not os.path.exists(os.path.join(a, "config.json"))
+    with pytest.raises(ValueError, match="--seq-len"):
+        dtrain.main(["--data", d, "--target", t, "--out", a, "--steps", "1", "--batch", "2",
+                     "--seq-len", "32", "--sampled", str(tmp_path / "rows_spec.npy")])

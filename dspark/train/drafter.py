@@ -1,7 +1,7 @@
 """Train the DSpark drafter (`mtp.*` stages) against a frozen target.
 
     python -m dspark.train.drafter --data DATA --target TARGET_DIR --out CKPT_DIR \
-        [--time-budget 240 | --steps N] [--ablation]
+        [--time-budget 240 | --steps N] [--ablation | --ablation-only] [--sampled rows.npy]
 
 Per step: random [B, L] windows; the frozen target (bf16-rounded weights as shipped) gives taps
 (hc-mean after `dspark_target_layer_ids`) and its next-token distributions; A anchors P per
@@ -11,7 +11,11 @@ x_{P+1..P+γ} with the context window ctx[max(0,P-128):P] (dspark.md §3). Losse
 ground-truth previous token) against the ground truth, total-variation distance between the draft
 and target distributions (T = 1), and BCE of the confidence logit against 1 - TV (detached).
 Embedding and LM head are the target's (frozen). `--ablation` trains a second drafter without
-the Markov head (rank 0) on exactly the same batches, saved as ablation.pt (not in the checkpoint).
+the Markov head (rank 0) on exactly the same batches, saved as ablation.pt (not in the checkpoint);
+`--ablation-only` trains just that one (run it in a second process on a second GPU: same seed,
+same batches). `--sampled rows.npy` (dspark.train.sample: train windows continued by the target
+at T = 1) replaces a `--sampled-frac` share of the batches by such rows, with their anchors in
+the sampled part only: the context the drafter meets at inference.
 Writes CKPT_DIR: full checkpoint (target + drafter), tokenizer.json, drafter_log.json,
 drafter_loss.png.
 """
@@ -31,12 +35,16 @@ from .data import NOISE_ID, PreparedData
 from .forward import drafter_forward, target_forward
 
 
-def sample_anchors(B: int, L: int, A: int, gamma: int, gen: torch.Generator) -> torch.Tensor:
-    """A distinct anchor positions per row in [1, L-γ-1] (labels P+1..P+γ stay inside the row)."""
+def sample_anchors(B: int, L: int, A: int, gamma: int, gen: torch.Generator,
+                   lo: int = 1) -> torch.Tensor:
+    """A distinct anchor positions per row in [lo, L-γ-1] (labels P+1..P+γ stay inside the row)."""
     hi = L - gamma - 1
-    A = min(A, hi)
-    keys = torch.rand(B, hi, generator=gen)
-    return keys.topk(A, dim=1).indices.sort(dim=1).values + 1
+    if hi < lo:
+        raise ValueError(f"no anchor fits in [{lo}, {hi}] (row length {L}, γ {gamma})")
+    n = hi - lo + 1
+    A = min(A, n)
+    keys = torch.rand(B, n, generator=gen)
+    return keys.topk(A, dim=1).indices.sort(dim=1).values + lo
 
 
 def slot_weights(gamma: int, device) -> torch.Tensor:
@@ -52,10 +60,10 @@ def drafter_losses(z, conf, labels, tprob, w, w_ce=0.1, w_tv=0.9, w_conf=1.0):
     wn = w / w.sum()
     ce_m, tv_m, bce_m = [(t * wn).sum(-1).mean() for t in (ce, tv, bce)]
     loss = w_ce * ce_m + w_tv * tv_m + w_conf * bce_m
-    with torch.no_grad():
-        stats = {"ce": ce_m.item(), "tv": tv_m.item(), "bce": bce_m.item(),
-                 "accept_t1_per_slot": (1 - tv).mean(0).tolist(),
-                 "greedy_match_per_slot": (z.argmax(-1) == tprob.argmax(-1)).float().mean(0).tolist()}
+    with torch.no_grad():      # device tensors: read back only when a log line is due
+        stats = {"ce": ce_m.detach(), "tv": tv_m.detach(), "bce": bce_m.detach(),
+                 "accept_t1_per_slot": (1 - tv).mean(0),
+                 "greedy_match_per_slot": (z.argmax(-1) == tprob.argmax(-1)).float().mean(0)}
     return loss, stats
 
 
@@ -95,9 +103,20 @@ def train_drafter(data: PreparedData, target: str, out: str, steps: int = 0,
                   lr: float = 2e-3, warmup: int = 100, wd: float = 0.1, gamma: int = 5,
                   markov_rank: int = 64, ablation: bool = False, w_ce: float = 0.1,
                   w_tv: float = 0.9, w_conf: float = 1.0, qat: bool = True, seed: int = 0,
-                  log_every: int = 25, device=None, log=print, updates_per_batch: int = 1) -> dict:
+                  log_every: int = 25, device=None, log=print, updates_per_batch: int = 1,
+                  ablation_only: bool = False, sampled: str | None = None,
+                  sampled_frac: float = 0.25) -> dict:
     if not steps and not time_budget:
         raise ValueError("give --steps or --time-budget")
+    rows = prompt_len = None
+    if sampled:
+        from .sample import load_rows
+        rows, smeta = load_rows(sampled)
+        prompt_len = int(smeta["prompt_len"])
+        if rows.shape[1] != seq_len:
+            raise ValueError(f"sampled rows are {rows.shape[1]} tokens long but --seq-len is {seq_len}: "
+                             f"sample with --prompt-len + --new = {seq_len}")
+        rows = torch.from_numpy(rows.astype("int64"))
     dev = pick_device(device)
     setup_fast_math(dev)
     torch.manual_seed(seed)
@@ -108,15 +127,18 @@ def train_drafter(data: PreparedData, target: str, out: str, steps: int = 0,
                        dspark_target_layer_ids=tuple(range(max(0, n - 3), n)),
                        dspark_markov_rank=markov_rank, dspark_noise_token_id=NOISE_ID)
     cfg.validate()
-    variants = {"markov": build_drafter(cfg, markov=True)}
-    if ablation:
+    variants = {} if ablation_only else {"markov": build_drafter(cfg, markov=True)}
+    if ablation or ablation_only:
         variants["no_markov"] = build_drafter(cfg, markov=False)
     opts, logd = {}, {"config": {k: (list(v) if isinstance(v, tuple) else v)
                                  for k, v in cfg.__dict__.items()},
                       "args": dict(steps=steps, time_budget=time_budget, batch=batch, seq_len=seq_len,
                                    anchors=anchors, lr=lr, warmup=warmup, wd=wd, gamma=gamma,
                                    markov_rank=markov_rank, w_ce=w_ce, w_tv=w_tv, w_conf=w_conf,
-                                   qat=qat, seed=seed, updates_per_batch=updates_per_batch),
+                                   qat=qat, seed=seed, updates_per_batch=updates_per_batch,
+                                   sampled=sampled, sampled_frac=sampled_frac if sampled else 0.0,
+                                   sampled_rows=0 if rows is None else int(rows.shape[0]),
+                                   sampled_prompt_len=prompt_len),
                       "params": {}, "train": {k: [] for k in variants}}
     for name, d in variants.items():
         init_drafter(d, seed=seed + 1)
@@ -144,8 +166,14 @@ def train_drafter(data: PreparedData, target: str, out: str, steps: int = 0,
         if progress >= 1.0:
             break
         cur_lr = lr_at(step, progress, lr, warmup)
-        x = data.train.batch(batch, seq_len, gen)[:, :seq_len].to(dev)
-        ancs = [sample_anchors(batch, seq_len, anchors, gamma, gen).to(dev)
+        on_policy = rows is not None and torch.rand((), generator=gen).item() < sampled_frac
+        if on_policy:
+            x = rows[torch.randint(0, rows.shape[0], (batch,), generator=gen)]
+        else:
+            x = data.train.batch(batch, seq_len, gen)[:, :seq_len]
+        x = (x.pin_memory() if dev.type == "cuda" else x).to(dev, non_blocking=True)
+        ancs = [sample_anchors(batch, seq_len, anchors, gamma, gen,
+                               lo=prompt_len if on_policy else 1).to(dev, non_blocking=True)
                 for _ in range(updates_per_batch)]
         try:
             stats = _step(model, variants, opts, x, ancs, cfg, quant, w, (w_ce, w_tv, w_conf), cur_lr)
@@ -167,10 +195,10 @@ def train_drafter(data: PreparedData, target: str, out: str, steps: int = 0,
                 recs = accs[name]
                 k = len(recs)
                 rec = {"step": step, "time": round(clock(), 1), "lr": cur_lr}
-                for key in ("ce", "tv", "bce", "grad_norm"):
-                    rec[key] = sum(r[key] for r in recs) / k
-                for key in ("accept_t1_per_slot", "greedy_match_per_slot"):
-                    rec[key] = [sum(r[key][i] for r in recs) / k for i in range(gamma)]
+                for key in ("ce", "tv", "bce", "grad_norm", "accept_t1_per_slot",
+                            "greedy_match_per_slot"):
+                    v = (torch.stack([r[key] for r in recs]).float().mean(0)).tolist()
+                    rec[key] = v
                 rec["est_tau_t1"] = est_tau(rec["accept_t1_per_slot"])
                 rec["est_tau_greedy"] = est_tau(rec["greedy_match_per_slot"])
                 logd["train"][name].append(rec)
@@ -180,11 +208,13 @@ def train_drafter(data: PreparedData, target: str, out: str, steps: int = 0,
                 accs[name] = []
     logd["final"] = {"steps": step, "train_seconds": round(clock(), 1)}
     os.makedirs(out, exist_ok=True)
-    main_d = variants["markov"].eval()
-    round_bf16_(main_d, keep_fp32=FP32_SUFFIXES)
-    info = save_checkpoint(out, cfg, model, main_d)
-    logd["final"]["checkpoint_bytes"] = info["total_bytes"]
-    if ablation:
+    info = {"total_bytes": 0}
+    if "markov" in variants:
+        main_d = variants["markov"].eval()
+        round_bf16_(main_d, keep_fp32=FP32_SUFFIXES)
+        info = save_checkpoint(out, cfg, model, main_d)
+        logd["final"]["checkpoint_bytes"] = info["total_bytes"]
+    if "no_markov" in variants:
         abl = variants["no_markov"].eval()
         round_bf16_(abl, keep_fp32=FP32_SUFFIXES)
         torch.save(abl.state_dict(), os.path.join(out, "ablation.pt"))
@@ -193,7 +223,9 @@ def train_drafter(data: PreparedData, target: str, out: str, steps: int = 0,
         shutil.copy(tok, os.path.join(out, "tokenizer.json"))
     write_json(os.path.join(out, "drafter_log.json"), logd)
     plot_curves(logd, os.path.join(out, "drafter_loss.png"))
-    log(f"[drafter] done: {step} steps in {clock():.0f}s; checkpoint {info['total_bytes'] / 1e6:.2f} MB")
+    saved = (f"checkpoint {info['total_bytes'] / 1e6:.2f} MB" if "markov" in variants
+             else "ablation.pt")
+    log(f"[drafter] done: {step} steps in {clock():.0f}s; {saved}")
     return logd
 
 
@@ -227,7 +259,7 @@ def _step(model, variants, opts, x, ancs, cfg, quant, w, loss_w, cur_lr):
             opts[name].zero_grad(set_to_none=True)
             loss.backward()
             del z, conf, loss
-            st["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0))
+            st["grad_norm"] = torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0).detach()
             opts[name].step()
             stats[name].append(st)
         del tprob
@@ -250,6 +282,11 @@ def add_args(p):
     p.add_argument("--gamma", type=int, default=5)
     p.add_argument("--markov-rank", type=int, default=64)
     p.add_argument("--ablation", action="store_true", help="also train the no-Markov drafter")
+    p.add_argument("--ablation-only", action="store_true",
+                   help="train only the no-Markov drafter (-> OUT/ablation.pt)")
+    p.add_argument("--sampled", help="rows.npy from dspark.train.sample (on-policy windows)")
+    p.add_argument("--sampled-frac", type=float, default=0.25,
+                   help="share of batches drawn from --sampled")
     p.add_argument("--w-ce", type=float, default=0.1)
     p.add_argument("--w-tv", type=float, default=0.9)
     p.add_argument("--w-conf", type=float, default=1.0)
@@ -270,7 +307,8 @@ def main(argv=None):
     return train_drafter(data, a.target, a.out, a.steps, a.time_budget, a.batch, a.seq_len, a.anchors,
                          a.lr, a.warmup, a.wd, a.gamma, a.markov_rank, a.ablation, a.w_ce, a.w_tv,
                          a.w_conf, not a.no_qat, a.seed, a.log_every, a.device,
-                         updates_per_batch=a.updates_per_batch)
+                         updates_per_batch=a.updates_per_batch, ablation_only=a.ablation_only,
+                         sampled=a.sampled, sampled_frac=a.sampled_frac)
 
 
 if __name__ == "__main__":
