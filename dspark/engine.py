@@ -75,7 +75,8 @@ class Engine:
                  kv_layout: str = "paged", attention_backend: str = "auto",
                  num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
                  tensor_parallel_size: int = 1, weight_format: str = "bf16",
-                 cuda_graphs: bool | None = None, **policy_kwargs):
+                 cuda_graphs: bool | None = None, target_cuda_graphs: bool = False,
+                 **policy_kwargs):
         path = path or default_model_path()
         # "bf16": fp8/fp4 checkpoint weights de-quantized at load to `dtype` (default; the debug
         # reference). "quantized": kept as FP8 / packed FP4 + e8m0 scales (dspark.models.qlinear)
@@ -117,7 +118,8 @@ class Engine:
             if kv_layout == "paged":
                 backend = self._paged_backend(cfg, drafter, kv_cache_dtype, attention_backend,
                                               max_num_seqs, max_num_batched_tokens, max_model_len,
-                                              num_kv_blocks, kv_cache_memory)
+                                              num_kv_blocks, kv_cache_memory,
+                                              target_cuda_graphs)
             elif kv_layout != "dense":
                 raise ValueError(f"kv_layout={kv_layout!r}: use 'paged' (fp8_ds_mla pages, the "
                                  f"serving layout) or 'dense' (the per-request reference state)")
@@ -127,7 +129,8 @@ class Engine:
                 # the draft pass as CUDA graphs (dspark/draft_pass.py); default on CUDA
                 graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
                 self.runner = ModelRunner(model, drafter, self.device, quant, backend=backend,
-                                          cuda_graphs=graphs, max_num_seqs=max_num_seqs)
+                                          cuda_graphs=graphs, max_num_seqs=max_num_seqs,
+                                          target_graphs=bool(target_cuda_graphs))
         self.cache = getattr(self.runner.backend, "cache", None) if hasattr(self.runner, "backend") \
             else None
         self.cfg = cfg
@@ -391,19 +394,25 @@ class Engine:
 
     # ---- helpers -------------------------------------------------------------------------
     def _paged_backend(self, cfg, drafter, kv_cache_dtype, name, max_num_seqs, max_batched,
-                       max_model_len, num_blocks, memory):
-        from .attention import get_backend
+                       max_model_len, num_blocks, memory, target_graphs=False):
+        from .attention import get_backend, resolve_backend
         from .kvcache.paged import PagedKVCache
-        if name == "auto":
-            name = "triton" if self.device.type == "cuda" else "reference"
+        name = resolve_backend(name, self.device, kv_cache_dtype)
+        # V4 target CUDA graphs (ModelRunner) park padding rows in one scratch request: one
+        # more sequence slot and one more block than the scheduler hands out
+        extra = int(bool(target_graphs) and self.device.type == "cuda"
+                    and name in ("triton", "flashmla"))
         lookahead = drafter.gamma + 1 if drafter is not None else 0
         if num_blocks is None and memory is None:
             # room for every sequence at a moderate length (or one at the full model length)
             per_seq = min(max_model_len or cfg.max_position_embeddings, 2048)
             num_blocks = max(max_num_seqs * -(-per_seq // 256),
                              -(-min(max_model_len or 0, cfg.max_position_embeddings) // 256), 1)
+        if num_blocks is not None:
+            num_blocks += extra
         cache = PagedKVCache(cfg, device=self.device, kv_cache_dtype=kv_cache_dtype,
-                             num_blocks=num_blocks, memory_bytes=memory, max_num_seqs=max_num_seqs,
+                             num_blocks=num_blocks, memory_bytes=memory,
+                             max_num_seqs=max_num_seqs + extra,
                              lookahead=lookahead,
                              max_batch_tokens=max_batched + max_num_seqs * (lookahead + 1))
         return get_backend(name)(cache)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .draft_pass import DraftPass
-from .models.deepseek_v4.model import Batch
+from .models.deepseek_v4.model import Batch, DeepseekV4Model
 from .models.drafter import DraftState, DSparkDrafter
 from .request import DraftBlock
 
@@ -41,9 +41,16 @@ class QuantSim:
         return fp4_roundtrip(hadamard128(x.float()))
 
 
+def _fp4_moe_routes_on_host(model) -> bool:
+    """A QuantMoE without the grouped small-batch kernels loops over experts on the host."""
+    from .models.qlinear import QuantMoE
+    return any(isinstance(m, QuantMoE) and not m.grouped_max_pairs for m in model.modules())
+
+
 class ModelRunner:
     def __init__(self, model, drafter=None, device="cpu", quant: QuantSim | None = None,
-                 backend=None, cuda_graphs: bool = False, max_num_seqs: int = 8):
+                 backend=None, cuda_graphs: bool = False, max_num_seqs: int = 8,
+                 target_graphs: bool = False):
         self.model, self.drafter, self.device, self.quant = model, drafter, torch.device(device), quant
         # paged attention (dspark.attention backend over a PagedKVCache) or None: dense states
         self.backend = backend
@@ -57,6 +64,20 @@ class ModelRunner:
             self.draft_pool = drafter.new_pool(slots, drafter.main_proj.weight.device)
             self.draft_pass = DraftPass(drafter, model.embed, model.head, self.draft_pool,
                                         cuda_graphs)
+        # opt-in (Engine(target_cuda_graphs=True)): the V4 target's decode / equal-length verify
+        # steps as CUDA graphs (fixed-shape plan, dspark/models/deepseek_v4/graph.py), captured
+        # lazily per (batch, q, pages) bucket with the Triton kernels; prefill and mixed-length
+        # steps run eagerly. Packed FP4 experts only with the grouped small-batch kernels
+        # (QuantMoE.grouped_max_pairs > 0, opt-in): the per-expert loop routes on the host.
+        self.target_graphs = None
+        if (target_graphs and self.device.type == "cuda" and backend is not None
+                and getattr(backend, "name", "") in ("triton", "flashmla")
+                and isinstance(model, DeepseekV4Model) and not _fp4_moe_routes_on_host(model)):
+            from .models.deepseek_v4.graph import V4DecodeGraphs
+            gamma = getattr(drafter, "gamma", 0) if drafter is not None else 0
+            self.target_graphs = V4DecodeGraphs(model, backend.cache, "triton",
+                                                q_lens=range(1, gamma + 2), max_batch=max_num_seqs,
+                                                tap_layers=self.tap_layers)
 
     @property
     def backend_name(self) -> str:
@@ -73,6 +94,14 @@ class ModelRunner:
         the request id registered in backend.cache. Returns (logits fp32 [N, V] for the flat
         rows in `logit_rows` (all rows when None), taps [T, taps*D] or None)."""
         self.flush_context()        # leftovers of a step that drafted nothing
+        if self.target_graphs is not None:
+            out = self.target_graphs.run(items)        # None: not a fixed-shape step
+            if out is not None:
+                logits, taps = out                     # every row, request-major (= flat order)
+                if logit_rows is not None:
+                    logits = logits[torch.as_tensor(logit_rows, dtype=torch.long,
+                                                    device=logits.device)]
+                return logits, taps
         batch = Batch.build(items, self.device)
         attn_fn = self.backend.forward_fn(batch) if self.backend is not None else None
         X, taps = self.model.forward_hidden(batch, attn_fn=attn_fn, quant=self.quant,

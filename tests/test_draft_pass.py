@@ -253,7 +253,9 @@ def test_gpu_graph_replay_equals_eager(dtype):
                                     draft_state=ds, seed=11 + i, params=PARAMS[i % len(PARAMS)]))
     # R = bucket: the graph runs the eager kernels on the same shapes; padded R: GEMMs of another
     # height may round differently (bf16 visibly), which may move a sampled token
-    exact = dict(rtol=1e-5, atol=1e-6)
+    # fp32: same tokens; values to fp32 GEMM reproducibility (cuBLAS may pick another algorithm
+    # for the captured stream's workspace: ~1e-5 relative, seen on the H200)
+    exact = dict(rtol=2e-4, atol=2e-4)
     padded = exact if dtype == "fp32" else dict(rtol=5e-2, atol=2e-2)
     for R in (1, 3, 4, 7):
         tol = exact if R in (1, 4) else padded

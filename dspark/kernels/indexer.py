@@ -26,6 +26,7 @@ import triton.language as tl
 
 from dspark.kernels.sparse_mqa import _mma, _pick_precision
 from dspark.kvcache.layouts import dequantize_indexer_fp8
+from dspark.models.deepseek_v4.indexer import topk_lowest_ties
 
 D_INDEX = 128
 
@@ -126,7 +127,7 @@ def _select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     out = torch.full((T, topk), -1, dtype=torch.int32, device=scores.device)
     k = min(topk, n)
     if k > 0:
-        vals, idx = torch.topk(scores, k, dim=1)
+        vals, idx = topk_lowest_ties(scores, k)      # ties: lowest entry id (shape-independent)
         out[:, :k] = torch.where(vals == float("-inf"), -1, idx).to(torch.int32)
     return out
 

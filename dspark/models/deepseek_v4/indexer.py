@@ -7,6 +7,16 @@ from torch import nn
 from .compressor import Compressor
 
 
+def topk_lowest_ties(scores: torch.Tensor, k: int):
+    """(values, column ids) of the k largest scores per row, equal scores taken lowest column
+    first. torch.topk breaks ties in an order that depends on the row length and the device, so
+    the same visible entries scored over a padded row (a CUDA-graph bucket, another backend)
+    could select a different set than the unpadded row; a stable descending sort makes the
+    choice a function of the scores alone (ReLU-summed indexer scores do tie exactly, e.g. at 0)."""
+    vals, idx = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return vals[..., :k], idx[..., :k]
+
+
 class Indexer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -40,6 +50,6 @@ class Indexer(nn.Module):
         scores = (torch.einsum("lhd,jd->lhj", q, keys.float()).relu() * w[:, :, None]).sum(1)
         scores = scores.masked_fill(~visible, float("-inf"))
         k = min(topk, n)
-        top = scores.topk(k, dim=-1).indices
+        top = topk_lowest_ties(scores, k)[1]
         chosen = torch.zeros_like(visible).scatter_(1, top, True)
         return chosen & visible

@@ -1,0 +1,456 @@
+"""Fixed-shape decode / verify forward of the DeepSeek-V4 target over a `PagedKVCache`, replayed as
+CUDA graphs (the V4 twin of dspark/models/qwen3_graph.py).
+
+An eager V4 step is launch-bound, and its attention plan (dspark/attention/plan.py) has shapes
+that depend on the data: which requests complete compressed entries, how many entries are
+visible, which ring rows are read. Here a step in which every request feeds the same number q of
+tokens (q = 1: decode; q = γ + 1: verify blocks) gets shapes that depend only on the bucket
+(B requests, q, P pages per request):
+
+* **inputs** — one static int64 buffer: token ids and positions [B·q], per request its first
+  position, state slot and a real/padding flag [B], and page tables [B, P]; filled on the host by
+  one copy per step. Padding requests (up to the batch bucket) and every write that has nothing
+  to write (a candidate entry that does not complete) go to a *scratch request* that the class
+  registers in the cache (one state slot + one page nobody else owns);
+* **plan** (`derive_plan`, device ops inside the graph): window index lists, staging and ring
+  rows, and per ratio m the ``ceil(q/m)`` candidate entries of each request — entry
+  j = start//m + k is written iff it completes in this forward, its pooling rows are gathered
+  from the compressor ring (positions before the forward) and this forward's rows with a fixed
+  [E, c·m] index, ring rows are read before the forward's rows are persisted (as in the eager
+  backend); visible entries of HCA layers are listed up to P·block_size/m (−1 past n_visible);
+  the indexer scores P·block_size/4 columns;
+* **forward** (`static_forward`): the model's own modules (projections, compressor rows, norms,
+  RoPE, MoE, mHC, head) with fixed-shape attention: ``kernels="triton"`` calls the Triton kernels
+  the Triton backend uses (sparse MQA over fp8 records or plain rows, indexer top-k, fused
+  quantize-and-write), ``kernels="torch"`` their pure-torch twins — on CPU the same path runs
+  eagerly (``capture=False``) and is checked against the eager paged forward in
+  tests/test_v4_graph.py.
+
+Steps that do not fit (prefill chunks, unequal lengths, too many requests, tokens or pages)
+return None from `V4DecodeGraphs.run`, and the caller runs the eager path. Host work that stays
+outside the graph: validation (`check_forward`), bookkeeping (`begin_forward`), filling the input
+buffer. Requirement: q ≤ cache.lookahead + 1 (then a forward never reads a ring row it rewrites,
+so the warm-up run before a capture and the replay write identical state).
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from dspark.kvcache.paged import copy_rows
+
+from .indexer import topk_lowest_ties
+
+SCRATCH_RID = "__v4_graph_scratch__"
+
+
+def reserve_scratch(cache, rid=SCRATCH_RID) -> tuple:
+    """Register the scratch request (one slot, one page) in ``cache`` if it is not there yet;
+    returns (slot, page). Writes of padding rows and of candidate entries that do not complete
+    land there; nothing ever reads them."""
+    if not cache.has_request(rid):
+        cache.add_request(rid)
+        cache.reserve(rid, cache.block_size)
+    return cache.slot(rid), cache.page_table(rid)[0]
+
+
+@dataclass
+class StaticInputs:
+    """Views of the static int buffer for one bucket (B requests × q tokens, P pages)."""
+    B: int
+    q: int
+    P: int
+    token_ids: torch.Tensor     # [B*q] int64
+    positions: torch.Tensor     # [B*q] int64
+    req_start: torch.Tensor     # [B] first new position of each request (0 for padding)
+    req_slot: torch.Tensor      # [B] state slot (the scratch slot for padding)
+    req_valid: torch.Tensor     # [B] 1 = real request, 0 = padding
+    page_table: torch.Tensor    # [B, P] int64 (unused entries: the scratch page)
+
+
+@dataclass
+class RatioStatic:
+    ratio: int
+    per_page: int
+    n_visible: torch.Tensor         # [T] int64 (0 for padding rows)
+    n_visible_i32: torch.Tensor
+    emit_valid: torch.Tensor        # [E] bool: the candidate entry completes in this forward
+    emit_dst: torch.Tensor          # [E] global entry id (scratch row when not valid)
+    emit_pos: torch.Tensor          # [E] RoPE position j*m of the entry (0 when not valid)
+    from_ring: torch.Tensor         # [E, c*m] bool: pooling row comes from the compressor ring
+    ring_rows: torch.Tensor         # [E, c*m] ring row to read (when from_ring)
+    fresh_rows: torch.Tensor        # [E, c*m] flat token row of this forward (otherwise)
+    before_zero: torch.Tensor       # [E, c*m] bool: position < 0 (entry 0's empty A-half)
+    persist_dst: torch.Tensor       # [T] ring row each token's compressor rows go to
+    all_visible_ids: torch.Tensor | None = None      # HCA [T, P*N] global ids, -1 pad
+    all_visible_ids_i32: torch.Tensor | None = None
+
+
+@dataclass
+class StaticPlan:
+    B: int
+    q: int
+    P: int
+    positions: torch.Tensor
+    req_index: torch.Tensor         # [T] int64 = t // q
+    req_index_i32: torch.Tensor
+    page_table: torch.Tensor        # [B, P] int64
+    page_table_i32: torch.Tensor
+    window_ids: torch.Tensor        # [T, W] int64 ids into the SWA pool, -1 = none
+    window_ids_i32: torch.Tensor
+    stage_ids: torch.Tensor         # [T]
+    ring_src: torch.Tensor          # [T] staged rows -> ring rows (padding: scratch slot)
+    ring_dst: torch.Tensor
+    ring_split: torch.Tensor        # [4, T] (copy_rows' split)
+    ratios: dict
+    position_bound: int             # RoPE table bound (host int, fixed per graph object)
+    rope_memo: dict = field(default_factory=dict)
+
+
+def derive_plan(cache, inp: StaticInputs, bound: int, scratch_slot: int,
+                scratch_page: int) -> StaticPlan:
+    """Every per-forward list the layers need, from the static inputs, with fixed shapes and
+    device ops only (no host sync, no data-dependent shapes)."""
+    B, q, P = inp.B, inp.q, inp.P
+    T, dev = B * q, inp.positions.device
+    pos, pt = inp.positions, inp.page_table
+    tok = torch.arange(T, device=dev)
+    req = tok // q
+    valid_r = inp.req_valid != 0
+    valid_t, s_t, slot_t = valid_r[req], inp.req_start[req], inp.req_slot[req]
+    W, C = cache.window, cache.capacity
+    qw = pos[:, None] - (W - 1) + torch.arange(W, device=dev)
+    win = torch.where(qw >= s_t[:, None], cache.stage_base + tok[:, None] + qw - pos[:, None],
+                      slot_t[:, None] * C + qw % C)
+    window_ids = torch.where((qw >= 0) & valid_t[:, None], win, -1)
+    stage = cache.stage_base + tok
+    ring_dst = slot_t * C + pos % C
+    plan = StaticPlan(
+        B, q, P, pos, req, req.int(), pt, pt.int(), window_ids, window_ids.int(), stage,
+        stage, ring_dst, torch.stack([stage // C, stage % C, ring_dst // C, ring_dst % C]),
+        {}, bound)
+    for m in sorted({m for m in cache.ratios if m}):
+        N, R = cache.entries_per_page(m), cache.comp_ring(m)
+        c = 2 if m == 4 else 1
+        K = -(-q // m)                        # at most ceil(q/m) entries complete per request
+        e = torch.arange(B * K, device=dev)   # candidate e: request e // K, entry k = e % K
+        i = e // K
+        j = inp.req_start[i] // m + e % K
+        ok = (j < (inp.req_start[i] + q) // m) & valid_r[i]
+        page = pt[i, (j // N).clamp(max=P - 1)]
+        dst = torch.where(ok, page * N + j % N, scratch_page * N)
+        p = (j - (c - 1))[:, None] * m + torch.arange(c * m, device=dev)     # [E, c*m]
+        s_i = inp.req_start[i][:, None]
+        n_vis = torch.where(valid_t, (pos + 1) // m, 0)
+        rp = RatioStatic(
+            m, N, n_vis, n_vis.int(), ok, dst, torch.where(ok, j, 0) * m, p < s_i,
+            inp.req_slot[i][:, None] * R + p % R, (i[:, None] * q + p - s_i).clamp(0, T - 1),
+            p < 0, slot_t * R + pos % R)
+        if m != 4:
+            local = torch.arange(P * N, device=dev)
+            ids = pt[req[:, None], local // N] * N + local % N
+            rp.all_visible_ids = torch.where(local < n_vis[:, None], ids, -1)
+            rp.all_visible_ids_i32 = rp.all_visible_ids.int()
+        plan.ratios[m] = rp
+    return plan
+
+
+# ---- the fixed-shape layer ---------------------------------------------------------------------
+
+class _Kernels:
+    """The storage / selection / attention calls of the fixed-shape forward: the Triton kernels
+    of dspark/attention/triton.py ('triton') or their pure-torch twins ('torch')."""
+
+    def __init__(self, cache, kind: str):
+        if kind not in ("triton", "torch"):
+            raise ValueError(f"kernels={kind!r}: use 'triton' or 'torch'")
+        self.cache, self.kind = cache, kind
+
+    def store(self, pool, per_page, ids, x):
+        if pool.dtype != torch.uint8:
+            pool.index_copy_(0, ids, x.to(pool.dtype))
+            return
+        from dspark.kvcache import layouts as L
+        if self.kind == "triton":
+            from dspark.kernels.cache_write import write_fp8_ds_mla_triton, write_indexer_fp8_triton
+            (write_fp8_ds_mla_triton if x.shape[1] == L.HEAD_DIM else write_indexer_fp8_triton)(
+                pool, per_page, ids, x)
+        elif x.shape[1] == L.HEAD_DIM:
+            L.write_fp8_ds_mla(pool, per_page, ids, x)
+        else:
+            L.write_indexer_fp8(pool, per_page, ids, x)
+
+    def select(self, sp: StaticPlan, layer: int, qi, wi, topk: int) -> torch.Tensor:
+        """int64 [T, topk] request-local entry ids (top-k visible scores), -1 padded."""
+        rp, pool = sp.ratios[4], self.cache.index_keys[layer]
+        N, n_cols = rp.per_page, sp.P * rp.per_page
+        if self.kind == "triton" and pool.dtype == torch.uint8:
+            from dspark.kernels.indexer import indexer_topk
+            return indexer_topk(qi, wi, pool, N, sp.req_index_i32, sp.page_table_i32,
+                                rp.n_visible_i32, topk, n_cols=n_cols).long()
+        from dspark.attention.reference import load_rows
+        local = torch.arange(n_cols, device=qi.device)
+        ids = sp.page_table[:, local // N] * N + local % N                     # [B, n_cols]
+        keys = load_rows(pool, N, ids)                                          # [B, n_cols, 128]
+        qb = qi.view(sp.B, sp.q, *qi.shape[1:]).float()
+        scores = (torch.einsum("bqhd,bjd->bqhj", qb, keys.float()).relu()
+                  * wi.view(sp.B, sp.q, -1)[..., None]).sum(2).view(sp.B * sp.q, n_cols)
+        scores = scores.masked_fill(local[None, :] >= rp.n_visible[:, None], float("-inf"))
+        out = torch.full((scores.shape[0], topk), -1, dtype=torch.long, device=qi.device)
+        k = min(topk, n_cols)
+        vals, idx = topk_lowest_ties(scores, k)
+        out[:, :k] = torch.where(vals == float("-inf"), -1, idx)
+        return out
+
+    def attend(self, q, window_pool, capacity, window_ids, entry_pool, per_page, entry_ids,
+               entry_lens, sink, scale):
+        from dspark.kernels import sparse_mqa as K
+        fp8 = window_pool.dtype == torch.uint8
+        extra = {}
+        if entry_ids is not None:
+            extra = dict(extra_indices=entry_ids, extra_lengths=entry_lens)
+            extra.update(dict(extra_cache=entry_pool, extra_entries_per_page=per_page) if fp8
+                         else dict(extra_kv=entry_pool))
+        if self.kind == "triton":
+            fn = K.sparse_mqa_fp8 if fp8 else K.sparse_mqa_dense
+        else:
+            fn = K.sparse_mqa_fp8_torch if fp8 else K.sparse_mqa_dense_torch
+        if fp8:
+            return fn(q, window_pool, capacity, window_ids, sink, scale, **extra)
+        return fn(q, window_pool, window_ids, sink, scale, **extra)
+
+
+def _global(local, req_index, page_table, N):
+    valid = local >= 0
+    j = torch.where(valid, local, 0)
+    return torch.where(valid, page_table[req_index[:, None], j // N] * N + j % N, -1)
+
+
+def static_attention(attn, x, kern: _Kernels, sp: StaticPlan, layer: int, quant):
+    """Fixed-shape twin of dspark.attention.layer.paged_attention (same math, same order)."""
+    cache = kern.cache
+    pos, bound, memo = sp.positions, sp.position_bound, sp.rope_memo
+    cq, q = attn.project_q(x, pos, bound, memo)
+    kern.store(cache.swa[layer], cache.capacity, sp.stage_ids,
+               attn.project_kv(x, pos, quant, bound, memo))
+    selected = None
+    if attn.ratio:
+        _emit(attn, attn.compressor, kern, sp, layer, "main", x, quant)
+    if attn.ratio == 4:
+        _emit(attn, attn.indexer.compressor, kern, sp, layer, "indexer", x, quant)
+        qi, wi = attn.indexer.queries(x, cq, pos, attn.rope, quant, bound, memo)
+        selected = kern.select(sp, layer, qi, wi, attn.indexer.topk)
+    entry_pool, N, ids, lens = None, 0, None, None
+    if attn.ratio:
+        rp = sp.ratios[attn.ratio]
+        entry_pool, N = cache.entries[layer], rp.per_page
+        if selected is None:
+            ids, lens = rp.all_visible_ids_i32, rp.n_visible_i32
+        else:
+            ids = _global(selected, sp.req_index, sp.page_table, N).int()
+    o = kern.attend(q, cache.swa[layer], cache.capacity, sp.window_ids_i32, entry_pool, N, ids,
+                    lens, attn.attn_sink, attn.head_dim ** -0.5)
+    copy_rows(cache.swa[layer], cache.capacity, sp.ring_src, sp.ring_dst, sp.ring_split)
+    return attn.output(o, pos, x.dtype, bound, memo)
+
+
+def _emit(attn, comp, kern, sp, layer, kind, x, quant):
+    """Compressor rows of every token; pool the fixed set of candidate entries (rows read from
+    the ring before this forward's rows are persisted) and store them (non-completing ones to
+    the scratch row)."""
+    cache = kern.cache
+    rp = sp.ratios[attn.ratio]
+    a, z = comp.rows(x, sp.positions)
+    ring_a, ring_z = cache.comp_rows[layer, kind]
+    sel = rp.from_ring[..., None]
+    A = torch.where(sel, ring_a[rp.ring_rows], a[rp.fresh_rows])          # [E, c*m, c*d]
+    Z = torch.where(sel, ring_z[rp.ring_rows], z[rp.fresh_rows])
+    A = A.masked_fill(rp.before_zero[..., None], 0.0)
+    Z = Z.masked_fill(rp.before_zero[..., None], float("-inf"))
+    Z = Z.masked_fill(~rp.emit_valid[:, None, None], 0.0)    # keep unused candidates finite
+    ring_a.index_copy_(0, rp.persist_dst, a)
+    ring_z.index_copy_(0, rp.persist_dst, z)
+    m, d = comp.ratio, comp.out_dim
+    if comp.overlap:       # A-halves of the previous window, B-halves of the entry's own
+        A = torch.cat([A[:, :m, :d], A[:, m:, d:]], dim=1)
+        Z = torch.cat([Z[:, :m, :d], Z[:, m:, d:]], dim=1)
+    pooled = (torch.softmax(Z, dim=1) * A).sum(1)
+    e = comp.norm(pooled.to(x.dtype))                        # Attention.finish_entries
+    e = attn._rope(e, rp.emit_pos, False, sp.position_bound, None)
+    if quant is not None:
+        e = quant.indexer(e).to(x.dtype) if kind == "indexer" else quant.kv(e)
+    pool = cache.entries[layer] if kind == "main" else cache.index_keys[layer]
+    kern.store(pool, rp.per_page, rp.emit_dst, e)
+
+
+def static_forward(model, kern: _Kernels, sp: StaticPlan, token_ids, tap_layers=()):
+    """(final streams X [T, n, D], taps) of the fixed-shape forward."""
+    from dspark.attention.layer import RecordQuant
+    quant = RecordQuant() if kern.cache.fp8 else None
+
+    def attn_fn(attn, x, batch, layer_id, _model_quant=None):
+        return static_attention(attn, x, kern, sp, layer_id, quant)
+    batch = SimpleNamespace(token_ids=token_ids, positions=sp.positions)
+    return model.forward_hidden(batch, attn_fn=attn_fn, tap_layers=tap_layers)
+
+
+def _buckets(limit: int) -> list:
+    """1, 2, 4, ... below `limit`, then `limit` itself."""
+    return [b for b in (1 << i for i in range(limit.bit_length())) if b < limit] + [limit]
+
+
+class V4DecodeGraphs:
+    """Runs uniform-length steps (every request feeds q ∈ `q_lens` tokens) of the DeepSeek-V4
+    target through the fixed-shape forward, captured as one CUDA graph per (batch bucket, q,
+    page bucket) on CUDA (``capture``), run eagerly otherwise.
+
+    backend: the engine's AttentionBackend (its ``name`` picks the kernels: 'triton' -> Triton,
+    else the torch twins) or a kernels string. Registers the scratch request in the cache (one
+    state slot and one page): build the cache with one slot and one block more than the engine
+    needs."""
+
+    def __init__(self, model, cache, backend="triton", q_lens=(1,), max_batch: int = 8,
+                 tap_layers=(), capture: bool | None = None, max_pages: int | None = None):
+        dev = cache.device
+        kind = backend if isinstance(backend, str) else getattr(backend, "name", "reference")
+        self.kernels = _Kernels(cache, "triton" if kind == "triton" else "torch")
+        self.model, self.cache, self.tap_layers = model, cache, tuple(tap_layers)
+        self.capture = dev.type == "cuda" if capture is None else capture
+        self.q_lens = frozenset(int(x) for x in q_lens)
+        self.qmax, self.max_batch = max(self.q_lens), int(max_batch)
+        limits = [cache.capacity] + [cache.comp_ring(m) for m in cache.ratios if m]
+        if self.qmax > cache.lookahead + 1 or self.qmax > min(limits):
+            raise ValueError(f"V4DecodeGraphs: q_lens up to {self.qmax} need a cache with "
+                             f"lookahead >= {self.qmax - 1} (has {cache.lookahead})")
+        if self.max_batch * self.qmax > cache.max_batch_tokens:
+            raise ValueError(f"V4DecodeGraphs: max_batch * max(q_lens) = "
+                             f"{self.max_batch * self.qmax} exceeds the cache's max_batch_tokens="
+                             f"{cache.max_batch_tokens}")
+        self.scratch_slot, self.scratch_page = reserve_scratch(cache)
+        bs = cache.block_size
+        top = -(-(model.cfg.max_position_embeddings + self.qmax) // bs)
+        self.max_pages = min(cache.num_blocks, top, max_pages or top)
+        self.batch_buckets = _buckets(self.max_batch)
+        self.page_buckets = _buckets(self.max_pages)
+        # RoPE tables sized once for every position a graph can see (no growth during capture);
+        # the references keep the captured tables alive even if the eager path regrows them
+        self.bound = self.max_pages * bs + max(m for m in (1, *cache.ratios) if m) + self.qmax
+        wdev = model.embed.weight.device          # (the device RoPE sees: x.device)
+        self._keep = [layer.attn.rope._table(self.bound, wdev) for layer in model.layers]
+        R, Pm = self.max_batch * self.qmax, self.max_pages
+        self.rows = R
+        self._offs = np.cumsum([0, R, R, self.max_batch, self.max_batch, self.max_batch,
+                                self.max_batch * Pm])
+        self.ints = torch.zeros(int(self._offs[-1]), dtype=torch.long, device=dev)
+        self.host = np.zeros(int(self._offs[-1]), dtype=np.int64)
+        D, V = model.cfg.hidden_size, model.cfg.vocab_size
+        self.logits_out = torch.zeros(R, V, dtype=torch.float32, device=dev)
+        self.taps_out = (torch.zeros(R, len(self.tap_layers) * D, dtype=torch.float32,
+                                     device=dev) if self.tap_layers else None)
+        self.graphs: dict = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.disabled = False
+        self.num_replays = 0
+
+    # ---- shapes ------------------------------------------------------------------------------
+    def bucket(self, items):
+        """(batch bucket, q, page bucket) for [(request id, start, tokens)], or None when the step
+        has to run eagerly."""
+        if self.disabled or not items or len(items) > self.max_batch:
+            return None
+        q = len(items[0][2])
+        if q not in self.q_lens or any(len(t) != q for _, _, t in items):
+            return None
+        need = max(-(-(start + q) // self.cache.block_size) for _, start, _ in items)
+        if need > self.max_pages:
+            return None
+        B = next(b for b in self.batch_buckets if b >= len(items))
+        P = next(p for p in self.page_buckets if p >= need)
+        return B, q, P
+
+    def _split(self, buf):
+        o = self._offs
+        return [buf[o[k]:o[k + 1]] for k in range(len(o) - 1)]
+
+    def inputs(self, B: int, q: int, P: int) -> StaticInputs:
+        ids, pos, st, sl, va, pt = self._split(self.ints)
+        return StaticInputs(B, q, P, ids[:B * q], pos[:B * q], st[:B], sl[:B], va[:B],
+                            pt[:B * P].view(B, P))
+
+    def _forward(self, B: int, q: int, P: int):
+        """The fixed-shape forward on the static buffers, results into the static outputs."""
+        inp = self.inputs(B, q, P)
+        sp = derive_plan(self.cache, inp, self.bound, self.scratch_slot, self.scratch_page)
+        X, taps = static_forward(self.model, self.kernels, sp, inp.token_ids, self.tap_layers)
+        self.logits_out[:B * q].copy_(self.model.logits(X))
+        if taps is not None:
+            self.taps_out[:B * q].copy_(taps)
+
+    # ---- one step ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, items):
+        """(logits fp32 [R·q, V], taps [R·q, len(tap_layers)·D] or None) for items =
+        [(request id, start, tokens)] in flat (request-major) row order, with the cache checks
+        and bookkeeping of the eager plan; None if the step does not fit (nothing changed)."""
+        key = self.bucket(items)
+        rids = [rid for rid, _, _ in items]
+        if key is None or len(set(rids)) != len(rids) or SCRATCH_RID in rids:
+            return None
+        B, q, P = key
+        c, R, bs = self.cache, len(items), self.cache.block_size
+        for rid, start, _ in items:          # check every request before changing any
+            c.check_forward(rid, start, start + q)
+        ids, pos, st, sl, va, pt = self._split(self.host)
+        pt = pt[:B * P].reshape(B, P)
+        pt[:] = self.scratch_page
+        for i, (rid, start, toks) in enumerate(items):
+            rows = slice(i * q, (i + 1) * q)
+            ids[rows], pos[rows] = toks, np.arange(start, start + q)
+            st[i], sl[i], va[i] = start, c.slot(rid), 1
+            need = -(-(start + q) // bs)
+            pt[i, :need] = c.page_table(rid)[:need]
+        ids[R * q:B * q] = 0                 # padding: token 0 at positions 0..q-1 of the scratch
+        pos[R * q:B * q] = np.tile(np.arange(q), B - R)
+        st[R:B], sl[R:B], va[R:B] = 0, self.scratch_slot, 0
+        for rid, start, _ in items:
+            c.begin_forward(rid, start, start + q)
+        # one synchronous copy: pageable host memory may be rewritten as soon as it returns
+        self.ints.copy_(torch.from_numpy(self.host))
+        if not self.capture:
+            self._forward(B, q, P)
+        else:
+            g = self._graph(key)
+            if g is not None:
+                g.replay()
+        self.num_replays += 1
+        T = R * q
+        taps = self.taps_out[:T].clone() if self.taps_out is not None else None
+        return self.logits_out[:T].clone(), taps
+
+    def _graph(self, key):
+        g = self.graphs.get(key)
+        if g is None:
+            # warm up outside the capture (Triton JIT, cuBLAS workspaces) on a side stream, with
+            # this step's inputs in place: its cache writes are the replay's writes (q <=
+            # lookahead + 1: a forward never reads a ring row it rewrites)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._forward(*key)
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            try:
+                # thread_local: a server thread doing CUDA work meanwhile must not break it
+                with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+                    self._forward(*key)
+            except Exception as e:          # e.g. a host sync in a weight format's MoE path
+                warnings.warn(f"V4DecodeGraphs: capturing {key} failed ({e}); the V4 target "
+                              "runs eagerly from now on")
+                self.disabled = True
+                return None                 # the warm-up already produced this step's outputs
+            self.graphs[key] = g
+        return g
