@@ -4,7 +4,12 @@ Shapes: V4-Flash decode steps of `batch` requests × 2 query tokens, 64 heads ×
 keys = 128 sliding-window entries (SWA cache) + 512 top-k compressed entries (C4 cache),
 fp8_ds_mla pages of 64 entries (benchmarks/bench_attention.py builds them). FlashMLA anchors:
 48.8 / 91.5 / 174 µs at batch 64 / 128 / 256; the goal is ≤ 1.5× those. Batch 16 (no anchor)
-decides the small-T row of the default table (split-KV territory).
+decides the small-T row of the default table (split-KV territory). When ``import flash_mla``
+works (an SM90 / SM100 build of github.com/deepseek-ai/FlashMLA on PYTHONPATH), FlashMLA's MODEL1
+sparse decode is timed on the same case, side by side (same pages read in place through
+dspark/attention/flashmla.py's view, same graph replay + L2 flush; its scheduler metadata is
+computed once, outside the graph, as the backend does once per forward), and the ratios use
+that measurement instead of the anchors (--no-flashmla: anchors only).
 
 Every configuration is compiled first, in parallel worker processes (compile time dominates a
 sweep; workers fill Triton's on-disk cache and check each configuration on a small case, so a
@@ -36,6 +41,39 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 FLASHMLA_US = {64: 48.8, 128: 91.5, 256: 174.0}
+FLASHMLA_MEASURED = {}      # batch -> median µs of flash_mla on this GPU (when it imports)
+FLASH = "FlashMLA (flash_mla_with_kvcache)"
+
+
+def flashmla_us(batch):
+    """The FlashMLA time to compare with: measured here if possible, else the anchor."""
+    return FLASHMLA_MEASURED.get(batch, FLASHMLA_US.get(batch))
+
+
+def flashmla_call(case):
+    """A no-argument callable running FlashMLA's MODEL1 sparse decode on `case` (the
+    sparse_mqa_fp8 arguments), or None with the reason printed."""
+    import torch
+    from dspark.attention import flashmla_unavailable_reason
+    why = flashmla_unavailable_reason(DEVICE)
+    if why is not None:
+        print(f"  (FlashMLA column skipped: {why})")
+        return None
+    from dspark.attention import flashmla as F
+    fm = F.import_flash_mla()
+    N = case["entries_per_page"]
+    q = case["q"].to(torch.bfloat16).unsqueeze(1)
+    kv, ekv = F.record_view(case["cache"], N), F.record_view(case["extra_cache"], N)
+    idx, eidx = F.pad_index_list(case["indices"]), F.pad_index_list(case["extra_indices"])
+    sink = case["sink"].float().contiguous()
+    sched = fm.get_mla_metadata()[0]
+
+    def run():
+        return fm.flash_mla_with_kvcache(
+            q=q, k_cache=kv, block_table=None, cache_seqlens=None, head_dim_v=512,
+            tile_scheduler_metadata=sched, softmax_scale=case["scale"], is_fp8_kvcache=True,
+            indices=idx, attn_sink=sink, extra_k_cache=ekv, extra_indices_in_kvcache=eidx)[0]
+    return run
 TOL = 2e-2
 DEVICE = "cuda"
 
@@ -246,6 +284,8 @@ def report(args, configs, names, stats, results, skipped_batches, t_start, final
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                            triton=__import__("triton").__version__, args=vars(args),
                            flashmla_us=FLASHMLA_US, complete=final,
+                           flashmla_measured_us={str(b): us for b, us in
+                                                 FLASHMLA_MEASURED.items()},
                            configs=[dict(name=n, config=c, stats=stats[n],
                                          results={str(b): r for b, r in results[n].items()})
                                     for n, c in zip(names, configs)],
@@ -258,7 +298,7 @@ def report(args, configs, names, stats, results, skipped_batches, t_start, final
         return
     print(f"\nsparse_mqa_fp8 sweep on {torch.cuda.get_device_name()}  (H={args.heads}, "
           f"{args.tokens_per_req} q/request, {args.window}+{args.topk} keys, page {args.page}); "
-          f"median µs (x FlashMLA)")
+          f"median µs (x FlashMLA, {'measured here' if FLASHMLA_MEASURED else 'anchors'})")
     hdr = f"{'config':<34} {'regs':>4} {'spill':>5} {'smem KB':>7}"
     for b in batches:
         hdr += f" {'b' + str(b) + ' µs':>16}"
@@ -270,7 +310,7 @@ def report(args, configs, names, stats, results, skipped_batches, t_start, final
         for b in batches:
             r = results[name].get(b, {})
             if "median_us" in r:
-                fm = FLASHMLA_US.get(b)
+                fm = flashmla_us(b)
                 cell = f"{r['median_us']:.1f}" + (f" ({r['median_us'] / fm:.2f}x)" if fm else "")
             elif "rel_err" in r:
                 cell = f"WRONG {r['rel_err']:.0e}"
@@ -278,9 +318,15 @@ def report(args, configs, names, stats, results, skipped_batches, t_start, final
                 cell = "fail" if st.get("error") else "-"
             row += f" {cell:>16}"
         print(row + (f"  {st['error']}" if st.get("error") and not st.get("ok", True) else ""))
+    if FLASHMLA_MEASURED:
+        row = f"{FLASH:<34} {'':>4} {'':>5} {'':>7}"
+        for b in batches:
+            us = FLASHMLA_MEASURED.get(b)
+            row += f" {(f'{us:.1f} (1.00x)' if us else '-'):>16}"
+        print(row)
     print("\nbest per shape:")
     for T, cfg, us, n, b in best_rows:
-        fm = FLASHMLA_US.get(b)
+        fm = flashmla_us(b)
         print(f"  batch {b:>4} (T={T:>4}): {us:7.1f} µs  {n}"
               + (f"  = {us / fm:.2f}x FlashMLA {fm} µs (target <= {1.5 * fm:.0f})" if fm else ""))
     print("\npaste into dspark/kernels/sparse_mqa.py:\n"
@@ -312,6 +358,8 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=165.0,
                     help="stop starting new shapes after this many seconds")
     ap.add_argument("--no-flush", action="store_true")
+    ap.add_argument("--no-flashmla", action="store_true",
+                    help="do not time flash_mla even when it imports (ratios use the anchors)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
 
@@ -365,12 +413,27 @@ def main(argv=None):
                 print(f"  batch {batch} {name}: WRONG (rel err {err:.2e}), not timed")
                 continue
             runs[name] = capture(lambda c=case, g=cfg: smqa.sparse_mqa_fp8(**c, **g))
+        fm_run = None if args.no_flashmla else flashmla_call(case)
+        if fm_run is not None:
+            err = _rel_err(fm_run()[:, 0].float(), ref)
+            torch.cuda.synchronize()
+            if err < TOL:
+                runs[FLASH] = capture(fm_run)
+            else:
+                print(f"  batch {batch} FlashMLA: WRONG (rel err {err:.2e}), not timed")
         times = time_interleaved(runs, args.iters, args.rounds, flush)
+        fm_ts = times.pop(FLASH, None)
+        if fm_ts:
+            FLASHMLA_MEASURED[batch] = statistics.median(fm_ts)
         for name, ts in times.items():
             results[name][batch].update(median_us=statistics.median(ts), min_us=min(ts))
         best = min(times, key=lambda n: results[n][batch]["median_us"]) if times else None
         line = f"batch {batch:>4}: best {best} {results[best][batch]['median_us']:.1f} µs" \
             if best else f"batch {batch}: nothing ran"
+        if best and batch in FLASHMLA_MEASURED:
+            fm_us = FLASHMLA_MEASURED[batch]
+            line += (f" vs FlashMLA {fm_us:.1f} µs = "
+                     f"{results[best][batch]['median_us'] / fm_us:.2f}x")
         print(line + f"   [{time.perf_counter() - t_start:.0f} s]", flush=True)
         del case, ref, runs
         torch.cuda.empty_cache()

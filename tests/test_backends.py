@@ -41,9 +41,9 @@ needs_triton = pytest.mark.skipif(REASON is not None, reason=str(REASON))
 
 
 def test_registry_names_and_errors():
-    assert available_backends() == ["reference", "triton"]
-    with pytest.raises(ValueError, match="available: reference, triton"):
-        get_backend("flashmla")
+    assert available_backends() == ["flashmla", "reference", "triton"]
+    with pytest.raises(ValueError, match="available: flashmla, reference, triton"):
+        get_backend("flashinfer")
 
 
 def test_reference_backend_does_not_import_triton():
