@@ -17,12 +17,38 @@ fp4_moe: token -> expert grouping by a stable argsort of the flattened top-k ids
 the reference MoE), then per used expert (one expert group at a time): g = x W1^T, u = x W3^T in
 fp32, clamped SwiGLU (u in [-limit, limit], g <= limit), routing weight applied before W2, h cast to
 x.dtype, y = h W2^T, index_add into an fp32 output. Numerically this is exactly the reference
-`MoE.forward` with de-quantized experts (torch backend: bit-identical on CPU). A single launch over
-all experts (a stacked [E, ...] layout or a pointer table + per-expert token offsets) is the next
-step for the H200; this module keeps the per-expert loop.
+`MoE.forward` with de-quantized experts (torch backend: bit-identical on CPU). That path syncs
+(`bincount(...).tolist()`) and launches ~12 ops per used expert with data-dependent shapes.
+
+Grouped small-batch path (decode / verify: T*k <= GROUPED_MAX_PAIRS (token, slot) pairs):
+fixed-shape, no device->host sync, CUDA-graph capturable; two Triton launches over a stacked
+layout of the experts (`FP4ExpertStack`, built once by `stack_fp4_experts`):
+
+    stack = stack_fp4_experts(experts)            # w13 [E', 2I, D/2] (w1 rows then w3 rows),
+                                                  # s13 [E', 2I, D/32], w2 [E', D, I/2],
+                                                  # s2 [E', D, I/32], emap [E] int32 (-1: not held)
+    out = fp4_moe_grouped(x, idx, weights, stack, swiglu_limit)      # fp32 [T, D]
+
+* `_fp4_moe_gate_up_kernel`, grid (T*k, cdiv(I, BLOCK_N)): program (p, n-tile) loads the expert
+  id idx[p] on the device, maps it to its stack row, and computes BLOCK_N gate rows and the same
+  BLOCK_N up rows as a GEMV against x[p // k] (fp32 FMA, no MMA: one token per program). Codes
+  are decoded exactly as in `_fp4_linear_kernel`; the byte tile is viewed as [BLOCK_N, groups,
+  16 bytes] so each 32-column group's UE8M0 scale multiplies its partial sum once. Then, as
+  `swiglu_expert`: g, u rounded to x.dtype (the per-expert path's GEMM output dtype), clamp
+  u in [-limit, limit], g <= limit, h = silu(g) * u * routing weight, stored as x.dtype [T*k, I].
+* `_fp4_moe_down_kernel`, grid (T, cdiv(D, BLOCK_N)): program (t, n-tile) loops over the k slots
+  of token t, y_j = h[t, j] W2[idx[t, j]]^T (GEMV, fp32), rounds y_j to x.dtype (as the per-expert
+  path does before its fp32 index_add) and sums the slots in fp32 -> out[t] (no atomics,
+  deterministic). Only the slot-sum order differs from the per-expert path (slot order instead
+  of expert-id order).
+* Experts this process does not hold (None in `experts`) have emap -1: their pairs contribute 0
+  (expert parallelism: another rank adds them) instead of failing as the per-expert path does.
+* bf16 rounding is done with an explicit round-to-nearest-even bit trick so the Triton interpreter
+  (whose fp32 -> bf16 cast truncates) rounds like the GPU.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -140,13 +166,35 @@ def swiglu_expert(x, w1, w3, w2, linear, limit: float, weight=None):
     return linear(h.to(x.dtype), w2)
 
 
+GROUPED_MAX_PAIRS = 256     # (token, slot) pairs up to which the grouped path is used
+
+
 def fp4_moe(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, experts, swiglu_limit: float,
-            backend: str = "auto", precision: str | None = None) -> torch.Tensor:
+            backend: str = "auto", precision: str | None = None, grouped: bool | None = None,
+            stack: "FP4ExpertStack | None" = None) -> torch.Tensor:
     """Routed-expert output (fp32 [T, D]) from packed FP4 experts.
 
     x [T, D]; idx [T, k] expert ids; weights [T, k] fp32 routing weights; experts: a sequence
     indexed by expert id of ((w1, s1), (w3, s3), (w2, s2)) packed weights + e8m0 scales, or None
-    for experts this process does not hold (they must not be routed to)."""
+    for experts this process does not hold (they must not be routed to).
+
+    grouped=None (auto): the fixed-shape grouped kernels (`fp4_moe_grouped`, no host sync) when a
+    prebuilt `stack` (stack_fp4_experts(experts)) is given, the backend resolves to Triton and
+    T*k <= GROUPED_MAX_PAIRS; else the per-expert loop. grouped=True forces the grouped kernels
+    (building the stack for this call when none is given: a full copy of the experts);
+    grouped=False forces the per-expert loop."""
+    if grouped is None:
+        grouped = stack is not None and grouped_applies(x, idx, backend)
+    if grouped:
+        if stack is None:
+            stack = stack_fp4_experts(experts)
+        return fp4_moe_grouped(x, idx, weights, stack, swiglu_limit)
+    return fp4_moe_per_expert(x, idx, weights, experts, swiglu_limit, backend, precision)
+
+
+def fp4_moe_per_expert(x, idx, weights, experts, swiglu_limit: float, backend: str = "auto",
+                       precision: str | None = None) -> torch.Tensor:
+    """`fp4_moe` by one GEMM triple per used expert (host loop; one device->host sync)."""
     def lin(a, ws):
         return fp4_linear(a, ws[0], ws[1], backend, precision)
 
@@ -165,4 +213,225 @@ def fp4_moe(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, experts, 
             out.index_add_(0, t, swiglu_expert(x[t], w1, w3, w2, lin, swiglu_limit,
                                                wflat[sel]).float())
             start += n
+    return out
+
+
+# ---- grouped small-batch path ----------------------------------------------------------------
+
+def grouped_applies(x: torch.Tensor, idx: torch.Tensor, backend: str = "auto",
+                    max_pairs: int = GROUPED_MAX_PAIRS) -> bool:
+    """Whether `fp4_moe_grouped` is the automatic choice: the backend resolves to Triton (CUDA
+    under "auto"; "triton" on CPU needs TRITON_INTERPRET=1) and T*k <= max_pairs. Shape-only."""
+    if backend == "auto":
+        backend = "triton" if x.is_cuda else "torch"
+    return backend == "triton" and x.dim() == 2 and idx.numel() <= max_pairs
+
+
+class FP4ExpertStack(NamedTuple):
+    """The held routed experts side by side (raw bytes, uint8):
+    w13 [E', 2I, D/2] (rows 0..I-1: w1, I..2I-1: w3), s13 [E', 2I, ceil(D/32)],
+    w2 [E', D, I/2], s2 [E', D, ceil(I/32)]; emap int32 [E]: stack row of global expert e,
+    -1 when not held."""
+    w13: torch.Tensor
+    s13: torch.Tensor
+    w2: torch.Tensor
+    s2: torch.Tensor
+    emap: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self)
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def stack_fp4_experts(experts) -> FP4ExpertStack:
+    """Copy the held experts of an `fp4_moe` experts list into one `FP4ExpertStack` (an extra copy
+    of every held expert; QuantMoE instead re-points its experts' buffers at the stack)."""
+    held = [e for e, ex in enumerate(experts) if ex is not None]
+    if not held:
+        raise ValueError("stack_fp4_experts: no expert is held")
+    (w1, s1), (w3, s3), (w2, s2) = experts[held[0]]
+    I, D = w1.shape[0], 2 * w1.shape[1]
+    want = (((I, D // 2), fp4_scale_shape(I, D)), ((I, D // 2), fp4_scale_shape(I, D)),
+            ((D, I // 2), fp4_scale_shape(D, I)))
+    dev = w1.device
+    E2 = len(held)
+    st = FP4ExpertStack(
+        torch.empty(E2, 2 * I, D // 2, dtype=torch.uint8, device=dev),
+        torch.empty(E2, 2 * I, fp4_scale_shape(I, D)[1], dtype=torch.uint8, device=dev),
+        torch.empty(E2, D, I // 2, dtype=torch.uint8, device=dev),
+        torch.empty(E2, D, fp4_scale_shape(D, I)[1], dtype=torch.uint8, device=dev),
+        torch.full((len(experts),), -1, dtype=torch.int32, device=dev))
+    for row, e in enumerate(held):
+        (w1, s1), (w3, s3), (w2, s2) = experts[e]
+        got = tuple((tuple(a.shape), tuple(b.shape)) for a, b in experts[e])
+        if got != tuple((tuple(a), tuple(b)) for a, b in want):
+            raise ValueError(f"stack_fp4_experts: expert {e} has shapes {got}, expected {want} "
+                             f"(from expert {held[0]})")
+        st.w13[row, :I].copy_(_u8(w1))
+        st.w13[row, I:].copy_(_u8(w3))
+        st.s13[row, :I].copy_(_u8(s1))
+        st.s13[row, I:].copy_(_u8(s3))
+        st.w2[row].copy_(_u8(w2))
+        st.s2[row].copy_(_u8(s2))
+    st.emap[torch.tensor(held, device=dev)] = torch.arange(E2, dtype=torch.int32, device=dev)
+    return st
+
+
+@triton.jit
+def _round_to(v, DT: tl.constexpr):
+    """fp32 -> nearest value of DT (round to nearest even), returned as fp32. bf16 by bits so the
+    interpreter (whose fp32->bf16 cast truncates) rounds like the GPU; finite inputs."""
+    if DT == "bf16":
+        b = v.to(tl.uint32, bitcast=True)
+        b = (b + (((b >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
+        return b.to(tl.float32, bitcast=True)
+    elif DT == "fp16":
+        return v.to(tl.float16).to(tl.float32)
+    else:
+        return v
+
+
+@triton.jit
+def _fp4_gemv_tile(x_row_ptr, w_rows_ptr, stride_wn, s_rows_ptr, stride_sn, n_ok, K,
+                   BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
+    """fp32 [BLOCK_N]: x[0:K] . W[n, 0:K] for BLOCK_N packed FP4 rows (row n at w_rows_ptr +
+    n * stride_wn, its UE8M0 scales at s_rows_ptr + n * stride_sn; n_ok masks rows). Works on
+    [BLOCK_N, BLOCK_G groups, 16 bytes] tiles: 32 columns share one scale."""
+    rn = tl.arange(0, BLOCK_N).to(tl.int64)
+    gi = tl.arange(0, BLOCK_G)
+    ji = tl.arange(0, 16)
+    KB = (K + 1) // 2
+    NG = (K + 31) // 32
+    acc = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
+    for g0 in range(0, NG, BLOCK_G):
+        grp = g0 + gi                                           # scale column [G]
+        kb = grp[:, None] * 16 + ji[None, :]                    # byte column [G, 16]
+        b_ok = kb < KB
+        wb = tl.load(w_rows_ptr + rn[:, None, None] * stride_wn + kb[None, :, :],
+                     mask=n_ok[:, None, None] & b_ok[None, :, :], other=0)
+        wb = wb.to(tl.int32) & 0xFF
+        ke = 2 * kb
+        xe = tl.load(x_row_ptr + ke, mask=b_ok & (ke < K), other=0.0).to(tl.float32)
+        xo = tl.load(x_row_ptr + ke + 1, mask=b_ok & (ke + 1 < K), other=0.0).to(tl.float32)
+        part = tl.sum(_e2m1_times_2pow14(wb & 0xF) * xe[None, :, :]
+                      + _e2m1_times_2pow14(wb >> 4) * xo[None, :, :], axis=2)     # [N, G]
+        sb = tl.load(s_rows_ptr + rn[:, None] * stride_sn + grp[None, :],
+                     mask=n_ok[:, None] & (grp < NG)[None, :], other=0).to(tl.int32)
+        acc += part * ((sb + 14) << 23).to(tl.float32, bitcast=True)  # 2^(b-127) * 2^14
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _fp4_moe_gate_up_kernel(
+    x_ptr, stride_xt, idx_ptr, rw_ptr, emap_ptr,
+    w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, h_ptr, stride_hp,
+    KSLOTS, I, D, limit,
+    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, DT: tl.constexpr,
+):
+    p = tl.program_id(0)                                    # (token, slot) pair
+    pid_n = tl.program_id(1)
+    t = p // KSLOTS
+    row = tl.load(emap_ptr + tl.load(idx_ptr + p))          # stack row (-1: not held)
+    rows_held = tl.where(row >= 0, I, 0)        # (`(rn < I) & held`: the interpreter's `&`
+                                                # of a 0-d mask yields int32)
+    row = tl.maximum(row, 0).to(tl.int64)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < rows_held
+    x_row = x_ptr + t.to(tl.int64) * stride_xt
+    w_base = w_ptr + row * stride_we + (pid_n * BLOCK_N).to(tl.int64) * stride_wn
+    s_base = s_ptr + row * stride_se + (pid_n * BLOCK_N).to(tl.int64) * stride_sn
+    g = _fp4_gemv_tile(x_row, w_base, stride_wn, s_base, stride_sn, n_ok, D, BLOCK_N, BLOCK_G)
+    u = _fp4_gemv_tile(x_row, w_base + I * stride_wn, stride_wn,
+                       s_base + I * stride_sn, stride_sn, n_ok, D, BLOCK_N, BLOCK_G)
+    g = _round_to(g, DT)                                    # the per-expert GEMMs return x.dtype
+    u = _round_to(u, DT)
+    clamp = limit > 0
+    u = tl.where(clamp, tl.minimum(tl.maximum(u, -limit), limit), u)
+    g = tl.where(clamp, tl.minimum(g, limit), g)
+    h = g / (1.0 + tl.exp(-g)) * u                          # silu(g) * u, fp32
+    h = h * tl.load(rw_ptr + p).to(tl.float32)              # routing weight before w2
+    h = _round_to(h, DT)
+    tl.store(h_ptr + p.to(tl.int64) * stride_hp + rn, h, mask=rn < I)
+
+
+@triton.jit
+def _fp4_moe_down_kernel(
+    h_ptr, stride_hp, idx_ptr, emap_ptr,
+    w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, out_ptr, stride_ot,
+    KSLOTS, D, I,
+    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, DT: tl.constexpr,
+):
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in range(KSLOTS):
+        p = t * KSLOTS + j
+        row = tl.load(emap_ptr + tl.load(idx_ptr + p))
+        n_ok = rn < tl.where(row >= 0, D, 0)
+        row = tl.maximum(row, 0).to(tl.int64)
+        w_base = w_ptr + row * stride_we + (pid_n * BLOCK_N).to(tl.int64) * stride_wn
+        s_base = s_ptr + row * stride_se + (pid_n * BLOCK_N).to(tl.int64) * stride_sn
+        y = _fp4_gemv_tile(h_ptr + p.to(tl.int64) * stride_hp, w_base, stride_wn, s_base,
+                           stride_sn, n_ok, I, BLOCK_N, BLOCK_G)
+        out += _round_to(y, DT)                             # each expert's output in x.dtype
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + rn, out, mask=rn < D)
+
+
+_DT_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def _grouped_blocks(programs_per_col: int, n: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_G): narrower column tiles when few rows of programs would run (keep the
+    SMs busy at batch 1), 8 scale groups (256 columns, 128 bytes per row) per K step."""
+    if _interpreting():
+        return 64, 2          # few programs (the interpreter's cost is per program)
+    block_n = 64
+    while block_n > 16 and programs_per_col * triton.cdiv(n, block_n) < 512:
+        block_n //= 2
+    return block_n, 8
+
+
+def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+                    stack: FP4ExpertStack, swiglu_limit: float, block=None) -> torch.Tensor:
+    """Routed-expert output fp32 [T, D] by the two grouped kernels (module docstring): fixed
+    shapes, no host sync. x [T, D] (bf16 / fp16 / fp32), idx [T, k] global expert ids,
+    weights [T, k] routing weights. Expert ids must be < len(stack.emap) (not checked: that would
+    sync). block = (BLOCK_N, BLOCK_G) for both kernels (tests), else picked by shape."""
+    if x.dim() != 2 or idx.dim() != 2 or weights.shape != idx.shape or idx.shape[0] != x.shape[0]:
+        raise ValueError(f"fp4_moe_grouped: x {tuple(x.shape)}, idx {tuple(idx.shape)}, weights "
+                         f"{tuple(weights.shape)}: expected [T, D], [T, k], [T, k]")
+    if x.dtype not in _DT_NAME:
+        raise ValueError(f"fp4_moe_grouped: x dtype {x.dtype} not supported")
+    T, D = x.shape
+    k = idx.shape[1]
+    I = stack.w13.shape[1] // 2
+    if stack.w13.shape[2] * 2 != D or stack.w2.shape[1] != D or stack.w2.shape[2] * 2 != I:
+        raise ValueError(f"fp4_moe_grouped: x has {D} features; stack w13 {tuple(stack.w13.shape)}"
+                         f", w2 {tuple(stack.w2.shape)}")
+    out = torch.empty(T, D, dtype=torch.float32, device=x.device)
+    if T == 0 or k == 0:
+        return out.zero_()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    idx = idx.contiguous()
+    weights = weights.contiguous()
+    P = T * k
+    h = torch.empty(P, I, dtype=x.dtype, device=x.device)
+    dt = _DT_NAME[x.dtype]
+    bn1, bg1 = block or _grouped_blocks(P, I)
+    bn2, bg2 = block or _grouped_blocks(T, D)
+    w13, s13, w2, s2, emap = stack
+    _fp4_moe_gate_up_kernel[(P, triton.cdiv(I, bn1))](
+        x, x.stride(0), idx, weights, emap,
+        w13, w13.stride(0), w13.stride(1), s13, s13.stride(0), s13.stride(1), h, h.stride(0),
+        k, I, D, float(swiglu_limit), BLOCK_N=bn1, BLOCK_G=bg1, DT=dt)
+    _fp4_moe_down_kernel[(T, triton.cdiv(D, bn2))](
+        h, h.stride(0), idx, emap,
+        w2, w2.stride(0), w2.stride(1), s2, s2.stride(0), s2.stride(1), out, out.stride(0),
+        k, D, I, BLOCK_N=bn2, BLOCK_G=bg2, DT=dt)
     return out

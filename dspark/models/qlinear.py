@@ -11,8 +11,14 @@
   `.weight` is the raw tensor, never the logical one: code that needs the logical weight calls
   `dequantized(dtype)` (debug) — the model calls the module instead of `F.linear(x, m.weight)`.
 * `QuantMoE` (set as the class of a MoE whose routed experts are FP4) runs the routed experts
-  through `fp4_moe` (grouped per expert, from the packed weights); gate and shared expert are
-  unchanged.
+  from the packed weights; gate and shared expert are unchanged. Small batches (T*k <=
+  `grouped_max_pairs`, Triton backend, i.e. CUDA under "auto") take `fp4_moe_grouped`: two
+  fixed-shape Triton launches, no host sync, CUDA-graph capturable; larger batches (and the CPU
+  torch backend) take the per-expert `fp4_moe` loop. The grouped kernels read one
+  `FP4ExpertStack` per MoE: `stack_experts()` (at load on CUDA, else at first use) copies the
+  experts' codes / scales into [E, ...] tensors and re-points every expert QuantLinear's buffers
+  at views of them, so no lasting extra memory (peak during the copy: + one layer's routed
+  experts, ~3.3 GB for V4-Flash).
 * Tensor parallelism: `dspark/distributed` builds QuantLinears of each rank's local shape from the
   rank's codes and scale tiles (splits on 128-blocks; `sharding.check_quantized_split`).
 """
@@ -21,7 +27,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dspark.kernels.fp4_moe import fp4_linear, fp4_moe
+from dspark.kernels.fp4_moe import (GROUPED_MAX_PAIRS, FP4ExpertStack, fp4_linear, fp4_moe,
+                                    fp4_moe_grouped, grouped_applies, stack_fp4_experts)
 from dspark.kernels.fp8_gemm import fp8_linear
 from dspark.models.deepseek_v4.moe import MoE
 from dspark.models.quant import (FP8_BLOCK, dequant_fp4_experts, dequant_fp8_blocks,
@@ -94,16 +101,62 @@ class QuantLinear(nn.Module):
 
 
 class QuantMoE(MoE):
-    """MoE whose routed experts hold packed FP4 QuantLinears: routed part via `fp4_moe`."""
+    """MoE whose routed experts hold packed FP4 QuantLinears: routed part via `fp4_moe_grouped`
+    (small batches on the Triton backend) or the per-expert `fp4_moe` loop."""
+
+    # 0 disables the grouped path. Off by default until the kernels have run on a GPU (they
+    # are tested on CPU under the Triton interpreter only): `QuantMoE.grouped_max_pairs =
+    # GROUPED_MAX_PAIRS` (256) turns them on for every QuantMoE
+    grouped_max_pairs = 0
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         idx, w = self.gate(x, token_ids)
-        experts = [((e.w1.weight, e.w1.scale), (e.w3.weight, e.w3.scale), (e.w2.weight, e.w2.scale))
-                   for e in self.experts]
         first = self.experts[0].w1
-        out = fp4_moe(x, idx, w, experts, self.experts[0].limit, backend=first.backend)
+        limit = self.experts[0].limit
+        cap = self.grouped_max_pairs
+        if cap and grouped_applies(x, idx, first.backend, cap):
+            out = fp4_moe_grouped(x, idx, w, self.fp4_stack(), limit)
+        else:
+            experts = [((e.w1.weight, e.w1.scale), (e.w3.weight, e.w3.scale),
+                        (e.w2.weight, e.w2.scale)) for e in self.experts]
+            out = fp4_moe(x, idx, w, experts, limit, backend=first.backend, grouped=False)
         out += self.shared_experts(x).float()
         return out.to(x.dtype)
+
+    def fp4_stack(self) -> FP4ExpertStack:
+        """The experts' stacked weights, (re)built when missing or when the experts' buffers no
+        longer point into it (weights reassigned, module moved: cheap check on the first and last
+        expert only; in-place updates of the views need nothing)."""
+        st = getattr(self, "_fp4_stack", None)
+        if st is not None:
+            e0, e1 = self.experts[0], self.experts[len(self.experts) - 1]
+            if (e0.w1.weight.data_ptr() == st.w13.data_ptr()
+                    and e1.w2.scale.data_ptr() == st.s2[-1].data_ptr()):
+                return st
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("QuantMoE: the FP4 expert stack must be built before CUDA graph "
+                               "capture (run one eager step first, or call stack_experts())")
+        return self.stack_experts()
+
+    def stack_experts(self) -> FP4ExpertStack:
+        """Copy the routed experts' packed codes and e8m0 scales into one `FP4ExpertStack` and make
+        every expert QuantLinear's `weight` / `scale` a view of it (same dtypes and shapes), so the
+        per-expert path and the grouped kernels share one copy of the weights. The old per-expert
+        tensors are freed once nothing else references them."""
+        experts = [((e.w1.weight, e.w1.scale), (e.w3.weight, e.w3.scale),
+                    (e.w2.weight, e.w2.scale)) for e in self.experts]
+        with torch.inference_mode(False), torch.no_grad():
+            st = stack_fp4_experts(experts)
+            inter = st.w13.shape[1] // 2
+            for i, e in enumerate(self.experts):
+                for lin, w, s in ((e.w1, st.w13[i, :inter], st.s13[i, :inter]),
+                                  (e.w3, st.w13[i, inter:], st.s13[i, inter:]),
+                                  (e.w2, st.w2[i], st.s2[i])):
+                    lin._buffers["weight"] = w.view(lin.weight.dtype)
+                    lin._buffers["scale"] = s.view(lin.scale.dtype)
+        del experts
+        self._fp4_stack = st
+        return st
 
 
 def quantize_modules(root: nn.Module, kinds: dict, compute_dtype: torch.dtype,
@@ -163,6 +216,13 @@ def build_quantized_models(path: str, cfg, dtype: torch.dtype, device, with_draf
         drafter.load_state_dict({drafter_param_name(k): v for k, v in weights.items()
                                  if k.startswith("mtp.")}, strict=True, assign=True)
     del weights
+    if torch.device(device).type == "cuda" and QuantMoE.grouped_max_pairs:
+        # stacked FP4 experts for the grouped small-batch MoE kernels (views: no lasting extra
+        # memory), built now so a first step under CUDA graph capture finds them ready
+        for root in (model, drafter):
+            for m in (root.modules() if root is not None else ()):
+                if isinstance(m, QuantMoE):
+                    m.stack_experts()
     return model.eval(), (drafter.eval() if drafter is not None else None)
 
 
