@@ -18,6 +18,7 @@ import warnings
 
 import torch
 
+from .graph_capture import capture, warm_up
 from .sampling import Purpose, filters_used, probs_from_logits, sample_from_probs, uniforms
 
 PAD_INTS = (0, 0, 0, 0, 0)            # slot, anchor, start, seed, top_k: slot 0 = EMPTY_SLOT
@@ -177,18 +178,10 @@ class DraftPass:
         # warm up on a side stream: lazy initialisation (cuBLAS handles, Triton compiles) must
         # not happen inside the capture. Padding inputs only: the pool's scratch slot is the
         # only thing a warm-up may write.
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn(*buffers)
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        warm_up(lambda: fn(*buffers), times=2, device=self.device)
         if self._mempool is None:       # one memory pool for all graphs (replays are serial)
             self._mempool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: other threads (an async server's loop) may use CUDA meanwhile
-        with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-            outputs = fn(*buffers)
+        graph, outputs = capture(lambda: fn(*buffers), self._mempool)
         return _Captured(graph, buffers, outputs)
 
     # ---- device side: no host reads, shapes fixed by the batch size ----------------------

@@ -159,18 +159,24 @@ def test_data_split_and_tokenizer():
     assert tok.decode(enc.ids) == "def f(x):\n    return x\n"
 
 
+def _tiny_data_and_target(tmp_path, prompts, steps, batch, eval_tokens):
+    """(data dir, target dir) of a few-file corpus and a tiny target trained a few steps."""
+    from dspark.train import data as dmod
+    from dspark.train import target as ttrain
+    d = str(tmp_path / "data")
+    dmod.main(["--out", d, "--vocab", "512", "--limit-files", "40", "--prompts", str(prompts)])
+    t = str(tmp_path / "target")
+    ttrain.main(["--data", d, "--out", t, "--tiny", "--steps", str(steps), "--batch", str(batch),
+                 "--seq-len", "48", "--eval-tokens", str(eval_tokens)])
+    return d, t
+
+
 @pytest.mark.slow
 def test_pipeline_tiny_end_to_end(tmp_path):
     """data -> target -> drafter (+ablation) -> evaluate, at tiny sizes on CPU."""
-    from dspark.train import data as dmod
     from dspark.train import drafter as dtrain
     from dspark.train import evaluate as ev
-    from dspark.train import target as ttrain
-    d = str(tmp_path / "data")
-    dmod.main(["--out", d, "--vocab", "512", "--limit-files", "40", "--prompts", "12"])
-    t = str(tmp_path / "target")
-    ttrain.main(["--data", d, "--out", t, "--tiny", "--steps", "6", "--batch", "4",
-                 "--seq-len", "48", "--eval-tokens", "2000"])
+    d, t = _tiny_data_and_target(tmp_path, prompts=12, steps=6, batch=4, eval_tokens=2000)
     k = str(tmp_path / "ckpt")
     dtrain.main(["--data", d, "--target", t, "--out", k, "--tiny", "--steps", "4", "--batch", "2",
                  "--seq-len", "48", "--anchors", "6", "--ablation",
@@ -203,15 +209,9 @@ def test_sample_anchors_stay_in_range():
 def test_on_policy_rows_and_ablation_only(tmp_path):
     """sample (DSpark rounds and plain ancestral) -> drafter on sampled rows -> ablation alone."""
     import numpy as np
-    from dspark.train import data as dmod
     from dspark.train import drafter as dtrain
     from dspark.train import sample as smod
-    from dspark.train import target as ttrain
-    d = str(tmp_path / "data")
-    dmod.main(["--out", d, "--vocab", "512", "--limit-files", "40", "--prompts", "4"])
-    t = str(tmp_path / "target")
-    ttrain.main(["--data", d, "--out", t, "--tiny", "--steps", "2", "--batch", "2",
-                 "--seq-len", "48", "--eval-tokens", "500"])
+    d, t = _tiny_data_and_target(tmp_path, prompts=4, steps=2, batch=2, eval_tokens=500)
     stream = np.load(os.path.join(d, "train.npy"))
     k = str(tmp_path / "ckpt")
     dtrain.main(["--data", d, "--target", t, "--out", k, "--steps", "2", "--batch", "2",

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..graph_capture import capture, warm_up
 from ..kernels.paged_gqa_decode import paged_gqa_attention_torch
 from .qwen3 import apply_rope, rope_cos_sin
 
@@ -193,14 +194,7 @@ class DecodeGraphs:
         if g is None:
             # warm up outside the capture (Triton JIT, cuBLAS workspaces) on a side stream, with
             # this step's inputs already in place: its cache writes are the replay's writes
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._forward(*key)
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            # thread_local: a server thread doing CUDA work meanwhile must not break the capture
-            with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-                self._forward(*key)
+            warm_up(lambda: self._forward(*key))
+            g, _ = capture(lambda: self._forward(*key), self.pool)
             self.graphs[key] = g
         return g

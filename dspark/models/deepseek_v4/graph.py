@@ -41,6 +41,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from dspark.graph_capture import capture, warm_up
 from dspark.kvcache.paged import copy_rows
 
 from .indexer import topk_lowest_ties
@@ -437,16 +438,9 @@ class V4DecodeGraphs:
             # warm up outside the capture (Triton JIT, cuBLAS workspaces) on a side stream, with
             # this step's inputs in place: its cache writes are the replay's writes (q <=
             # lookahead + 1: a forward never reads a ring row it rewrites)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._forward(*key)
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
+            warm_up(lambda: self._forward(*key))
             try:
-                # thread_local: a server thread doing CUDA work meanwhile must not break it
-                with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-                    self._forward(*key)
+                g, _ = capture(lambda: self._forward(*key), self.pool)
             except Exception as e:          # e.g. a host sync in a weight format's MoE path
                 warnings.warn(f"V4DecodeGraphs: capturing {key} failed ({e}); the V4 target "
                               "runs eagerly from now on")
