@@ -472,6 +472,8 @@ def _kernel_report(eng, device) -> dict:
         "quant_linear": {k: sum(1 for m in mods if isinstance(m, QuantLinear) and m.kind == k)
                          for k in ("fp8", "fp4")},
         "quant_moe_layers": sum(1 for m in mods if isinstance(m, QuantMoE)),
+        "grouped_fp4_moe": bool(QuantMoE.grouped_max_pairs),
+        "target_cuda_graphs": getattr(eng.runner, "target_graphs", None) is not None,
         "gemm_backend": "triton" if torch.device(device).type == "cuda"
         else "torch (de-quantize + F.linear)",
     }
@@ -503,6 +505,11 @@ def main(argv=None):
     ap.add_argument("--hf-dtype", choices=("bf16", "fp32"), default=None,
                     help="HF weights / compute dtype (default: bf16 on CUDA, fp32 on CPU)")
     ap.add_argument("--kv-cache-dtype", default="fp8", choices=("fp8", "bf16", "fp32"))
+    ap.add_argument("--grouped-moe", action="store_true",
+                    help="routed FP4 experts through the grouped small-batch kernels (opt-in)")
+    ap.add_argument("--target-graphs", action="store_true",
+                    help="Engine(target_cuda_graphs=True): decode steps replayed as CUDA graphs "
+                         "(with FP4 experts only together with --grouped-moe)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
@@ -553,7 +560,12 @@ def main(argv=None):
 
     max_len = max(max(contexts) + args.warmup + args.iters + 8, prompt_len + new_tokens + 8)
     t0 = time.perf_counter()
+    if args.grouped_moe:       # the opt-in grouped small-batch FP4 MoE kernels (no host loop)
+        from dspark.kernels.fp4_moe import GROUPED_MAX_PAIRS
+        from dspark.models.qlinear import QuantMoE
+        QuantMoE.grouped_max_pairs = GROUPED_MAX_PAIRS
     eng = Engine(path, device=str(device), dtype=eng_dtype, weight_format="quantized",
+                 target_cuda_graphs=args.target_graphs,
                  speculative="none", kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=1,
                  max_num_batched_tokens=max(max(contexts), prompt_len) + 8,
                  max_model_len=-(-max_len // 256) * 256)
@@ -567,7 +579,9 @@ def main(argv=None):
     print(f"engine loaded in {load_s:.1f} s — {format_memory_report(mem)}; attention "
           f"{kernels['attention_backend']}, {kernels['quant_linear']['fp8']} FP8 / "
           f"{kernels['quant_linear']['fp4']} FP4 linears ({kernels['gemm_backend']}), "
-          f"{kernels['quant_moe_layers']} FP4 MoE layers")
+          f"{kernels['quant_moe_layers']} FP4 MoE layers"
+          f"{' (grouped kernels)' if kernels['grouped_fp4_moe'] else ''}; target CUDA graphs "
+          f"{'on' if kernels['target_cuda_graphs'] else 'off'}")
     save()
 
     # -- (a) decode step vs roofline --

@@ -17,6 +17,9 @@ python benchmarks/sweep_attention.py --json "$OUT/sweep_attention.json" 2>/dev/n
 python -m dspark.kernels.mhc_bench --T 1,2,6,64 2>/dev/null | tail -6
 python benchmarks/bench_decode_v4.py --context 128,4096 --new-tokens 32 \
     --json "$OUT/bench_decode_v4.json" 2>/dev/null | tail -12
+# the same with the grouped FP4 MoE kernels and the V4 target replayed as CUDA graphs (both opt-in)
+python benchmarks/bench_decode_v4.py --context 128,4096 --new-tokens 32 --grouped-moe --target-graphs \
+    --skip-hf --json "$OUT/bench_decode_v4_graphs.json" 2>/dev/null | tail -12
 # on a multi-GPU box (e.g. nvidia-h200-x2): NCCL tests ran above (-m gpu); tokens/s vs world size
 if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
   python benchmarks/bench_tp.py --world 1,2 --json "$OUT/bench_tp.json" 2>/dev/null | tail -12
