@@ -26,3 +26,25 @@ def capture(fn, pool):
     with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         outputs = fn()
     return graph, outputs
+
+
+def pow2_buckets(limit: int) -> list:
+    """1, 2, 4, ... below `limit`, then `limit` itself."""
+    return [b for b in (1 << i for i in range(limit.bit_length())) if b < limit] + [limit]
+
+
+def step_bucket(items, q_lens, batch_buckets: list, page_buckets: list, block_size: int):
+    """(batch bucket, q, page bucket) of a decode / verify step [(request id, start, tokens)]:
+    every request feeds the same q (one of `q_lens`) and the batch and the pages each request
+    needs fit the largest buckets; None otherwise (the step runs eagerly)."""
+    if not items or len(items) > batch_buckets[-1]:
+        return None
+    q = len(items[0][2])
+    if q not in q_lens or any(len(t) != q for _, _, t in items):
+        return None
+    need = max(-(-(start + q) // block_size) for _, start, _ in items)
+    if need > page_buckets[-1]:
+        return None
+    B = next(b for b in batch_buckets if b >= len(items))
+    P = next(p for p in page_buckets if p >= need)
+    return B, q, P

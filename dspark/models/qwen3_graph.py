@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..graph_capture import capture, warm_up
+from ..graph_capture import capture, pow2_buckets, step_bucket, warm_up
 from ..kernels.paged_gqa_decode import paged_gqa_attention_torch
 from .qwen3 import apply_rope, rope_cos_sin
 
@@ -77,11 +77,6 @@ def decode_forward(model, cache, token_ids, positions, slots, block_tables, q_le
     return logits, (torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None)
 
 
-def _buckets(limit: int) -> list:
-    """1, 2, 4, ... below `limit`, then `limit` itself."""
-    return [b for b in (1 << i for i in range(limit.bit_length())) if b < limit] + [limit]
-
-
 class DecodeGraphs:
     """Runs uniform-length steps (every request feeds q ∈ `q_lens` tokens) through
     `decode_forward`, captured as one CUDA graph per (batch bucket, q, page bucket)."""
@@ -99,12 +94,12 @@ class DecodeGraphs:
             raise ValueError(f"kernels={self.kernels!r}: use 'triton' or 'torch'")
         self.q_lens = frozenset(q_lens)
         self.qmax, self.max_batch = max(self.q_lens), max_batch
-        self.batch_buckets = _buckets(max_batch)
+        self.batch_buckets = pow2_buckets(max_batch)
         bs = cache.block_size
         self.max_pages = min(cache.num_blocks, -(-(model.cfg.max_position_embeddings + self.qmax) // bs))
         # the Triton attention reads only keys 0..pos whatever the table width, so one width
         # serves every context; the torch twin gathers all P pages, so it gets page buckets
-        self.page_buckets = [self.max_pages] if self.kernels == "triton" else _buckets(self.max_pages)
+        self.page_buckets = [self.max_pages] if self.kernels == "triton" else pow2_buckets(self.max_pages)
         self.rows = max_batch * self.qmax
         n_int = 3 * self.rows + max_batch * self.max_pages
         self.ints = torch.zeros(n_int, dtype=torch.long, device=dev)
@@ -121,17 +116,8 @@ class DecodeGraphs:
     def bucket(self, items):
         """(batch bucket, q, page bucket) for a list of (request id, start, tokens), or None when
         the step has to run eagerly."""
-        if not items or len(items) > self.max_batch:
-            return None
-        q = len(items[0][2])
-        if q not in self.q_lens or any(len(t) != q for _, _, t in items):
-            return None
-        need = max(-(-(start + q) // self.cache.block_size) for _, start, _ in items)
-        if need > self.max_pages:
-            return None
-        B = next(b for b in self.batch_buckets if b >= len(items))
-        P = next(p for p in self.page_buckets if p >= need)
-        return B, q, P
+        return step_bucket(items, self.q_lens, self.batch_buckets, self.page_buckets,
+                           self.cache.block_size)
 
     def _views(self, B: int, q: int, P: int):
         T, N = B * q, self.rows

@@ -41,7 +41,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from dspark.graph_capture import capture, warm_up
+from dspark.graph_capture import capture, pow2_buckets, step_bucket, warm_up
 from dspark.kvcache.paged import copy_rows
 
 from .indexer import topk_lowest_ties
@@ -299,11 +299,6 @@ def static_forward(model, kern: _Kernels, sp: StaticPlan, token_ids, tap_layers=
     return model.forward_hidden(batch, attn_fn=attn_fn, tap_layers=tap_layers)
 
 
-def _buckets(limit: int) -> list:
-    """1, 2, 4, ... below `limit`, then `limit` itself."""
-    return [b for b in (1 << i for i in range(limit.bit_length())) if b < limit] + [limit]
-
-
 class V4DecodeGraphs:
     """Runs uniform-length steps (every request feeds q ∈ `q_lens` tokens) of the DeepSeek-V4
     target through the fixed-shape forward, captured as one CUDA graph per (batch bucket, q,
@@ -335,8 +330,8 @@ class V4DecodeGraphs:
         bs = cache.block_size
         top = -(-(model.cfg.max_position_embeddings + self.qmax) // bs)
         self.max_pages = min(cache.num_blocks, top, max_pages or top)
-        self.batch_buckets = _buckets(self.max_batch)
-        self.page_buckets = _buckets(self.max_pages)
+        self.batch_buckets = pow2_buckets(self.max_batch)
+        self.page_buckets = pow2_buckets(self.max_pages)
         # RoPE tables sized once for every position a graph can see (no growth during capture);
         # the references keep the captured tables alive even if the eager path regrows them
         self.bound = self.max_pages * bs + max(m for m in (1, *cache.ratios) if m) + self.qmax
@@ -361,17 +356,10 @@ class V4DecodeGraphs:
     def bucket(self, items):
         """(batch bucket, q, page bucket) for [(request id, start, tokens)], or None when the step
         has to run eagerly."""
-        if self.disabled or not items or len(items) > self.max_batch:
+        if self.disabled:
             return None
-        q = len(items[0][2])
-        if q not in self.q_lens or any(len(t) != q for _, _, t in items):
-            return None
-        need = max(-(-(start + q) // self.cache.block_size) for _, start, _ in items)
-        if need > self.max_pages:
-            return None
-        B = next(b for b in self.batch_buckets if b >= len(items))
-        P = next(p for p in self.page_buckets if p >= need)
-        return B, q, P
+        return step_bucket(items, self.q_lens, self.batch_buckets, self.page_buckets,
+                           self.cache.block_size)
 
     def _split(self, buf):
         o = self._offs
