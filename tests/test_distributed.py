@@ -76,19 +76,34 @@ class _RecordingOpen:
         return S()
 
 
+def _load_shard_recorded(monkeypatch, path, cfg, rank, world, **kw):
+    """(the rank's tensors, its ShardPlan, [(name, elements read, stored shape)] of every read)."""
+    import dspark.distributed.loader as L
+    log, real_open = [], L._open
+    monkeypatch.setattr(L, "_open", lambda p, s: _RecordingOpen(real_open(p, s), log))
+    part = load_checkpoint_shard(path, cfg, rank, world, **kw)
+    monkeypatch.setattr(L, "_open", real_open)
+    return part, ShardPlan(cfg, rank, world), log
+
+
+def _assert_reads_only_its_part(log, plan, cfg, rank, world):
+    read = {n for n, _, _ in log}
+    for e in range(cfg.n_routed_experts):        # other ranks' experts are never opened
+        hit = any(f".ffn.experts.{e}." in n for n in read)
+        assert hit == plan.owns_expert(e), (e, rank, world)
+    for name, numel, shape in log:                # sliced tensors: only their part
+        if name.endswith(".attn.wq_b.weight") and "indexer" not in name:
+            assert numel * world == shape[0] * shape[1]
+
+
 @pytest.mark.parametrize("ckpt", ["tiny_ckpt", "tiny_quant_ckpt"])
 def test_sharded_loader_reads_only_its_slices(ckpt, request, monkeypatch):
-    import dspark.distributed.loader as L
     path = request.getfixturevalue(ckpt)
     cfg = ModelConfig.from_path(path)
     full = load_checkpoint(path, cfg, progress=False)
-    real_open = L._open
     for world in (2, 4):
         for rank in range(world):
-            log = []
-            monkeypatch.setattr(L, "_open", lambda p, s: _RecordingOpen(real_open(p, s), log))
-            part = load_checkpoint_shard(path, cfg, rank, world)
-            plan = ShardPlan(cfg, rank, world)
+            part, plan, log = _load_shard_recorded(monkeypatch, path, cfg, rank, world)
             for name, t in full.items():
                 sl = plan.slices(name)
                 if sl is SKIP:
@@ -97,14 +112,7 @@ def test_sharded_loader_reads_only_its_slices(ckpt, request, monkeypatch):
                 want = take(t, sl)
                 assert part[name].shape == plan.local_shape(name, t.shape) == want.shape, name
                 assert part[name].dtype == want.dtype and torch.equal(part[name], want), name
-            read = {n for n, _, _ in log}
-            for e in range(cfg.n_routed_experts):        # other ranks' experts are never opened
-                hit = any(f".ffn.experts.{e}." in n for n in read)
-                assert hit == plan.owns_expert(e), (e, rank, world)
-            for name, numel, shape in log:                # sliced tensors: only their part
-                if ".attn.wq_b.weight" in name and "indexer" not in name and \
-                        name.endswith(".weight"):
-                    assert numel * world == shape[0] * shape[1]
+            _assert_reads_only_its_part(log, plan, cfg, rank, world)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -112,18 +120,14 @@ def test_sharded_loader_keeps_quantized_slices(tiny_quant_ckpt, world, monkeypat
     """keep_quantized: each rank gets its rows/cols of the stored codes and exactly the scale
     tiles under them (de-quantized, they equal the slice of the de-quantized tensor), reads only
     its slices, and never opens other ranks' experts."""
-    import dspark.distributed.loader as L
     from dspark.models.deepseek_v4.weights import scale_name, tensor_inventory
     from dspark.models.quant import dequant_fp4_experts, dequant_fp8_blocks
     cfg = ModelConfig.from_path(tiny_quant_ckpt)
     inv = tensor_inventory(cfg)
     full = load_checkpoint(tiny_quant_ckpt, cfg, progress=False)
-    real_open = L._open
     for rank in range(world):
-        log = []
-        monkeypatch.setattr(L, "_open", lambda p, s: _RecordingOpen(real_open(p, s), log))
-        part = load_checkpoint_shard(tiny_quant_ckpt, cfg, rank, world, keep_quantized=True)
-        plan = ShardPlan(cfg, rank, world)
+        part, plan, log = _load_shard_recorded(monkeypatch, tiny_quant_ckpt, cfg, rank, world,
+                                               keep_quantized=True)
         for name, spec in inv.items():
             sl = plan.slices(name)
             if sl is SKIP:
@@ -136,12 +140,7 @@ def test_sharded_loader_keeps_quantized_slices(tiny_quant_ckpt, world, monkeypat
                 assert torch.equal(deq(w, sc, torch.float32), want), name
             else:
                 assert torch.equal(part[name], want), name
-        read = {n for n, _, _ in log}
-        for e in range(cfg.n_routed_experts):
-            assert any(f".ffn.experts.{e}." in n for n in read) == plan.owns_expert(e)
-        for name, numel, shape in log:
-            if name.endswith("attn.wq_b.weight") and "indexer" not in name:
-                assert numel * world == shape[0] * shape[1]
+        _assert_reads_only_its_part(log, plan, cfg, rank, world)
 
 
 def test_quantized_split_must_fall_on_blocks():

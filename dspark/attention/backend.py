@@ -18,9 +18,8 @@ FlashMLA MODEL1 sparse-decode backend therefore only implements ``sparse_mqa`` (
 ``select`` if it wants its own kernels); the model does not change.
 
 Backends subclass ``AttentionBackend`` and implement three storage hooks: ``store`` (write rows
-into a pool), ``select`` and ``sparse_mqa``. (FlashMLA addresses 64-entry pages; for it pick
-``lookahead`` so that the ring capacity is a multiple of 64 and lay the SWA pool out in 64-entry
-pages: the ids ``slot * capacity + p % capacity`` stay valid.)
+into a pool), ``select`` and ``sparse_mqa``. (The FlashMLA backend, flashmla.py, reads these
+pools in place: its kernels take any entries-per-page, so the ring layout needs no change.)
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ import torch
 
 from .common import Timer, load_models, pick_device, setup_fast_math
 from .data import PreparedData
-from .evaluate import _probs, spec_decode, target_logits_taps
+from .evaluate import EvalQuant, _probs, spec_decode, target_logits_taps
 
 
 @torch.no_grad()
@@ -52,7 +52,6 @@ def sample_rows(ckpt: str, data: PreparedData, rows: int = 0, time_budget: float
     model.eval()
     if drafter is not None:
         drafter.eval()
-    from .evaluate import EvalQuant
     quant = EvalQuant()       # the engine's default storage rounding, as in evaluation
     gen = torch.Generator().manual_seed(seed)
     clock, out, k = Timer(), [], 0

@@ -56,10 +56,17 @@ class Attention(nn.Module):
         return kv if quant is None else quant.kv(kv)
 
     def finish_entries(self, pooled, j0: int, comp: Compressor, dtype, quant, indexer: bool):
-        """norm -> RoPE at position j*ratio -> quantisation of freshly pooled entries."""
+        """norm -> RoPE at position j*ratio -> quantisation of freshly pooled entries j0, j0+1..."""
+        n = pooled.shape[0]
+        pos = torch.arange(j0, j0 + n, device=pooled.device) * self.ratio
+        return self.finish_entries_at(pooled, pos, (j0 + n) * self.ratio, comp, dtype, quant,
+                                      indexer)
+
+    def finish_entries_at(self, pooled, positions, bound: int, comp: Compressor, dtype, quant,
+                          indexer: bool):
+        """The same for entries at any `positions` (j*ratio each; host int `bound` > all)."""
         e = comp.norm(pooled.to(dtype))
-        pos = torch.arange(j0, j0 + e.shape[0], device=e.device) * self.ratio
-        e = self._rope(e, pos, False, (j0 + e.shape[0]) * self.ratio, None)
+        e = self._rope(e, positions, False, bound, None)
         if quant is not None:
             e = quant.indexer(e).to(dtype) if indexer else quant.kv(e)
         return e

@@ -280,10 +280,8 @@ def _emit(attn, comp, kern, sp, layer, kind, x, quant):
         A = torch.cat([A[:, :m, :d], A[:, m:, d:]], dim=1)
         Z = torch.cat([Z[:, :m, :d], Z[:, m:, d:]], dim=1)
     pooled = (torch.softmax(Z, dim=1) * A).sum(1)
-    e = comp.norm(pooled.to(x.dtype))                        # Attention.finish_entries
-    e = attn._rope(e, rp.emit_pos, False, sp.position_bound, None)
-    if quant is not None:
-        e = quant.indexer(e).to(x.dtype) if kind == "indexer" else quant.kv(e)
+    e = attn.finish_entries_at(pooled, rp.emit_pos, sp.position_bound, comp, x.dtype, quant,
+                               indexer=kind == "indexer")
     pool = cache.entries[layer] if kind == "main" else cache.index_keys[layer]
     kern.store(pool, rp.per_page, rp.emit_dst, e)
 
