@@ -236,3 +236,17 @@ def test_on_policy_rows_and_ablation_only(tmp_path):
     with pytest.raises(ValueError, match="--seq-len"):
         dtrain.main(["--data", d, "--target", t, "--out", a, "--steps", "1", "--batch", "2",
                      "--seq-len", "32", "--sampled", str(tmp_path / "rows_spec.npy")])
+    # continuing: --init-from / --init-ablation start from those weights (lr 0: unchanged)
+    from dspark.train.common import load_models
+    c = str(tmp_path / "cont")
+    dtrain.main(["--data", d, "--target", t, "--out", c, "--steps", "1", "--batch", "2",
+                 "--seq-len", "48", "--anchors", "4", "--lr", "0", "--ablation", "--init-from", k,
+                 "--init-ablation", os.path.join(a, "ablation.pt")])
+    before, after = load_models(k)[2].state_dict(), load_models(c)[2].state_dict()
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    abl_a = torch.load(os.path.join(a, "ablation.pt"))
+    abl_c = torch.load(os.path.join(c, "ablation.pt"))
+    assert all(torch.equal(abl_a[n], abl_c[n]) for n in abl_a)
+    with pytest.raises(RuntimeError, match="markov"):     # shapes differ: named, not silent
+        dtrain.main(["--data", d, "--target", t, "--out", c, "--steps", "1", "--batch", "2",
+                     "--seq-len", "48", "--anchors", "4", "--markov-rank", "8", "--init-from", k])

@@ -74,6 +74,9 @@ def run_all(argv=None):
                    help="seconds of on-policy sampling from the target before the drafter (0 = off)")
     p.add_argument("--sampled-frac", type=float, default=0.25)
     p.add_argument("--sample-prompt-len", type=int, default=384)
+    p.add_argument("--init-from", help="continue: start the drafter from this checkpoint's mtp.* "
+                                       "(the target stays --skip-target's)")
+    p.add_argument("--init-ablation", help="continue: start the no-Markov ablation from this .pt")
     p.add_argument("--device", help="main device (default: cuda if available)")
     p.add_argument("--second-device", help="e.g. cuda:1: half the sampling and the no-Markov "
                                            "ablation run there concurrently")
@@ -150,7 +153,7 @@ def run_all(argv=None):
     common = dict(steps=a.drafter_steps, time_budget=a.drafter_time, batch=a.drafter_batch,
                   seq_len=a.seq_len, anchors=a.anchors, lr=a.drafter_lr, markov_rank=a.markov_rank,
                   seed=a.seed, updates_per_batch=a.updates_per_batch, sampled=sampled,
-                  sampled_frac=a.sampled_frac)
+                  sampled_frac=a.sampled_frac, init_from=a.init_from, init_ablation=a.init_ablation)
     if a.second_device:      # the ablation: same seed -> same batches, its own GPU
         adir = os.path.join(a.work, "ablation")
         args = ["--data", a.data, "--target", tdir, "--out", adir, "--ablation-only",

@@ -105,7 +105,8 @@ def train_drafter(data: PreparedData, target: str, out: str, steps: int = 0,
                   w_tv: float = 0.9, w_conf: float = 1.0, qat: bool = True, seed: int = 0,
                   log_every: int = 25, device=None, log=print, updates_per_batch: int = 1,
                   ablation_only: bool = False, sampled: str | None = None,
-                  sampled_frac: float = 0.25) -> dict:
+                  sampled_frac: float = 0.25, init_from: str | None = None,
+                  init_ablation: str | None = None) -> dict:
     if not steps and not time_budget:
         raise ValueError("give --steps or --time-budget")
     rows = prompt_len = None
@@ -138,10 +139,15 @@ def train_drafter(data: PreparedData, target: str, out: str, steps: int = 0,
                                    qat=qat, seed=seed, updates_per_batch=updates_per_batch,
                                    sampled=sampled, sampled_frac=sampled_frac if sampled else 0.0,
                                    sampled_rows=0 if rows is None else int(rows.shape[0]),
-                                   sampled_prompt_len=prompt_len),
+                                   sampled_prompt_len=prompt_len, init_from=init_from,
+                                   init_ablation=init_ablation),
                       "params": {}, "train": {k: [] for k in variants}}
+    warm = _warm_starts(variants, init_from, init_ablation, dev)
     for name, d in variants.items():
-        init_drafter(d, seed=seed + 1)
+        if name in warm:
+            d.load_state_dict(warm[name], strict=True)     # continue an earlier run
+        else:
+            init_drafter(d, seed=seed + 1)
         d.to(dev).train()
         for pn, p in d.named_parameters():
             if pn.endswith("gate.bias"):
@@ -229,6 +235,21 @@ def train_drafter(data: PreparedData, target: str, out: str, steps: int = 0,
     return logd
 
 
+def _warm_starts(variants: dict, init_from: str | None, init_ablation: str | None, dev) -> dict:
+    """State dicts to continue from: the Markov drafter from a DSpark checkpoint dir (its mtp.*
+    stages), the no-Markov ablation from an ablation.pt. The shapes must match the new drafters
+    (same target, γ and Markov rank), else load_state_dict names the mismatching tensors."""
+    warm = {}
+    if init_from and "markov" in variants:
+        _, _, d = load_models(init_from, dev, with_drafter=True)
+        if d is None:
+            raise ValueError(f"--init-from {init_from}: the checkpoint has no DSpark drafter (mtp.*)")
+        warm["markov"] = d.state_dict()
+    if init_ablation and "no_markov" in variants:
+        warm["no_markov"] = torch.load(init_ablation, map_location=dev)
+    return warm
+
+
 def _step(model, variants, opts, x, ancs, cfg, quant, w, loss_w, cur_lr):
     """One frozen-target forward over the windows x, then one optimizer update per anchor set
     in `ancs` (the target forward is the expensive, launch-bound part: reusing it for several
@@ -295,6 +316,8 @@ def add_args(p):
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--updates-per-batch", type=int, default=1,
                    help="drafter updates (fresh anchors each) per frozen-target forward")
+    p.add_argument("--init-from", help="continue training: start the drafter from this checkpoint's mtp.*")
+    p.add_argument("--init-ablation", help="continue training: start the ablation from this ablation.pt")
     p.add_argument("--device")
 
 
@@ -308,7 +331,8 @@ def main(argv=None):
                          a.lr, a.warmup, a.wd, a.gamma, a.markov_rank, a.ablation, a.w_ce, a.w_tv,
                          a.w_conf, not a.no_qat, a.seed, a.log_every, a.device,
                          updates_per_batch=a.updates_per_batch, ablation_only=a.ablation_only,
-                         sampled=a.sampled, sampled_frac=a.sampled_frac)
+                         sampled=a.sampled, sampled_frac=a.sampled_frac, init_from=a.init_from,
+                         init_ablation=a.init_ablation)
 
 
 if __name__ == "__main__":
