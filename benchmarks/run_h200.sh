@@ -5,6 +5,8 @@
 # archive, results.tgz (the device returns only a few files per call).
 #   BUDGET=570  seconds for the whole script (default 570)
 #   STEPS="tests decode bench ..."  which steps, in this order (default: all, in the order below)
+#   GPU_TESTS="tests/test_v4_graph.py ..."  what the tests step runs (default: the whole suite's
+#              GPU-marked tests; the full set needs more than 200 s, so name files to go first)
 set -uo pipefail
 OUT=${OUT:-out}; R="$OUT/r"; mkdir -p "$R"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -15,21 +17,25 @@ step() { echo "[t=$((SECONDS - T0))s] $1"; }
 for s in $STEPS; do case $s in
 tests)   # correctness first: every kernel / graph against its torch or eager reference
   step "GPU tests"
-  timeout "$(left 200)" python -m pytest -q -m gpu -rfE tests > "$R/gpu_tests.txt" 2>&1
+  timeout "$(left 300)" python -m pytest -q -m gpu -rfE ${GPU_TESTS:-tests} > "$R/gpu_tests.txt" 2>&1
   tail -12 "$R/gpu_tests.txt" | cut -c1-300 ;;
 decode)  # issue 7: V4-Flash decode vs HBM roofline and vs HF, eager and with the opt-in graph path
   step "bench_decode_v4 (grouped FP4 MoE + target graphs)"
   timeout "$(left 150)" python benchmarks/bench_decode_v4.py --context 128,4096 --new-tokens 32 \
     --grouped-moe --target-graphs --json "$R/bench_decode_v4_graphs.json" > "$R/bench_decode_v4_graphs.txt" 2>&1
   grep -v -i "warn\|it/s\]" "$R/bench_decode_v4_graphs.txt" | tail -14 | cut -c1-250 ;;
-bench)   # issue 6: tau and speed-up vs speculation off on the shipped pair, batch 1
+bench)   # issue 6: tau and speed-up vs speculation off on the shipped pair, batch 1, with the
+         # V4 target's steps as CUDA graphs (both engines); run alone: a busy CPU skews it
   for T in 0 1.0; do
     step "bench T=$T"
     timeout "$(left 120)" python -m dspark.bench --num-prompts 16 --max-tokens 128 --temperature $T \
-      --concurrency 1 --json "$R/bench_default_T$T.json" --plot "$R/bench_default_T$T.png" \
-      > "$R/bench_T$T.txt" 2>&1
+      --concurrency 1 --target-cuda-graphs --json "$R/bench_default_T$T.json" \
+      --plot "$R/bench_default_T$T.png" > "$R/bench_T$T.txt" 2>&1
     tail -c 2000 "$R/bench_T$T.txt" | tr '\r' '\n' | grep -v "it/s\]\|req/s\]\|s/req\]" | tail -5
-  done ;;
+  done
+  step "round profile T=1"
+  timeout "$(left 60)" python -m dspark.bench --profile --target-cuda-graphs --temperature 1.0 \
+    --json "$R/profile_T1.json" > "$R/profile_T1.txt" 2>&1; head -12 "$R/profile_T1.txt" ;;
 draft)
   step "bench_draft"
   timeout "$(left 60)" python benchmarks/bench_draft.py --batch 1 8 --json "$R/bench_draft.json" \

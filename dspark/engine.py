@@ -7,6 +7,12 @@
 One `step()` is one DSpark round for every running request (architecture.md):
   policy picks ℓ per request -> one flattened target forward (verify blocks + prefill chunks)
   -> lossless accept/reject -> commit tokens and draft context -> draft the next blocks.
+
+Sampled (temperature > 0) verification without top-k / top-p runs as one fused Triton kernel on
+CUDA (`dspark.kernels.sampling.fused_verify`) instead of a few hundred small torch kernels.
+Environment: DSPARK_FUSED_VERIFY=0 forces the torch path (`probs_from_logits` + `verify`);
+DSPARK_FUSED_VERIFY=1 forces the kernel on CPU too (needs TRITON_INTERPRET=1 set before triton is
+imported: slow, for tests).
 """
 from __future__ import annotations
 
@@ -343,17 +349,26 @@ class Engine:
             res = verify_greedy(drafts, logits[row_idx].argmax(-1), lens)
         else:
             temp, top_k, top_p = stack_params([r.params for r in reqs], dev)
-            rep = lambda t: None if t is None else t.repeat_interleave(g + 1)  # noqa: E731
-            p = probs_from_logits(logits[row_idx.flatten()], rep(temp), rep(top_k),
-                                  rep(top_p)).view(R, g + 1, V)
-            q = torch.zeros(R, g, V, device=dev)
-            for i, r in enumerate(reqs):
-                if lengths[i]:       # greedy drafts keep no distribution: a point mass
-                    q[i] = r.draft.probs if r.draft.probs is not None else \
-                        torch.zeros(g, V, device=dev).scatter_(1, r.draft.tokens[:, None], 1.0)
+            # q = None: every verified draft is a point mass at its token (greedy drafts, or
+            # nothing verified), which verify and fused_verify build implicitly
+            q = None
+            if any(lengths[i] and r.draft.probs is not None for i, r in enumerate(reqs)):
+                q = torch.zeros(R, g, V, device=dev)
+                for i, r in enumerate(reqs):
+                    if lengths[i]:       # greedy drafts keep no distribution: a point mass
+                        q[i] = r.draft.probs if r.draft.probs is not None else \
+                            torch.zeros(g, V, device=dev).scatter_(1, r.draft.tokens[:, None], 1.0)
             seeds = torch.tensor([r.seed for r in reqs], dtype=torch.long, device=dev)
             P = torch.tensor(anchor_pos, dtype=torch.long, device=dev)
-            res = verify(drafts, q, p, lens, seeds, P)
+            fused = os.environ.get("DSPARK_FUSED_VERIFY", "")
+            if top_k is None and top_p is None and (fused == "1" or (dev.type == "cuda" and fused != "0")):
+                from .kernels.sampling import fused_verify   # Triton: imported only when used
+                res = fused_verify(drafts, q, logits[row_idx], temp, lens, seeds, P)
+            else:
+                rep = lambda t: None if t is None else t.repeat_interleave(g + 1)  # noqa: E731
+                p = probs_from_logits(logits[row_idx.flatten()], rep(temp), rep(top_k),
+                                      rep(top_p)).view(R, g + 1, V)
+                res = verify(drafts, q, p, lens, seeds, P)
         toks, counts = emitted_tokens(drafts, res)
         stops = stop_table([r.params.all_stop_ids(self.eos_token_ids) for r in reqs], dev)
         ngen = torch.tensor([len(r.output_ids) for r in reqs], device=dev)
