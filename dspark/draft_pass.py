@@ -19,7 +19,8 @@ import warnings
 import torch
 
 from .graph_capture import capture, warm_up
-from .sampling import Purpose, filters_used, probs_from_logits, sample_from_probs, uniforms
+from .sampling import (Purpose, filters_used, fused_sampling_enabled, probs_from_logits,
+                       sample_from_probs, uniforms)
 
 PAD_INTS = (0, 0, 0, 0, 0)            # slot, anchor, start, seed, top_k: slot 0 = EMPTY_SLOT
 PAD_FLOATS = (1.0, 1.0)               # temperature 1, top_p 1 = off
@@ -207,6 +208,11 @@ class DraftPass:
             # the uniform deciding the token at P+k+1, for all k at once (elementwise the same
             # values as one uniforms() call per step)
             u = uniforms(seeds[:, None], starts[:, None] + self._offsets, Purpose.DRAFT)
+        # one Triton launch per Markov step (softmax, q written, inverse-CDF sample) instead of
+        # ~20 small kernels; top-k / top-p need the sort of the torch path
+        fused = not greedy and top_k is None and top_p is None and fused_sampling_enabled(base.device)
+        if fused:
+            from .kernels.sampling import fused_sample
         prev, toks, probs, confs = anchors, [], [], []
         for k in range(self.gamma):
             bias, conf = head_step(k, prev)
@@ -214,6 +220,9 @@ class DraftPass:
                 # what probs_from_logits + sample_from_probs give at temperature 0: the point
                 # mass on the argmax (first index on ties), so that token, without the [R, V] work
                 prev = (base[:, k] + bias).argmax(dim=1)
+            elif fused:
+                q, prev = fused_sample(base[:, k] + bias, temperature, u[:, k])
+                probs.append(q)
             else:
                 q = probs_from_logits(base[:, k] + bias, temperature, top_k, top_p)
                 prev = sample_from_probs(q, u[:, k])

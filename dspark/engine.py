@@ -9,10 +9,9 @@ One `step()` is one DSpark round for every running request (architecture.md):
   -> lossless accept/reject -> commit tokens and draft context -> draft the next blocks.
 
 Sampled (temperature > 0) verification without top-k / top-p runs as one fused Triton kernel on
-CUDA (`dspark.kernels.sampling.fused_verify`) instead of a few hundred small torch kernels.
-Environment: DSPARK_FUSED_VERIFY=0 forces the torch path (`probs_from_logits` + `verify`);
-DSPARK_FUSED_VERIFY=1 forces the kernel on CPU too (needs TRITON_INTERPRET=1 set before triton is
-imported: slow, for tests).
+CUDA (`dspark.kernels.sampling.fused_verify`) instead of a few hundred small torch kernels;
+DSPARK_FUSED_SAMPLING=0 forces the torch path (`probs_from_logits` + `verify`), see
+`dspark.sampling.fused_sampling_enabled`.
 """
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ from .models.drafter import DSparkDrafter
 from .models.loader import load_checkpoint
 from .request import Request, Status
 from .runner import ModelRunner, QuantSim
-from .sampling import SamplingParams, probs_from_logits, stack_params
+from .sampling import SamplingParams, fused_sampling_enabled, probs_from_logits, stack_params
 from .scheduler import Scheduler
 from .spec.policy import make_policy
 from .spec.verify import (FinishReason, apply_stops, emitted_tokens, stop_table, verify,
@@ -360,8 +359,7 @@ class Engine:
                             torch.zeros(g, V, device=dev).scatter_(1, r.draft.tokens[:, None], 1.0)
             seeds = torch.tensor([r.seed for r in reqs], dtype=torch.long, device=dev)
             P = torch.tensor(anchor_pos, dtype=torch.long, device=dev)
-            fused = os.environ.get("DSPARK_FUSED_VERIFY", "")
-            if top_k is None and top_p is None and (fused == "1" or (dev.type == "cuda" and fused != "0")):
+            if top_k is None and top_p is None and fused_sampling_enabled(dev):
                 from .kernels.sampling import fused_verify   # Triton: imported only when used
                 res = fused_verify(drafts, q, logits[row_idx], temp, lens, seeds, P)
             else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import math
 import numbers
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -140,6 +141,16 @@ def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor,
     return probs.scatter_(1, top, torch.where(greedy.unsqueeze(1), 1.0, probs.gather(1, top)))
 
 
+def fused_sampling_enabled(device) -> bool:
+    """Whether sampled draft tokens and sampled verification use the fused Triton kernels
+    (dspark/kernels/sampling.py) instead of the torch ops here: on CUDA by default. The
+    environment variable DSPARK_FUSED_SAMPLING=0 forces the torch path (debugging, A/B timing);
+    =1 forces the kernels on CPU too (needs TRITON_INTERPRET=1 before triton is imported: slow,
+    for tests). Read on every call. Requests with top-k / top-p always take the torch path."""
+    flag = os.environ.get("DSPARK_FUSED_SAMPLING", "")
+    return flag == "1" or (torch.device(device).type == "cuda" and flag != "0")
+
+
 def _mix32(x):
     # 32-bit xorshift-multiply finaliser (a bijection on [0, 2**32) with good avalanche), so
     # chaining it over the key words gives well-spread outputs. Both multipliers are < 2**31: the
@@ -183,5 +194,5 @@ def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.where(first < v, first, last_positive)
 
 
-__all__ = ["Purpose", "SamplingParams", "filters_used", "stack_params", "probs_from_logits", "uniforms",
+__all__ = ["Purpose", "SamplingParams", "filters_used", "fused_sampling_enabled", "stack_params", "probs_from_logits", "uniforms",
            "sample_from_probs"]

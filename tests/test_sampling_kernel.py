@@ -192,20 +192,73 @@ def test_hash_is_bit_identical_to_uniforms():
 
 
 def test_engine_outputs_agree_with_the_torch_path(monkeypatch):
-    """The whole engine at temperature 1 through the kernel (DSPARK_FUSED_VERIFY=1, interpreted
+    """The whole engine at temperature 1 through the kernels (DSPARK_FUSED_SAMPLING=1, interpreted
     on CPU) and through the torch path: same seeds, same tokens. Speculative (draft probs) and
     speculation-off (length 0, no q) engines."""
-    calls = []
-    real = ks.fused_verify
+    calls, draws = [], []
+    real, real_sample = ks.fused_verify, ks.fused_sample
     monkeypatch.setattr(ks, "fused_verify", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(ks, "fused_sample", lambda *a, **k: draws.append(1) or real_sample(*a, **k))
     prompts = load_prompts(default_model_path() + "/heldout_prompts.jsonl", 3)
     params = [SamplingParams(temperature=1.0, max_tokens=32, seed=s) for s in (1, 2, 3)]
     for speculative in ("dspark", "none"):
         eng = Engine(device=DEV, dtype="fp32", speculative=speculative)
         outs = {}
         for mode in ("0", "1"):
-            monkeypatch.setenv("DSPARK_FUSED_VERIFY", mode)
-            n = len(calls)
+            monkeypatch.setenv("DSPARK_FUSED_SAMPLING", mode)
+            n, d = len(calls), len(draws)
             outs[mode] = [o.token_ids for o in eng.generate(prompts, params)]
             assert (len(calls) > n) == (mode == "1")
+            # the draft pass's Markov steps draw through fused_sample too (speculative engine)
+            assert (len(draws) > d) == (mode == "1" and speculative == "dspark")
         assert outs["0"] == outs["1"], speculative
+
+
+def _sample_case(gen, n, v, layout="contiguous"):
+    if layout == "strided":
+        logits = (torch.randn(v + 5, n, generator=gen) * 2).t()[:, :v]
+    else:
+        logits = torch.randn(n, v, generator=gen) * 2
+    if layout == "bf16":
+        logits = logits.bfloat16()
+    logits[:, :3] = float("-inf")            # masked entries: never drawn, q = 0
+    temp = torch.rand(n, generator=gen) + 0.4
+    temp[::3] = 0.0                          # greedy rows
+    return logits, temp, torch.rand(n, generator=gen)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "bf16"])
+def test_fused_sample_matches_probs_and_draw_of_the_torch_path(layout):
+    """q == probs_from_logits (1e-6) and the token == sample_from_probs(q, u) on every row here
+    (a mismatch needs u within rounding of a cdf boundary); greedy rows: one-hot, the argmax."""
+    from dspark.sampling import sample_from_probs
+    gen = torch.Generator().manual_seed(3)
+    mismatches, rows = 0, 0
+    for v in (37, 300):
+        logits, temp, u = _sample_case(gen, 9, v, layout)
+        q_ref = probs_from_logits(logits, temp)
+        tok_ref = sample_from_probs(q_ref, u)
+        q, tok = ks.fused_sample(logits.to(DEV), temp.to(DEV), u.to(DEV), block_v=BLOCK_V)
+        torch.testing.assert_close(q.cpu(), q_ref, atol=1e-6, rtol=1e-5)
+        mismatches += int((tok.cpu() != tok_ref).sum())
+        rows += len(tok)
+        assert bool((q.cpu().gather(1, tok.cpu()[:, None]) > 0).all())
+        greedy = temp <= 0
+        assert torch.equal(tok.cpu()[greedy], logits[greedy].float().argmax(1))
+    assert mismatches <= rows // 200, (mismatches, rows)
+
+
+def test_fused_sample_draws_follow_q():
+    """Inverse CDF on a stratified grid of u: token i is drawn for the grid points inside its
+    cdf interval, so its count is n·q_i within one: q is exactly the law the draft token came
+    from, as the verify's rejection test needs. A masked entry (q = 0) is never drawn."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(1, 23, generator=gen)
+    logits[0, 4] = float("-inf")
+    n = 400
+    u = (torch.arange(n, dtype=torch.float32) + 0.5) / n
+    q, tok = ks.fused_sample(logits.expand(n, -1).contiguous().to(DEV),
+                             torch.full((n,), 0.8).to(DEV), u.to(DEV), block_v=16)
+    counts = torch.bincount(tok.cpu(), minlength=23).double()
+    assert counts[4] == 0
+    assert float((counts - q[0].cpu().double() * n).abs().max()) <= 1.01

@@ -17,6 +17,9 @@ for requests without top-k / top-p, with softmax statistics taken chunk by chunk
   2. over row a: total of the residual max(0, p - q) and of p;
   3. over row a again: inverse-CDF search with a running cdf carried across chunks.
 
+`fused_sample` is the draft side: one Markov step's `probs_from_logits` + `sample_from_probs` in
+one launch per step (softmax written out as q, inverse-CDF draw in the same pass).
+
 Uniforms come from the same integer hash as `dspark.sampling.uniforms`, bit for bit. Sums run in
 a different order than torch's (and on GPU exp / division are Triton's few-ulp versions), so the
 corrected / bonus token can differ from the torch path only when u lands within rounding of a cdf
@@ -235,4 +238,61 @@ def fused_verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
     return VerifyResult(accepted, next_token)
 
 
-__all__ = ["fused_verify", "hash_start"]
+@triton.jit
+def _fused_sample_kernel(logit_ptr, stride_l_n, stride_l_v, temp_ptr, u_ptr, probs_ptr, tok_ptr, V,
+                         BLOCK_V: tl.constexpr):
+    """Row n: q = softmax(logits / T) written to probs[n] (one-hot at the first argmax when
+    T <= 0), token = first index whose running sum of exp(logits / T - m) exceeds u * s among
+    entries with q > 0 (else the last such entry), s the row's normaliser from pass 1."""
+    n = tl.program_id(0).to(tl.int64)
+    temp = tl.load(temp_ptr + n)
+    greedy = temp <= 0
+    t = tl.where(greedy, 1.0, temp)
+    row = logit_ptr + n * stride_l_n
+    m, s, am = _row_stats(row, stride_l_v, V, t, BLOCK_V)
+    target = tl.load(u_ptr + n) * s
+    carry = tl.zeros([], tl.float32)
+    first = tl.full([], V, tl.int32)
+    last_positive = tl.full([], -1, tl.int32)
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        ok = offs < V
+        logit = tl.load(row + offs.to(tl.int64) * stride_l_v, mask=ok, other=float("-inf"))
+        e = tl.exp(logit.to(tl.float32) / t - m)                 # 0 past V
+        q = tl.where(greedy, tl.where(offs == am, 1.0, 0.0), e / s)
+        tl.store(probs_ptr + n * V + offs, q, mask=ok)
+        # the draw uses the unnormalised weights against u * s (same law as q); a token is
+        # eligible only where the stored q is positive, so verify never sees q = 0 at a draft
+        positive = q > 0
+        cdf = carry + tl.cumsum(e, 0)
+        first = tl.minimum(first, tl.min(tl.where((cdf > target) & positive, offs, V), 0))
+        last_positive = tl.maximum(last_positive, tl.max(tl.where(positive, offs, -1), 0))
+        carry += tl.sum(e, 0)
+    y = tl.where(first < V, first, last_positive)
+    tl.store(tok_ptr + n, tl.where(greedy, am, y).to(tl.int64))
+
+
+def fused_sample(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
+                 block_v: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q fp32 [N, V], tokens int64 [N]) = (probs_from_logits(logits, temperature),
+    sample_from_probs(q, u)) without top-k / top-p, fused: logits [N, V] any float dtype, any
+    row stride; temperature [N] (<= 0: one-hot at the first argmax); u [N] in [0, 1). The token
+    equals the torch path's except when u lands within rounding of a cdf boundary. No host sync."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
+    N, V = logits.shape
+    dev = logits.device
+    temp = temperature.to(device=dev, dtype=torch.float32).reshape(N).contiguous()
+    u = u.to(device=dev, dtype=torch.float32).reshape(N).contiguous()
+    probs = torch.empty(N, V, dtype=torch.float32, device=dev)
+    tokens = torch.empty(N, dtype=torch.int64, device=dev)
+    if N == 0:
+        return probs, tokens
+    if block_v is None:
+        block_v = min(triton.next_power_of_2(V), 4096)
+    _fused_sample_kernel[(N,)](logits, logits.stride(0), logits.stride(1), temp, u, probs, tokens,
+                               V, BLOCK_V=block_v, num_warps=8 if block_v >= 2048 else 4)
+    return probs, tokens
+
+
+__all__ = ["fused_sample", "fused_verify", "hash_start"]
