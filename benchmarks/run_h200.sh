@@ -17,6 +17,9 @@ step() { echo "[t=$((SECONDS - T0))s] $1"; }
 for s in $STEPS; do case $s in
 tests)   # correctness first: every kernel / graph against its torch or eager reference
   step "GPU tests"
+  # the sampling kernels' tests are unmarked (they run on CPU under the interpreter too)
+  timeout "$(left 120)" python -m pytest -q -rfE tests/test_sampling_kernel.py > "$R/gpu_tests_sampling.txt" 2>&1
+  tail -3 "$R/gpu_tests_sampling.txt" | cut -c1-300
   timeout "$(left 300)" python -m pytest -q -m gpu -rfE ${GPU_TESTS:-tests} > "$R/gpu_tests.txt" 2>&1
   tail -12 "$R/gpu_tests.txt" | cut -c1-300 ;;
 decode)  # issue 7: V4-Flash decode vs HBM roofline and vs HF, eager and with the opt-in graph path
@@ -33,6 +36,11 @@ bench)   # issue 6: tau and speed-up vs speculation off on the shipped pair, bat
       --plot "$R/bench_default_T$T.png" > "$R/bench_T$T.txt" 2>&1
     tail -c 2000 "$R/bench_T$T.txt" | tr '\r' '\n' | grep -v "it/s\]\|req/s\]\|s/req\]" | tail -5
   done
+  step "bench T=1, fused draft sampling (opt-in until validated here)"
+  DSPARK_FUSED_SAMPLING=1 timeout "$(left 120)" python -m dspark.bench --num-prompts 16 --max-tokens 128 \
+    --temperature 1.0 --concurrency 1 --target-cuda-graphs --json "$R/bench_default_fusedsample_T1.json" \
+    > "$R/bench_fusedsample_T1.txt" 2>&1
+  tail -c 2000 "$R/bench_fusedsample_T1.txt" | tr '\r' '\n' | grep -v "it/s\]\|req/s\]\|s/req\]" | tail -5
   step "round profile T=1"
   timeout "$(left 60)" python -m dspark.bench --profile --target-cuda-graphs --temperature 1.0 \
     --json "$R/profile_T1.json" > "$R/profile_T1.txt" 2>&1; head -12 "$R/profile_T1.txt" ;;

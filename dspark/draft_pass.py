@@ -209,8 +209,10 @@ class DraftPass:
             # values as one uniforms() call per step)
             u = uniforms(seeds[:, None], starts[:, None] + self._offsets, Purpose.DRAFT)
         # one Triton launch per Markov step (softmax, q written, inverse-CDF sample) instead of
-        # ~20 small kernels; top-k / top-p need the sort of the torch path
-        fused = not greedy and top_k is None and top_p is None and fused_sampling_enabled(base.device)
+        # ~20 small kernels; top-k / top-p need the sort of the torch path. Opt-in
+        # (DSPARK_FUSED_SAMPLING=1) until the kernel has run on a GPU.
+        fused = (not greedy and top_k is None and top_p is None
+                 and fused_sampling_enabled(base.device, gpu_validated=False))
         if fused:
             from .kernels.sampling import fused_sample
         prev, toks, probs, confs = anchors, [], [], []

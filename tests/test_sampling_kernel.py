@@ -262,3 +262,14 @@ def test_fused_sample_draws_follow_q():
     counts = torch.bincount(tok.cpu(), minlength=23).double()
     assert counts[4] == 0
     assert float((counts - q[0].cpu().double() * n).abs().max()) <= 1.01
+
+
+def test_fused_switch(monkeypatch):
+    """Default: GPU-validated kernels on CUDA only; the draft-side kernel opt-in; 0 / 1 force."""
+    from dspark.sampling import fused_sampling_enabled as on
+    monkeypatch.delenv("DSPARK_FUSED_SAMPLING", raising=False)
+    assert on("cuda") and not on("cpu") and not on("cuda", gpu_validated=False)
+    monkeypatch.setenv("DSPARK_FUSED_SAMPLING", "0")
+    assert not on("cuda")
+    monkeypatch.setenv("DSPARK_FUSED_SAMPLING", "1")
+    assert on("cpu") and on("cuda", gpu_validated=False)
