@@ -30,7 +30,7 @@ from .metrics import SpecMetrics
 from .models.deepseek_v4.model import DeepseekV4Model
 from .models.drafter import DSparkDrafter
 from .models.loader import load_checkpoint
-from .request import Request, Status
+from .request import BlockTokens, Request, Status
 from .runner import ModelRunner, QuantSim
 from .sampling import SamplingParams, fused_sampling_enabled, probs_from_logits, stack_params
 from .scheduler import Scheduler
@@ -273,9 +273,12 @@ class Engine:
         for req in sch.running:                                   # 1. verify lengths
             req.verify_len = 0
         if self.policy is not None and sch.running:
-            lens = self.policy(torch.stack([r.draft.conf_logits for r in sch.running]),
-                               [r.request_id for r in sch.running])
-            for req, n in zip(sch.running, lens.tolist()):
+            # a fixed ℓ needs no confidences: no wait for the draft pass here
+            lens = self.policy.host_lengths(len(sch.running), self.drafter.gamma)
+            if lens is None:
+                lens = self.policy(torch.stack([r.draft.conf_logits for r in sch.running]),
+                                   [r.request_id for r in sch.running]).tolist()
+            for req, n in zip(sch.running, lens):
                 # never verify past max_tokens or the model length: those drafts could not be
                 # emitted, and their cache writes could exceed the pages a request may hold
                 room = min(req.params.max_tokens - len(req.output_ids) - 1,
@@ -285,10 +288,18 @@ class Engine:
         for req in plan.preempted:                                # recomputed later from tokens
             req.draft_state = self.runner.new_states()[1]
         items = []                                                # 2. one flattened forward
+        # runners that take the drafts as device tensors (V4 target graphs) get them without a
+        # host read, so this step is scheduled while the draft pass still runs on the GPU
+        lazy = getattr(self.runner, "takes_device_tokens", False)
         for req in plan.verify:
             P = req.num_committed
-            items.append((req.target_state, P, [req.anchor] + req.draft.tokens[:req.verify_len].tolist()
-                          if req.draft is not None else [req.anchor]))
+            if req.draft is None:
+                toks = [req.anchor]
+            elif lazy:
+                toks = BlockTokens(req.anchor, req.draft.tokens[:req.verify_len])
+            else:
+                toks = [req.anchor] + req.draft.tokens[:req.verify_len].tolist()
+            items.append((req.target_state, P, toks))
         for req, n in plan.prefill:
             items.append((req.target_state, req.num_prefilled, req.prefill_ids[req.num_prefilled:][:n]))
         if not items:

@@ -20,6 +20,28 @@ class DraftBlock:
     conf_logits: torch.Tensor     # [γ] fp32 confidence logits
 
 
+class BlockTokens:
+    """The tokens a verify step feeds: the anchor (known on the host) and the first ℓ drafted
+    tokens as a device tensor view, so the step can be scheduled without reading the draft
+    tokens back (which would wait for the draft pass). Runners that cannot take device tokens
+    call `tolist()` (that read)."""
+    __slots__ = ("anchor", "drafts")
+
+    def __init__(self, anchor: int, drafts: torch.Tensor):
+        self.anchor, self.drafts = int(anchor), drafts
+
+    def __len__(self) -> int:
+        return 1 + self.drafts.shape[0]
+
+    def tolist(self) -> list:
+        return [self.anchor] + self.drafts.tolist()
+
+
+def token_list(tokens) -> list:
+    """A host list of token ids from a list or a BlockTokens (the latter reads the device)."""
+    return tokens.tolist() if isinstance(tokens, BlockTokens) else tokens
+
+
 @dataclass
 class Request:
     request_id: str

@@ -16,7 +16,7 @@ import torch
 from .draft_pass import DraftPass
 from .models.deepseek_v4.model import Batch, DeepseekV4Model
 from .models.drafter import DraftState, DSparkDrafter
-from .request import DraftBlock
+from .request import DraftBlock, token_list
 
 
 class QuantSim:
@@ -80,6 +80,12 @@ class ModelRunner:
                                                 tap_layers=self.tap_layers)
 
     @property
+    def takes_device_tokens(self) -> bool:
+        """Verify items may carry BlockTokens (drafts left on the device): the V4 target graphs
+        copy them into their input buffer on the device; other steps read them here."""
+        return self.target_graphs is not None
+
+    @property
     def backend_name(self) -> str:
         return getattr(self.backend, "name", "paged") if self.backend is not None else "dense-reference"
 
@@ -102,6 +108,7 @@ class ModelRunner:
                     logits = logits[torch.as_tensor(logit_rows, dtype=torch.long,
                                                     device=logits.device)]
                 return logits, taps
+        items = [(st, start, token_list(toks)) for st, start, toks in items]
         batch = Batch.build(items, self.device)
         attn_fn = self.backend.forward_fn(batch) if self.backend is not None else None
         X, taps = self.model.forward_hidden(batch, attn_fn=attn_fn, quant=self.quant,

@@ -250,3 +250,16 @@ def test_load_sweep_budget_falls_with_concurrency_and_beats_fixed():
     assert all(b <= a + 0.05 for a, b in zip(means, means[1:])), means
     assert means[-1] < 0.6 * means[0], means
     assert math.isfinite(sum(means))
+
+
+def test_fixed_lengths_are_known_on_the_host():
+    """The engine skips the confidence read (a wait for the draft pass) when the policy can say
+    ℓ on the host: only the fixed policy can, and it says what its device answer says."""
+    from dspark.spec.policy import FixedPolicy
+    conf = torch.randn(3, 5)
+    for n in (None, 2, 9):
+        f = FixedPolicy(n)
+        assert f.host_lengths(3, 5) == f(conf).tolist()
+    tab = SpsTable.from_ms([[1, 10.0], [64, 12.0]])
+    for p in (ThresholdPolicy(0.5), ScheduledPolicy(tab), AsyncScheduledPolicy(tab)):
+        assert p.host_lengths(3, 5) is None

@@ -18,6 +18,7 @@ from dspark.attention import get_backend
 from dspark.kvcache import layouts as L
 from dspark.kvcache.paged import PagedKVCache
 from dspark.models.deepseek_v4.graph import SCRATCH_RID, V4DecodeGraphs, reserve_scratch
+from dspark.request import BlockTokens
 from dspark.runner import ModelRunner
 from paged_helpers import load_model, rel_err
 from triton_env import DEV, gpu, needs_cuda, triton_ok
@@ -101,7 +102,7 @@ def schedule(seed, n_req, n_steps, vocab):
 
 
 def drive(model, kv_dtype, backend, prefill_lens, n_steps, tol, seed=0, device="cpu",
-          capture=False, log=None):
+          capture=False, log=None, device_tokens=False):
     """Prefill eagerly, then run the same decode / verify steps through the eager paged path
     and the fixed-shape path on two caches; compare every step (``log``: a list that collects
     (kind, items, logits rel err, per-row rel errs) instead of asserting)."""
@@ -124,9 +125,17 @@ def drive(model, kv_dtype, backend, prefill_lens, n_steps, tol, seed=0, device="
         for r in who:
             ce.reserve(r, P[r] + q)
             cg.reserve(r, P[r] + q)
-        le, te = eager.target_forward(items)
         buckets.add(graphs.bucket(items))
-        out = graphs.run(items)
+        if device_tokens and kind != "decode":
+            # drafts as device tensors (BlockTokens): the fixed-shape path copies them on the
+            # device, the eager runner reads them back
+            lazy = [(r, p, BlockTokens(t[0], torch.tensor(t[1:], device=device)))
+                    for r, p, t in items]
+            le, te = eager.target_forward(lazy)
+            out = graphs.run(lazy)
+        else:
+            le, te = eager.target_forward(items)
+            out = graphs.run(items)
         assert out is not None, items
         lg, tg = out
         assert lg.shape == le.shape and tg.shape == te.shape
@@ -151,8 +160,10 @@ def drive(model, kv_dtype, backend, prefill_lens, n_steps, tol, seed=0, device="
 PREFILLS = [2, 13, 15, 30, 7]
 
 
-def test_fixed_shape_forward_equals_eager_reference_fp32(model):
-    graphs, buckets = drive(model, "fp32", "reference", PREFILLS, n_steps=12, tol=1e-5)
+@pytest.mark.parametrize("device_tokens", [False, True])
+def test_fixed_shape_forward_equals_eager_reference_fp32(model, device_tokens):
+    graphs, buckets = drive(model, "fp32", "reference", PREFILLS, n_steps=12, tol=1e-5,
+                            device_tokens=device_tokens)
     assert {b for b, _, _ in buckets} >= {1, 2, 4, 8} and {q for _, q, _ in buckets} == {1, 6}
     assert graphs.num_replays == 12
 

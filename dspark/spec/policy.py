@@ -156,6 +156,11 @@ class VerifyPolicy:
         """ℓ int64 [R] from per-position confidences and survivals (both fp32 [R, γ])."""
         raise NotImplementedError
 
+    def host_lengths(self, num_requests: int, gamma: int) -> list | None:
+        """ℓ per request when the policy decides it without the confidences (then the engine
+        need not wait for the draft pass to read them); None when it needs them."""
+        return None
+
 
 class FixedPolicy(VerifyPolicy):
     """Verify min(num_verify, γ) drafts for every request (default: the whole block)."""
@@ -170,6 +175,9 @@ class FixedPolicy(VerifyPolicy):
     def lengths(self, conf, surv, request_ids=None):
         g = surv.shape[1] if self.num_verify is None else min(self.num_verify, surv.shape[1])
         return torch.full((surv.shape[0],), g, dtype=torch.long, device=surv.device)
+
+    def host_lengths(self, num_requests: int, gamma: int) -> list:
+        return [gamma if self.num_verify is None else min(self.num_verify, gamma)] * num_requests
 
 
 class ThresholdPolicy(VerifyPolicy):

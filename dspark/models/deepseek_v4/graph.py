@@ -43,6 +43,7 @@ import torch
 
 from dspark.graph_capture import capture, pow2_buckets, step_bucket, warm_up
 from dspark.kvcache.paged import copy_rows
+from dspark.request import BlockTokens
 
 from .indexer import topk_lowest_ties
 
@@ -340,7 +341,12 @@ class V4DecodeGraphs:
         self._offs = np.cumsum([0, R, R, self.max_batch, self.max_batch, self.max_batch,
                                 self.max_batch * Pm])
         self.ints = torch.zeros(int(self._offs[-1]), dtype=torch.long, device=dev)
-        self.host = np.zeros(int(self._offs[-1]), dtype=np.int64)
+        # pinned on CUDA, so the per-step upload is asynchronous (a pageable copy would wait for
+        # all queued GPU work, e.g. the draft pass); `_uploaded` guards its reuse
+        self._host_t = torch.zeros(int(self._offs[-1]), dtype=torch.long,
+                                   pin_memory=dev.type == "cuda")
+        self.host = self._host_t.numpy()
+        self._uploaded = None
         D, V = model.cfg.hidden_size, model.cfg.vocab_size
         self.logits_out = torch.zeros(R, V, dtype=torch.float32, device=dev)
         self.taps_out = (torch.zeros(R, len(self.tap_layers) * D, dtype=torch.float32,
@@ -391,12 +397,22 @@ class V4DecodeGraphs:
         c, R, bs = self.cache, len(items), self.cache.block_size
         for rid, start, _ in items:          # check every request before changing any
             c.check_forward(rid, start, start + q)
+        if self._uploaded is not None:       # the previous upload has left the host buffer
+            self._uploaded.synchronize()
         ids, pos, st, sl, va, pt = self._split(self.host)
         pt = pt[:B * P].reshape(B, P)
         pt[:] = self.scratch_page
+        on_device = []                       # (first row, drafts still on the device)
         for i, (rid, start, toks) in enumerate(items):
             rows = slice(i * q, (i + 1) * q)
-            ids[rows], pos[rows] = toks, np.arange(start, start + q)
+            if isinstance(toks, BlockTokens):
+                ids[rows] = 0
+                ids[i * q] = toks.anchor
+                if toks.drafts.shape[0]:
+                    on_device.append((i * q + 1, toks.drafts))
+            else:
+                ids[rows] = toks
+            pos[rows] = np.arange(start, start + q)
             st[i], sl[i], va[i] = start, c.slot(rid), 1
             need = -(-(start + q) // bs)
             pt[i, :need] = c.page_table(rid)[:need]
@@ -405,8 +421,15 @@ class V4DecodeGraphs:
         st[R:B], sl[R:B], va[R:B] = 0, self.scratch_slot, 0
         for rid, start, _ in items:
             c.begin_forward(rid, start, start + q)
-        # one synchronous copy: pageable host memory may be rewritten as soon as it returns
-        self.ints.copy_(torch.from_numpy(self.host))
+        if self._host_t.is_pinned():
+            self.ints.copy_(self._host_t, non_blocking=True)
+            self._uploaded = torch.cuda.Event()
+            self._uploaded.record()
+        else:
+            self.ints.copy_(self._host_t)
+        ids_dev = self._split(self.ints)[0]
+        for row, drafts in on_device:        # device to device: no wait for the draft pass
+            ids_dev[row:row + drafts.shape[0]].copy_(drafts, non_blocking=True)
         if not self.capture:
             self._forward(B, q, P)
         else:
