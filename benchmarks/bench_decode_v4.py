@@ -291,6 +291,88 @@ def decode_steps(eng, context: int, warmup: int, iters: int) -> dict:
             "steps": len(st)}
 
 
+# what a kernel (CUDA) or a leaf op (CPU) belongs to, first match wins
+KERNEL_CATEGORIES = [
+    ("attention", re.compile(r"sparse_mqa|flash|mla|attend|combine|paged_gqa", re.I)),
+    ("indexer / top-k", re.compile(r"indexer|topk|sort", re.I)),
+    ("fp4 MoE", re.compile(r"fp4|moe|expert", re.I)),
+    ("fp8 GEMM", re.compile(r"fp8|e4m3|scaled_mm", re.I)),
+    ("mHC", re.compile(r"mhc|hc_|sinkhorn", re.I)),
+    ("cache write", re.compile(r"cache_write|quantize|write", re.I)),
+    ("GEMM / GEMV (bf16)", re.compile(r"gemm|gemv|cutlass|xmma|cublas|aten::mm|aten::addmm|"
+                                      r"aten::linear|aten::bmm|matmul", re.I)),
+    ("copies", re.compile(r"copy|memcpy|memset|fill|aten::to|_to_copy|cat|index", re.I)),
+]
+
+
+def kernel_category(name: str) -> str:
+    for cat, pat in KERNEL_CATEGORIES:
+        if pat.search(name):
+            return cat
+    return "other elementwise / reductions"
+
+
+def kernel_profile(eng, steps: int, context: int = 128, top: int = 15) -> dict:
+    """torch.profiler over `steps` batch-1 decode steps after a `context`-token prefill: device
+    time per step by kernel and by category (CUDA; on CPU the leaf ops' self CPU time), so the
+    gap to the roofline can be pinned on kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dspark.sampling import SamplingParams
+    dev = eng.device
+    cuda = dev.type == "cuda"
+    rid = eng.add_request(_random_prompt(context, eng.cfg.vocab_size, seed=7),
+                          SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+    req = eng.requests[rid]
+    try:
+        while not req.output_ids:
+            eng.step()
+        for _ in range(3):                   # graphs captured, kernels compiled: not profiled
+            eng.step()
+        _sync(dev)
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                eng.step()
+            _sync(dev)
+    finally:
+        eng.abort(rid)
+    per = {}
+    for e in prof.key_averages():
+        if cuda:
+            us = getattr(e, "self_device_time_total", None)
+            if us is None:
+                us = getattr(e, "self_cuda_time_total", 0.0)
+            if not us or e.key.startswith("aten::"):
+                continue
+        else:
+            us = e.self_cpu_time_total
+            if not us or not e.key.startswith("aten::"):
+                continue
+        per[e.key] = (us / steps, e.count / steps)
+    rows = sorted(({"name": k, "category": kernel_category(k), "us_per_step": v[0],
+                    "calls_per_step": v[1]} for k, v in per.items()),
+                  key=lambda r: -r["us_per_step"])
+    cats: dict = {}
+    for r in rows:
+        cats[r["category"]] = cats.get(r["category"], 0.0) + r["us_per_step"]
+    return {"device": "cuda kernels" if cuda else "cpu ops (self time)", "steps": steps,
+            "context": context, "total_us_per_step": sum(r["us_per_step"] for r in rows),
+            "categories": dict(sorted(cats.items(), key=lambda kv: -kv[1])), "top": rows[:top]}
+
+
+def print_kernel_profile(kp: dict) -> None:
+    tot = max(kp["total_us_per_step"], 1e-9)
+    print(f"\n(c) where a decode step's time goes — {kp['device']}, {kp['steps']} steps after a "
+          f"{kp['context']}-token prefill: {tot / 1e3:.3f} ms per step")
+    for cat, us in kp["categories"].items():
+        print(f"  {cat:<32} {us:>9.1f} us  {100 * us / tot:5.1f}%")
+    hdr = f"  {'kernel':<70} {'category':<22} {'us/step':>8} {'calls':>6}"
+    print(hdr)
+    for r in kp["top"]:
+        print(f"  {r['name'][:70]:<70} {r['category'][:22]:<22} {r['us_per_step']:>8.1f} "
+              f"{r['calls_per_step']:>6.1f}")
+
+
 # ---- HF model ------------------------------------------------------------------------------------
 
 # transformers' conversion mapping for model_type "deepseek_v4" (official name -> HF name), in
@@ -510,6 +592,8 @@ def main(argv=None):
     ap.add_argument("--target-graphs", action="store_true",
                     help="Engine(target_cuda_graphs=True): decode steps replayed as CUDA graphs "
                          "(with FP4 experts only together with --grouped-moe)")
+    ap.add_argument("--kernel-profile", type=int, default=0, metavar="STEPS",
+                    help="(c): profile this many decode steps, time per kernel and per category")
     ap.add_argument("--device", default=None)
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
@@ -629,6 +713,15 @@ def main(argv=None):
         print(f"target: >= {TARGET_ROOFLINE_PCT:.0f}% of roofline")
 
     timings["decode_s"] = time.perf_counter() - t_phase
+    if args.kernel_profile:
+        # -- (c) kernel split of a decode step --
+        try:
+            result["kernel_profile"] = kernel_profile(eng, args.kernel_profile)
+            print_kernel_profile(result["kernel_profile"])
+        except Exception as exc:         # keep (a) and (b)
+            result["kernel_profile_error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+            print(f"kernel profile failed: {result['kernel_profile_error']}")
+        save()
     # -- (b) end to end vs HF --
     t_phase = time.perf_counter()
     prompt = _random_prompt(prompt_len, cfg.vocab_size, seed=12345)

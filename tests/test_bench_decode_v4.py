@@ -86,3 +86,20 @@ def test_profile_phases_add_up():
     assert abs(sum(res["ms_per_round"].values()) - res["round_ms"]) < 1e-6
     assert all(v >= 0 for v in res["ms_per_round"].values())
     assert "step" not in vars(eng) and "draft" not in vars(eng.runner)   # wrappers removed
+
+
+def test_kernel_profile_splits_a_decode_step(tiny_pair):
+    """(c) on CPU: the profiled decode steps of the tiny FP8 + FP4 checkpoint are split over
+    categories that add up to the total, the MoE and attention ops show up as such, and the
+    engine keeps no request behind."""
+    from dspark import Engine
+    ref = tiny_pair[0]
+    eng = Engine(ref, device="cpu", dtype="fp32", speculative="none", weight_format="quantized")
+    kp = bd.kernel_profile(eng, steps=2, context=12)
+    assert kp["steps"] == 2 and kp["total_us_per_step"] > 0
+    assert abs(sum(kp["categories"].values()) - kp["total_us_per_step"]) < 1e-6 * kp["total_us_per_step"] + 1e-6
+    assert kp["top"] and all(r["category"] == bd.kernel_category(r["name"]) for r in kp["top"])
+    assert not eng.has_unfinished()
+    assert bd.kernel_category("_sparse_mqa_v2_kernel") == "attention"
+    assert bd.kernel_category("_fp4_moe_grouped_kernel") == "fp4 MoE"
+    assert bd.kernel_category("sm90_xmma_gemm_bf16bf16_bf16f32") == "GEMM / GEMV (bf16)"

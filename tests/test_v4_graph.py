@@ -144,7 +144,11 @@ def drive(model, kv_dtype, backend, prefill_lens, n_steps, tol, seed=0, device="
             log.append((kind, [(r, p, len(t)) for r, p, t in items], rel_err(lg.cpu(), le.cpu()),
                         rows))
         else:
-            assert rel_err(lg.cpu(), le.cpu()) <= tol, (kind, items, rel_err(lg.cpu(), le.cpu()))
+            # on failure: the step, and each row's error (one bad row = a flipped selection or
+            # rounding; every row bad = a wrong plan)
+            assert rel_err(lg.cpu(), le.cpu()) <= tol, (
+                kind, [(r, p, len(t)) for r, p, t in items], rel_err(lg.cpu(), le.cpu()),
+                [round(rel_err(a, b), 5) for a, b in zip(lg.cpu(), le.cpu())])
             assert rel_err(tg.cpu(), te.cpu()) <= tol
         for r, a in zip(who, accept):
             P[r] += 1 if kind == "decode" else a + 1
