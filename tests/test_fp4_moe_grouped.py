@@ -191,7 +191,8 @@ def test_grouped_applies_by_shape_and_backend():
     assert not grouped_applies(x, idx, "torch")
     assert grouped_applies(x, idx, "triton", max_pairs=24)
     assert not grouped_applies(x, idx, "triton", max_pairs=23)
-    assert not grouped_applies(torch.zeros(50, D), torch.zeros(50, 6, dtype=torch.long), "triton")
+    assert not grouped_applies(torch.zeros(700, D), torch.zeros(700, 6, dtype=torch.long), "triton")
+    assert grouped_applies(torch.zeros(128, D), torch.zeros(128, 6, dtype=torch.long), "triton")
 
 
 @triton_ok

@@ -20,7 +20,7 @@ x.dtype, y = h W2^T, index_add into an fp32 output. Numerically this is exactly 
 `MoE.forward` with de-quantized experts (torch backend: bit-identical on CPU). That path syncs
 (`bincount(...).tolist()`) and launches ~12 ops per used expert with data-dependent shapes.
 
-Grouped small-batch path (decode / verify: T*k <= GROUPED_MAX_PAIRS (token, slot) pairs):
+Grouped path (decode / verify / short prefills: T*k <= GROUPED_MAX_PAIRS (token, slot) pairs):
 fixed-shape, no device->host sync, CUDA-graph capturable; two Triton launches over a stacked
 layout of the experts (`FP4ExpertStack`, built once by `stack_fp4_experts`):
 
@@ -166,7 +166,13 @@ def swiglu_expert(x, w1, w3, w2, linear, limit: float, weight=None):
     return linear(h.to(x.dtype), w2)
 
 
-GROUPED_MAX_PAIRS = 256     # (token, slot) pairs up to which the grouped path is used
+# (token, slot) pairs up to which the grouped path is used. It re-reads an expert's weights for
+# every pair (GEMV per pair), the per-expert loop reads each used expert once but costs ~12
+# launches and a host sync per expert: at V4-Flash widths (12.6 MB of FP4 per expert, 256 experts)
+# that loop is ~0.1 s per layer for a few hundred prompt tokens, while 4096 pairs re-read at
+# ~4 TB/s cost ~13 ms (estimates; the crossover is tens of thousands of pairs). So short
+# prefills take the grouped kernels too, long ones the loop.
+GROUPED_MAX_PAIRS = 4096
 
 
 def fp4_moe(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, experts, swiglu_limit: float,

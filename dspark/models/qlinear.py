@@ -106,7 +106,7 @@ class QuantMoE(MoE):
 
     # 0 disables the grouped path. Off by default until the kernels have run on a GPU (they
     # are tested on CPU under the Triton interpreter only): `QuantMoE.grouped_max_pairs =
-    # GROUPED_MAX_PAIRS` (256) turns them on for every QuantMoE
+    # GROUPED_MAX_PAIRS` (4096) turns them on for every QuantMoE
     grouped_max_pairs = 0
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
