@@ -15,7 +15,9 @@ def test_bench_quick_on_cpu_reports_real_acceptance(tmp_path, capsys):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("tau=") and "speedup=" in last
     res = json.loads(out.read_text())["results"][0]
-    assert res["dspark"]["tau"] > 1.3, res["dspark"]        # random drafts give 1.0x
+    # random drafts give 1.0; this pair gives 2.70 on these 4 prompts (3.36 on the 300-prompt
+    # evaluation): 2.0 leaves room for platform rounding, not for a broken drafter
+    assert res["dspark"]["tau"] > 2.0, res["dspark"]
     assert (tmp_path / "bench.png").stat().st_size > 0
 
 
