@@ -116,6 +116,17 @@ def _dist_chunk(row_ptr, stride_v, q_row_ptr, offs, V, resid_end, t, m, s, x_a,
 
 
 @triton.jit
+def _cdf_chunk(w, positive, offs, V, target, carry, first, last_positive):
+    """One chunk of an inverse-CDF search over weights w (running sum `carry` from the chunks
+    before): the first index whose cdf exceeds `target` among `positive` entries, and the last
+    positive index (the fallback when rounding leaves the total below target)."""
+    cdf = carry + tl.cumsum(w, 0)
+    first = tl.minimum(first, tl.min(tl.where((cdf > target) & positive, offs, V), 0))
+    last_positive = tl.maximum(last_positive, tl.max(tl.where(positive, offs, -1), 0))
+    return carry + tl.sum(w, 0), first, last_positive
+
+
+@triton.jit
 def _fused_verify_kernel(
         tok_ptr, stride_tok_r,
         q_ptr, stride_q_r, stride_q_i,
@@ -187,11 +198,8 @@ def _fused_verify_kernel(
             p, resid = _dist_chunk(row_ptr, stride_l_v, q_row_ptr, offs, V, resid_end, t, m,
                                    s, x_a, HAS_Q)
             w = tl.where(use_resid, resid, p)
-            cdf = carry + tl.cumsum(w, 0)
-            positive = w > 0
-            first = tl.minimum(first, tl.min(tl.where((cdf > target) & positive, offs, V), 0))
-            last_positive = tl.maximum(last_positive, tl.max(tl.where(positive, offs, -1), 0))
-            carry += tl.sum(w, 0)
+            carry, first, last_positive = _cdf_chunk(w, w > 0, offs, V, target, carry, first,
+                                                     last_positive)
         y = tl.where(first < V, first, last_positive).to(tl.int64)
     tl.store(next_out_ptr + r, y)
 
@@ -263,11 +271,8 @@ def _fused_sample_kernel(logit_ptr, stride_l_n, stride_l_v, temp_ptr, u_ptr, pro
         tl.store(probs_ptr + n * V + offs, q, mask=ok)
         # the draw uses the unnormalised weights against u * s (same law as q); a token is
         # eligible only where the stored q is positive, so verify never sees q = 0 at a draft
-        positive = q > 0
-        cdf = carry + tl.cumsum(e, 0)
-        first = tl.minimum(first, tl.min(tl.where((cdf > target) & positive, offs, V), 0))
-        last_positive = tl.maximum(last_positive, tl.max(tl.where(positive, offs, -1), 0))
-        carry += tl.sum(e, 0)
+        carry, first, last_positive = _cdf_chunk(e, q > 0, offs, V, target, carry, first,
+                                                 last_positive)
     y = tl.where(first < V, first, last_positive)
     tl.store(tok_ptr + n, tl.where(greedy, am, y).to(tl.int64))
 

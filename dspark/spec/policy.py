@@ -172,12 +172,15 @@ class FixedPolicy(VerifyPolicy):
             raise ValueError(f"num_verify must be >= 0, got {num_verify}")
         self.num_verify = num_verify
 
+    def _length(self, gamma: int) -> int:
+        return gamma if self.num_verify is None else min(self.num_verify, gamma)
+
     def lengths(self, conf, surv, request_ids=None):
-        g = surv.shape[1] if self.num_verify is None else min(self.num_verify, surv.shape[1])
-        return torch.full((surv.shape[0],), g, dtype=torch.long, device=surv.device)
+        return torch.full((surv.shape[0],), self._length(surv.shape[1]), dtype=torch.long,
+                          device=surv.device)
 
     def host_lengths(self, num_requests: int, gamma: int) -> list:
-        return [gamma if self.num_verify is None else min(self.num_verify, gamma)] * num_requests
+        return [self._length(gamma)] * num_requests
 
 
 class ThresholdPolicy(VerifyPolicy):
