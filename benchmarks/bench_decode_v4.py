@@ -357,7 +357,68 @@ def kernel_profile(eng, steps: int, context: int = 128, top: int = 15) -> dict:
         cats[r["category"]] = cats.get(r["category"], 0.0) + r["us_per_step"]
     return {"device": "cuda kernels" if cuda else "cpu ops (self time)", "steps": steps,
             "context": context, "total_us_per_step": sum(r["us_per_step"] for r in rows),
-            "categories": dict(sorted(cats.items(), key=lambda kv: -kv[1])), "top": rows[:top]}
+            "categories": dict(sorted(cats.items(), key=lambda kv: -kv[1])), "top": rows[:top],
+            "ops": op_profile(eng, steps, context, top)}
+
+
+def _source_frame(event) -> str:
+    """The innermost dspark/ (or benchmarks/) Python frame above a profiled op: from its own
+    stack when the profiler attached one, else from its ancestors (newer torch records Python
+    frames as parent events named "path(line): function")."""
+    ours = lambda f: "dspark/" in f or "benchmarks/" in f      # noqa: E731
+    e = event
+    while e is not None:
+        hit = next((f for f in (e.stack or []) if ours(f)), None)
+        if hit is None and ours(e.name):
+            hit = e.name
+        if hit is not None:
+            return hit
+        e = e.cpu_parent
+    return "?"
+
+
+def op_profile(eng, steps: int, context: int = 128, top: int = 15) -> list:
+    """Which source lines launch the costly work: the same decode steps run eagerly (the V4
+    target graphs, if any, switched off for the pass: a replay hides the launching ops), aten
+    ops grouped by input shapes and by the innermost dspark/ frame of their Python stack, sorted
+    by device time (CPU: self CPU time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dspark.sampling import SamplingParams
+    dev = eng.device
+    cuda = dev.type == "cuda"
+    graphs, eng.runner.target_graphs = getattr(eng.runner, "target_graphs", None), None
+    rid = eng.add_request(_random_prompt(context, eng.cfg.vocab_size, seed=8),
+                          SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+    req = eng.requests[rid]
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    try:
+        while not req.output_ids:
+            eng.step()
+        eng.step()
+        _sync(dev)
+        with profile(activities=acts, record_shapes=True, with_stack=True) as prof:
+            for _ in range(steps):
+                eng.step()
+            _sync(dev)
+    finally:
+        eng.abort(rid)
+        if graphs is not None:
+            eng.runner.target_graphs = graphs
+    per: dict = {}
+    for e in prof.events():
+        if not e.name.startswith("aten::"):
+            continue
+        us = (getattr(e, "self_device_time_total", None) or 0.0) if cuda else e.self_cpu_time_total
+        if not us:
+            continue
+        frame = _source_frame(e)
+        key = (e.name, str(e.input_shapes)[:80], frame.split("site-packages/")[-1][-70:])
+        n, t = per.get(key, (0, 0.0))
+        per[key] = (n + 1, t + us)
+    rows = sorted(per.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"op": k[0], "shapes": k[1], "source": k[2], "calls_per_step": n / steps,
+             "us_per_step": us / steps} for k, (n, us) in rows]
 
 
 def print_kernel_profile(kp: dict) -> None:
@@ -371,6 +432,11 @@ def print_kernel_profile(kp: dict) -> None:
     for r in kp["top"]:
         print(f"  {r['name'][:70]:<70} {r['category'][:22]:<22} {r['us_per_step']:>8.1f} "
               f"{r['calls_per_step']:>6.1f}")
+    if kp.get("ops"):
+        print("  ops by device time (eager pass), with shapes and the dspark source line:")
+        for r in kp["ops"]:
+            print(f"  {r['us_per_step']:>8.1f} us x{r['calls_per_step']:<5.1f} {r['op'][:22]:<22} "
+                  f"{r['shapes'][:50]:<50} {r['source']}")
 
 
 # ---- HF model ------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-out}; R="$OUT/r"; mkdir -p "$R"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 BUDGET=${BUDGET:-570}; T0=$SECONDS
-STEPS=${STEPS:-"tests decode bench draft qwen3 sweep mhc tp"}
+STEPS=${STEPS:-"tests decode bench trace draft qwen3 sweep mhc tp"}
 left() { local l=$((BUDGET - SECONDS + T0)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 1 ] && l=1; echo $l; }
 step() { echo "[t=$((SECONDS - T0))s] $1"; }
 for s in $STEPS; do case $s in
@@ -44,6 +44,10 @@ bench)   # issue 6: tau and speed-up vs speculation off on the shipped pair, bat
   step "round profile T=1"
   timeout "$(left 60)" python -m dspark.bench --profile --target-cuda-graphs --temperature 1.0 \
     --json "$R/profile_T1.json" > "$R/profile_T1.txt" 2>&1; head -12 "$R/profile_T1.txt" ;;
+trace)   # which kernels each phase of a round runs (kernels / device-busy ms per round)
+  step "round profile + kernel trace T=1 (fused sampling)"
+  DSPARK_FUSED_SAMPLING=1 timeout "$(left 90)" python -m dspark.bench --profile --trace --target-cuda-graphs \
+    --temperature 1.0 --json "$R/trace_T1.json" > "$R/trace_T1.txt" 2>&1; grep -v "^  [a-z_]*: \|^benchmark results\|\.json:" "$R/trace_T1.txt" | head -30 ;;
 draft)
   step "bench_draft"
   timeout "$(left 60)" python benchmarks/bench_draft.py --batch 1 8 --json "$R/bench_draft.json" \

@@ -91,21 +91,26 @@ class DraftPass:
         bound = self.position_bound(max(r.num_committed for r in reqs) + self.gamma + 1)
         use_top_k, use_top_p = filters_used([r.params for r in reqs])
         greedy = all(r.params.greedy for r in reqs)
+        # the Markov steps' draws through one Triton launch each (fused_sample) or torch ops; part
+        # of the graph key, so DSPARK_FUSED_SAMPLING switches a captured pass too
+        fused = (not greedy and not use_top_k and not use_top_p
+                 and fused_sampling_enabled(self.device))
         size = bucket_size(R)
 
         def capture():
             ints, floats = self._host_inputs([], size)
             buffers = (torch.tensor(ints, dtype=torch.long, device=self.device),
                        torch.tensor(floats, dtype=torch.float32, device=self.device))
-            return buffers, lambda i, f: self._draft(i, f, use_top_k, use_top_p, greedy, quant)
+            return buffers, lambda i, f: self._draft(i, f, use_top_k, use_top_p, greedy, quant,
+                                                     fused)
 
-        graph = self._graph(("draft", size, use_top_k, use_top_p, greedy, quant is not None),
+        graph = self._graph(("draft", size, use_top_k, use_top_p, greedy, fused, quant is not None),
                             bound, capture) if self.cuda_graphs else None
         if graph is None:
             ints, floats = self._host_inputs(reqs, R)
             return self._draft(self.to_device(ints, torch.long),
                                self.to_device(floats, torch.float32),
-                               use_top_k, use_top_p, greedy, quant)
+                               use_top_k, use_top_p, greedy, quant, fused)
         ints, floats = self._host_inputs(reqs, size)
         self._fill(graph.inputs[0], ints, torch.long)
         self._fill(graph.inputs[1], floats, torch.float32)
@@ -186,7 +191,8 @@ class DraftPass:
         return _Captured(graph, buffers, outputs)
 
     # ---- device side: no host reads, shapes fixed by the batch size ----------------------
-    def _draft(self, ints, floats, use_top_k: bool, use_top_p: bool, greedy: bool, quant):
+    def _draft(self, ints, floats, use_top_k: bool, use_top_p: bool, greedy: bool, quant,
+               fused: bool = False):
         """(tokens [R, γ], q [R, γ, V] or None when `greedy` (every request greedy), confidence
         logits [R, γ])."""
         d = self.drafter
@@ -198,23 +204,22 @@ class DraftPass:
                                         self.max_position)
         base = d.base_logits(self.head, hidden)                               # [R, γ, V]
         return self._sample_block(base, anchors, starts, seeds, temperature, top_k, top_p, greedy,
-                                  lambda k, prev: d.markov_step(hidden[:, k], prev))
+                                  lambda k, prev: d.markov_step(hidden[:, k], prev), fused)
 
     def _sample_block(self, base, anchors, starts, seeds, temperature, top_k, top_p,
-                      greedy: bool, head_step):
+                      greedy: bool, head_step, fused: bool = False):
         """The sequential part of a draft pass: slot k's logits are base[:, k] plus the head's
         bias given the previous token; `head_step(k, prev)` -> (bias [R, V], confidence [R])."""
+        # fused: one Triton launch per Markov step (softmax, q written, inverse-CDF sample) instead
+        # of ~20 small kernels, and the uniforms' hash in one; top-k / top-p need the sort of the
+        # torch path
+        if fused:
+            from .kernels.sampling import fused_sample, uniforms_triton
         if not greedy:
             # the uniform deciding the token at P+k+1, for all k at once (elementwise the same
             # values as one uniforms() call per step)
-            u = uniforms(seeds[:, None], starts[:, None] + self._offsets, Purpose.DRAFT)
-        # one Triton launch per Markov step (softmax, q written, inverse-CDF sample) instead of
-        # ~20 small kernels; top-k / top-p need the sort of the torch path. Opt-in
-        # (DSPARK_FUSED_SAMPLING=1) until the kernel has run on a GPU.
-        fused = (not greedy and top_k is None and top_p is None
-                 and fused_sampling_enabled(base.device, gpu_validated=False))
-        if fused:
-            from .kernels.sampling import fused_sample
+            u = (uniforms_triton if fused else uniforms)(
+                seeds[:, None], starts[:, None] + self._offsets, Purpose.DRAFT)
         prev, toks, probs, confs = anchors, [], [], []
         for k in range(self.gamma):
             bias, conf = head_step(k, prev)

@@ -141,16 +141,16 @@ def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor,
     return probs.scatter_(1, top, torch.where(greedy.unsqueeze(1), 1.0, probs.gather(1, top)))
 
 
-def fused_sampling_enabled(device, gpu_validated: bool = True) -> bool:
+def fused_sampling_enabled(device) -> bool:
     """Whether sampled draft tokens / sampled verification use the fused Triton kernels
-    (dspark/kernels/sampling.py) instead of the torch ops here: on CUDA by default for kernels
-    that have run on a GPU (`gpu_validated`; the draft-side `fused_sample` has not yet, so it is
-    opt-in). The environment variable DSPARK_FUSED_SAMPLING=0 forces the torch path (debugging,
-    A/B timing); =1 forces the kernels, on CPU too (needs TRITON_INTERPRET=1 before triton is
-    imported: slow, for tests). Read on every call. Requests with top-k / top-p always take the
-    torch path."""
+    (dspark/kernels/sampling.py, both validated against this module on an H200) instead of the
+    torch ops here: on CUDA by default. The environment variable DSPARK_FUSED_SAMPLING=0 forces
+    the torch path (debugging, A/B timing); =1 forces the kernels, on CPU too (needs
+    TRITON_INTERPRET=1 before triton is imported: slow, for tests). Read on every call (a draft
+    pass captured as a CUDA graph keys its graphs by the answer). Requests with top-k / top-p
+    always take the torch path."""
     flag = os.environ.get("DSPARK_FUSED_SAMPLING", "")
-    return flag == "1" or (gpu_validated and torch.device(device).type == "cuda" and flag != "0")
+    return flag == "1" or (torch.device(device).type == "cuda" and flag != "0")
 
 
 def _mix32(x):

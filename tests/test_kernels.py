@@ -355,6 +355,29 @@ def test_write_fp8_ds_mla_triton_byte_identical(dtype):
 
 @triton_ok
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_ds_mla_roundtrip_triton_bit_identical(dtype):
+    """The one-launch storage rounding (QuantSim.kv on CUDA) == the record round trip and the
+    torch QuantSim formula, bit for bit, on the edge rows (ties, zeros, subnormal codes) plus
+    random rows of widely different magnitudes, for a [.., 2, 512] shaped input."""
+    from dspark.runner import QuantSim
+    gen = torch.Generator().manual_seed(11)
+    x = torch.cat([edge_rows(5, 512, gen),
+                   torch.randn(7, 512, generator=gen) * torch.logspace(-6, 4, 7)[:, None]])
+    x = x.to(dtype).view(6, 2, 512)
+    want = L.fp8_ds_mla_roundtrip(x.to(DEV)).cpu()           # the torch formula, same device
+    got = cw.fp8_ds_mla_roundtrip_triton(x.to(DEV)).cpu()
+    assert got.dtype == dtype and got.shape == x.shape
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    bad = (got.view(bits) != want.view(bits)).nonzero()
+    assert bad.numel() == 0, (f"{len(bad)} values differ, e.g. at {bad[:3].tolist()}: got "
+                              f"{[got[tuple(i)].item() for i in bad[:3]]}, want "
+                              f"{[want[tuple(i)].item() for i in bad[:3]]}, input "
+                              f"{[x[tuple(i)].item() for i in bad[:3]]}")
+    assert torch.equal(QuantSim().kv(x), L.fp8_ds_mla_roundtrip(x))   # CPU: the torch formula
+
+
+@triton_ok
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_indexer_fp8_triton_byte_identical(dtype):
     gen = torch.Generator().manual_seed(8)
     N, P, n = 8, 3, 10

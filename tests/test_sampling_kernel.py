@@ -8,8 +8,6 @@ from triton_env import DEV, triton_ok  # noqa: F401 (before triton)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 from scipy import stats  # noqa: E402
 
 import dspark.kernels.sampling as ks  # noqa: E402
@@ -170,25 +168,19 @@ def test_first_emitted_token_follows_the_target_law():
     assert stats.chisquare(torch.bincount(x, minlength=v).double(), n * p_law).pvalue < 1e-6
 
 
-@triton.jit
-def _uniforms_kernel(seed_ptr, pos_ptr, out_ptr, start, N, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < N
-    u = ks._uniform(start, tl.load(seed_ptr + offs, mask=ok, other=0),
-                    tl.load(pos_ptr + offs, mask=ok, other=0))
-    tl.store(out_ptr + offs, u, mask=ok)
-
-
 def test_hash_is_bit_identical_to_uniforms():
+    """uniforms_triton (the draft pass's uniforms on CUDA) == dspark.sampling.uniforms bit for bit,
+    on int64 edge values and random keys, broadcast [n, 1] x [1, m] like the draft pass calls it."""
     gen = torch.Generator().manual_seed(9)
     edge = torch.tensor([-2 ** 63, 2 ** 63 - 1, -1, 0, 1, 2 ** 32 - 1, 2 ** 32, -2 ** 32])
     seeds = torch.cat([edge, edge, torch.randint(-2 ** 63, 2 ** 63 - 1, (240,), generator=gen)])
     pos = torch.cat([edge, edge.flip(0), torch.randint(0, 2 ** 45, (240,), generator=gen)])
     for purpose in Purpose:
-        out = torch.empty(len(seeds), device=DEV)
-        _uniforms_kernel[(triton.cdiv(len(seeds), 128),)](
-            seeds.to(DEV), pos.to(DEV), out, ks.hash_start(purpose), len(seeds), BLOCK=128)
+        out = ks.uniforms_triton(seeds.to(DEV), pos.to(DEV), purpose)
         assert torch.equal(out.cpu(), uniforms(seeds, pos, purpose)), purpose
+    s2, p2 = seeds[:7, None], torch.arange(3, 9)[None, :]
+    assert torch.equal(ks.uniforms_triton(s2.to(DEV), p2.to(DEV), Purpose.DRAFT).cpu(),
+                       uniforms(s2, p2, Purpose.DRAFT))
 
 
 def test_engine_outputs_agree_with_the_torch_path(monkeypatch):
@@ -265,11 +257,11 @@ def test_fused_sample_draws_follow_q():
 
 
 def test_fused_switch(monkeypatch):
-    """Default: GPU-validated kernels on CUDA only; the draft-side kernel opt-in; 0 / 1 force."""
+    """Default: the kernels on CUDA only; 0 / 1 force."""
     from dspark.sampling import fused_sampling_enabled as on
     monkeypatch.delenv("DSPARK_FUSED_SAMPLING", raising=False)
-    assert on("cuda") and not on("cpu") and not on("cuda", gpu_validated=False)
+    assert on("cuda") and not on("cpu")
     monkeypatch.setenv("DSPARK_FUSED_SAMPLING", "0")
-    assert not on("cuda")
+    assert not on("cuda") and not on("cpu")
     monkeypatch.setenv("DSPARK_FUSED_SAMPLING", "1")
-    assert on("cpu") and on("cuda", gpu_validated=False)
+    assert on("cpu") and on("cuda")

@@ -23,17 +23,29 @@ from .datasets import load_prompts
 
 
 def run_once(engine: Engine, prompts, sp: SamplingParams, concurrency: int, desc: str) -> dict:
+    """Closed loop: `concurrency` requests in flight, the next prompt submitted when one finishes
+    (so TTFT is a request's own prefill and first round, not time spent queued behind the
+    others); tok/s = output tokens / wall time of the whole run."""
     engine.scheduler.max_num_seqs = concurrency
     params = [SamplingParams(**{**sp.__dict__, "seed": i}) for i in range(len(prompts))]
-    ids = [engine.add_request(p, s) for p, s in zip(prompts, params)]
-    outs = {}
-    bar = tqdm(total=len(ids), desc=desc, unit="req", leave=False, file=sys.stderr)
+    pending = list(zip(prompts, params))[::-1]
+    ids, outs = [], {}
+    bar = tqdm(total=len(prompts), desc=desc, unit="req", leave=False, file=sys.stderr)
     t0 = time.perf_counter()
+
+    def submit():
+        p, s = pending.pop()
+        ids.append(engine.add_request(p, s))
+
+    while pending and len(ids) < concurrency:
+        submit()
     while engine.has_unfinished():
         for o in engine.step():
             if o.finished:
                 outs[o.request_id] = o
                 bar.update(1)
+                if pending:
+                    submit()
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
@@ -46,6 +58,16 @@ def run_once(engine: Engine, prompts, sp: SamplingParams, concurrency: int, desc
             "accept_rate": m.acceptance_rate, "cond_accept": m.conditional_acceptance,
             "ttft_ms": 1e3 * m.ttft, "tpot_ms": 1e3 * m.tpot, "rounds": m.rounds,
             "sample": outs[0].text if outs[0].text is not None else outs[0].token_ids[:32]}
+
+
+def warm_up(engine: Engine, prompts, sp: SamplingParams, concurrency: int, name: str) -> None:
+    """Untimed: every prompt's prefill once (Triton specialises some kernels on shapes, so a new
+    prompt length can compile; a server pays that once per shape, not per request) and the first
+    `concurrency` prompts at full length (kernel compiles and CUDA-graph captures of every batch
+    bucket up to `concurrency`)."""
+    short = SamplingParams(**{**sp.__dict__, "max_tokens": min(sp.max_tokens, 4)})
+    run_once(engine, prompts, short, concurrency, f"warm-up {name} prefills")
+    run_once(engine, prompts[:concurrency], sp, concurrency, f"warm-up {name} c={concurrency}")
 
 
 def print_table(rows):
@@ -104,6 +126,9 @@ def main(argv=None):
                    help="instead: batch-1 DSpark round latency split (draft / verify / "
                         "sampling+accept / commit) and the saved benchmark results "
                         "(dspark/bench/profile.py)")
+    p.add_argument("--trace", action="store_true",
+                   help="with --profile on CUDA: the GPU kernels of each phase (kernels and "
+                        "device-busy ms per round, costliest kernels; dspark/bench/trace.py)")
     p.add_argument("--results-dir", default=None,
                    help="--profile: where the benchmark JSONs are (default benchmarks/results)")
     a = p.parse_args(argv)
@@ -132,9 +157,9 @@ def main(argv=None):
     rows = []
     for c in conc:
         # untimed warm-up of BOTH engines at this concurrency: kernel compiles and CUDA-graph
-        # captures of every batch bucket up to c happen here, not inside either timed run
+        # captures happen here, not inside either timed run
         for eng, name in ((spec, "dspark"), (off, "off")):
-            run_once(eng, prompts[:c], sp, c, f"warm-up {name} c={c}")
+            warm_up(eng, prompts, sp, c, name)
         s = run_once(spec, prompts, sp, c, f"dspark c={c}")
         o = run_once(off, prompts, sp, c, f"off c={c}")
         rows.append({"concurrency": c, "dspark": s, "off": o, "speedup": s["tok_s"] / o["tok_s"]})

@@ -228,6 +228,10 @@ def main_profile(a) -> dict:
                        f"dtype {res['dtype']}  γ={res['gamma']}  policy {a.verify_policy}  "
                        f"temperature {a.temperature}  {res['prompts']} prompts × "
                        f"{a.max_tokens} tokens")
+    if getattr(a, "trace", False):
+        from .trace import print_trace, trace_rounds
+        res["trace"] = trace_rounds(eng, measured[:2], sp)
+        print_trace(res["trace"])
     print_results_index(getattr(a, "results_dir", None) or default_results_dir())
     if a.json:
         with open(a.json, "w") as f:

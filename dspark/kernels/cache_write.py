@@ -121,6 +121,45 @@ def _write_indexer_fp8_kernel(cache_ptr, cache_f32_ptr, page_bytes, N, slot_ptr,
         tl.store(cache_f32_ptr + (page * page_bytes + N * 128 + row * 4) // 4, _pow2(e))
 
 
+@triton.jit
+def _e4m3_value(code):
+    """e4m3fn byte (int32 0..255, no NaN codes) -> its fp32 value, exactly."""
+    E = (code >> 3) & 0xF
+    M = code & 7
+    normal = (((E + 120) << 23) | (M << 20)).to(tl.float32, bitcast=True)   # (1 + M/8)·2^(E-7)
+    v = tl.where(E == 0, M.to(tl.float32) * (1.0 / 512.0), normal)         # subnormal: M·2^-9
+    return tl.where((code & 0x80) != 0, -v, v)
+
+
+@triton.jit
+def _fp8_ds_mla_roundtrip_kernel(x_ptr, stride_x, out_ptr, stride_o):
+    """One 512-d row: what storing it as an fp8_ds_mla record and reading it back gives."""
+    i = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, 8)[:, None]               # tile id; tile 7 is the RoPE part
+    j = tl.arange(0, 64)[None, :]
+    x = _bf16_round(tl.load(x_ptr + i * stride_x + g * 64 + j).to(tl.float32))
+    e = _tile_exponent(tl.max(tl.abs(x), axis=1))[:, None]                 # [8, 1]
+    nope = _e4m3_value(_e4m3_bits(x * _pow2(-e))) * _pow2(e)
+    y = tl.where(g < 7, nope, x)
+    tl.store(out_ptr + i * stride_o + g * 64 + j, y.to(out_ptr.dtype.element_ty))
+
+
+def fp8_ds_mla_roundtrip_triton(x: torch.Tensor) -> torch.Tensor:
+    """``dspark.kvcache.layouts.fp8_ds_mla_roundtrip`` of ``x`` [..., 512] in one launch (the
+    dense path's fp8 storage rounding, `QuantSim.kv`): bf16 rounding, 7 FP8 tiles of 64 with
+    UE8M0 scales, the 64 RoPE dims kept as bf16; same dtype and shape as x, bit-identical to the
+    torch formula."""
+    assert x.shape[-1] == 512 and x.is_floating_point(), "fp8_ds_mla rows are 512-d floats"
+    rows = x.reshape(-1, 512)
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        _fp8_ds_mla_roundtrip_kernel[(rows.shape[0],)](rows, rows.stride(0), out, out.stride(0),
+                                                      num_warps=4)
+    return out.view(x.shape)
+
+
 def _check(cache: torch.Tensor, N: int, slots: torch.Tensor, x: torch.Tensor, dim: int,
            row_bytes: int, name: str):
     assert cache.dtype == torch.uint8 and cache.dim() == 2 and cache.is_contiguous(), \

@@ -26,7 +26,7 @@ from torch import nn
 from .deepseek_v4.mhc import hc_head, hc_post
 from .deepseek_v4.model import Block
 from .deepseek_v4.moe import MoE, clamped_swiglu
-from .deepseek_v4.norm import RMSNorm
+from .deepseek_v4.norm import RMSNorm, fp32, linear_fp32
 from .deepseek_v4.rope import rotate
 
 # Routed experts up to this many bytes per stage run densely (every token through every expert,
@@ -394,20 +394,41 @@ class DSparkDrafter(nn.Module):
         idx, w = ffn.gate(x, token_ids)
         E, T = len(ffn.experts), x.shape[0]
         route = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_(1, idx, w)
-        w13 = torch.cat([e.w1.weight for e in ffn.experts] + [e.w3.weight for e in ffn.experts])
-        w2 = torch.cat([e.w2.weight for e in ffn.experts], dim=1)             # [D, E*I]
+        w13, w2 = self._dense_expert_weights(ffn)
         g, u = F.linear(x, w13).float().view(T, 2, E, -1).unbind(1)           # [T, E, I] each
         h = clamped_swiglu(g, u, ffn.experts[0].limit, route)
         out = F.linear(h.to(x.dtype).flatten(1), w2).float()
         out += ffn.shared_experts(x).float()
         return out.to(x.dtype)
 
+    @staticmethod
+    def _dense_expert_weights(ffn):
+        """(w13 [2·E·I, D]: every expert's w1 rows then every w3 row, w2 [D, E·I]) — built once
+        and kept on the module while the expert weights are unchanged (same storage and version
+        counter), so a draft pass does not copy every expert per call; rebuilt (autograd-aware)
+        with grad mode on."""
+        ws = [e.w1.weight for e in ffn.experts] + [e.w3.weight for e in ffn.experts] + \
+            [e.w2.weight for e in ffn.experts]
+        build = lambda: (torch.cat(ws[:2 * len(ffn.experts)]),                 # noqa: E731
+                         torch.cat(ws[2 * len(ffn.experts):], dim=1))
+        if torch.is_grad_enabled():
+            return build()
+        try:
+            key = tuple((w.data_ptr(), w._version) for w in ws)
+        except RuntimeError:               # inference tensors carry no version counter
+            key = tuple((w.data_ptr(), -1) for w in ws)
+        hit = getattr(ffn, "_draft_dense_w", None)
+        if hit is None or hit[0] != key:
+            with torch.no_grad():
+                hit = ffn._draft_dense_w = (key, *build())
+        return hit[1], hit[2]
+
     def base_logits(self, head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.norm(hidden).float(), head.weight.float())
+        return linear_fp32(self.norm(hidden), head.weight)
 
     def markov_step(self, hidden_k: torch.Tensor, prev: torch.Tensor):
         """(Markov bias [R, V] fp32, confidence logit [R] fp32) for slot k given previous tokens."""
-        e = self.markov_w1[prev].float()
-        bias = e @ self.markov_w2.float().t()
-        conf = F.linear(torch.cat([hidden_k.float(), e], -1), self.confidence.weight.float())[:, 0]
+        e = fp32(self.markov_w1)[prev]
+        bias = e @ fp32(self.markov_w2).t()
+        conf = F.linear(torch.cat([hidden_k.float(), e], -1), fp32(self.confidence.weight))[:, 0]
         return bias, conf

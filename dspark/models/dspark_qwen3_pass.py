@@ -20,7 +20,7 @@ import weakref
 import torch
 
 from ..draft_pass import MAX_GRAPH_CONTEXT_ROWS, DraftPass, bucket_size
-from ..sampling import filters_used
+from ..sampling import filters_used, fused_sampling_enabled
 
 MIN_CONTEXT_ROWS = 256        # smallest context bucket (and initial pool rows)
 NO_RING = 1 << 62             # the pool keeps every row: `capacity` for the runner's ring trimming
@@ -120,6 +120,8 @@ class Qwen3DraftPass(DraftPass):
                                    f"(dspark.md §2.7)")
         use_top_k, use_top_p = filters_used([r.params for r in reqs])
         greedy = all(r.params.greedy for r in reqs)
+        fused = (not greedy and not use_top_k and not use_top_p
+                 and fused_sampling_enabled(self.device))
         longest = max(r.num_committed for r in reqs)
         if self.cuda_graphs:
             size, ctx = bucket_size(R), context_bucket(longest)
@@ -129,9 +131,11 @@ class Qwen3DraftPass(DraftPass):
                 ints, floats = self._host_inputs([], size)
                 buffers = (torch.tensor(ints, dtype=torch.long, device=self.device),
                            torch.tensor(floats, dtype=torch.float32, device=self.device))
-                return buffers, lambda i, f: self._draft(i, f, ctx, use_top_k, use_top_p, greedy)
+                return buffers, lambda i, f: self._draft(i, f, ctx, use_top_k, use_top_p, greedy,
+                                                         fused)
 
-            graph = self._graph(("draft", size, ctx, use_top_k, use_top_p, greedy), 0, capture)
+            graph = self._graph(("draft", size, ctx, use_top_k, use_top_p, greedy, fused), 0,
+                                capture)
             if graph is not None:
                 ints, floats = self._host_inputs(reqs, size)
                 self._fill(graph.inputs[0], ints, torch.long)
@@ -141,7 +145,7 @@ class Qwen3DraftPass(DraftPass):
                 return toks[:R].clone(), None if greedy else probs[:R].clone(), confs[:R].clone()
         ints, floats = self._host_inputs(reqs, R)
         return self._draft(self.to_device(ints, torch.long), self.to_device(floats, torch.float32),
-                           longest, use_top_k, use_top_p, greedy)
+                           longest, use_top_k, use_top_p, greedy, fused)
 
     def write_context(self, slots: list, positions: list, taps: list, quant=None):
         """Context rows for committed positions: host lists slots / positions [n] (distinct
@@ -165,7 +169,8 @@ class Qwen3DraftPass(DraftPass):
         self._replay_context(graph, slots, positions, taps, size)
 
     # ---- device side: no host reads, shapes fixed by (batch size, ctx) -----------------------
-    def _draft(self, ints, floats, ctx: int, use_top_k: bool, use_top_p: bool, greedy: bool):
+    def _draft(self, ints, floats, ctx: int, use_top_k: bool, use_top_p: bool, greedy: bool,
+               fused: bool = False):
         d = self.drafter
         slots, anchors, starts, seeds, top_k = ints
         temperature, top_p = floats
@@ -178,7 +183,7 @@ class Qwen3DraftPass(DraftPass):
             bias, conf, state[0] = d.head_step(hidden[:, k], prev, state[0])
             return bias, conf
         return self._sample_block(base, anchors, starts, seeds, temperature, top_k, top_p, greedy,
-                                  head_step)
+                                  head_step, fused)
 
 
 __all__ = ["Qwen3DraftPool", "Qwen3DraftState", "Qwen3DraftPass", "context_bucket"]

@@ -8,13 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .attention import Attention
 from .mhc import hc_head, hc_post, hc_pre
 from .moe import MoE
-from .norm import RMSNorm, fp32
+from .norm import RMSNorm, linear_fp32
 from .state import DenseState
 
 
@@ -132,7 +131,7 @@ class DeepseekV4Model(nn.Module):
     def logits(self, X) -> torch.Tensor:
         """fp32 logits from final streams X [T, n, D]."""
         y = self.norm(self.head_hidden(X))
-        return F.linear(y.float(), fp32(self.head.weight))
+        return linear_fp32(y, self.head.weight)
 
     def forward(self, batch: Batch, attn_fn=None, quant=None) -> torch.Tensor:
         X, _ = self.forward_hidden(batch, attn_fn, quant)

@@ -34,6 +34,25 @@ def fp32(w: torch.Tensor) -> torch.Tensor:
     return f
 
 
+_MM_OUT_DTYPE = [True]        # torch.mm(..., out_dtype=) usable here (set False on first failure)
+
+
+def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x @ w.T`` (the fp32 logits of the reference numerics) without an fp32 copy of a
+    large bf16 weight per call: on CUDA, when x already has w's 16-bit dtype, cuBLAS multiplies
+    the 16-bit values and accumulates / writes fp32 (``torch.mm(out_dtype=float32)``). Same
+    products as ``F.linear(x.float(), w.float())`` (16-bit values are exact in fp32), only the
+    summation order may differ. Elsewhere: ``F.linear(x.float(), fp32(w))``."""
+    if (x.is_cuda and w.dtype in (torch.bfloat16, torch.float16) and x.dtype == w.dtype
+            and _MM_OUT_DTYPE[0] and not torch.is_grad_enabled()):
+        try:
+            out = torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32)
+            return out.view(*x.shape[:-1], w.shape[0])
+        except (RuntimeError, TypeError):    # older torch / cuBLAS without fp32 output
+            _MM_OUT_DTYPE[0] = False
+    return F.linear(x.float(), fp32(w))
+
+
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Unweighted RMS normalisation in fp32 (used per query head and inside mHC)."""
     x = x.float()
