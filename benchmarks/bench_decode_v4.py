@@ -653,11 +653,12 @@ def main(argv=None):
     ap.add_argument("--hf-dtype", choices=("bf16", "fp32"), default=None,
                     help="HF weights / compute dtype (default: bf16 on CUDA, fp32 on CPU)")
     ap.add_argument("--kv-cache-dtype", default="fp8", choices=("fp8", "bf16", "fp32"))
-    ap.add_argument("--grouped-moe", action="store_true",
-                    help="routed FP4 experts through the grouped small-batch kernels (opt-in)")
-    ap.add_argument("--target-graphs", action="store_true",
-                    help="Engine(target_cuda_graphs=True): decode steps replayed as CUDA graphs "
-                         "(with FP4 experts only together with --grouped-moe)")
+    ap.add_argument("--grouped-moe", action=argparse.BooleanOptionalAction, default=True,
+                    help="routed FP4 experts through the grouped small-batch kernels (the "
+                         "default); --no-grouped-moe: the per-expert loop")
+    ap.add_argument("--target-graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="decode steps replayed as CUDA graphs (the Engine default on CUDA; "
+                         "with FP4 experts only together with the grouped MoE)")
     ap.add_argument("--kernel-profile", type=int, default=0, metavar="STEPS",
                     help="(c): profile this many decode steps, time per kernel and per category")
     ap.add_argument("--device", default=None)
@@ -710,10 +711,9 @@ def main(argv=None):
 
     max_len = max(max(contexts) + args.warmup + args.iters + 8, prompt_len + new_tokens + 8)
     t0 = time.perf_counter()
-    if args.grouped_moe:       # the opt-in grouped small-batch FP4 MoE kernels (no host loop)
-        from dspark.kernels.fp4_moe import GROUPED_MAX_PAIRS
+    if not args.grouped_moe:   # the per-expert loop instead of the grouped small-batch kernels
         from dspark.models.qlinear import QuantMoE
-        QuantMoE.grouped_max_pairs = GROUPED_MAX_PAIRS
+        QuantMoE.grouped_max_pairs = 0
     eng = Engine(path, device=str(device), dtype=eng_dtype, weight_format="quantized",
                  target_cuda_graphs=args.target_graphs,
                  speculative="none", kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=1,

@@ -22,31 +22,27 @@ tests)   # correctness first: every kernel / graph against its torch or eager re
   tail -3 "$R/gpu_tests_sampling.txt" | cut -c1-300
   timeout "$(left 300)" python -m pytest -q -m gpu -rfE ${GPU_TESTS:-tests} > "$R/gpu_tests.txt" 2>&1
   tail -12 "$R/gpu_tests.txt" | cut -c1-300 ;;
-decode)  # issue 7: V4-Flash decode vs HBM roofline and vs HF, eager and with the opt-in graph path
+decode)  # issue 7: V4-Flash decode vs HBM roofline and vs HF (grouped FP4 MoE + target graphs: the defaults)
   step "bench_decode_v4 (grouped FP4 MoE + target graphs)"
   timeout "$(left 150)" python benchmarks/bench_decode_v4.py --context 128,4096 --new-tokens 32 \
     --grouped-moe --target-graphs --kernel-profile 10 --json "$R/bench_decode_v4_graphs.json" > "$R/bench_decode_v4_graphs.txt" 2>&1
   grep -v -i "warn\|it/s\]" "$R/bench_decode_v4_graphs.txt" | tail -40 | cut -c1-250 ;;
-bench)   # issue 6: tau and speed-up vs speculation off on the shipped pair, batch 1, with the
-         # V4 target's steps as CUDA graphs (both engines); run alone: a busy CPU skews it
+bench)   # issue 6: tau and speed-up vs speculation off on the shipped pair, batch 1, engine
+         # defaults (on CUDA: target and draft passes as CUDA graphs, fused sampling kernels);
+         # run alone: a busy CPU skews it
   for T in 0 1.0; do
     step "bench T=$T"
     timeout "$(left 120)" python -m dspark.bench --num-prompts 16 --max-tokens 128 --temperature $T \
-      --concurrency 1 --target-cuda-graphs --json "$R/bench_default_T$T.json" \
+      --concurrency 1 --json "$R/bench_default_T$T.json" \
       --plot "$R/bench_default_T$T.png" > "$R/bench_T$T.txt" 2>&1
     tail -c 2000 "$R/bench_T$T.txt" | tr '\r' '\n' | grep -v "it/s\]\|req/s\]\|s/req\]" | tail -5
   done
-  step "bench T=1, fused draft sampling (opt-in until validated here)"
-  DSPARK_FUSED_SAMPLING=1 timeout "$(left 120)" python -m dspark.bench --num-prompts 16 --max-tokens 128 \
-    --temperature 1.0 --concurrency 1 --target-cuda-graphs --json "$R/bench_default_fusedsample_T1.json" \
-    > "$R/bench_fusedsample_T1.txt" 2>&1
-  tail -c 2000 "$R/bench_fusedsample_T1.txt" | tr '\r' '\n' | grep -v "it/s\]\|req/s\]\|s/req\]" | tail -5
   step "round profile T=1"
-  timeout "$(left 60)" python -m dspark.bench --profile --target-cuda-graphs --temperature 1.0 \
+  timeout "$(left 60)" python -m dspark.bench --profile --temperature 1.0 \
     --json "$R/profile_T1.json" > "$R/profile_T1.txt" 2>&1; head -12 "$R/profile_T1.txt" ;;
 trace)   # which kernels each phase of a round runs (kernels / device-busy ms per round)
-  step "round profile + kernel trace T=1 (fused sampling)"
-  DSPARK_FUSED_SAMPLING=1 timeout "$(left 90)" python -m dspark.bench --profile --trace --target-cuda-graphs \
+  step "round profile + kernel trace T=1"
+  timeout "$(left 90)" python -m dspark.bench --profile --trace \
     --temperature 1.0 --json "$R/trace_T1.json" > "$R/trace_T1.txt" 2>&1; grep -v "^  [a-z_]*: \|^benchmark results\|\.json:" "$R/trace_T1.txt" | head -30 ;;
 draft)
   step "bench_draft"

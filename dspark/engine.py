@@ -32,11 +32,11 @@ from .models.drafter import DSparkDrafter
 from .models.loader import load_checkpoint
 from .request import BlockTokens, Request, Status
 from .runner import ModelRunner, QuantSim
-from .sampling import SamplingParams, fused_sampling_enabled, probs_from_logits, stack_params
+from .sampling import (SamplingParams, filters_used, fused_sampling_enabled, probs_from_logits,
+                       stack_params)
 from .scheduler import Scheduler
 from .spec.policy import make_policy
-from .spec.verify import (FinishReason, apply_stops, emitted_tokens, stop_table, verify,
-                          verify_greedy)
+from .spec.verify import FinishReason, apply_stops, emitted_tokens, verify, verify_greedy
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16}
@@ -55,6 +55,15 @@ class RequestOutput:
     finished: bool = True
     new_token_ids: list = field(default_factory=list)
     text_delta: str = ""
+
+
+def _upload(values: list, dtype, device) -> torch.Tensor:
+    """A host list as a 1-D device tensor; on CUDA through pinned memory without a host wait
+    (the caching host allocator keeps the pinned block until the copy has run)."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def default_model_path() -> str:
@@ -80,7 +89,7 @@ class Engine:
                  kv_layout: str = "paged", attention_backend: str = "auto",
                  num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
                  tensor_parallel_size: int = 1, weight_format: str = "bf16",
-                 cuda_graphs: bool | None = None, target_cuda_graphs: bool = False,
+                 cuda_graphs: bool | None = None, target_cuda_graphs: bool | None = None,
                  **policy_kwargs):
         path = path or default_model_path()
         # "bf16": fp8/fp4 checkpoint weights de-quantized at load to `dtype` (default; the debug
@@ -119,6 +128,11 @@ class Engine:
             cfg, model, drafter = self._load_deepseek_v4(path, dtype, speculative,
                                                          num_speculative_tokens, progress)
             quant = QuantSim() if kv_cache_dtype in ("fp8", "auto") else None
+            # the V4 target's decode / verify steps as CUDA graphs: on by default on CUDA (None),
+            # where the step allows it (paged Triton / FlashMLA backend, one device, experts not
+            # routed on the host); False forces the eager target (debugging)
+            if target_cuda_graphs is None:
+                target_cuda_graphs = self.device.type == "cuda" and self.tensor_parallel_size == 1
             backend = None
             if kv_layout == "paged":
                 backend = self._paged_backend(cfg, drafter, kv_cache_dtype, attention_backend,
@@ -346,46 +360,62 @@ class Engine:
             return []
         g = self.drafter.gamma if self.drafter is not None else 1
         R, V, dev = len(reqs), logits.shape[-1], logits.device
-        # target rows [R, γ+1] (row i predicts anchor position + i + 1), padded past ℓ
-        row_idx = torch.tensor([[f + min(i, l) for i in range(g + 1)]
-                                for f, l in zip(first_rows, lengths)], device=dev)
-        drafts = torch.zeros(R, g, dtype=torch.long, device=dev)
-        for i, r in enumerate(reqs):
-            if lengths[i]:
-                drafts[i] = r.draft.tokens
-        lens = torch.tensor(lengths, device=dev)
+        # every host-known integer of the round in ONE upload (pinned and asynchronous on CUDA;
+        # a tensor per field costs a synchronous copy each): target rows [R, γ+1] (row i
+        # predicts anchor position + i + 1, padded past ℓ), ℓ, seeds, anchor positions, tokens
+        # so far, token budgets, stop ids (padded with -1)
+        stop_ids = [r.params.all_stop_ids(self.eos_token_ids) for r in reqs]
+        width = max([1] + [len(x) for x in stop_ids])
+        budget = [min(r.params.max_tokens, self.max_model_len - len(r.prompt_ids)) for r in reqs]
+        flat = [f + min(i, n) for f, n in zip(first_rows, lengths) for i in range(g + 1)]
+        flat += list(lengths) + [r.seed for r in reqs] + list(anchor_pos)
+        flat += [len(r.output_ids) for r in reqs] + budget
+        flat += [t for x in stop_ids for t in list(x) + [-1] * (width - len(x))]
+        ints = _upload(flat, torch.long, dev)
+        row_idx = ints[:R * (g + 1)].view(R, g + 1)
+        lens, seeds, P, ngen, maxt = ints[R * (g + 1):R * (g + 6)].view(5, R).unbind(0)
+        stops = ints[R * (g + 6):].view(R, width)
+        verified = [r for r, n in zip(reqs, lengths) if n]
+        if not verified:
+            drafts = torch.zeros(R, g, dtype=torch.long, device=dev)
+        elif len(verified) == R:
+            drafts = torch.stack([r.draft.tokens for r in reqs])
+        else:
+            none = torch.zeros(g, dtype=torch.long, device=dev)
+            drafts = torch.stack([r.draft.tokens if n else none for r, n in zip(reqs, lengths)])
         if all(r.params.greedy for r in reqs):
             # greedy fast path: compare argmaxes, no softmax over V, no random draws
             res = verify_greedy(drafts, logits[row_idx].argmax(-1), lens)
         else:
-            temp, top_k, top_p = stack_params([r.params for r in reqs], dev)
+            use_top_k, use_top_p = filters_used([r.params for r in reqs])
             # q = None: every verified draft is a point mass at its token (greedy drafts, or
             # nothing verified), which verify and fused_verify build implicitly
             q = None
-            if any(lengths[i] and r.draft.probs is not None for i, r in enumerate(reqs)):
+            if len(verified) == R and all(r.draft.probs is not None for r in reqs):
+                q = torch.stack([r.draft.probs for r in reqs])
+            elif any(r.draft.probs is not None for r in verified):
                 q = torch.zeros(R, g, V, device=dev)
                 for i, r in enumerate(reqs):
                     if lengths[i]:       # greedy drafts keep no distribution: a point mass
                         q[i] = r.draft.probs if r.draft.probs is not None else \
                             torch.zeros(g, V, device=dev).scatter_(1, r.draft.tokens[:, None], 1.0)
-            seeds = torch.tensor([r.seed for r in reqs], dtype=torch.long, device=dev)
-            P = torch.tensor(anchor_pos, dtype=torch.long, device=dev)
-            if top_k is None and top_p is None and fused_sampling_enabled(dev):
+            if not use_top_k and not use_top_p and fused_sampling_enabled(dev):
                 from .kernels.sampling import fused_verify   # Triton: imported only when used
+                temp = _upload([float(r.params.temperature) for r in reqs], torch.float32, dev)
                 res = fused_verify(drafts, q, logits[row_idx], temp, lens, seeds, P)
             else:
+                temp, top_k, top_p = stack_params([r.params for r in reqs], dev)
                 rep = lambda t: None if t is None else t.repeat_interleave(g + 1)  # noqa: E731
                 p = probs_from_logits(logits[row_idx.flatten()], rep(temp), rep(top_k),
                                       rep(top_p)).view(R, g + 1, V)
                 res = verify(drafts, q, p, lens, seeds, P)
         toks, counts = emitted_tokens(drafts, res)
-        stops = stop_table([r.params.all_stop_ids(self.eos_token_ids) for r in reqs], dev)
-        ngen = torch.tensor([len(r.output_ids) for r in reqs], device=dev)
-        maxt = torch.tensor([min(r.params.max_tokens, self.max_model_len - len(r.prompt_ids))
-                             for r in reqs], device=dev)
         stop = apply_stops(toks, counts, stops, ngen, maxt)
-        toks, accepted = toks.tolist(), res.accepted.tolist()
-        n_emit, finish = stop.num_emit.tolist(), stop.finish.tolist()
+        # every result in ONE read back: emitted tokens, accepted drafts, tokens to emit, finish
+        table = torch.cat([toks, res.accepted.view(R, 1), stop.num_emit.view(R, 1),
+                           stop.finish.view(R, 1)], 1).tolist()
+        toks = [row[:g + 1] for row in table]
+        accepted, n_emit, finish = ([row[g + 1 + j] for row in table] for j in range(3))
 
         now, outs = time.perf_counter(), []
         for i, req in enumerate(reqs):

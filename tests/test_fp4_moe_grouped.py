@@ -229,7 +229,7 @@ def _quant_moe(gen, dtype=torch.float32, backend="triton", d=D, inter=I, n=E, k=
                 setattr(e, name, QuantLinear.from_tensors(wq, sq, "fp4", dtype, backend))
         moe.shared_experts.to(dtype)
     moe.__class__ = QuantMoE
-    moe.grouped_max_pairs = fm.GROUPED_MAX_PAIRS     # opt in (the class default is off)
+    moe.grouped_max_pairs = fm.GROUPED_MAX_PAIRS
     return moe.eval()
 
 
@@ -274,9 +274,9 @@ def test_quant_moe_grouped_path_shares_weights(monkeypatch):
         assert rel_err(y2.cpu(), y.cpu()) > 1e-3
 
 
-def test_grouped_path_is_opt_in_until_gpu_validated():
+def test_grouped_path_is_the_default():
     from dspark.models.qlinear import QuantMoE
-    assert QuantMoE.grouped_max_pairs == 0
+    assert QuantMoE.grouped_max_pairs == fm.GROUPED_MAX_PAIRS
 
 
 def test_quant_moe_cpu_auto_keeps_loop(monkeypatch):

@@ -116,9 +116,10 @@ def main(argv=None):
     p.add_argument("--verify-policy", default="fixed")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
-    p.add_argument("--target-cuda-graphs", action="store_true",
-                   help="both engines replay the DeepSeek-V4 target's decode / verify steps as CUDA "
-                        "graphs (Engine(target_cuda_graphs=True))")
+    p.add_argument("--target-cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="both engines replay the DeepSeek-V4 target's decode / verify steps as "
+                        "CUDA graphs (the Engine default on CUDA); --no-target-cuda-graphs runs the "
+                        "target eagerly (Python launch overhead included)")
     p.add_argument("--quick", action="store_true", help="few short prompts: a CPU smoke run")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--plot", default=None, help="write a PNG here")
@@ -148,7 +149,7 @@ def main(argv=None):
     sp = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                         max_tokens=a.max_tokens, ignore_eos=False)
     conc = [int(c) for c in a.concurrency.split(",")]
-    tg = dict(target_cuda_graphs=True) if a.target_cuda_graphs else {}
+    tg = dict(target_cuda_graphs=a.target_cuda_graphs)
     spec = Engine(model, device=a.device, dtype=a.dtype, verify_policy=a.verify_policy, **tg)
     off = Engine(model, device=a.device, dtype=a.dtype, speculative="none", **tg)
     print(f"model {model}  device {spec.device}  dtype {str(spec.dtype).replace('torch.', '')}  "

@@ -215,7 +215,7 @@ def main_profile(a) -> dict:
     sp = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                         max_tokens=a.max_tokens, ignore_eos=False)
     eng = Engine(model, device=a.device, dtype=a.dtype, verify_policy=a.verify_policy,
-                 max_num_seqs=1, target_cuda_graphs=getattr(a, "target_cuda_graphs", False))
+                 max_num_seqs=1, target_cuda_graphs=getattr(a, "target_cuda_graphs", None))
     if eng.drafter is None:
         sys.exit(f"{model}: no DSpark drafter, so there are no draft / verify rounds to profile")
     measured = prompts[1:] if len(prompts) > 1 else prompts

@@ -91,7 +91,7 @@ def _write_fp8_ds_mla_kernel(cache_ptr, cache_i16_ptr, page_bytes, N, slot_ptr, 
         x = tl.load(x_ptr + i.to(tl.int64) * stride_x + g * 64 + j).to(tl.float32)
         x = _bf16_round(x)
         e = _tile_exponent(tl.max(tl.abs(x), axis=1))          # [8]
-        q = _e4m3_bits(x * _pow2(-e)[:, None])
+        q = (_e4m3_bits(x * _pow2(-e)[:, None]) & 0x7F) | ((_sign_bit(x) >> 24) & 0x80)
         is_nope = g < 7
         tl.store(rec + g * 64 + j, q.to(tl.uint8), mask=is_nope)
         # RoPE part: the 64 bf16 bit patterns at bytes 448..575 of the data row, stored through
@@ -115,10 +115,18 @@ def _write_indexer_fp8_kernel(cache_ptr, cache_f32_ptr, page_bytes, N, slot_ptr,
         d = tl.arange(0, 128)
         x = _bf16_round(tl.load(x_ptr + i.to(tl.int64) * stride_x + d).to(tl.float32))
         e = _tile_exponent(tl.max(tl.abs(x), axis=0))
-        q = _e4m3_bits(x * _pow2(-e))
+        q = (_e4m3_bits(x * _pow2(-e)) & 0x7F) | ((_sign_bit(x) >> 24) & 0x80)
         tl.store(cache_ptr + page * page_bytes + row * 128 + d, q.to(tl.uint8))
         # fp32 scale at byte page·page_bytes + N·128 + row·4 (4-aligned: page_bytes % 576 == 0)
         tl.store(cache_f32_ptr + (page * page_bytes + N * 128 + row * 4) // 4, _pow2(e))
+
+
+@triton.jit
+def _sign_bit(x):
+    """The sign bit of fp32 x as int32 (0 or INT32_MIN), read from the bits: float arithmetic on
+    the GPU may drop the sign of a zero (-0.0 * 2^k came out +0.0 on the H200), the torch
+    reference keeps it."""
+    return x.to(tl.int32, bitcast=True) & (-2147483648)
 
 
 @triton.jit
@@ -139,7 +147,9 @@ def _fp8_ds_mla_roundtrip_kernel(x_ptr, stride_x, out_ptr, stride_o):
     j = tl.arange(0, 64)[None, :]
     x = _bf16_round(tl.load(x_ptr + i * stride_x + g * 64 + j).to(tl.float32))
     e = _tile_exponent(tl.max(tl.abs(x), axis=1))[:, None]                 # [8, 1]
-    nope = _e4m3_value(_e4m3_bits(x * _pow2(-e))) * _pow2(e)
+    # magnitude through the e4m3 code and back, then x's own sign bit (quantisation keeps it)
+    mag = _e4m3_value(_e4m3_bits(x * _pow2(-e)) & 0x7F) * _pow2(e)
+    nope = (mag.to(tl.int32, bitcast=True) | _sign_bit(x)).to(tl.float32, bitcast=True)
     y = tl.where(g < 7, nope, x)
     tl.store(out_ptr + i * stride_o + g * 64 + j, y.to(out_ptr.dtype.element_ty))
 

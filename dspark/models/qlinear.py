@@ -104,10 +104,10 @@ class QuantMoE(MoE):
     """MoE whose routed experts hold packed FP4 QuantLinears: routed part via `fp4_moe_grouped`
     (small batches on the Triton backend) or the per-expert `fp4_moe` loop."""
 
-    # 0 disables the grouped path. Off by default until the kernels have run on a GPU (they
-    # are tested on CPU under the Triton interpreter only): `QuantMoE.grouped_max_pairs =
-    # GROUPED_MAX_PAIRS` (4096) turns them on for every QuantMoE
-    grouped_max_pairs = 0
+    # batches of up to this many (token, slot) pairs take the grouped kernels (their GPU tests
+    # passed on the H200: V4-Flash shapes == the torch path, CUDA graph replay == eager);
+    # `QuantMoE.grouped_max_pairs = 0` forces the per-expert loop for every QuantMoE
+    grouped_max_pairs = GROUPED_MAX_PAIRS
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         idx, w = self.gate(x, token_ids)
