@@ -659,6 +659,9 @@ def main(argv=None):
     ap.add_argument("--target-graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="decode steps replayed as CUDA graphs (the Engine default on CUDA; "
                          "with FP4 experts only together with the grouped MoE)")
+    ap.add_argument("--autotune", action="store_true",
+                    help="DSPARK_AUTOTUNE=1: the grouped FP4 MoE kernels time their block configs "
+                         "on first use and keep the fastest (the picks are reported)")
     ap.add_argument("--kernel-profile", type=int, default=0, metavar="STEPS",
                     help="(c): profile this many decode steps, time per kernel and per category")
     ap.add_argument("--device", default=None)
@@ -673,7 +676,13 @@ def main(argv=None):
     result = {"args": vars(args), "device": None}
     timings = result["timings"] = {}
 
+    if args.autotune:
+        os.environ["DSPARK_AUTOTUNE"] = "1"
+
     def save():
+        if args.autotune:
+            from dspark.kernels.fp4_moe import autotune_report
+            result["autotune_picks"] = autotune_report()
         if args.json:
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w") as f:

@@ -415,3 +415,15 @@ def test_grouped_speed_flash_gpu():
         tl_ = timed(lambda: fp4_moe(x, idx, w, exps, 10.0, grouped=False))
         print(f"T={T} k={k}: grouped {tg:.3f} ms, per-expert loop {tl_:.3f} ms")
         assert tg < tl_
+
+
+def test_autotune_is_opt_in_and_never_interpreted(monkeypatch):
+    """DSPARK_AUTOTUNE=1 turns the autotuned launch on for real GPUs only: under the Triton
+    interpreter (no timer) the heuristic blocks stay; the config list holds the heuristic's
+    own batch-1 choice (16 columns, 8 groups, 4 warps)."""
+    monkeypatch.delenv("DSPARK_AUTOTUNE", raising=False)
+    assert not fm.autotune_enabled()
+    monkeypatch.setenv("DSPARK_AUTOTUNE", "1")
+    assert fm.autotune_enabled() == (not fm._interpreting())
+    assert (16, 8, 4, 3) in fm._GEMV_CONFIGS
+    assert all(fm._np_bucket(n) == b for n, b in ((1, 1), (6, 8), (36, 64), (10 ** 6, 8192)))

@@ -48,6 +48,7 @@ layout of the experts (`FP4ExpertStack`, built once by `stack_fp4_experts`):
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -335,7 +336,7 @@ def _fp4_gemv_tile(x_row_ptr, w_rows_ptr, stride_wn, s_rows_ptr, stride_sn, n_ok
 def _fp4_moe_gate_up_kernel(
     x_ptr, stride_xt, idx_ptr, rw_ptr, emap_ptr,
     w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, h_ptr, stride_hp,
-    KSLOTS, I, D, limit,
+    KSLOTS, I, D, limit, NP,                    # NP: programs along axis 0, bucketed (tuning key)
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, DT: tl.constexpr,
 ):
     p = tl.program_id(0)                                    # (token, slot) pair
@@ -368,7 +369,7 @@ def _fp4_moe_gate_up_kernel(
 def _fp4_moe_down_kernel(
     h_ptr, stride_hp, idx_ptr, emap_ptr,
     w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, out_ptr, stride_ot,
-    KSLOTS, D, I,
+    KSLOTS, D, I, NP,                           # NP: programs along axis 0, bucketed (tuning key)
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, DT: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -402,6 +403,46 @@ def _grouped_blocks(programs_per_col: int, n: int) -> tuple[int, int]:
     return block_n, 8
 
 
+# ---- opt-in autotuning (DSPARK_AUTOTUNE=1) ---------------------------------------------------
+# The block shapes above are a heuristic; at batch 1 the two kernels ran at ~0.3-0.4 TB/s on the
+# H200 (V4-Flash widths), far from the ~4 TB/s their weight bytes allow. With DSPARK_AUTOTUNE=1
+# Triton times the configs below (the heuristic's own among them) once per (program-count bucket,
+# shape) on first use and keeps the fastest; `autotune_report()` lists the picks. Off by default
+# until a GPU run shows the picks and their speed. Never under the interpreter.
+_GEMV_CONFIGS = [(16, 8, 4, 3), (16, 16, 4, 3), (16, 16, 8, 3), (16, 32, 8, 3), (8, 16, 4, 3),
+                 (16, 8, 2, 3), (16, 8, 4, 1), (32, 8, 4, 3), (32, 16, 8, 3), (32, 32, 8, 2),
+                 (64, 8, 4, 3), (64, 16, 8, 2)]        # (BLOCK_N, BLOCK_G, warps, stages)
+_TUNED: dict = {}
+
+
+def autotune_enabled() -> bool:
+    return os.environ.get("DSPARK_AUTOTUNE", "") == "1" and not _interpreting()
+
+
+def _bench_quick(fn, quantiles=None):
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+
+
+def _tuned(kernel, key):
+    """The autotuned wrapper of `kernel` (built on first use)."""
+    if kernel not in _TUNED:
+        configs = [triton.Config({"BLOCK_N": n, "BLOCK_G": g}, num_warps=w, num_stages=st)
+                   for n, g, w, st in _GEMV_CONFIGS]
+        _TUNED[kernel] = triton.autotune(configs=configs, key=key, do_bench=_bench_quick)(kernel)
+    return _TUNED[kernel]
+
+
+def autotune_report() -> dict:
+    """{kernel name: {tuning key: picked config}} of the autotuned grouped MoE kernels so far."""
+    return {getattr(k, "__name__", str(k)): {str(key): str(cfg) for key, cfg in t.cache.items()}
+            for k, t in _TUNED.items()}
+
+
+def _np_bucket(n: int) -> int:
+    return min(triton.next_power_of_2(max(n, 1)), 8192)
+
+
 def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                     stack: FP4ExpertStack, swiglu_limit: float, block=None) -> torch.Tensor:
     """Routed-expert output fp32 [T, D] by the two grouped kernels (module docstring): fixed
@@ -429,15 +470,20 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     P = T * k
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
     dt = _DT_NAME[x.dtype]
+    w13, s13, w2, s2, emap = stack
+    up_args = (x, x.stride(0), idx, weights, emap, w13, w13.stride(0), w13.stride(1), s13,
+               s13.stride(0), s13.stride(1), h, h.stride(0), k, I, D, float(swiglu_limit),
+               _np_bucket(P))
+    down_args = (h, h.stride(0), idx, emap, w2, w2.stride(0), w2.stride(1), s2, s2.stride(0),
+                 s2.stride(1), out, out.stride(0), k, D, I, _np_bucket(T))
+    if block is None and autotune_enabled():
+        _tuned(_fp4_moe_gate_up_kernel, ["NP", "KSLOTS", "I", "D"])[
+            lambda m: (P, triton.cdiv(I, m["BLOCK_N"]))](*up_args, DT=dt)
+        _tuned(_fp4_moe_down_kernel, ["NP", "KSLOTS", "D", "I"])[
+            lambda m: (T, triton.cdiv(D, m["BLOCK_N"]))](*down_args, DT=dt)
+        return out
     bn1, bg1 = block or _grouped_blocks(P, I)
     bn2, bg2 = block or _grouped_blocks(T, D)
-    w13, s13, w2, s2, emap = stack
-    _fp4_moe_gate_up_kernel[(P, triton.cdiv(I, bn1))](
-        x, x.stride(0), idx, weights, emap,
-        w13, w13.stride(0), w13.stride(1), s13, s13.stride(0), s13.stride(1), h, h.stride(0),
-        k, I, D, float(swiglu_limit), BLOCK_N=bn1, BLOCK_G=bg1, DT=dt)
-    _fp4_moe_down_kernel[(T, triton.cdiv(D, bn2))](
-        h, h.stride(0), idx, emap,
-        w2, w2.stride(0), w2.stride(1), s2, s2.stride(0), s2.stride(1), out, out.stride(0),
-        k, D, I, BLOCK_N=bn2, BLOCK_G=bg2, DT=dt)
+    _fp4_moe_gate_up_kernel[(P, triton.cdiv(I, bn1))](*up_args, BLOCK_N=bn1, BLOCK_G=bg1, DT=dt)
+    _fp4_moe_down_kernel[(T, triton.cdiv(D, bn2))](*down_args, BLOCK_N=bn2, BLOCK_G=bg2, DT=dt)
     return out
