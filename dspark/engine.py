@@ -128,11 +128,15 @@ class Engine:
             cfg, model, drafter = self._load_deepseek_v4(path, dtype, speculative,
                                                          num_speculative_tokens, progress)
             quant = QuantSim() if kv_cache_dtype in ("fp8", "auto") else None
-            # the V4 target's decode / verify steps as CUDA graphs: on by default on CUDA (None),
-            # where the step allows it (paged Triton / FlashMLA backend, one device, experts not
-            # routed on the host); False forces the eager target (debugging)
+            # the V4 target's decode / verify steps as CUDA graphs (fixed-shape plan on the Triton
+            # kernels): on by default (None) on one CUDA device with the Triton backend, where
+            # the step allows it (experts not routed on the host); True also under "flashmla"
+            # (graph steps then run the Triton attention kernel); False forces the eager target
             if target_cuda_graphs is None:
-                target_cuda_graphs = self.device.type == "cuda" and self.tensor_parallel_size == 1
+                from .attention import resolve_backend
+                target_cuda_graphs = (self.device.type == "cuda" and self.tensor_parallel_size == 1
+                                      and kv_layout == "paged" and resolve_backend(
+                                          attention_backend, self.device, kv_cache_dtype) == "triton")
             backend = None
             if kv_layout == "paged":
                 backend = self._paged_backend(cfg, drafter, kv_cache_dtype, attention_backend,
@@ -246,6 +250,12 @@ class Engine:
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
+
+    def warmup(self, prompt_lengths=None, batch_sizes=None, progress: bool = False) -> dict:
+        """Compile kernels and capture CUDA graphs for the shapes traffic will hit, before any
+        request is added (dummy requests; dspark/warmup.py). Returns what ran and how long."""
+        from .warmup import warm_up
+        return warm_up(self, prompt_lengths, batch_sizes, progress=progress)
 
     def close(self) -> None:
         """Stop the worker processes of a tensor-parallel engine and leave its process group

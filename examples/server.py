@@ -437,6 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", action="store_true",
+                   help="compile kernels / capture CUDA graphs for the usual shapes before "
+                        "listening (Engine.warmup), so first requests do not pay for them")
     p.add_argument("--draft", default=None,
                    help="separate drafter checkpoint, for targets that take one (e.g. Qwen3)")
     return p
@@ -452,6 +455,9 @@ async def serve(args) -> None:
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     max_model_len=args.max_model_len, seed=args.seed, **extra)
     name = args.served_model_name or os.path.basename(os.path.normpath(path))
+    if args.warmup:
+        rep = engine.warmup(progress=True)
+        print(f"warm-up: {rep['requests']} dummy requests in {rep['seconds']:.1f} s", flush=True)
     ae = AsyncEngine(engine).start()
     server = CompletionServer(ae, name)
     host, port = await server.start(args.host, args.port)
