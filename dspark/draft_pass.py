@@ -203,6 +203,7 @@ class DraftPass:
         hidden = d.block_hidden_batched(self.embed, anchors, starts, ctx_kv, ctx_pos, quant,
                                         self.max_position)
         base = d.base_logits(self.head, hidden)                               # [R, γ, V]
+        hidden = hidden.float()          # once, not per Markov step (markov_step casts to fp32)
         return self._sample_block(base, anchors, starts, seeds, temperature, top_k, top_p, greedy,
                                   lambda k, prev: d.markov_step(hidden[:, k], prev), fused)
 

@@ -10,6 +10,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from dspark.kernels.fp4_moe import fp4_linear, fp4_linear_triton, fp4_moe  # noqa: E402
+import dspark.kernels.fp8_gemm as fp8g  # noqa: E402
 from dspark.kernels.fp8_gemm import fp8_linear, fp8_linear_triton  # noqa: E402
 from dspark.models.quant import (dequant_fp4_experts, dequant_fp8_blocks, quant_fp4,  # noqa: E402
                                  quant_fp8_blocks)
@@ -45,6 +46,32 @@ def test_fp8_linear_triton_matches_dequant(T, N, K, block):
     y = fp8_linear_triton(x.to(DEV), w.to(DEV), s.to(DEV), precision="ieee", block=block)
     assert y.shape == (T, N) and y.dtype == torch.float32
     assert rel_err(y.cpu(), ref) < 1e-5
+
+
+@triton_ok
+@pytest.mark.parametrize("T,N,K,bn", [
+    (1, 128, 128, None),           # one tile
+    (3, 200, 300, 8),              # partial N and K tiles, ragged scale grid, 3 tokens
+    (6, 96, 384, 32),              # a verify block's 6 tokens
+    (8, 136, 260, 16),             # GEMV_MAX_T tokens
+])
+def test_fp8_gemv_matches_dequant(T, N, K, bn, monkeypatch):
+    """The opt-in few-token GEMV kernel (DSPARK_FP8_GEMV=1): == F.linear with the de-quantized
+    weight to fp32 summation order, through fp8_linear_triton's dispatch too; bf16 x -> bf16 y."""
+    gen = torch.Generator().manual_seed(T * 100 + N)
+    w, s = quant_fp8_blocks(_spread(N, K, gen, 128))
+    x = torch.randn(T, K, generator=gen)
+    ref = F.linear(x.double(), dequant_fp8_blocks(w, s).double())
+    x2, wu, su = fp8g.flat_operands(x.to(DEV), K, w.to(DEV), s.to(DEV))
+    y = fp8g.fp8_gemv_triton(x2, wu, su, N, K, torch.float32, block_n=bn)
+    assert y.shape == (T, N) and rel_err(y.cpu(), ref) < 1e-5
+    monkeypatch.setenv("DSPARK_FP8_GEMV", "1")
+    y2 = fp8_linear_triton(x.view(1, T, K).to(DEV), w.to(DEV), s.to(DEV))
+    assert y2.shape == (1, T, N) and rel_err(y2[0].cpu(), ref) < 1e-5
+    yb = fp8_linear_triton(x.to(DEV).bfloat16(), w.to(DEV), s.to(DEV))
+    assert yb.dtype == torch.bfloat16 and rel_err(yb.float().cpu(), ref) < 1e-2
+    monkeypatch.delenv("DSPARK_FP8_GEMV")
+    assert not fp8g.gemv_enabled()
 
 
 def test_fp8_linear_torch_path_bit_identical_and_shapes():

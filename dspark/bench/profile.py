@@ -230,8 +230,11 @@ def main_profile(a) -> dict:
                        f"{a.max_tokens} tokens")
     if getattr(a, "trace", False):
         from .trace import print_trace, trace_rounds
-        res["trace"] = trace_rounds(eng, measured[:2], sp)
-        print_trace(res["trace"])
+        if eng.device.type == "cuda":
+            res["trace"] = trace_rounds(eng, measured[:2], sp)
+            print_trace(res["trace"])
+        else:
+            print("\n--trace: skipped, it attributes CUDA kernels to the phases (run it on a GPU)")
     print_results_index(getattr(a, "results_dir", None) or default_results_dir())
     if a.json:
         with open(a.json, "w") as f:

@@ -91,6 +91,64 @@ def _fp8_linear_kernel(
     tl.store(y, acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr, stride_xt, w_ptr, stride_wn, s_ptr, stride_sn, y_ptr, stride_yt, T, N, K,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Few tokens (decode, verify blocks): one program = one token x BLOCK_N output rows, fp32
+    FMAs over [BLOCK_N, 128] weight tiles (no MMA, whose operand layouts cost ~255 registers at
+    BLOCK_M = 16), the full K in one program and the result stored in y's dtype: no split-K
+    partials, no sum / cast launches after it. Token index fastest, so the programs that read one
+    weight tile run side by side and share it through L2."""
+    pid = tl.program_id(0)
+    t = (pid % T).to(tl.int64)
+    pid_n = pid // T
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < N
+    s_row = (pid_n * BLOCK_N) // 128                       # BLOCK_N divides 128
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        k_ok = kk < K
+        x = tl.load(x_ptr + t * stride_xt + kk, mask=k_ok, other=0.0).to(tl.float32)
+        wb = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :],
+                     mask=n_ok[:, None] & k_ok[None, :], other=0)
+        w = wb.to(tl.float8e4nv, bitcast=True).to(tl.float32)      # exact
+        sb = tl.load(s_ptr + s_row * stride_sn + k0 // 128).to(tl.int32)
+        acc += tl.sum(w * x[None, :], axis=1) * _e8m0_to_f32(sb)   # power of two: exact
+    tl.store(y_ptr + t * stride_yt + rn, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+GEMV_MAX_T = 8     # token counts the GEMV kernel takes when enabled (weights re-read per token)
+
+
+def gemv_enabled() -> bool:
+    """The few-token FP8 GEMV kernel is opt-in (DSPARK_FP8_GEMV=1) until a GPU run has timed it
+    against the split-K MMA kernel; CPU tests run it under the interpreter."""
+    return os.environ.get("DSPARK_FP8_GEMV", "") == "1"
+
+
+def _gemv_block(T: int, N: int) -> int:
+    """BLOCK_N: 16 rows (80 registers at sm_90, offline ptxas: benchmarks/kernel_regs.py; 32 rows
+    take 162), 8 (32 registers) while fewer than ~4 programs per H200 SM would run."""
+    return 16 if T * triton.cdiv(N, 16) >= 528 else 8
+
+
+def fp8_gemv_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: int, K: int,
+                    out_dtype, block_n: int | None = None) -> torch.Tensor:
+    """[T, N] in out_dtype from row-contiguous x2 [T, K] and the weight / scale bytes."""
+    T = x2.shape[0]
+    y = torch.empty(T, N, dtype=out_dtype, device=x2.device)
+    bn = block_n or _gemv_block(T, N)
+    assert FP8_BLOCK % bn == 0, bn
+    _fp8_gemv_kernel[(T * triton.cdiv(N, bn),)](
+        x2, x2.stride(0), wu, wu.stride(0), su, su.stride(0), y, y.stride(0), T, N, K,
+        BLOCK_N=bn, BLOCK_K=FP8_BLOCK, num_warps=4)
+    return y
+
+
 def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor):
     if w.dim() != 2 or w.element_size() != 1:
         raise ValueError(f"fp8_linear: weight must be a 2-D 1-byte tensor [N, K], got "
@@ -130,6 +188,8 @@ def fp8_linear_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     T = x2.shape[0]
     if T == 0:
         return x.new_zeros(*lead, N)
+    if block is None and T <= GEMV_MAX_T and gemv_enabled():
+        return fp8_gemv_triton(x2, wu, su, N, K, x.dtype).reshape(*lead, N)
     BM, BN, split = block or _pick_blocks(T, N, K, _interpreting())
     assert FP8_BLOCK % BN == 0, BN
     nk = triton.cdiv(K, FP8_BLOCK)

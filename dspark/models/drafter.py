@@ -153,12 +153,13 @@ def attention_with_sink_batched(q, keys, mask, sink, scale):
 
     q [R, L, H, d], keys [R, N, d] (K = V), mask [R, N] bool (the same for the L queries of a
     request: block attention is non-causal), sink [H]. Returns fp32 [R, L, H, d]."""
-    logits = torch.einsum("rlhd,rnd->rlhn", q.float(), keys.float()) * scale
+    keys = keys.float()                                    # one cast for both products
+    logits = torch.einsum("rlhd,rnd->rlhn", q.float(), keys) * scale
     logits = logits.masked_fill(~mask[:, None, None, :], float("-inf"))
     R, L, H, _ = q.shape
     sink_col = sink.float()[None, None, :, None].expand(R, L, H, 1)
     probs = torch.softmax(torch.cat([logits, sink_col], -1), dim=-1)[..., :-1]
-    return torch.einsum("rlhn,rnd->rlhd", probs, keys.float())
+    return torch.einsum("rlhn,rnd->rlhd", probs, keys)
 
 
 class DraftRope:

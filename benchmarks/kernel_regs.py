@@ -1,0 +1,159 @@
+"""Registers and spills of our Triton kernels on Hopper, without a GPU.
+
+Compiles each kernel for sm_90 with Triton (no device needed), assembles the PTX with the ptxas
+that ships inside the triton wheel (`ptxas-blackwell`: new enough for Triton's PTX version) with
+`-v`, and reports registers per thread, spill stores / loads (bytes per thread) and shared memory
+per config. A spilling config is usually slow on the GPU, so this screens configs offline before a
+device run spends time on them.
+
+    python benchmarks/kernel_regs.py                     # every kernel, its config table
+    python benchmarks/kernel_regs.py --kernel attention  # one kernel
+    python benchmarks/kernel_regs.py --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+
+def ptxas_path() -> str:
+    d = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    for name in ("ptxas-blackwell", "ptxas"):
+        if os.path.exists(os.path.join(d, name)):
+            return os.path.join(d, name)
+    raise SystemExit(f"no ptxas under {d}")
+
+
+def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int,
+              maxnreg: int | None = None, arch: int = 90) -> dict:
+    """{'regs', 'spill_stores', 'spill_loads', 'smem'} of `fn` compiled for sm_<arch>."""
+    sig = dict(signature)
+    sig.update({k: "constexpr" for k in constexprs})
+    opts = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+                       target=GPUTarget("cuda", arch, 32), options=opts)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(k.asm["ptx"])
+    try:
+        out = subprocess.run([ptxas_path(), "-v", f"--gpu-name=sm_{arch}a", f.name, "-o", os.devnull],
+                             capture_output=True, text=True)
+    finally:
+        os.unlink(f.name)
+    txt = out.stdout + out.stderr
+    num = lambda pat: int(m.group(1)) if (m := re.search(pat, txt)) else None  # noqa: E731
+    if num(r"Used (\d+) registers") is None:
+        raise RuntimeError(f"ptxas: {txt[-400:]}")
+    return {"regs": num(r"Used (\d+) registers"), "spill_stores": num(r"(\d+) bytes spill stores"),
+            "spill_loads": num(r"(\d+) bytes spill loads"), "smem": k.metadata.shared}
+
+
+# ---- the kernels and their config tables --------------------------------------------------------
+def _moe_cases():
+    import dspark.kernels.fp4_moe as fm
+    common = {"idx_ptr": "*i64", "emap_ptr": "*i32", "w_ptr": "*i8", "stride_we": "i64",
+              "stride_wn": "i32", "s_ptr": "*u8", "stride_se": "i64", "stride_sn": "i32"}
+    up = {"x_ptr": "*bf16", "stride_xt": "i32", "idx_ptr": "*i64", "rw_ptr": "*fp32",
+          "emap_ptr": "*i32", **common, "h_ptr": "*bf16", "stride_hp": "i32", "KSLOTS": "i32",
+          "I": "i32", "D": "i32", "limit": "fp32", "NP": "i32"}
+    down = {"h_ptr": "*bf16", "stride_hp": "i32", "idx_ptr": "*i64", "emap_ptr": "*i32", **common,
+            "out_ptr": "*fp32", "stride_ot": "i32", "KSLOTS": "i32", "D": "i32", "I": "i32",
+            "NP": "i32"}
+    for fn, sig in ((fm._fp4_moe_gate_up_kernel, up), (fm._fp4_moe_down_kernel, down)):
+        for n, g, w, st in fm._GEMV_CONFIGS:
+            yield (fn.__name__, f"BLOCK_N={n} BLOCK_G={g} warps={w} stages={st}", fn, sig,
+                   {"BLOCK_N": n, "BLOCK_G": g, "DT": "bf16"}, w, st, None)
+
+
+def _fp8_cases():
+    import dspark.kernels.fp8_gemm as fg
+    sig = {"x_ptr": "*bf16", "stride_xt": "i32", "w_ptr": "*u8", "stride_wn": "i32", "s_ptr": "*u8",
+           "stride_sn": "i32", "y_ptr": "*fp32", "stride_ys": "i32", "stride_yt": "i32", "T": "i32",
+           "N": "i32", "K": "i32", "K_PER_SPLIT": "i32"}
+    for bm, bn in ((16, 64), (64, 128), (128, 128)):
+        yield ("_fp8_linear_kernel", f"BLOCK_M={bm} BLOCK_N={bn}", fg._fp8_linear_kernel, sig,
+               {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": fg.FP8_BLOCK, "PRECISION": "bf16"}, 4, 3,
+               None)
+    gsig = {"x_ptr": "*bf16", "stride_xt": "i32", "w_ptr": "*u8", "stride_wn": "i32",
+            "s_ptr": "*u8", "stride_sn": "i32", "y_ptr": "*bf16", "stride_yt": "i32", "T": "i32",
+            "N": "i32", "K": "i32"}
+    for bn in (8, 16, 32, 64):
+        yield ("_fp8_gemv_kernel", f"BLOCK_N={bn} warps=4", fg._fp8_gemv_kernel, gsig,
+               {"BLOCK_N": bn, "BLOCK_K": fg.FP8_BLOCK}, 4, 3, None)
+
+
+def _attention_cases():
+    import dspark.kernels.sparse_mqa as sm
+    lst = lambda p: {f"{p}_u8_ptr": "*u8", f"{p}_bf16_ptr": "*bf16", f"{p}_page_bytes": "i32",  # noqa: E731
+                     f"{p}_N": "i32", f"{p}_idx_ptr": "*i32", f"{p}_stride_it": "i32",
+                     f"{p}_K": "i32", f"{p}_len_ptr": "*i32"}
+    sig = {"q_ptr": "*bf16", "stride_qt": "i32", "stride_qh": "i32", "out_ptr": "*fp32",
+           "stride_ot": "i32", "stride_oh": "i32", "part_ptr": "*fp32", "lse_ptr": "*fp32",
+           "sink_ptr": "*fp32", "H": "i32", "qk_scale_log2": "fp32", **lst("a"), **lst("b")}
+    seen = []
+    configs = [row for _, row in sm.DEFAULT_CONFIGS] + [
+        dict(impl="v2", block_h=64, block_k=64, split_d=2, kv_splits=1, num_warps=4, num_stages=1),
+        dict(impl="v2", block_h=64, block_k=32, split_d=1, kv_splits=1, num_warps=8, num_stages=1,
+             halves=True),
+        dict(impl="v2", block_h=32, block_k=64, split_d=1, kv_splits=1, num_warps=8, num_stages=1)]
+    for c in configs:
+        c = {**c, "halves": c.get("halves", False)}
+        if c in seen:
+            continue
+        seen.append(c)
+        const = {"FP8": True, "HAS_B": True, "A_HAS_LEN": True, "B_HAS_LEN": True,
+                 "BLOCK_H": c["block_h"], "BLOCK_N": c["block_k"], "SPLIT_D": c["split_d"],
+                 "NUM_SPLITS": c["kv_splits"], "HALVES": c["halves"], "PRECISION": "bf16"}
+        yield ("_sparse_mqa_v2_kernel", " ".join(f"{k}={v}" for k, v in c.items() if k != "impl"),
+               sm._sparse_mqa_v2_kernel, sig, const, c["num_warps"], c["num_stages"],
+               c.get("maxnreg"))
+
+
+KERNELS = {"moe": _moe_cases, "fp8": _fp8_cases, "attention": _attention_cases}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kernel", choices=sorted(KERNELS), action="append",
+                    help="which kernels (default: all)")
+    ap.add_argument("--match", default=None,
+                    help="only rows whose 'kernel config' text contains this")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    rows = []
+    print(f"{'kernel':<26} {'config':<58} {'regs':>5} {'spill st':>9} {'spill ld':>9} {'smem KB':>8}")
+    for name in a.kernel or sorted(KERNELS):
+        for kname, label, fn, sig, const, warps, stages, maxnreg in KERNELS[name]():
+            if a.match and a.match not in f"{kname} {label}":
+                continue
+            try:
+                r = resources(fn, sig, const, warps, stages, maxnreg)
+            except Exception as e:          # report and go on: one bad config is a finding too
+                r = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
+            rows.append({"kernel": kname, "config": label, **r})
+            if "error" in r:
+                print(f"{kname:<26} {label[:58]:<58} {r['error']}")
+            else:
+                print(f"{kname:<26} {label[:58]:<58} {r['regs']:>5} {r['spill_stores'] or 0:>9} "
+                      f"{r['spill_loads'] or 0:>9} {r['smem'] / 1024:>8.1f}", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"arch": "sm_90a", "triton": triton.__version__, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
