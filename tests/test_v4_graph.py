@@ -304,3 +304,35 @@ def test_engine_greedy_identical_with_target_graphs(policy):
             assert eng.runner.target_graphs is not None
             assert eng.runner.target_graphs.num_replays > 0 and not eng.runner.target_graphs.disabled
     assert outs[True] == outs[False]
+
+
+@triton_ok
+def test_engine_through_the_fixed_shape_path_on_cpu():
+    """The default GPU decode path's engine-level plumbing on CPU: the shipped pair with the
+    Triton backend (interpreted) and the fixed-shape V4 step run eagerly (capture=False), drafts
+    handed over as device tensors (BlockTokens), the scratch request, rollback; greedy tokens ==
+    the same engine without the fixed-shape path, and with max_num_seqs 2 < 3 prompts the
+    batch changes between steps."""
+    from dspark import Engine, SamplingParams
+    from dspark.engine import default_model_path
+    prompts = ["def fibonacci(n):\n", "import os\n\n", "class Stack:\n    def "]
+    sp = SamplingParams(temperature=0, max_tokens=10)
+    outs = {}
+    for fixed in (False, True):
+        # one cache slot and page more than the scheduler hands out: the scratch request's
+        # (what Engine reserves itself when it turns the graphs on, on CUDA)
+        eng = Engine(default_model_path(), device="cpu", dtype="fp32", attention_backend="triton",
+                     max_num_seqs=3, num_kv_blocks=13)
+        eng.scheduler.max_num_seqs = 2
+        if fixed:
+            r = eng.runner
+            reserve_scratch(eng.cache)
+            r.target_graphs = V4DecodeGraphs(r.model, eng.cache, "triton",
+                                             q_lens=range(1, r.drafter.gamma + 2), max_batch=2,
+                                             tap_layers=r.tap_layers, capture=False)
+            assert r.takes_device_tokens
+        outs[fixed] = [o.token_ids for o in eng.generate(prompts, sp)]
+        if fixed:
+            assert r.target_graphs.num_replays > 0
+            assert max(t["num_verify"] for t in eng.telemetry) == 2     # two requests per step
+    assert outs[True] == outs[False]
