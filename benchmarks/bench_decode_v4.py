@@ -312,30 +312,39 @@ def kernel_category(name: str) -> str:
     return "other elementwise / reductions"
 
 
-def kernel_profile(eng, steps: int, context: int = 128, top: int = 15) -> dict:
-    """torch.profiler over `steps` batch-1 decode steps after a `context`-token prefill: device
-    time per step by kernel and by category (CUDA; on CPU the leaf ops' self CPU time), so the
-    gap to the roofline can be pinned on kernels."""
-    from torch.profiler import ProfilerActivity, profile
+def _profiled_decode(eng, steps: int, context: int, seed: int, warm_steps: int, **profile_kw):
+    """torch.profiler over `steps` batch-1 decode steps of one request with a `context`-token
+    random prompt, after its prefill and `warm_steps` unprofiled steps (graph captures, kernel
+    compiles); the request is aborted afterwards. Returns the profiler."""
+    from torch.profiler import profile
 
     from dspark.sampling import SamplingParams
-    dev = eng.device
-    cuda = dev.type == "cuda"
-    rid = eng.add_request(_random_prompt(context, eng.cfg.vocab_size, seed=7),
+    rid = eng.add_request(_random_prompt(context, eng.cfg.vocab_size, seed=seed),
                           SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
     req = eng.requests[rid]
     try:
         while not req.output_ids:
             eng.step()
-        for _ in range(3):                   # graphs captured, kernels compiled: not profiled
+        for _ in range(warm_steps):
             eng.step()
-        _sync(dev)
-        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        _sync(eng.device)
+        with profile(**profile_kw) as prof:
             for _ in range(steps):
                 eng.step()
-            _sync(dev)
+            _sync(eng.device)
     finally:
         eng.abort(rid)
+    return prof
+
+
+def kernel_profile(eng, steps: int, context: int = 128, top: int = 15) -> dict:
+    """torch.profiler over `steps` batch-1 decode steps after a `context`-token prefill: device
+    time per step by kernel and by category (CUDA; on CPU the leaf ops' self CPU time), so the
+    gap to the roofline can be pinned on kernels."""
+    from torch.profiler import ProfilerActivity
+    cuda = eng.device.type == "cuda"
+    prof = _profiled_decode(eng, steps, context, seed=7, warm_steps=3,
+                            activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
     per = {}
     for e in prof.key_averages():
         if cuda:
@@ -382,27 +391,14 @@ def op_profile(eng, steps: int, context: int = 128, top: int = 15) -> list:
     target graphs, if any, switched off for the pass: a replay hides the launching ops), aten
     ops grouped by input shapes and by the innermost dspark/ frame of their Python stack, sorted
     by device time (CPU: self CPU time)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from dspark.sampling import SamplingParams
-    dev = eng.device
-    cuda = dev.type == "cuda"
+    from torch.profiler import ProfilerActivity
+    cuda = eng.device.type == "cuda"
     graphs, eng.runner.target_graphs = getattr(eng.runner, "target_graphs", None), None
-    rid = eng.add_request(_random_prompt(context, eng.cfg.vocab_size, seed=8),
-                          SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
-    req = eng.requests[rid]
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     try:
-        while not req.output_ids:
-            eng.step()
-        eng.step()
-        _sync(dev)
-        with profile(activities=acts, record_shapes=True, with_stack=True) as prof:
-            for _ in range(steps):
-                eng.step()
-            _sync(dev)
+        prof = _profiled_decode(eng, steps, context, seed=8, warm_steps=1, activities=acts,
+                                record_shapes=True, with_stack=True)
     finally:
-        eng.abort(rid)
         if graphs is not None:
             eng.runner.target_graphs = graphs
     per: dict = {}

@@ -27,6 +27,15 @@ PAD_FLOATS = (1.0, 1.0)               # temperature 1, top_p 1 = off
 MAX_GRAPH_CONTEXT_ROWS = 1024         # larger context writes (prefill of many requests) run eagerly
 
 
+def to_device(rows, dtype, device) -> torch.Tensor:
+    """Host lists -> device tensor without a host sync: on CUDA through pinned memory and an
+    asynchronous copy (the caching host allocator keeps the pinned block until the copy ran)."""
+    t = torch.tensor(rows, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
 def bucket_size(n: int, smallest: int = 1) -> int:
     """Batch sizes are padded to powers of two: few graphs, at most 2x padding rows."""
     return max(smallest, 1 << max(n - 1, 0).bit_length())
@@ -61,11 +70,14 @@ class DraftPass:
         return self.max_position
 
     def to_device(self, rows, dtype) -> torch.Tensor:
-        """Host lists -> device tensor without a host sync (pinned memory, async copy)."""
-        t = torch.tensor(rows, dtype=dtype)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+        return to_device(rows, dtype, self.device)
+
+    def _fused_sampling(self, greedy: bool, use_top_k: bool, use_top_p: bool) -> bool:
+        """Whether the Markov steps draw through one Triton launch each (fused_sample) instead of
+        torch ops: sampled requests without top-k / top-p. Part of the graph key, so
+        DSPARK_FUSED_SAMPLING switches a captured pass too."""
+        return (not greedy and not use_top_k and not use_top_p
+                and fused_sampling_enabled(self.device))
 
     def _fill(self, buffer: torch.Tensor, rows, dtype):
         buffer.copy_(torch.tensor(rows, dtype=dtype).pin_memory(), non_blocking=True)
@@ -91,10 +103,7 @@ class DraftPass:
         bound = self.position_bound(max(r.num_committed for r in reqs) + self.gamma + 1)
         use_top_k, use_top_p = filters_used([r.params for r in reqs])
         greedy = all(r.params.greedy for r in reqs)
-        # the Markov steps' draws through one Triton launch each (fused_sample) or torch ops; part
-        # of the graph key, so DSPARK_FUSED_SAMPLING switches a captured pass too
-        fused = (not greedy and not use_top_k and not use_top_p
-                 and fused_sampling_enabled(self.device))
+        fused = self._fused_sampling(greedy, use_top_k, use_top_p)
         size = bucket_size(R)
 
         def capture():

@@ -26,6 +26,7 @@ import torch
 
 from .config import ModelConfig
 from .detok import IncrementalDetokenizer
+from .draft_pass import to_device
 from .metrics import SpecMetrics
 from .models.deepseek_v4.model import DeepseekV4Model
 from .models.drafter import DSparkDrafter
@@ -55,15 +56,6 @@ class RequestOutput:
     finished: bool = True
     new_token_ids: list = field(default_factory=list)
     text_delta: str = ""
-
-
-def _upload(values: list, dtype, device) -> torch.Tensor:
-    """A host list as a 1-D device tensor; on CUDA through pinned memory without a host wait
-    (the caching host allocator keeps the pinned block until the copy has run)."""
-    t = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def default_model_path() -> str:
@@ -381,7 +373,7 @@ class Engine:
         flat += list(lengths) + [r.seed for r in reqs] + list(anchor_pos)
         flat += [len(r.output_ids) for r in reqs] + budget
         flat += [t for x in stop_ids for t in list(x) + [-1] * (width - len(x))]
-        ints = _upload(flat, torch.long, dev)
+        ints = to_device(flat, torch.long, dev)
         row_idx = ints[:R * (g + 1)].view(R, g + 1)
         lens, seeds, P, ngen, maxt = ints[R * (g + 1):R * (g + 6)].view(5, R).unbind(0)
         stops = ints[R * (g + 6):].view(R, width)
@@ -411,7 +403,7 @@ class Engine:
                             torch.zeros(g, V, device=dev).scatter_(1, r.draft.tokens[:, None], 1.0)
             if not use_top_k and not use_top_p and fused_sampling_enabled(dev):
                 from .kernels.sampling import fused_verify   # Triton: imported only when used
-                temp = _upload([float(r.params.temperature) for r in reqs], torch.float32, dev)
+                temp = to_device([float(r.params.temperature) for r in reqs], torch.float32, dev)
                 res = fused_verify(drafts, q, logits[row_idx], temp, lens, seeds, P)
             else:
                 temp, top_k, top_p = stack_params([r.params for r in reqs], dev)

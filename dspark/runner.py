@@ -71,9 +71,10 @@ class ModelRunner:
                                         cuda_graphs)
         # on by default on CUDA (Engine(target_cuda_graphs=None)): the V4 target's decode /
         # equal-length verify steps as CUDA graphs (fixed-shape plan,
-        # dspark/models/deepseek_v4/graph.py), captured lazily per (batch, q, pages) bucket with the Triton kernels; prefill and mixed-length
-        # steps run eagerly. Packed FP4 experts only with the grouped small-batch kernels
-        # (QuantMoE.grouped_max_pairs > 0, the default): the per-expert loop routes on the host.
+        # dspark/models/deepseek_v4/graph.py), captured lazily per (batch, q, pages) bucket with
+        # the Triton kernels; prefill and mixed-length steps run eagerly. Packed FP4 experts only
+        # with the grouped small-batch kernels (QuantMoE.grouped_max_pairs > 0, the default): the
+        # per-expert loop routes on the host.
         self.target_graphs = None
         if (target_graphs and self.device.type == "cuda" and backend is not None
                 and getattr(backend, "name", "") in ("triton", "flashmla")

@@ -17,6 +17,7 @@ the benchmark scripts' saved results (benchmarks/results/*.json), one line each.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -27,18 +28,22 @@ from collections import defaultdict
 import torch
 
 PHASES = ("draft", "verify", "sampling+accept", "commit", "other")
+PHASE_RANGE = "phase:"          # profiler range name prefix with PhaseTimer(annotate=True)
 
 
 class PhaseTimer:
     """Exclusive wall time per phase of wrapped methods; syncs the device around every call.
+    annotate=True also puts every call in a torch.profiler range named "phase:<phase>" that
+    ends after the closing sync (trace.py charges kernels to phases by these ranges).
 
         t = PhaseTimer(device)
         t.wrap(engine.runner, "draft", "draft")      # instance attribute shadows the method
         ...; t.totals -> {phase: seconds}, t.calls -> {phase: n}
     """
 
-    def __init__(self, device):
+    def __init__(self, device, annotate: bool = False):
         dev = torch.device(device)
+        self.annotate = annotate
         self.sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
         self.totals: dict = defaultdict(float)
         self.calls: dict = defaultdict(int)
@@ -55,10 +60,15 @@ class PhaseTimer:
         def timed(*args, **kwargs):
             self.sync()
             self._stack.append([phase, time.perf_counter(), 0.0])
+            rng = torch.profiler.record_function(PHASE_RANGE + phase) if self.annotate \
+                else contextlib.nullcontext()
             try:
-                return orig(*args, **kwargs)
+                with rng:
+                    try:
+                        return orig(*args, **kwargs)
+                    finally:
+                        self.sync()
             finally:
-                self.sync()
                 ph, t0, child = self._stack.pop()
                 dt = time.perf_counter() - t0
                 self.totals[ph] += dt - child

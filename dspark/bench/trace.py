@@ -18,9 +18,8 @@ from collections import defaultdict
 
 import torch
 
+from .profile import PHASE_RANGE as PREFIX
 from .profile import PHASES, PhaseTimer, instrument_engine
-
-PREFIX = "phase:"
 
 
 def attribute_kernels(events: list) -> dict:
@@ -49,31 +48,13 @@ def attribute_kernels(events: list) -> dict:
 def trace_rounds(engine, prompts, sp, top: int = 6) -> dict:
     """Profile `prompts` one at a time (batch 1, after whatever warm-up the caller did) and
     attribute device kernels to phases. Returns per-phase kernels / busy ms per decode round."""
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import ProfilerActivity, profile
 
     from ..sampling import SamplingParams
     if engine.device.type != "cuda":
         raise RuntimeError("--trace attributes CUDA kernels: run it on a GPU")
     engine.scheduler.max_num_seqs = 1
-    timer = PhaseTimer(engine.device)
-    # a `phase:<name>` range around every wrapped call, device sync inside it
-    orig_wrap = timer.wrap
-
-    def wrap(obj, attr, phase):
-        fn = getattr(obj, attr, None)
-        if fn is None or not callable(fn):
-            return False
-
-        def ranged(*args, **kwargs):
-            with record_function(PREFIX + phase):
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    torch.cuda.synchronize(engine.device)
-        setattr(obj, attr, ranged)
-        return orig_wrap(obj, attr, phase)
-
-    timer.wrap = wrap
+    timer = PhaseTimer(engine.device, annotate=True)    # a `phase:<name>` range per call
     rounds, per = 0, {}
     try:
         instrument_engine(engine, timer)
@@ -95,7 +76,7 @@ def trace_rounds(engine, prompts, sp, top: int = 6) -> dict:
                 with open(fn) as f:
                     _merge(per, attribute_kernels(json.load(f)["traceEvents"]))
     finally:
-        timer.unwrap()          # one instance attribute per method: the class method shows again
+        timer.unwrap()
     n = max(rounds, 1)
     res = {"rounds": rounds, "phases": {}}
     for ph in list(PHASES) + ["(outside)"]:

@@ -91,7 +91,7 @@ def _write_fp8_ds_mla_kernel(cache_ptr, cache_i16_ptr, page_bytes, N, slot_ptr, 
         x = tl.load(x_ptr + i.to(tl.int64) * stride_x + g * 64 + j).to(tl.float32)
         x = _bf16_round(x)
         e = _tile_exponent(tl.max(tl.abs(x), axis=1))          # [8]
-        q = (_e4m3_bits(x * _pow2(-e)[:, None]) & 0x7F) | ((_sign_bit(x) >> 24) & 0x80)
+        q = _e4m3_code(x, _pow2(-e)[:, None])
         is_nope = g < 7
         tl.store(rec + g * 64 + j, q.to(tl.uint8), mask=is_nope)
         # RoPE part: the 64 bf16 bit patterns at bytes 448..575 of the data row, stored through
@@ -115,7 +115,7 @@ def _write_indexer_fp8_kernel(cache_ptr, cache_f32_ptr, page_bytes, N, slot_ptr,
         d = tl.arange(0, 128)
         x = _bf16_round(tl.load(x_ptr + i.to(tl.int64) * stride_x + d).to(tl.float32))
         e = _tile_exponent(tl.max(tl.abs(x), axis=0))
-        q = (_e4m3_bits(x * _pow2(-e)) & 0x7F) | ((_sign_bit(x) >> 24) & 0x80)
+        q = _e4m3_code(x, _pow2(-e))
         tl.store(cache_ptr + page * page_bytes + row * 128 + d, q.to(tl.uint8))
         # fp32 scale at byte page·page_bytes + N·128 + row·4 (4-aligned: page_bytes % 576 == 0)
         tl.store(cache_f32_ptr + (page * page_bytes + N * 128 + row * 4) // 4, _pow2(e))
@@ -127,6 +127,13 @@ def _sign_bit(x):
     the GPU may drop the sign of a zero (-0.0 * 2^k came out +0.0 on the H200), the torch
     reference keeps it."""
     return x.to(tl.int32, bitcast=True) & (-2147483648)
+
+
+@triton.jit
+def _e4m3_code(x, inv_scale):
+    """The e4m3fn byte stored for x at tile scale 1 / inv_scale (a power of two): the magnitude
+    from x * inv_scale, the sign from x's own bits (_sign_bit: -0.0 keeps its sign)."""
+    return (_e4m3_bits(x * inv_scale) & 0x7F) | ((_sign_bit(x) >> 24) & 0x80)
 
 
 @triton.jit

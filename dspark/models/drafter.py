@@ -26,7 +26,7 @@ from torch import nn
 from .deepseek_v4.mhc import hc_head, hc_post
 from .deepseek_v4.model import Block
 from .deepseek_v4.moe import MoE, clamped_swiglu
-from .deepseek_v4.norm import RMSNorm, fp32, linear_fp32
+from .deepseek_v4.norm import RMSNorm, derived, fp32, linear_fp32
 from .deepseek_v4.rope import rotate
 
 # Routed experts up to this many bytes per stage run densely (every token through every expert,
@@ -406,23 +406,12 @@ class DSparkDrafter(nn.Module):
     def _dense_expert_weights(ffn):
         """(w13 [2·E·I, D]: every expert's w1 rows then every w3 row, w2 [D, E·I]) — built once
         and kept on the module while the expert weights are unchanged (same storage and version
-        counter), so a draft pass does not copy every expert per call; rebuilt (autograd-aware)
-        with grad mode on."""
+        counter: `derived`), so a draft pass does not copy every expert per call."""
         ws = [e.w1.weight for e in ffn.experts] + [e.w3.weight for e in ffn.experts] + \
             [e.w2.weight for e in ffn.experts]
-        build = lambda: (torch.cat(ws[:2 * len(ffn.experts)]),                 # noqa: E731
-                         torch.cat(ws[2 * len(ffn.experts):], dim=1))
-        if torch.is_grad_enabled():
-            return build()
-        try:
-            key = tuple((w.data_ptr(), w._version) for w in ws)
-        except RuntimeError:               # inference tensors carry no version counter
-            key = tuple((w.data_ptr(), -1) for w in ws)
-        hit = getattr(ffn, "_draft_dense_w", None)
-        if hit is None or hit[0] != key:
-            with torch.no_grad():
-                hit = ffn._draft_dense_w = (key, *build())
-        return hit[1], hit[2]
+        n = 2 * len(ffn.experts)
+        return derived(ffn, "_draft_dense_w", ws,
+                       lambda: (torch.cat(ws[:n]), torch.cat(ws[n:], dim=1)))
 
     def base_logits(self, head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
         return linear_fp32(self.norm(hidden), head.weight)

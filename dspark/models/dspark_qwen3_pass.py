@@ -20,7 +20,7 @@ import weakref
 import torch
 
 from ..draft_pass import MAX_GRAPH_CONTEXT_ROWS, DraftPass, bucket_size
-from ..sampling import filters_used, fused_sampling_enabled
+from ..sampling import filters_used
 
 MIN_CONTEXT_ROWS = 256        # smallest context bucket (and initial pool rows)
 NO_RING = 1 << 62             # the pool keeps every row: `capacity` for the runner's ring trimming
@@ -120,8 +120,7 @@ class Qwen3DraftPass(DraftPass):
                                    f"(dspark.md §2.7)")
         use_top_k, use_top_p = filters_used([r.params for r in reqs])
         greedy = all(r.params.greedy for r in reqs)
-        fused = (not greedy and not use_top_k and not use_top_p
-                 and fused_sampling_enabled(self.device))
+        fused = self._fused_sampling(greedy, use_top_k, use_top_p)
         longest = max(r.num_committed for r in reqs)
         if self.cuda_graphs:
             size, ctx = bucket_size(R), context_bucket(longest)

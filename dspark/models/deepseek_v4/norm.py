@@ -12,26 +12,36 @@ from torch import nn
 FP32_CACHE_MAX_NUMEL = 1 << 22    # larger weights (e.g. a big vocab head) are cast per call
 
 
-def fp32(w: torch.Tensor) -> torch.Tensor:
-    """``w.float()`` without a cast kernel per call: an fp32 copy of a non-fp32 weight is kept
-    on the tensor and reused while the weight is unchanged (same storage, dtype and version
-    counter). Same values as ``w.float()``. With grad mode on (training), for inference tensors (no
-    version counter) and for weights above FP32_CACHE_MAX_NUMEL it is just ``w.float()``."""
-    if w.dtype == torch.float32:
-        return w
-    if torch.is_grad_enabled() or w.numel() > FP32_CACHE_MAX_NUMEL:   # training: autograd cast
-        return w.float()
+def derived(holder, attr: str, sources, build):
+    """``build()`` (something computed from the tensors `sources`, e.g. a cast or a concatenation
+    of weights) kept on ``holder.<attr>`` and reused while every source is unchanged (same
+    storage, dtype, device and version counter). With grad mode on (training: autograd must see
+    the computation) and for inference tensors (no version counter: in-place changes are
+    untracked) it is ``build()`` on every call."""
+    if torch.is_grad_enabled():
+        return build()
     try:
-        key = (w.data_ptr(), w._version, w.dtype, w.device)
-    except RuntimeError:                   # inference tensor: in-place changes are untracked
-        return w.float()
-    hit = getattr(w, "_dspark_fp32", None)
+        key = tuple((s.data_ptr(), s._version, s.dtype, s.device) for s in sources)
+    except RuntimeError:
+        return build()
+    hit = getattr(holder, attr, None)
     if hit is not None and hit[0] == key:
         return hit[1]
     with torch.no_grad():
-        f = w.detach().float()
-    w._dspark_fp32 = (key, f)
-    return f
+        value = build()
+    setattr(holder, attr, (key, value))
+    return value
+
+
+def fp32(w: torch.Tensor) -> torch.Tensor:
+    """``w.float()`` without a cast kernel per call: an fp32 copy of a non-fp32 weight is kept
+    on the tensor (`derived`). Same values as ``w.float()``; weights above FP32_CACHE_MAX_NUMEL
+    are cast per call."""
+    if w.dtype == torch.float32:
+        return w
+    if w.numel() > FP32_CACHE_MAX_NUMEL:
+        return w.float()
+    return derived(w, "_dspark_fp32", (w,), w.float)
 
 
 _MM_OUT_DTYPE = [True]        # torch.mm(..., out_dtype=) usable here (set False on first failure)
