@@ -36,6 +36,9 @@ def ptxas_path() -> str:
     raise SystemExit(f"no ptxas under {d}")
 
 
+_MULTIPLES_OF_16 = {"K", "N", "D", "I", "K_PER_SPLIT"}
+
+
 def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int,
               maxnreg: int | None = None, arch: int = 90) -> dict:
     """{'regs', 'spill_stores', 'spill_loads', 'smem'} of `fn` compiled for sm_<arch>."""
@@ -44,7 +47,13 @@ def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages:
     opts = {"num_warps": num_warps, "num_stages": num_stages}
     if maxnreg:
         opts["maxnreg"] = maxnreg
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+    # what the launcher's specialisation gives at run time at V4 widths: pointers, row strides
+    # and the model dimensions divisible by 16 (unaligned compiles show byte-wise loads and no
+    # cp.async pipelining, which never run on the GPU)
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items()
+             if t.startswith("*") or n.startswith("stride") or n.endswith("page_bytes")
+             or n in _MULTIPLES_OF_16}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
                        target=GPUTarget("cuda", arch, 32), options=opts)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(k.asm["ptx"])
@@ -87,12 +96,14 @@ def _fp8_cases():
         yield ("_fp8_linear_kernel", f"BLOCK_M={bm} BLOCK_N={bn}", fg._fp8_linear_kernel, sig,
                {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": fg.FP8_BLOCK, "PRECISION": "bf16"}, 4, 3,
                None)
-    gsig = {"x_ptr": "*bf16", "stride_xt": "i32", "w_ptr": "*u8", "stride_wn": "i32",
-            "s_ptr": "*u8", "stride_sn": "i32", "y_ptr": "*bf16", "stride_yt": "i32", "T": "i32",
-            "N": "i32", "K": "i32"}
-    for bn in (8, 16, 32, 64):
-        yield ("_fp8_gemv_kernel", f"BLOCK_N={bn} warps=4", fg._fp8_gemv_kernel, gsig,
-               {"BLOCK_N": bn, "BLOCK_K": fg.FP8_BLOCK}, 4, 3, None)
+    ssig = {"x_ptr": "*bf16", "stride_xt": "i32", "stride_xg": "i32", "w_ptr": "*u8",
+            "stride_wn": "i32", "s_ptr": "*u8", "stride_sn": "i32", "y_ptr": "*bf16",
+            "stride_yt": "i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "T": "i32", "N": "i32",
+            "K": "i32", "K_PER_SPLIT": "i32", "SPLIT": "i32", "GROUP_ROWS": "i32"}
+    for bn, bt in ((64, 16), (128, 16), (64, 64)):
+        yield ("_fp8_skinny_kernel", f"BLOCK_N={bn} BLOCK_T={bt} warps=4", fg._fp8_skinny_kernel,
+               ssig, {"BLOCK_N": bn, "BLOCK_T": bt, "BLOCK_K": fg.FP8_BLOCK, "PRECISION": "bf16"},
+               4, 3, None)
 
 
 def _attention_cases():

@@ -10,16 +10,16 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_fp8_gemv_fits_in_few_registers(tmp_path):
+def test_fp8_skinny_kernel_does_not_spill(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "regs.json"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "kernel_regs.py"),
-                        "--kernel", "fp8", "--match", "_fp8_gemv_kernel BLOCK_N=8 ",
+                        "--kernel", "fp8", "--match", "_fp8_skinny_kernel BLOCK_N=64 BLOCK_T=16 ",
                         "--json", str(out)], env=env, capture_output=True, text=True, timeout=600)
     if "no ptxas" in r.stdout + r.stderr:
         pytest.skip("this triton wheel ships no ptxas")
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 1 and "error" not in rows[0], rows
-    # the decode-size FP8 GEMV must not spill and must leave room for many resident programs
-    assert rows[0]["regs"] <= 64 and not rows[0]["spill_stores"], rows[0]
+    # the decode-size FP8 kernel must not spill and must leave room for several resident programs
+    assert rows[0]["regs"] <= 128 and not rows[0]["spill_stores"], rows[0]

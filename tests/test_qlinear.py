@@ -49,29 +49,51 @@ def test_fp8_linear_triton_matches_dequant(T, N, K, block):
 
 
 @triton_ok
-@pytest.mark.parametrize("T,N,K,bn", [
-    (1, 128, 128, None),           # one tile
-    (3, 200, 300, 8),              # partial N and K tiles, ragged scale grid, 3 tokens
-    (6, 96, 384, 32),              # a verify block's 6 tokens
-    (8, 136, 260, 16),             # GEMV_MAX_T tokens
+@pytest.mark.parametrize("T,N,K,block", [
+    (1, 128, 128, None),           # one tile, one split
+    (3, 200, 300, (32, 16, 3)),    # partial N and K tiles, ragged scale grid, 3 K splits
+    (6, 96, 384, (32, 16, 2)),     # a verify block's 6 tokens, 2 splits
+    (20, 136, 260, (64, 16, 3)),   # two token tiles, last split 4 columns wide
 ])
-def test_fp8_gemv_matches_dequant(T, N, K, bn, monkeypatch):
-    """The opt-in few-token GEMV kernel (DSPARK_FP8_GEMV=1): == F.linear with the de-quantized
-    weight to fp32 summation order, through fp8_linear_triton's dispatch too; bf16 x -> bf16 y."""
+def test_fp8_skinny_matches_dequant(T, N, K, block, monkeypatch):
+    """The few-token swap-AB kernel (split K reduced in-kernel by the last-arriving split): ==
+    F.linear with the de-quantized weight to fp32 summation order, through fp8_linear_triton's
+    dispatch too (bf16 x -> bf16 y); the arrival counters are re-armed after every launch (a
+    second launch, as a graph replay would do, gives the same result)."""
     gen = torch.Generator().manual_seed(T * 100 + N)
     w, s = quant_fp8_blocks(_spread(N, K, gen, 128))
     x = torch.randn(T, K, generator=gen)
     ref = F.linear(x.double(), dequant_fp8_blocks(w, s).double())
     x2, wu, su = fp8g.flat_operands(x.to(DEV), K, w.to(DEV), s.to(DEV))
-    y = fp8g.fp8_gemv_triton(x2, wu, su, N, K, torch.float32, block_n=bn)
-    assert y.shape == (T, N) and rel_err(y.cpu(), ref) < 1e-5
-    monkeypatch.setenv("DSPARK_FP8_GEMV", "1")
+    for _ in range(2):
+        y = fp8g.fp8_skinny_triton(x2, wu, su, N, K, torch.float32, "ieee", block=block)
+        assert y.shape == (T, N) and rel_err(y.cpu(), ref) < 1e-5
+        assert int(fp8g._arrival_counters(y.device, 1).abs().sum()) == 0
     y2 = fp8_linear_triton(x.view(1, T, K).to(DEV), w.to(DEV), s.to(DEV))
     assert y2.shape == (1, T, N) and rel_err(y2[0].cpu(), ref) < 1e-5
     yb = fp8_linear_triton(x.to(DEV).bfloat16(), w.to(DEV), s.to(DEV))
     assert yb.dtype == torch.bfloat16 and rel_err(yb.float().cpu(), ref) < 1e-2
-    monkeypatch.delenv("DSPARK_FP8_GEMV")
-    assert not fp8g.gemv_enabled()
+    monkeypatch.setenv("DSPARK_FP8_SKINNY", "0")           # the split-K MMA kernel + sum
+    assert not fp8g.skinny_enabled()
+    y3 = fp8_linear_triton(x.to(DEV), w.to(DEV), s.to(DEV), precision="ieee")
+    assert rel_err(y3.cpu(), ref) < 1e-5
+
+
+@triton_ok
+@pytest.mark.parametrize("T,G,R,K", [(1, 2, 128, 256), (5, 3, 256, 130)])
+def test_fp8_grouped_skinny_matches_per_group(T, G, R, K):
+    """Grouped projection (attention wo_a) in one skinny launch: group g's rows times x[:, g]
+    == the einsum of the reference with the de-quantized weight; QuantLinear.grouped uses it."""
+    from dspark.models.qlinear import QuantLinear
+    gen = torch.Generator().manual_seed(T + G)
+    w, s = quant_fp8_blocks(_spread(G * R, K, gen, 128))
+    x = torch.randn(T, G, K, generator=gen)
+    ref = torch.einsum("tgi,gri->tgr", x.double(), dequant_fp8_blocks(w, s).double().view(G, R, K))
+    y = fp8g.fp8_linear_grouped(x.to(DEV), w.to(DEV), s.to(DEV), G, backend="triton")
+    assert y.shape == (T, G, R) and rel_err(y.cpu(), ref) < 1e-5
+    assert fp8g.fp8_linear_grouped(x, w, s, G, backend="torch") is None      # caller's loop
+    ql = QuantLinear.from_tensors(w, s, "fp8", torch.float32, "triton").to(DEV)
+    assert rel_err(ql.grouped(x.to(DEV), G).cpu(), ref) < 1e-5
 
 
 def test_fp8_linear_torch_path_bit_identical_and_shapes():

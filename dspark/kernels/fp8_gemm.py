@@ -22,7 +22,10 @@ whole weight to x.dtype, then F.linear — exact, used on CPU and as the referen
 Kernel layout: one program = BLOCK_M tokens x BLOCK_N output rows x one K-split. BLOCK_K = 128 so a
 weight tile [BLOCK_N <= 128, 128] sits inside one scale tile (BLOCK_N divides 128). For decode
 (T small) the GEMM is a weight-streaming GEMV: N/BLOCK_N programs are too few for 132 SMs, so K is
-split and the fp32 partials are summed (deterministically) on the host side.
+split and the fp32 partials are summed (deterministically) by a second launch. Few tokens
+(T <= SKINNY_MAX_T: decode, verify) take `_fp8_skinny_kernel` instead: weight rows on the MMA's M
+side, split K reduced inside the same launch, output written in x's dtype (one launch per linear).
+(A fp32-FMA GEMV variant measured 4x slower than the MMA kernel on the H200 and was removed.)
 """
 from __future__ import annotations
 
@@ -92,60 +95,120 @@ def _fp8_linear_kernel(
 
 
 @triton.jit
-def _fp8_gemv_kernel(
-    x_ptr, stride_xt, w_ptr, stride_wn, s_ptr, stride_sn, y_ptr, stride_yt, T, N, K,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _fp8_skinny_kernel(
+    x_ptr, stride_xt, stride_xg, w_ptr, stride_wn, s_ptr, stride_sn, y_ptr, stride_yt, ws_ptr,
+    cnt_ptr, T, N, K, K_PER_SPLIT, SPLIT, GROUP_ROWS,
+    BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """Few tokens (decode, verify blocks): one program = one token x BLOCK_N output rows, fp32
-    FMAs over [BLOCK_N, 128] weight tiles (no MMA, whose operand layouts cost ~255 registers at
-    BLOCK_M = 16), the full K in one program and the result stored in y's dtype: no split-K
-    partials, no sum / cast launches after it. Token index fastest, so the programs that read one
-    weight tile run side by side and share it through L2."""
-    pid = tl.program_id(0)
-    t = (pid % T).to(tl.int64)
-    pid_n = pid // T
+    """Few tokens (decode, verify): y^T = W x^T with the weight rows as the MMA's M side
+    ("swap AB": a [BLOCK_N, 128] weight tile against x^T [128, BLOCK_T], so 64-128 weight rows
+    fill the MMA instead of 1-16 tokens padded to 16), fp32 accumulation, each 128 x 128 tile's
+    power-of-two scale applied to its partial sum (exact). K split over SPLIT programs when
+    N / BLOCK_N alone would leave SMs idle: each split stores its fp32 partial to a workspace, and
+    the split that arrives last (a per-tile arrival counter) sums the SPLIT partials in split
+    order (deterministic whichever arrives last), writes y in its dtype and re-arms the counter
+    for the next launch / graph replay. One launch, no sum / cast kernels after it.
+    Grouped weights (attention wo_a): rows g*GROUP_ROWS .. (g+1)*GROUP_ROWS - 1 multiply x's group
+    g (x + g * stride_xg); GROUP_ROWS is a multiple of BLOCK_N, and N for plain linears."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_t = tl.program_id(2)
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rt = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < N
+    t_ok = rt < T
     s_row = (pid_n * BLOCK_N) // 128                       # BLOCK_N divides 128
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    k_lo = pid_k * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    x_base = x_ptr + ((pid_n * BLOCK_N) // GROUP_ROWS).to(tl.int64) * stride_xg
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + rk
         k_ok = kk < K
-        x = tl.load(x_ptr + t * stride_xt + kk, mask=k_ok, other=0.0).to(tl.float32)
         wb = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :],
                      mask=n_ok[:, None] & k_ok[None, :], other=0)
-        w = wb.to(tl.float8e4nv, bitcast=True).to(tl.float32)      # exact
+        w = wb.to(tl.float8e4nv, bitcast=True)             # exact e4m3 -> bf16/fp32 in _mma
+        xt = tl.load(x_base + rt[None, :] * stride_xt + kk[:, None],
+                     mask=t_ok[None, :] & k_ok[:, None], other=0.0)
         sb = tl.load(s_ptr + s_row * stride_sn + k0 // 128).to(tl.int32)
-        acc += tl.sum(w * x[None, :], axis=1) * _e8m0_to_f32(sb)   # power of two: exact
-    tl.store(y_ptr + t * stride_yt + rn, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+        acc += _mma(w, xt, PRECISION) * _e8m0_to_f32(sb)    # power of two: exact scaling
+    out = y_ptr + rt[None, :] * stride_yt + rn[:, None]
+    ok = n_ok[:, None] & t_ok[None, :]
+    if SPLIT == 1:
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=ok)
+    else:
+        # workspace [SPLIT, T, N] fp32, same [t, n] addressing as y
+        part = ws_ptr + pid_k * T * N + rt[None, :] * N + rn[:, None]
+        tl.store(part, acc, mask=ok)
+        tl.debug_barrier()                                 # all partial stores issued first
+        tile = cnt_ptr + pid_t * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:                           # last split of this tile
+            total = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+            for j in range(0, SPLIT):
+                total += tl.load(ws_ptr + j * T * N + rt[None, :] * N + rn[:, None], mask=ok,
+                                 other=0.0, cache_modifier=".cg")
+            tl.store(out, total.to(y_ptr.dtype.element_ty), mask=ok)
+            tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")   # re-arm for the next launch
 
 
-GEMV_MAX_T = 8     # token counts the GEMV kernel takes when enabled (weights re-read per token)
+SKINNY_MAX_T = 64       # token counts the swap-AB kernel takes (decode, verify, short prefills)
+_COUNTERS: dict = {}
 
 
-def gemv_enabled() -> bool:
-    """The few-token FP8 GEMV kernel is opt-in (DSPARK_FP8_GEMV=1) until a GPU run has timed it
-    against the split-K MMA kernel; CPU tests run it under the interpreter."""
-    return os.environ.get("DSPARK_FP8_GEMV", "") == "1"
+def _arrival_counters(device, n: int) -> torch.Tensor:
+    """Zeroed int32 per-tile arrival counters, one buffer per device, reused by every launch on
+    the (single) stream: each launch leaves them at zero again."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
 
 
-def _gemv_block(T: int, N: int) -> int:
-    """BLOCK_N: 16 rows (80 registers at sm_90, offline ptxas: benchmarks/kernel_regs.py; 32 rows
-    take 162), 8 (32 registers) while fewer than ~4 programs per H200 SM would run."""
-    return 16 if T * triton.cdiv(N, 16) >= 528 else 8
+def _skinny_blocks(T: int, N: int, K: int, interp: bool):
+    """(BLOCK_N, BLOCK_T, SPLIT): 64 weight rows per program, tokens padded to 16..64, K split
+    until ~2 programs per H200 SM (132) would run."""
+    if interp:
+        return 32, 16, max(1, min(3, triton.cdiv(K, FP8_BLOCK)))
+    bt = max(16, triton.next_power_of_2(T))
+    bn = 64
+    progs = triton.cdiv(N, bn) * triton.cdiv(T, bt)
+    split = max(1, min(triton.cdiv(K, FP8_BLOCK), triton.cdiv(264, progs)))
+    return bn, bt, split
 
 
-def fp8_gemv_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: int, K: int,
-                    out_dtype, block_n: int | None = None) -> torch.Tensor:
-    """[T, N] in out_dtype from row-contiguous x2 [T, K] and the weight / scale bytes."""
+def skinny_enabled() -> bool:
+    """The swap-AB few-token kernel is the default for T <= SKINNY_MAX_T (DSPARK_FP8_SKINNY=0
+    switches back to the split-K MMA kernel + host-side sum, for A/B runs)."""
+    return os.environ.get("DSPARK_FP8_SKINNY", "1") != "0"
+
+
+def fp8_skinny_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: int, K: int,
+                      out_dtype, precision: str, block=None, groups: int = 1) -> torch.Tensor:
+    """[T, N] in out_dtype from x2 [T, K] (unit column stride) and the weight / scale bytes.
+    groups > 1: x2 is [T, groups, K] and weight rows g*N/groups.. use x2[:, g] ([T, N] is then
+    [T, groups, N/groups])."""
     T = x2.shape[0]
+    BN, BT, split = block or _skinny_blocks(T, N, K, _interpreting())
+    assert FP8_BLOCK % BN == 0, BN
+    R = N // groups
+    assert groups == 1 or (R * groups == N and R % BN == 0), (N, groups, BN)
+    stride_xg = x2.stride(1) if groups > 1 else 0
+    nk = triton.cdiv(K, FP8_BLOCK)
+    split = max(1, min(split, nk))
+    k_per = triton.cdiv(nk, split) * FP8_BLOCK
+    split = triton.cdiv(K, k_per)
     y = torch.empty(T, N, dtype=out_dtype, device=x2.device)
-    bn = block_n or _gemv_block(T, N)
-    assert FP8_BLOCK % bn == 0, bn
-    _fp8_gemv_kernel[(T * triton.cdiv(N, bn),)](
-        x2, x2.stride(0), wu, wu.stride(0), su, su.stride(0), y, y.stride(0), T, N, K,
-        BLOCK_N=bn, BLOCK_K=FP8_BLOCK, num_warps=4)
+    grid = (triton.cdiv(N, BN), split, triton.cdiv(T, BT))
+    ws = torch.empty(split if split > 1 else 1, T, N, dtype=torch.float32, device=x2.device)
+    cnt = _arrival_counters(x2.device, grid[0] * grid[2])
+    _fp8_skinny_kernel[grid](
+        x2, x2.stride(0), stride_xg, wu, wu.stride(0), su, su.stride(0), y, y.stride(0), ws, cnt,
+        T, N, K, k_per, split, R, BLOCK_N=BN, BLOCK_T=BT, BLOCK_K=FP8_BLOCK, PRECISION=precision,
+        num_warps=4, num_stages=3)
     return y
 
 
@@ -188,8 +251,9 @@ def fp8_linear_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     T = x2.shape[0]
     if T == 0:
         return x.new_zeros(*lead, N)
-    if block is None and T <= GEMV_MAX_T and gemv_enabled():
-        return fp8_gemv_triton(x2, wu, su, N, K, x.dtype).reshape(*lead, N)
+    if block is None and T <= SKINNY_MAX_T and skinny_enabled():
+        return fp8_skinny_triton(x2, wu, su, N, K, x.dtype,
+                                 _pick_precision(x.dtype, precision)).reshape(*lead, N)
     BM, BN, split = block or _pick_blocks(T, N, K, _interpreting())
     assert FP8_BLOCK % BN == 0, BN
     nk = triton.cdiv(K, FP8_BLOCK)
@@ -204,6 +268,25 @@ def fp8_linear_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
         PRECISION=_pick_precision(x.dtype, precision))
     y = y[0] if split == 1 else y.sum(0)
     return y.to(x.dtype).reshape(*lead, N)
+
+
+def fp8_linear_grouped(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, groups: int,
+                       backend: str = "auto") -> torch.Tensor | None:
+    """Grouped projection x [T, G, K] -> [T, G, N/G] (group g times weight rows g*N/G ..) in one
+    skinny launch, or None when that kernel does not apply (not Triton, T > SKINNY_MAX_T, groups
+    not 128-row aligned): the caller then runs one fp8_linear per group."""
+    if backend == "auto":
+        backend = "triton" if x.is_cuda else "torch"
+    N, K = _check(x, w, scale)
+    T = x.shape[0]
+    if (backend != "triton" or x.dim() != 3 or x.shape[1] != groups or T == 0
+            or T > SKINNY_MAX_T or not skinny_enabled() or (N // groups) % FP8_BLOCK
+            or x.stride(-1) != 1):
+        return None
+    _, wu, su = flat_operands(x[:, 0], K, w, scale)
+    y = fp8_skinny_triton(x, wu, su, N, K, x.dtype, _pick_precision(x.dtype, None),
+                          groups=groups)
+    return y.view(T, groups, N // groups)
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, backend: str = "auto",

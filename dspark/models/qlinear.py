@@ -29,7 +29,7 @@ from torch import nn
 
 from dspark.kernels.fp4_moe import (GROUPED_MAX_PAIRS, FP4ExpertStack, fp4_linear, fp4_moe,
                                     fp4_moe_grouped, grouped_applies, stack_fp4_experts)
-from dspark.kernels.fp8_gemm import fp8_linear
+from dspark.kernels.fp8_gemm import fp8_linear, fp8_linear_grouped
 from dspark.models.deepseek_v4.moe import MoE
 from dspark.models.quant import (FP8_BLOCK, dequant_fp4_experts, dequant_fp8_blocks,
                                  fp4_scale_shape, fp8_scale_shape)
@@ -90,6 +90,10 @@ class QuantLinear(nn.Module):
         FP8 with 128-aligned groups (V4-Flash: 1024 rows per group): one fp8_linear per group on the
         row slice of the weight and its scale tiles; otherwise the weight is de-quantized per call."""
         R = self.out_features // groups
+        if self.kind == "fp8":
+            y = fp8_linear_grouped(x, self.weight, self.scale, groups, self.backend)
+            if y is not None:                          # few tokens on the GPU: one launch
+                return y
         if self.kind == "fp8" and R % FP8_BLOCK == 0:
             rb = R // FP8_BLOCK
             outs = [fp8_linear(x[:, g], self.weight[g * R:(g + 1) * R],

@@ -1,0 +1,219 @@
+"""Few-token (decode / verify) weight-streaming kernels at V4-Flash shapes, old vs new, on CUDA.
+
+* FP8 linears (e4m3 + 128x128 UE8M0, bf16 activations), T = 1, 2, 6 tokens:
+  `splitk` = `_fp8_linear_kernel` (tokens on the MMA's M side, K split, then a torch `sum` and a
+  bf16 cast: 3 launches) vs `skinny` = `_fp8_skinny_kernel` (weight rows on M, split K reduced in
+  the same launch, bf16 out: 1 launch).
+* Grouped FP4 routed MoE of one layer (256 experts, top-6, packed e2m1 + 1x32 UE8M0), T = 1, 2, 6:
+  `fma` = the CUDA-core grouped kernels of fp4_moe.py vs `mma` = the dot_scaled tensor-core kernels
+  of fp4_moe_mma.py.
+
+Timing: each variant is captured in one CUDA graph of R back-to-back calls that read R different
+weight copies (FP8) or R different routings over the 256 experts (MoE), so every call starts with
+its weights out of L2, and launch gaps are the graph's, as in the engine's decode graphs.
+us = graph replay time / R (median of --iters replays). TB/s = bytes the call must read (codes +
+scales of the used weights) / us, against the ~4.3 TB/s copy bandwidth. Every variant is checked
+against de-quantize + F.linear (fp32) in the same run before timing.
+
+    python benchmarks/bench_decode_kernels.py --json out/bench_decode_kernels.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from dspark.kernels import fp8_gemm as fg  # noqa: E402
+from dspark.kernels.fp4_moe import (fp4_moe, fp4_moe_grouped, stack_fp4_experts)  # noqa: E402
+from dspark.kernels.fp4_moe_mma import fp4_moe_mma  # noqa: E402
+from dspark.models.quant import dequant_fp8_blocks, quant_fp4, quant_fp8_blocks  # noqa: E402
+
+COPY_BW = 4.3e12
+# (name, N, K, (calls per decode step of the 4-layer V4-Flash checkpoint: old path, new path));
+# wo_a: the old path runs one linear per group (32 per step), the new one grouped launch per layer
+FP8_SHAPES = [("wq_a", 1024, 4096, (4, 4)), ("wq_b", 32768, 1024, (4, 4)),
+              ("wkv", 512, 4096, (4, 4)), ("wo_a/group", 1024, 4096, (32, 0)),
+              ("wo_b", 4096, 8192, (4, 4)), ("shared.w1/w3", 2048, 4096, (8, 8)),
+              ("shared.w2", 4096, 2048, (4, 4)), ("wo_a 8 groups", 8192, 4096, (0, 4))]
+
+
+def graph_time(calls, iters: int) -> float:
+    """Seconds per call: one CUDA graph replaying `calls` (a list of thunks) back to back."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls[:2]:
+            c()                                            # compile / autotune outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    for _ in range(3):
+        g.replay()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3 / len(calls))
+    return statistics.median(times)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+
+
+def splitk_linear(x2, wu, su, N, K):
+    """The pre-skinny decode path: split-K MMA kernel + torch sum + cast."""
+    BM, BN, split = fg._pick_blocks(x2.shape[0], N, K, False)
+    return fg.fp8_linear_triton(x2, wu, su, block=(BM, BN, split))
+
+
+def bench_fp8(tokens, iters, rows):
+    for name, N, K, per_step in FP8_SHAPES:
+        nbytes = N * K + fg.triton.cdiv(N, 128) * fg.triton.cdiv(K, 128)
+        R = max(4, min(64, (512 << 20) // nbytes))
+        w0, s0 = quant_fp8_blocks(torch.randn(N, K, device="cuda") * 0.02)
+        ws = [(w0.clone().view(torch.uint8), s0.clone().view(torch.uint8)) for _ in range(R)]
+        ref_w = dequant_fp8_blocks(w0, s0).float()
+        for T in tokens:
+            x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+            ref = F.linear(x.float(), ref_w)
+            res = {}
+            G = 8 if "groups" in name else 1
+            if G > 1:
+                x = torch.randn(T, G, K, device="cuda", dtype=torch.bfloat16)
+                ref = torch.einsum("tgi,gri->tgr", x.float(), ref_w.view(G, N // G, K))
+                R_, rb = N // G, N // G // 128
+                variants = (("splitk", lambda x, w, s: torch.stack(
+                                [splitk_linear(x[:, g], w[g * R_:(g + 1) * R_],
+                                               s[g * rb:(g + 1) * rb], R_, K) for g in range(G)], 1)),
+                            ("skinny", lambda x, w, s: fg.fp8_skinny_triton(
+                                x, w, s, N, K, torch.bfloat16, "bf16", groups=G).view(T, G, -1)))
+            else:
+                variants = (("splitk", lambda x, w, s: splitk_linear(x, w, s, N, K)),
+                            ("skinny", lambda x, w, s: fg.fp8_skinny_triton(
+                                x, w, s, N, K, torch.bfloat16, "bf16")))
+            for variant, fn in variants:
+                err = _rel(fn(x, *ws[0]), ref)
+                t = graph_time([lambda w=w, s=s: fn(x, w, s) for w, s in ws], iters)
+                res[variant] = (t, err)
+            rows.append(dict(kind="fp8", op=name, T=T, N=N, K=K, per_step=per_step, bytes=nbytes,
+                             **{f"{v}_us": t * 1e6 for v, (t, _) in res.items()},
+                             **{f"{v}_err": e for v, (_, e) in res.items()}))
+            _print_row(rows[-1])
+
+
+# grouped MoE variants: (name, kind, block, num_warps, num_stages); the first is the baseline
+MOE_VARIANTS = [("fma 16x8 (old)", "fma", (16, 8), 4, 3), ("fma 8x16", "fma", (8, 16), 4, 3),
+                ("mma 16x256 w4 s3", "mma", (16, 256), 4, 3),
+                ("mma 16x256 w2 s4", "mma", (16, 256), 2, 4),
+                ("mma 32x256 w4 s3", "mma", (32, 256), 4, 3),
+                ("mma 16x512 w4 s3", "mma", (16, 512), 4, 3),
+                ("mma 64x256 w4 s3", "mma", (64, 256), 4, 3)]
+
+
+def bench_moe(tokens, iters, rows, E=256, k=6, D=4096, I=2048):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    experts = [tuple(quant_fp4(torch.randn(*shape, device="cuda", generator=gen) * 0.02)
+                     for shape in ((I, D), (I, D), (D, I))) for _ in range(E)]
+    stack = stack_fp4_experts(experts)
+    per_expert = sum(a.numel() + b.numel() for a, b in experts[0])
+    print(f"\n{'grouped FP4 MoE (one layer)':28s} {'T':>3s} {'MB':>7s} {'us':>8s} {'TB/s':>5s} "
+          f"{'vs old':>7s} {'rel err':>8s}")
+    for T in tokens:
+        R = 16
+        xs = [torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(R)]
+        idxs = [torch.rand(T, E, device="cuda", generator=gen).topk(k, dim=-1).indices
+                for _ in range(R)]
+        wts = [torch.rand(T, k, device="cuda", generator=gen) for _ in range(R)]
+        used = statistics.mean(int(torch.unique(i).numel()) for i in idxs)
+        nbytes = int(used * per_expert)
+        ref = fp4_moe(xs[0], idxs[0], wts[0], experts, 10.0, grouped=False)   # per-expert loop
+        base = None
+        for name, kind, block, warps, stages in MOE_VARIANTS:
+            if kind == "fma":
+                os.environ["DSPARK_MOE_MMA"] = "0"
+                fn = lambda a, i, w, block=block: fp4_moe_grouped(a, i, w, stack, 10.0, block=block)  # noqa: E731
+            else:
+                fn = lambda a, i, w, block=block, warps=warps, stages=stages: fp4_moe_mma(  # noqa: E731
+                    a, i, w, stack, 10.0, block=block, num_warps=warps, num_stages=stages)
+            try:
+                err = _rel(fn(xs[0], idxs[0], wts[0]), ref)
+                t = graph_time([lambda j=j, fn=fn: fn(xs[j], idxs[j], wts[j]) for j in range(R)],
+                               iters)
+            except Exception as e:                          # a config that fails is a finding
+                print(f"{name:28s} {T:3d} failed: {type(e).__name__}: {str(e)[:120]}")
+                continue
+            finally:
+                os.environ.pop("DSPARK_MOE_MMA", None)
+            base = base or t
+            rows.append(dict(kind="fp4 moe", op=name, T=T, N=D, K=I, per_step=4, bytes=nbytes,
+                             us=t * 1e6, err=err))
+            print(f"{name:28s} {T:3d} {nbytes / 1e6:7.1f} {t * 1e6:8.1f} {nbytes / t / 1e12:5.2f} "
+                  f"{base / t:6.2f}x {err:8.1e}", flush=True)
+
+
+_HEADER = (f"{'op':28s} {'T':>3s} {'MB':>7s} {'old us':>8s} {'TB/s':>5s} {'new us':>8s} "
+           f"{'TB/s':>5s} {'speedup':>7s} {'err old':>8s} {'err new':>8s}")
+
+
+def _print_row(r):
+    old, new = "splitk", "skinny"
+    to, tn = r[f"{old}_us"], r[f"{new}_us"]
+    print(f"{r['kind'] + ' ' + r['op']:28s} {r['T']:3d} {r['bytes'] / 1e6:7.1f} {to:8.1f} "
+          f"{r['bytes'] / to / 1e6:5.2f} {tn:8.1f} {r['bytes'] / tn / 1e6:5.2f} {to / tn:6.2f}x "
+          f"{r[f'{old}_err']:8.1e} {r[f'{new}_err']:8.1e}", flush=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 6])
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--skip-moe", action="store_true")
+    ap.add_argument("--skip-fp8", action="store_true")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_decode_kernels: no CUDA device (this times GPU kernels); on CPU run "
+              "python -m pytest -q tests/test_qlinear.py tests/test_fp4_moe_grouped.py")
+        return 0
+    torch.manual_seed(0)
+    rows = []
+    print("old = split-K FP8 MMA + sum + cast / CUDA-core FP4 MoE; new = skinny FP8 / "
+          "tensor-core FP4 MoE; us per call from CUDA-graph replays, cold L2")
+    print(_HEADER)
+    if not args.skip_fp8:
+        bench_fp8(args.tokens, args.iters, rows)
+    if not args.skip_moe:
+        bench_moe(args.tokens, args.iters, rows)
+    step = {"fp8 old": 0.0, "fp8 new": 0.0}
+    for r in rows:
+        if r["T"] == 1 and r["kind"] == "fp8":
+            step["fp8 old"] += r["splitk_us"] * r["per_step"][0]
+            step["fp8 new"] += r["skinny_us"] * r["per_step"][1]
+        elif r["T"] == 1:
+            step[f"moe {r['op']}"] = r["us"] * r["per_step"]
+    print("per decode step at T = 1 (4 layers, these kernels only): "
+          + ", ".join(f"{k} {v:.0f} us" for k, v in step.items() if v))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), copy_bw=COPY_BW, rows=rows,
+                           step_us=step), f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
