@@ -562,12 +562,17 @@ def _resolve_config(T: int, H: int, prec: str, user: dict) -> dict:
     cfg.setdefault("split_d", 1)
     cfg.setdefault("maxnreg", None)
     cfg.setdefault("halves", False)
-    assert cfg["impl"] in ("v1", "v2"), f"impl must be 'v1' or 'v2', got {cfg['impl']!r}"
+    assert cfg["impl"] in ("v1", "v2", "v3"), \
+        f"impl must be 'v1', 'v2' or 'v3', got {cfg['impl']!r}"
     assert cfg["block_h"] >= 16 and cfg["block_k"] >= 16, "tl.dot needs tiles of at least 16"
     if cfg["impl"] == "v1":
         assert cfg["split_d"] in (1, 2, 4), "split_d must be 1, 2 or 4"
         assert cfg["kv_splits"] == 1, "kv_splits > 1 needs impl='v2'"
         assert not cfg["halves"], "halves needs impl='v2'"
+    elif cfg["impl"] == "v3":
+        assert cfg["split_d"] == 1 and not cfg["halves"], \
+            "impl='v3' always covers the 512 columns in one program (no split_d / halves)"
+        assert cfg["kv_splits"] >= 1, "kv_splits must be >= 1"
     else:
         assert cfg["split_d"] in (1, 2), "impl='v2': split_d must be 1 or 2"
         assert cfg["kv_splits"] >= 1, "kv_splits must be >= 1"
@@ -638,11 +643,17 @@ def _launch(q, sink, scale, fp8, a, b, tuning: dict, precision):
         lse = torch.empty((T, ns, H), dtype=torch.float32, device=q.device)
     else:
         part = lse = out  # never read or written
-    grid = (T * ns * triton.cdiv(H, cfg["block_h"]) * cfg["split_d"],)
-    LAST_LAUNCH["kernel"] = _sparse_mqa_v2_kernel[grid](
-        q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), part, lse,
-        sink, H, float(scale) * LOG2E, *list_args,
-        BLOCK_N=cfg["block_k"], NUM_SPLITS=ns, HALVES=cfg["halves"], **flags, **launch_opts)
+    if cfg["impl"] == "v3":
+        from dspark.kernels.sparse_mqa_v3 import launch_v3
+        flags.pop("SPLIT_D")
+        LAST_LAUNCH["kernel"] = launch_v3(q, out, part, lse, sink, float(scale) * LOG2E, a, b,
+                                          has_b, cfg, flags, launch_opts)
+    else:
+        grid = (T * ns * triton.cdiv(H, cfg["block_h"]) * cfg["split_d"],)
+        LAST_LAUNCH["kernel"] = _sparse_mqa_v2_kernel[grid](
+            q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), part, lse,
+            sink, H, float(scale) * LOG2E, *list_args,
+            BLOCK_N=cfg["block_k"], NUM_SPLITS=ns, HALVES=cfg["halves"], **flags, **launch_opts)
     if ns > 1:
         bh = min(16, triton.next_power_of_2(H))
         _combine_kernel[(T, triton.cdiv(H, bh))](
