@@ -45,6 +45,9 @@ filled from benchmarks/sweep_attention.py):
   with the sink (fills the GPU when T is small). ``halves=True`` (split_d 1) decodes and
   accumulates the 512 columns as two 256-column halves in the same program (same work, fewer
   live decode registers: no spills at BLOCK_K 32 with 2 stages).
+* ``v3`` (sparse_mqa_v3.py): the key tile is decoded as four 128-column chunks, each written once
+  to shared memory and read there by both wgmmas (four 64x128 accumulators), one loop over both
+  index lists, shift/mask page math; spill-free at BLOCK_K 16-32 (offline, triton 3.6).
 Knobs: impl, block_h, block_k, split_d, kv_splits, halves, num_warps, num_stages, maxnreg,
 precision.
 """
@@ -697,7 +700,7 @@ def sparse_mqa_fp8(q: torch.Tensor, cache: torch.Tensor, entries_per_page: int,
               skipped, not just masked — use it when lists are padded with long −1 tails).
     extra_*:  optional second cache / index list (e.g. compressed entries next to the SWA
               window), joined into the same softmax. ``extra_cache`` defaults to ``cache``.
-    impl ('v1' | 'v2'), block_h, block_k, split_d, kv_splits, halves, num_warps, num_stages,
+    impl ('v1' | 'v2' | 'v3'), block_h, block_k, split_d, kv_splits, halves, num_warps, num_stages,
     maxnreg, precision ('bf16' | 'tf32' | 'ieee'):
               tuning knobs (none given: the DEFAULT_CONFIGS row for T). split_d > 1 splits the
               512 output columns over that many programs (scores computed by each); kv_splits > 1
