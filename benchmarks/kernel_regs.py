@@ -40,19 +40,23 @@ _MULTIPLES_OF_16 = {"K", "N", "D", "I", "K_PER_SPLIT"}
 
 
 def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int,
-              maxnreg: int | None = None, arch: int = 90) -> dict:
-    """{'regs', 'spill_stores', 'spill_loads', 'smem'} of `fn` compiled for sm_<arch>."""
+              maxnreg: int | None = None, arch: int = 90, aligned=()) -> dict:
+    """{'regs', 'spill_stores', 'spill_loads', 'smem'} of `fn` compiled for sm_<arch>.
+
+    aligned: argument names the JIT would specialise as divisible by 16 at the real shapes
+    (16-byte aligned pointers, integer args that are multiples of 16). Without it Triton cannot
+    prove contiguity / alignment of computed addresses and emits narrower loads than on the GPU
+    (and no cp.async pipelining). Empty: pointers, strides and the model widths in
+    _MULTIPLES_OF_16."""
     sig = dict(signature)
     sig.update({k: "constexpr" for k in constexprs})
+    if not aligned:   # default: what the launcher's specialisation gives at V4 widths
+        aligned = [n for n, t in signature.items() if t.startswith("*") or n.startswith("stride")
+                   or n.endswith("page_bytes") or n in _MULTIPLES_OF_16]
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     opts = {"num_warps": num_warps, "num_stages": num_stages}
     if maxnreg:
         opts["maxnreg"] = maxnreg
-    # what the launcher's specialisation gives at run time at V4 widths: pointers, row strides
-    # and the model dimensions divisible by 16 (unaligned compiles show byte-wise loads and no
-    # cp.async pipelining, which never run on the GPU)
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items()
-             if t.startswith("*") or n.startswith("stride") or n.endswith("page_bytes")
-             or n in _MULTIPLES_OF_16}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
                        target=GPUTarget("cuda", arch, 32), options=opts)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -114,6 +118,9 @@ def _attention_cases():
     sig = {"q_ptr": "*bf16", "stride_qt": "i32", "stride_qh": "i32", "out_ptr": "*fp32",
            "stride_ot": "i32", "stride_oh": "i32", "part_ptr": "*fp32", "lse_ptr": "*fp32",
            "sink_ptr": "*fp32", "H": "i32", "qk_scale_log2": "fp32", **lst("a"), **lst("b")}
+    # V4-Flash shapes: every pointer 16-byte aligned, every integer argument a multiple of 16
+    # (page_bytes = 64 x 584, N = 64, H = 64, K = 128 / 512, strides): the JIT specialises them
+    aligned = [a for a, ty in sig.items() if ty != "fp32"]
     seen = []
     configs = [row for _, row in sm.DEFAULT_CONFIGS] + [
         dict(impl="v2", block_h=64, block_k=64, split_d=2, kv_splits=1, num_warps=4, num_stages=1),
@@ -130,7 +137,26 @@ def _attention_cases():
                  "NUM_SPLITS": c["kv_splits"], "HALVES": c["halves"], "PRECISION": "bf16"}
         yield ("_sparse_mqa_v2_kernel", " ".join(f"{k}={v}" for k, v in c.items() if k != "impl"),
                sm._sparse_mqa_v2_kernel, sig, const, c["num_warps"], c["num_stages"],
-               c.get("maxnreg"))
+               c.get("maxnreg"), aligned)
+    # v3 (dspark/kernels/sparse_mqa_v3.py): log2 of each list's N next to it (power-of-two N)
+    import dspark.kernels.sparse_mqa_v3 as v3
+    sig3 = {}
+    for k, v in sig.items():
+        sig3[k] = v
+        if k in ("a_N", "b_N"):
+            sig3[k[0] + "_shift"] = "i32"
+    for bk, w, st, mr in V3_CONFIGS:
+        const = {"FP8": True, "HAS_B": True, "A_HAS_LEN": True, "B_HAS_LEN": True,
+                 "POW2_N": True, "BLOCK_H": 64, "BLOCK_N": bk, "NUM_SPLITS": 1,
+                 "PRECISION": "bf16"}
+        yield ("_sparse_mqa_v3_kernel", f"block_k={bk} num_warps={w} num_stages={st}"
+               + (f" maxnreg={mr}" if mr else ""), v3._sparse_mqa_v3_kernel, sig3, const, w, st,
+               mr, aligned)
+
+
+# v3 configs screened offline: (block_k, num_warps, num_stages, maxnreg)
+V3_CONFIGS = [(64, 8, 1, None), (64, 8, 2, None), (32, 8, 1, None), (32, 8, 2, None),
+              (32, 8, 3, None), (16, 8, 2, None), (16, 8, 3, None)]
 
 
 KERNELS = {"moe": _moe_cases, "fp8": _fp8_cases, "attention": _attention_cases}
@@ -148,11 +174,12 @@ def main(argv=None):
     rows = []
     print(f"{'kernel':<26} {'config':<58} {'regs':>5} {'spill st':>9} {'spill ld':>9} {'smem KB':>8}")
     for name in a.kernel or sorted(KERNELS):
-        for kname, label, fn, sig, const, warps, stages, maxnreg in KERNELS[name]():
+        for kname, label, fn, sig, const, warps, stages, maxnreg, *aligned in KERNELS[name]():
             if a.match and a.match not in f"{kname} {label}":
                 continue
             try:
-                r = resources(fn, sig, const, warps, stages, maxnreg)
+                r = resources(fn, sig, const, warps, stages, maxnreg,
+                              aligned=aligned[0] if aligned else ())
             except Exception as e:          # report and go on: one bad config is a finding too
                 r = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
             rows.append({"kernel": kname, "config": label, **r})

@@ -24,6 +24,7 @@ dspark/kernels/sparse_mqa.py; writes everything to --json.
 
     python benchmarks/sweep_attention.py --json out/sweep_attention.json     # < 3 min on an H200
     python benchmarks/sweep_attention.py --grid quick                        # 7 configurations
+    python benchmarks/sweep_attention.py --grid v3 --json out/sweep_v3.json  # v2 best vs v3
 """
 from __future__ import annotations
 
@@ -120,6 +121,18 @@ GRID_FULL = [
     _c(block_k=16, split_d=2, num_warps=4, num_stages=2, kv_splits=4),
 ]
 GRID_QUICK = [GRID_FULL[i] for i in (0, 1, 2, 7, 10, 12, 21)]
+# v3 (dspark/kernels/sparse_mqa_v3.py: chunked decode into shared memory, one loop over both lists),
+# against v2's shipped rows (DEFAULT_CONFIGS). Offline sm_90 / triton 3.6 spills per thread:
+# k64 s1 240 B, k64 s2 192 B, k32 s1 36 B, k32 s2 16 B, k16 s2 0 B.
+GRID_V3 = [
+    _c(block_k=64, num_stages=1), _c(block_k=64, num_stages=1, kv_splits=4),     # v2 shipped
+    _c("v3", block_k=64, num_stages=1), _c("v3", block_k=64, num_stages=2),
+    _c("v3", block_k=32, num_stages=1), _c("v3", block_k=32, num_stages=2),
+    _c("v3", block_k=32, num_stages=3), _c("v3", block_k=16, num_stages=2),
+    _c("v3", block_k=16, num_stages=3),
+    _c("v3", block_k=32, num_stages=2, kv_splits=2), _c("v3", block_k=32, num_stages=2, kv_splits=4),
+    _c("v3", block_k=16, num_stages=2, kv_splits=4),
+]
 
 
 def cfg_name(cfg: dict) -> str:
@@ -350,7 +363,8 @@ def main(argv=None):
     ap.add_argument("--topk", type=int, default=512)
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--ctx-entries", type=int, default=2048)
-    ap.add_argument("--grid", choices=["full", "quick"], default="full")
+    ap.add_argument("--grid", choices=["full", "quick", "v3"], default="full",
+                    help="full / quick: v1 + v2 families; v3: v2's shipped rows vs the v3 configs")
     ap.add_argument("--iters", type=int, default=30, help="timed replays per config and shape")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the configs")
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1),
@@ -367,7 +381,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("sweep_attention.py needs a CUDA GPU; run tests/test_kernels.py -k mqa on CPU.")
     t_start = time.perf_counter()
-    configs = GRID_FULL if args.grid == "full" else GRID_QUICK
+    configs = {"full": GRID_FULL, "quick": GRID_QUICK, "v3": GRID_V3}[args.grid]
     args_dict = vars(args)
     print(f"{len(configs)} configurations x batches {args.batches}", flush=True)
     pre = precompile_all(configs, args_dict, min(args.workers, len(configs)),

@@ -260,8 +260,58 @@ def test_sparse_mqa_fp8_kernel_v2(cfg):
 
 
 @triton_ok
+@pytest.mark.parametrize("cfg", [
+    dict(impl="v3", block_h=16, block_k=16),                      # 2 head blocks, one loop a+b
+    dict(impl="v3", block_h=32, block_k=32, kv_splits=3),         # splits straddle the lists
+    dict(impl="v3", block_h=16, block_k=16, kv_splits=5),         # more splits than some tiles
+])
+@pytest.mark.parametrize("n2", [2, 3])                            # pow2 (shift) / general N
+def test_sparse_mqa_fp8_kernel_v3(cfg, n2):
+    """v3 (sparse_mqa_v3.py): two lists over two caches (the second's N a power of two or not),
+    lengths cutting lists (one token with none in list a, T not a multiple of anything), masked
+    ids, an all-masked token, an empty second list for one token, heads not a multiple of
+    BLOCK_H, fp32 q."""
+    gen = torch.Generator().manual_seed(11)
+    T, H = 5, 20
+    cache, _ = make_fp8_cache(3, 8, gen)
+    cache2, _ = make_fp8_cache(4, n2, gen)
+    q = (torch.randn(T, H, 512, generator=gen) * 2).to(DEV)
+    sink = (torch.randn(H, generator=gen) * 2).to(DEV)
+    idx = make_indices(T, 37, 24, gen, all_masked_row=1).to(DEV)
+    idx2 = make_indices(T, 11, 4 * n2, gen, all_masked_row=1).to(DEV)
+    lengths = torch.tensor([37, 30, 0, 20, 36], dtype=torch.int32, device=DEV)
+    lengths2 = torch.tensor([11, 11, 7, 0, 3], dtype=torch.int32, device=DEV)
+    kw = dict(lengths=lengths, extra_cache=cache2, extra_entries_per_page=n2,
+              extra_indices=idx2, extra_lengths=lengths2)
+    got = smqa.sparse_mqa_fp8(q, cache, 8, idx, sink, SCALE, precision="ieee", **kw, **cfg)
+    want = smqa.sparse_mqa_fp8_torch(q, cache, 8, idx, sink, SCALE, **kw)
+    assert got.shape == (T, H, 512) and got.dtype == torch.float32
+    assert rel_err(got, want) < 1e-3
+    assert torch.all(got[1] == 0), "all-masked row must be exactly zero"
+    assert smqa.LAST_LAUNCH["config"]["impl"] == "v3"
+
+
+@triton_ok
+def test_sparse_mqa_fp8_kernel_v3_single_list_bf16():
+    """v3 with one list only (no extra cache), bf16 q, T = 3 (not a multiple of the tiles)."""
+    gen = torch.Generator().manual_seed(12)
+    T, H, N = 3, 16, 8
+    cache, _ = make_fp8_cache(4, N, gen)
+    q = torch.randn(T, H, 512, generator=gen).to(DEV, torch.bfloat16)
+    sink = torch.randn(H, generator=gen).to(DEV)
+    idx = make_indices(T, 21, 4 * N, gen, all_masked_row=2).to(DEV)
+    prec, tol = prec_and_tol(torch.bfloat16)
+    got = smqa.sparse_mqa_fp8(q, cache, N, idx, sink, SCALE, impl="v3", block_h=16,
+                              block_k=16, precision=prec)
+    want = smqa.sparse_mqa_fp8_torch(q, cache, N, idx, sink, SCALE)
+    assert rel_err(got, want) < tol
+    assert torch.all(got[2] == 0)
+
+
+@triton_ok
 @pytest.mark.parametrize("cfg", [dict(impl="v2", split_d=2),
-                                 dict(impl="v2", kv_splits=2)])
+                                 dict(impl="v2", kv_splits=2),
+                                 dict(impl="v3", kv_splits=2)])
 def test_sparse_mqa_dense_kernel_v2(cfg):
     gen = torch.Generator().manual_seed(8)
     T, H, E = 4, 12, 50
@@ -298,6 +348,10 @@ def test_sparse_mqa_default_config_table(monkeypatch):
         smqa._resolve_config(8, 64, "bf16", dict(kv_splits=2))      # v1 has no split-KV
     with pytest.raises(AssertionError):
         smqa._resolve_config(8, 64, "bf16", dict(impl="v2", split_d=2, halves=True))
+    cfg = smqa._resolve_config(8, 64, "bf16", dict(impl="v3", block_k=32, num_stages=2))
+    assert cfg["impl"] == "v3" and cfg["split_d"] == 1 and cfg["kv_splits"] == 1
+    with pytest.raises(AssertionError):
+        smqa._resolve_config(8, 64, "bf16", dict(impl="v3", split_d=2))
     for bound, row in smqa.DEFAULT_CONFIGS:                          # shipped rows are valid
         smqa._resolve_config(1, 64, "bf16", dict(row))
 
@@ -532,7 +586,9 @@ def test_gpu_sparse_mqa_fp8_realistic(T):
                 dict(impl="v2", split_d=2, num_warps=4, block_k=32),
                 dict(impl="v2", split_d=2, num_warps=4, block_k=16, num_stages=3),
                 dict(impl="v2", kv_splits=3), dict(impl="v2", split_d=2, kv_splits=2),
-                dict(impl="v2", block_k=32, num_stages=2, halves=True)):
+                dict(impl="v2", block_k=32, num_stages=2, halves=True),
+                dict(impl="v3", block_k=64), dict(impl="v3", block_k=32, num_stages=2),
+                dict(impl="v3", block_k=16, num_stages=2), dict(impl="v3", kv_splits=3)):
         alt = smqa.sparse_mqa_fp8(q, swa, N, win, sink, SCALE, extra_cache=comp,
                                   extra_indices=top, **cfg)
         assert rel_err(alt, want) < 2e-2, cfg

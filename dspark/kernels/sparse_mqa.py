@@ -45,6 +45,9 @@ filled from benchmarks/sweep_attention.py):
   with the sink (fills the GPU when T is small). ``halves=True`` (split_d 1) decodes and
   accumulates the 512 columns as two 256-column halves in the same program (same work, fewer
   live decode registers: no spills at BLOCK_K 32 with 2 stages).
+* ``v3`` (sparse_mqa_v3.py): the key tile is decoded as four 128-column chunks, each written once
+  to shared memory and read there by both wgmmas (four 64x128 accumulators), one loop over both
+  index lists, shift/mask page math; spill-free at BLOCK_K 16-32 (offline, triton 3.6).
 Knobs: impl, block_h, block_k, split_d, kv_splits, halves, num_warps, num_stages, maxnreg,
 precision.
 """
@@ -562,12 +565,17 @@ def _resolve_config(T: int, H: int, prec: str, user: dict) -> dict:
     cfg.setdefault("split_d", 1)
     cfg.setdefault("maxnreg", None)
     cfg.setdefault("halves", False)
-    assert cfg["impl"] in ("v1", "v2"), f"impl must be 'v1' or 'v2', got {cfg['impl']!r}"
+    assert cfg["impl"] in ("v1", "v2", "v3"), \
+        f"impl must be 'v1', 'v2' or 'v3', got {cfg['impl']!r}"
     assert cfg["block_h"] >= 16 and cfg["block_k"] >= 16, "tl.dot needs tiles of at least 16"
     if cfg["impl"] == "v1":
         assert cfg["split_d"] in (1, 2, 4), "split_d must be 1, 2 or 4"
         assert cfg["kv_splits"] == 1, "kv_splits > 1 needs impl='v2'"
         assert not cfg["halves"], "halves needs impl='v2'"
+    elif cfg["impl"] == "v3":
+        assert cfg["split_d"] == 1 and not cfg["halves"], \
+            "impl='v3' always covers the 512 columns in one program (no split_d / halves)"
+        assert cfg["kv_splits"] >= 1, "kv_splits must be >= 1"
     else:
         assert cfg["split_d"] in (1, 2), "impl='v2': split_d must be 1 or 2"
         assert cfg["kv_splits"] >= 1, "kv_splits must be >= 1"
@@ -638,11 +646,17 @@ def _launch(q, sink, scale, fp8, a, b, tuning: dict, precision):
         lse = torch.empty((T, ns, H), dtype=torch.float32, device=q.device)
     else:
         part = lse = out  # never read or written
-    grid = (T * ns * triton.cdiv(H, cfg["block_h"]) * cfg["split_d"],)
-    LAST_LAUNCH["kernel"] = _sparse_mqa_v2_kernel[grid](
-        q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), part, lse,
-        sink, H, float(scale) * LOG2E, *list_args,
-        BLOCK_N=cfg["block_k"], NUM_SPLITS=ns, HALVES=cfg["halves"], **flags, **launch_opts)
+    if cfg["impl"] == "v3":
+        from dspark.kernels.sparse_mqa_v3 import launch_v3
+        flags.pop("SPLIT_D")
+        LAST_LAUNCH["kernel"] = launch_v3(q, out, part, lse, sink, float(scale) * LOG2E, a, b,
+                                          has_b, cfg, flags, launch_opts)
+    else:
+        grid = (T * ns * triton.cdiv(H, cfg["block_h"]) * cfg["split_d"],)
+        LAST_LAUNCH["kernel"] = _sparse_mqa_v2_kernel[grid](
+            q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), part, lse,
+            sink, H, float(scale) * LOG2E, *list_args,
+            BLOCK_N=cfg["block_k"], NUM_SPLITS=ns, HALVES=cfg["halves"], **flags, **launch_opts)
     if ns > 1:
         bh = min(16, triton.next_power_of_2(H))
         _combine_kernel[(T, triton.cdiv(H, bh))](
@@ -686,7 +700,7 @@ def sparse_mqa_fp8(q: torch.Tensor, cache: torch.Tensor, entries_per_page: int,
               skipped, not just masked — use it when lists are padded with long −1 tails).
     extra_*:  optional second cache / index list (e.g. compressed entries next to the SWA
               window), joined into the same softmax. ``extra_cache`` defaults to ``cache``.
-    impl ('v1' | 'v2'), block_h, block_k, split_d, kv_splits, halves, num_warps, num_stages,
+    impl ('v1' | 'v2' | 'v3'), block_h, block_k, split_d, kv_splits, halves, num_warps, num_stages,
     maxnreg, precision ('bf16' | 'tf32' | 'ieee'):
               tuning knobs (none given: the DEFAULT_CONFIGS row for T). split_d > 1 splits the
               512 output columns over that many programs (scores computed by each); kv_splits > 1
