@@ -61,7 +61,7 @@ def test_mma_not_held_experts_and_block_choice(experts):
 @pytest.mark.parametrize("T", [1, 6, 40])
 def test_mma_flash_shapes_gpu(T, monkeypatch):
     """V4-Flash widths: == the per-expert loop to bf16 rounding, == the CUDA-core grouped kernels,
-    the dispatcher picks it for bf16, and a CUDA-graph replay with new inputs == eager."""
+    the dispatcher picks it for bf16 under DSPARK_MOE_MMA=1, and a CUDA-graph replay with new inputs == eager."""
     gen = torch.Generator().manual_seed(T)
     n, k, d, inter = 16, 6, 4096, 2048
     exps = _experts(gen, n, d, inter, scale=0.02)
@@ -73,11 +73,10 @@ def test_mma_flash_shapes_gpu(T, monkeypatch):
     y = mm.fp4_moe_mma(x, idx, w, st, 10.0)
     loop = fp4_moe(x, idx, w, cu, 10.0, grouped=False)
     assert rel_err(y, loop.float()) < 2e-2
-    monkeypatch.setenv("DSPARK_MOE_MMA", "0")
-    fma = fp4_moe_grouped(x, idx, w, st, 10.0)
-    monkeypatch.delenv("DSPARK_MOE_MMA")
+    fma = fp4_moe_grouped(x, idx, w, st, 10.0)                      # default: CUDA-core kernels
     assert rel_err(y, fma) < 2e-2
-    assert torch.equal(fp4_moe_grouped(x, idx, w, st, 10.0), y)      # dispatch, deterministic
+    monkeypatch.setenv("DSPARK_MOE_MMA", "1")
+    assert torch.equal(fp4_moe_grouped(x, idx, w, st, 10.0), y)      # opt-in dispatch, deterministic
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         ys = mm.fp4_moe_mma(x, idx, w, st, 10.0)

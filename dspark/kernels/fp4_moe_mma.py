@@ -11,7 +11,7 @@ codes with byte permutes, applies the scale and feeds Hopper's wgmma, with the w
 streamed through shared memory by cp.async (software pipelined), so the kernel streams weights
 instead of decoding them.
 
-"Swap AB": the weight rows are the MMA's M side (16 per program) and the token is one column of a
+"Swap AB": the weight rows are the MMA's M side (32 per program) and the token is one column of a
 [BLOCK_K, 16] activation tile (the other 15 columns are zero), so no tensor-core work is spent on
 padding 1 token up to 16 rows of weights. Operands are exact (e2m1 * 2^k is a bf16 value; x is
 bf16), accumulation is fp32: equal to F.linear with the de-quantised expert up to summation order.
@@ -39,9 +39,13 @@ from dspark.kernels.fp8_gemm import _arrival_counters, _interpreting
 
 
 def mma_enabled() -> bool:
-    """The tensor-core kernels are the grouped path's default (DSPARK_MOE_MMA=0: the FMA kernels
-    of fp4_moe.py, for A/B runs)."""
-    return os.environ.get("DSPARK_MOE_MMA", "1") != "0"
+    """Opt-in (DSPARK_MOE_MMA=1). On the H200 at V4-Flash widths (benchmarks/bench_decode_kernels.py,
+    cold L2, CUDA graphs) the best config here (32 x 256, 4 warps, 3 stages) and the CUDA-core
+    kernels at their tuned 8 x 16 blocks run the same: 124 vs 128 us per layer at 1 token, 232
+    vs 225 at 2, 653 vs 645 at 6 (~0.65-0.7 TB/s, both latency-bound), so the simpler FMA path stays
+    the default. This path is the base for verify batches whose tokens share experts (one weight
+    tile against up to 16 token columns), not done yet."""
+    return os.environ.get("DSPARK_MOE_MMA", "0") == "1"
 
 
 @triton.jit
@@ -147,15 +151,15 @@ def fp4_moe_mma(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, stack
                 num_stages: int = 3) -> torch.Tensor:
     """Routed-expert output fp32 [T, D] (contract of `fp4_moe_grouped`). block = (BLOCK_N,
     BLOCK_K) for both kernels (tests), else 64 rows and the widest BLOCK_K <= 256 dividing D and
-    I (32 rows under the interpreter). 16 rows per program: 128 registers at sm_90 (64 rows take
-    224, one resident program per SM) and 6x more programs at batch 1."""
+    I (32 rows under the interpreter). 32 rows per program: 148 registers at sm_90 (64 rows take
+    224 and ran 2.4x slower at batch 1: fewer programs, fewer resident)."""
     T, D = x.shape
     k = idx.shape[1]
     I = stack.w13.shape[1] // 2
     out = torch.empty(T, D, dtype=torch.float32, device=x.device)
     if T == 0 or k == 0:
         return out.zero_()
-    bn, bk = block or ((32 if _interpreting() else 16), _block_k(D, I))
+    bn, bk = block or (32, _block_k(D, I))
     if not bk or D % bk or I % bk:
         raise ValueError(f"fp4_moe_mma: D={D} and I={I} must be multiples of BLOCK_K={bk}")
     if x.stride(-1) != 1:

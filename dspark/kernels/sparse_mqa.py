@@ -520,18 +520,17 @@ def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr, stride_ot, stride_oh, 
 
 # Default launch configuration for the production case (bf16 q -> bf16 MMAs, H >= 64), keyed by
 # the number of query tokens T: the first row with T <= max_tokens wins (None = no bound).
-# Paste the table printed by benchmarks/sweep_attention.py (H200 sweep) here. Until that sweep
-# has run, every row is the v1 configuration measured on the H200 (130.6 / 245.0 / 482.7 µs at
-# T = 128 / 256 / 512, benchmarks/results/bench_attention_h200.json).
-# H200 sweep (benchmarks/sweep_attention.py, results in benchmarks/results/sweep_attention_h200.json):
-# up to 32 query tokens split-KV 4 wins (50.4 µs at 16 requests x 2 tokens vs 93.3 unsplit);
-# from 128 tokens on v2 unsplit (111.0 / 207.9 / 406.5 µs at 64 / 128 / 256 requests, 2.27-2.34x
-# FlashMLA; v1 in the same run 136.0 / 255.6 / 506.1)
+# Paste the table printed by benchmarks/sweep_attention.py (H200 sweep) here.
+# H200 sweep --grid v3 (benchmarks/results/sweep_attention_v3_h200.json; FlashMLA anchors 48.8 /
+# 91.5 / 174 us): up to 32 query tokens v3 BLOCK_K 32 split-KV 4 (39.4 us at 16 requests x 2
+# tokens; v2's best 49.9); from 128 tokens v3 BLOCK_K 64 with 2 stages: 80.2 / 152.4 / 292.9 us at
+# 64 / 128 / 256 requests = 1.64-1.68x FlashMLA (v2 in the same run 110.6 / 206.0 / 402.8 = 2.25-
+# 2.32x).
 DEFAULT_CONFIGS: list[tuple[int | None, dict]] = [
-    (32, dict(impl="v2", block_h=64, block_k=64, split_d=1, kv_splits=4, num_warps=8,
-              num_stages=1)),
-    (None, dict(impl="v2", block_h=64, block_k=64, split_d=1, kv_splits=1, num_warps=8,
-                num_stages=1)),
+    (32, dict(impl="v3", block_h=64, block_k=32, split_d=1, kv_splits=4, num_warps=8,
+              num_stages=2)),
+    (None, dict(impl="v3", block_h=64, block_k=64, split_d=1, kv_splits=1, num_warps=8,
+                num_stages=2)),
 ]
 
 
