@@ -27,10 +27,9 @@ decode)  # issue 7: V4-Flash decode vs HBM roofline and vs HF (grouped FP4 MoE +
   timeout "$(left 150)" python benchmarks/bench_decode_v4.py --context 128,4096 --new-tokens 32 \
     --kernel-profile 10 --json "$R/bench_decode_v4_graphs.json" > "$R/bench_decode_v4_graphs.txt" 2>&1
   grep -v -i "warn\|it/s\]" "$R/bench_decode_v4_graphs.txt" | tail -40 | cut -c1-250
-  step "bench_decode_v4 with the opt-in kernels: grouped MoE autotuned, few-token FP8 GEMV"
-  DSPARK_FP8_GEMV=1 timeout "$(left 150)" python benchmarks/bench_decode_v4.py --context 128 --new-tokens 32 --skip-hf \
-    --autotune --kernel-profile 5 --json "$R/bench_decode_v4_autotune.json" > "$R/bench_decode_v4_autotune.txt" 2>&1
-  grep -v -i "warn\|it/s\]" "$R/bench_decode_v4_autotune.txt" | grep "decode@\|fp4 MoE\|fp8 GEMM\|_fp4_moe\|_fp8_" | cut -c1-200 ;;
+  step "bench_decode_kernels (few-token FP8 / grouped FP4 MoE kernels, old vs new)"
+  timeout "$(left 150)" python benchmarks/bench_decode_kernels.py --json "$R/bench_decode_kernels.json" \
+    > "$R/bench_decode_kernels.txt" 2>&1; grep -v -i warn "$R/bench_decode_kernels.txt" | tail -12 ;;
 bench)   # issue 6: tau and speed-up vs speculation off on the shipped pair, batch 1, engine
          # defaults (on CUDA: target and draft passes as CUDA graphs, fused sampling kernels);
          # run alone: a busy CPU skews it
