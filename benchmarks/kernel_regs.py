@@ -89,6 +89,19 @@ def _moe_cases():
         for n, g, w, st in fm._GEMV_CONFIGS:
             yield (fn.__name__, f"BLOCK_N={n} BLOCK_G={g} warps={w} stages={st}", fn, sig,
                    {"BLOCK_N": n, "BLOCK_G": g, "DT": "bf16"}, w, st, None)
+    import dspark.kernels.fp4_moe_mma as mm       # expert-grouped tensor-core kernels
+    mcommon = {"table_ptr": "*i32", "bexp_ptr": "*i32", "emap_ptr": "*i32", "w_ptr": "*u8",
+               "stride_we": "i32", "stride_wn": "i32", "s_ptr": "*u8", "stride_se": "i32",
+               "stride_sn": "i32"}
+    mup = {"x_ptr": "*bf16", "stride_xt": "i32", "table_ptr": "*i32", "bexp_ptr": "*i32",
+           "rw_ptr": "*fp32", **mcommon, "h_ptr": "*bf16", "stride_hp": "i32", "KSLOTS": "i32",
+           "I": "i32", "D": "i32", "limit": "fp32"}
+    mdown = {"h_ptr": "*bf16", "stride_hp": "i32", **mcommon, "ws_ptr": "*fp32",
+             "stride_wsp": "i32", "D": "i32", "I": "i32"}
+    for fn, sig in ((mm._mma_gate_up_kernel, mup), (mm._mma_down_kernel, mdown)):
+        for n, bk, w, st in ((32, 256, 4, 3), (64, 256, 4, 3), (32, 256, 4, 4)):
+            yield (fn.__name__, f"BLOCK_N={n} BLOCK_K={bk} warps={w} stages={st}", fn, sig,
+                   {"BLOCK_N": n, "BLOCK_K": bk, "BLOCK_T": mm.BLOCK_T, "DT": "bf16"}, w, st, None)
 
 
 def _fp8_cases():

@@ -447,8 +447,9 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     """Routed-expert output fp32 [T, D] by the two grouped kernels (module docstring): fixed
     shapes, no host sync. x [T, D] (bf16 / fp16 / fp32), idx [T, k] global expert ids,
     weights [T, k] routing weights. Expert ids must be < len(stack.emap) (not checked: that would
-    sync). block = (BLOCK_N, BLOCK_G) for both FMA kernels (tests), else picked by shape. With
-    DSPARK_MOE_MMA=1, bf16 x on the GPU goes to the tensor-core kernels of fp4_moe_mma.py."""
+    sync). block = (BLOCK_N, BLOCK_G) for both FMA kernels (tests), else picked by shape. On the
+    GPU, bf16 batches of MMA_MIN_TOKENS tokens or more go to the expert-grouped tensor-core kernels
+    of fp4_moe_mma.py (DSPARK_MOE_MMA=0: never, =1: from 2 tokens)."""
     if x.dim() != 2 or idx.dim() != 2 or weights.shape != idx.shape or idx.shape[0] != x.shape[0]:
         raise ValueError(f"fp4_moe_grouped: x {tuple(x.shape)}, idx {tuple(idx.shape)}, weights "
                          f"{tuple(weights.shape)}: expected [T, D], [T, k], [T, k]")
@@ -461,8 +462,9 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
         raise ValueError(f"fp4_moe_grouped: x has {D} features; stack w13 {tuple(stack.w13.shape)}"
                          f", w2 {tuple(stack.w2.shape)}")
     if block is None and x.dtype == torch.bfloat16 and not _interpreting():
-        from dspark.kernels import fp4_moe_mma as mma      # opt-in tensor cores (bf16 x only:
-        if mma.mma_enabled() and mma.mma_applies(D, I):     # exact operands need bf16)
+        from dspark.kernels import fp4_moe_mma as mma      # tokens grouped by expert on tensor
+        if (mma.mma_enabled() and T >= mma.mma_min_tokens()   # cores (bf16 x only: exact
+                and mma.mma_applies(D, I)):                  # operands need bf16)
             return mma.fp4_moe_mma(x, idx, weights, stack, swiglu_limit)
     out = torch.empty(T, D, dtype=torch.float32, device=x.device)
     if T == 0 or k == 0:
