@@ -37,7 +37,7 @@ from .sampling import (SamplingParams, filters_used, fused_sampling_enabled, pro
                        stack_params)
 from .scheduler import Scheduler
 from .spec.policy import make_policy
-from .spec.verify import FinishReason, apply_stops, emitted_tokens, verify, verify_greedy
+from .spec.verify import FinishReason, accept_greedy_host, emit_and_stop_host, verify
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16}
@@ -362,21 +362,14 @@ class Engine:
             return []
         g = self.drafter.gamma if self.drafter is not None else 1
         R, V, dev = len(reqs), logits.shape[-1], logits.device
-        # every host-known integer of the round in ONE upload (pinned and asynchronous on CUDA;
-        # a tensor per field costs a synchronous copy each): target rows [R, γ+1] (row i
-        # predicts anchor position + i + 1, padded past ℓ), ℓ, seeds, anchor positions, tokens
-        # so far, token budgets, stop ids (padded with -1)
-        stop_ids = [r.params.all_stop_ids(self.eos_token_ids) for r in reqs]
-        width = max([1] + [len(x) for x in stop_ids])
-        budget = [min(r.params.max_tokens, self.max_model_len - len(r.prompt_ids)) for r in reqs]
+        # the host integers the device part needs in ONE upload (pinned and asynchronous on
+        # CUDA; a tensor per field costs a synchronous copy each): target rows [R, γ+1] (row i
+        # predicts anchor position + i + 1, padded past ℓ), ℓ, seeds, anchor positions
         flat = [f + min(i, n) for f, n in zip(first_rows, lengths) for i in range(g + 1)]
         flat += list(lengths) + [r.seed for r in reqs] + list(anchor_pos)
-        flat += [len(r.output_ids) for r in reqs] + budget
-        flat += [t for x in stop_ids for t in list(x) + [-1] * (width - len(x))]
         ints = to_device(flat, torch.long, dev)
         row_idx = ints[:R * (g + 1)].view(R, g + 1)
-        lens, seeds, P, ngen, maxt = ints[R * (g + 1):R * (g + 6)].view(5, R).unbind(0)
-        stops = ints[R * (g + 6):].view(R, width)
+        lens, seeds, P = ints[R * (g + 1):R * (g + 4)].view(3, R).unbind(0)
         verified = [r for r, n in zip(reqs, lengths) if n]
         if not verified:
             drafts = torch.zeros(R, g, dtype=torch.long, device=dev)
@@ -385,9 +378,11 @@ class Engine:
         else:
             none = torch.zeros(g, dtype=torch.long, device=dev)
             drafts = torch.stack([r.draft.tokens if n else none for r, n in zip(reqs, lengths)])
-        if all(r.params.greedy for r in reqs):
-            # greedy fast path: compare argmaxes, no softmax over V, no random draws
-            res = verify_greedy(drafts, logits[row_idx].argmax(-1), lens)
+        greedy = all(r.params.greedy for r in reqs)
+        if greedy:
+            # greedy fast path: argmaxes only, no softmax over V, no random draws; the compare
+            # runs on the host after the one read back below
+            head = logits[row_idx].argmax(-1)                                   # [R, γ+1]
         else:
             use_top_k, use_top_p = filters_used([r.params for r in reqs])
             # q = None: every verified draft is a point mass at its token (greedy drafts, or
@@ -411,17 +406,25 @@ class Engine:
                 p = probs_from_logits(logits[row_idx.flatten()], rep(temp), rep(top_k),
                                       rep(top_p)).view(R, g + 1, V)
                 res = verify(drafts, q, p, lens, seeds, P)
-        toks, counts = emitted_tokens(drafts, res)
-        stop = apply_stops(toks, counts, stops, ngen, maxt)
-        # every result in ONE read back: emitted tokens, accepted drafts, tokens to emit, finish
-        table = torch.cat([toks, res.accepted.view(R, 1), stop.num_emit.view(R, 1),
-                           stop.finish.view(R, 1)], 1).tolist()
-        toks = [row[:g + 1] for row in table]
-        accepted, n_emit, finish = ([row[g + 1 + j] for row in table] for j in range(3))
+            head = torch.stack([res.accepted, res.next_token], 1)               # [R, 2]
+        # every result in ONE read back ([argmax | a, y] and the drafts), the rest on the host:
+        # accept (greedy), emitted tokens, stop tokens and token budgets
+        table = (torch.cat([head, drafts], 1) if verified else head).tolist()
+        w = head.shape[1]
+        host_drafts = [row[w:] for row in table] if verified else [[]] * R
+        if greedy:
+            accepted, nxt = accept_greedy_host(host_drafts, [row[:w] for row in table], lengths)
+        else:
+            accepted, nxt = [row[0] for row in table], [row[1] for row in table]
+        emitted, finish = emit_and_stop_host(
+            host_drafts, accepted, nxt,
+            [set(r.params.all_stop_ids(self.eos_token_ids)) for r in reqs],
+            [len(r.output_ids) for r in reqs],
+            [min(r.params.max_tokens, self.max_model_len - len(r.prompt_ids)) for r in reqs])
 
         now, outs = time.perf_counter(), []
         for i, req in enumerate(reqs):
-            new = toks[i][:n_emit[i]]
+            new = emitted[i]
             was_running = req.status == Status.RUNNING
             if was_running and self.round_log is not None and req.draft is not None:
                 self.round_log.append((req.draft.conf_logits.float().cpu(), lengths[i], accepted[i]))

@@ -275,3 +275,30 @@ def test_metrics_from_verified_rounds():
     assert total.mean_accepted_length == pytest.approx(1 + res.accepted.float().mean().item())
     assert total.ttft == pytest.approx(1.0) and total.tpot == pytest.approx(0.2)
     assert total.merge(m).rounds == 403
+
+
+def test_host_twins_match_the_tensor_versions():
+    """accept_greedy_host / emit_and_stop_host (the engine's per-round tail) == verify_greedy +
+    emitted_tokens + apply_stops on random rounds: stops among drafts, on the bonus token, budgets
+    cut mid-block, empty stop lists, lengths 0..γ."""
+    from dspark.spec.verify import accept_greedy_host, emit_and_stop_host
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        R, g = int(torch.randint(1, 5, (1,), generator=gen)), int(torch.randint(1, 6, (1,), generator=gen))
+        x = torch.randint(0, 6, (R, g), generator=gen)
+        am = torch.randint(0, 6, (R, g + 1), generator=gen)
+        am[:, :g] = torch.where(torch.rand(R, g, generator=gen) < 0.7, x, am[:, :g])
+        ell = torch.randint(0, g + 1, (R,), generator=gen)
+        stops = [torch.randint(0, 6, (int(torch.randint(0, 3, (1,), generator=gen)),),
+                               generator=gen).tolist() for _ in range(R)]
+        gen_n = torch.randint(0, 8, (R,), generator=gen)
+        mx = gen_n + torch.randint(0, g + 3, (R,), generator=gen)
+        res = verify_greedy(x, am, ell)
+        toks, cnt = emitted_tokens(x, res)
+        n, fin = apply_stops(toks, cnt, stop_table(stops), gen_n, mx)
+        a, y = accept_greedy_host(x.tolist(), am.tolist(), ell.tolist())
+        assert a == res.accepted.tolist() and y == res.next_token.tolist()
+        out, hfin = emit_and_stop_host(x.tolist(), a, y, [set(s) for s in stops], gen_n.tolist(),
+                                       mx.tolist())
+        assert [len(o) for o in out] == n.tolist() and [int(f) for f in hfin] == fin.tolist()
+        assert out == [t[:k] for t, k in zip(toks.tolist(), n.tolist())]
