@@ -151,6 +151,8 @@ def _attention_cases():
                  "POW2_N": True, "BLOCK_H": 64, "BLOCK_N": bk, "NUM_SPLITS": 1,
                  "PRECISION": "bf16", "BITS": extra.get("fp8_decode") == "bits",
                  "LAZY": bool(extra.get("lazy_rescale"))}
+        if extra.get("early_decode"):
+            const["EARLY"] = True
         yield ("_sparse_mqa_v3c64_kernel" if extra.get("chunk_cols") == 64
                else "_sparse_mqa_v3_kernel", f"block_k={bk} num_warps={w} num_stages={st}"
                + (f" maxnreg={mr}" if mr else "")
@@ -169,7 +171,12 @@ V3_CONFIGS = [(64, 8, 1, None), (64, 8, 2, None), (32, 8, 1, None), (32, 8, 2, N
               (128, 8, 1, None), (128, 8, 1, None, {**_BITS, **_LAZY}),
               (64, 8, 2, None, _C64), (64, 8, 2, None, {**_C64, **_BITS}),
               (64, 8, 2, None, {**_C64, **_LAZY}), (64, 8, 2, None, {**_C64, **_BITS, **_LAZY}),
-              (64, 8, 3, None, _C64), (128, 8, 1, None, _C64), (32, 8, 2, None, _C64)]
+              (64, 8, 3, None, _C64), (128, 8, 1, None, _C64), (32, 8, 2, None, _C64),
+              (64, 8, 2, None, dict(early_decode=True)),
+              (64, 8, 2, None, dict(early_decode=True, **_BITS, **_LAZY)),
+              (64, 8, 2, None, dict(early_decode=True, **_LAZY)),
+              (64, 8, 3, None, dict(early_decode=True)),
+              (64, 8, 3, None, dict(early_decode=True, **_BITS, **_LAZY))]
 
 
 KERNELS = {"moe": _moe_cases, "fp8": _fp8_cases, "attention": _attention_cases}
