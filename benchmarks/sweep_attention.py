@@ -25,6 +25,7 @@ dspark/kernels/sparse_mqa.py; writes everything to --json.
     python benchmarks/sweep_attention.py --json out/sweep_attention.json     # < 3 min on an H200
     python benchmarks/sweep_attention.py --grid quick                        # 7 configurations
     python benchmarks/sweep_attention.py --grid v3 --json out/sweep_v3.json  # v2 best vs v3
+    python benchmarks/sweep_attention.py --grid v3b --batches 64 128 256 --budget-s 90  # v3 knobs
 """
 from __future__ import annotations
 
@@ -80,13 +81,14 @@ DEVICE = "cuda"
 
 
 def _c(impl="v2", block_h=64, block_k=64, split_d=1, kv_splits=1, num_warps=8, num_stages=1,
-       maxnreg=None, halves=False):
+       maxnreg=None, halves=False, **v3_knobs):
     cfg = dict(impl=impl, block_h=block_h, block_k=block_k, split_d=split_d, kv_splits=kv_splits,
                num_warps=num_warps, num_stages=num_stages)
     if maxnreg is not None:
         cfg["maxnreg"] = maxnreg
     if halves:
         cfg["halves"] = True
+    cfg.update(v3_knobs)         # fp8_decode / lazy_rescale / chunk_cols / early_decode (v3)
     return cfg
 
 
@@ -134,12 +136,37 @@ GRID_V3 = [
     _c("v3", block_k=16, num_stages=2, kv_splits=4),
 ]
 
+# v3b: candidate changes to the v3 loop against the shipped v3 row (k64 w8 s2: 80.2 / 152.4 /
+# 292.9 us at 64 / 128 / 256 requests, 1.64-1.68x FlashMLA; target <= 1.5x). Knobs: 'bits' =
+# fp8_decode='bits' (e4m3 -> fp32 by bit operations + one power-of-two multiply, no fp8 cvt);
+# 'lazy' = lazy_rescale (accumulators rescaled only when a row max grows by > 2^8); 'early' =
+# early_decode (the tile's 4 chunks decoded before the first score wgmma); 'c64' = chunk_cols=64
+# (eight 64-column groups: half the decode transient, RoPE group without a select).
+# Offline sm_90 / triton 3.6 (kernel_regs.py), spill B/thread, smem KB: base 164 / 168, bits 168,
+# lazy 164, bits+lazy 168, early 48, early+lazy 48, early+bits+lazy 40, c64+bits+lazy 88 / 164,
+# early s3 140 / 208, early s3 bits+lazy 128 / 208 (also screened: k64 s3 264, k128 s1 912,
+# k128 s1 c64 500, k64 w4 1692, k128 s2 272 KB smem: not run).
+_B, _L, _C, _E = (dict(fp8_decode="bits"), dict(lazy_rescale=True), dict(chunk_cols=64),
+                  dict(early_decode=True))
+GRID_V3B = [
+    _c("v3", block_k=64, num_stages=2),                                          # shipped v3
+    _c("v3", block_k=64, num_stages=2, **_B), _c("v3", block_k=64, num_stages=2, **_L),
+    _c("v3", block_k=64, num_stages=2, **_B, **_L),
+    _c("v3", block_k=64, num_stages=2, **_E), _c("v3", block_k=64, num_stages=2, **_E, **_L),
+    _c("v3", block_k=64, num_stages=2, **_E, **_B, **_L),
+    _c("v3", block_k=64, num_stages=2, **_C, **_B, **_L),
+    _c("v3", block_k=64, num_stages=3, **_E), _c("v3", block_k=64, num_stages=3, **_E, **_B, **_L),
+]
 
 def cfg_name(cfg: dict) -> str:
     s = (f"{cfg['impl']} h{cfg['block_h']} k{cfg['block_k']} d{cfg['split_d']} "
          f"kv{cfg['kv_splits']} w{cfg['num_warps']} s{cfg['num_stages']}")
     return (s + (f" r{cfg['maxnreg']}" if cfg.get("maxnreg") else "")
-            + (" hv" if cfg.get("halves") else ""))
+            + (" hv" if cfg.get("halves") else "")
+            + (" bits" if cfg.get("fp8_decode") == "bits" else "")
+            + (" lazy" if cfg.get("lazy_rescale") else "")
+            + (" c64" if cfg.get("chunk_cols") == 64 else "")
+            + (" early" if cfg.get("early_decode") else ""))
 
 
 def _case(batch, args_dict):
@@ -363,8 +390,9 @@ def main(argv=None):
     ap.add_argument("--topk", type=int, default=512)
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--ctx-entries", type=int, default=2048)
-    ap.add_argument("--grid", choices=["full", "quick", "v3"], default="full",
-                    help="full / quick: v1 + v2 families; v3: v2's shipped rows vs the v3 configs")
+    ap.add_argument("--grid", choices=["full", "quick", "v3", "v3b"], default="full",
+                    help="full / quick: v1 + v2 families; v3: v2's shipped rows vs the v3 "
+                         "configs; v3b: v3 k64 s2 vs its candidate knobs (GRID_V3B)")
     ap.add_argument("--iters", type=int, default=30, help="timed replays per config and shape")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the configs")
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1),
@@ -381,7 +409,8 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("sweep_attention.py needs a CUDA GPU; run tests/test_kernels.py -k mqa on CPU.")
     t_start = time.perf_counter()
-    configs = {"full": GRID_FULL, "quick": GRID_QUICK, "v3": GRID_V3}[args.grid]
+    configs = {"full": GRID_FULL, "quick": GRID_QUICK, "v3": GRID_V3,
+               "v3b": GRID_V3B}[args.grid]
     args_dict = vars(args)
     print(f"{len(configs)} configurations x batches {args.batches}", flush=True)
     pre = precompile_all(configs, args_dict, min(args.workers, len(configs)),
