@@ -104,7 +104,7 @@ def _instrument():
 def build(ckpt: str):
     from dspark import Engine
     from dspark.models import qlinear
-    from dspark.models.deepseek_v4 import mhc
+    from dspark.models.deepseek_v4 import mhc, norm
     from dspark.models.deepseek_v4.graph import V4DecodeGraphs, reserve_scratch
 
     eng = Engine(ckpt, device="cpu", dtype="bf16", kv_cache_dtype="fp8", speculative="none",
@@ -114,6 +114,8 @@ def build(ckpt: str):
         if isinstance(m, qlinear.QuantLinear):
             m.backend = "triton"
     mhc.BACKEND = "triton"                 # the fused mHC kernels, as on CUDA
+    if hasattr(norm, "NORM_BACKEND"):
+        norm.NORM_BACKEND = "triton"       # the fused norm / RoPE kernel, as on CUDA
     reserve_scratch(eng.cache)
     graphs = V4DecodeGraphs(eng.model, eng.cache, "triton", q_lens=(1,), max_batch=1,
                             capture=False)
