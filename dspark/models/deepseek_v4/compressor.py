@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .norm import RMSNorm, fp32
+from .norm import RMSNorm, derived, fp32, linear_fp32
 
 
 def gated_pool(a: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -35,11 +35,21 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(out_dim, eps)
 
     def rows(self, x: torch.Tensor, positions: torch.Tensor):
-        """Per-token rows (a [T, c*d], z [T, c*d]) in fp32."""
-        xf = x.float()
-        a = F.linear(xf, fp32(self.wkv.weight))
-        z = F.linear(xf, fp32(self.wgate.weight)) + fp32(self.ape)[positions % self.ratio]
-        return a, z
+        """Per-token rows (a [T, c*d], z [T, c*d]) in fp32.
+
+        fp32 x·Wᵀ of both projections in one GEMM over the stacked [wkv; wgate] weight (kept
+        while both are unchanged, `derived`); on CUDA that GEMM multiplies the bf16 values with
+        fp32 accumulation and output (`linear_fp32`): the products are exact either way, so only
+        the summation order differs from F.linear(x.float(), w.float()), without an fp32 copy
+        of the weights or a cast of x."""
+        wkv, wgate = self.wkv.weight, self.wgate.weight
+        if type(self.wkv) is nn.Linear and type(self.wgate) is nn.Linear:
+            w = derived(self, "_wcat", (wkv, wgate), lambda: torch.cat([wkv, wgate]))
+            a, z = linear_fp32(x, w).split(wkv.shape[0], dim=-1)
+        else:                                   # e.g. sharded / quantized projections
+            xf = x.float()
+            a, z = F.linear(xf, fp32(wkv)), F.linear(xf, fp32(wgate))
+        return a, z + fp32(self.ape)[positions % self.ratio]
 
     def pool(self, a: torch.Tensor, z: torch.Tensor, j0: int, j1: int) -> torch.Tensor:
         """Pooled (un-normalised) entries j0..j1-1 from position-indexed rows a, z [>= j1*ratio, c*d]."""
