@@ -145,3 +145,11 @@ def test_rms_norm_equals_formula():
         norm = norm.to(dtype)
         torch.testing.assert_close(norm(x), (want * norm.weight.float()).to(dtype),
                                    rtol=1e-6, atol=1e-6)
+
+
+def test_gated_pool_equals_slot_softmax_formula():
+    from dspark.models.deepseek_v4.compressor import gated_pool
+    a, z = torch.randn(3, 8, 40), torch.randn(3, 8, 40) * 4
+    z[0, :4] = float("-inf")                   # entry 0's empty overlap half
+    torch.testing.assert_close(gated_pool(a, z), (torch.softmax(z, dim=1) * a).sum(1),
+                               rtol=1e-6, atol=1e-6)

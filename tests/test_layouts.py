@@ -391,3 +391,9 @@ def test_cuda_matches_cpu_bytes():
     assert torch.equal(L.read_fp8_ds_mla(gpu, n, slots.cuda()).cpu(), L.read_fp8_ds_mla(cpu, n, slots))
     assert torch.equal(L.fp4_roundtrip(k.cuda()).cpu(), L.fp4_roundtrip(k))
     torch.testing.assert_close(L.hadamard128(k.cuda()).cpu(), L.hadamard128(k))
+
+
+def test_hadamard128_gemm_equals_butterflies():
+    x = torch.randn(5, 3, 128) * 10
+    want = L._butterflies(x.reshape(-1, 128)).reshape(x.shape) * 128 ** -0.5
+    torch.testing.assert_close(L.hadamard128(x), want, rtol=1e-6, atol=1e-5)

@@ -318,17 +318,50 @@ def fp4_roundtrip(x: torch.Tensor) -> torch.Tensor:
     return (_round_e2m1(blocks / scale) * scale).flatten(-2).to(x.dtype)
 
 
+_HADAMARD: dict = {}      # device -> Sylvester ±1 matrix [128, 128] fp32
+
+
+def _hadamard_matrix(device) -> torch.Tensor:
+    device = torch.device(device)
+    h = _HADAMARD.get(device)
+    if h is None:
+        # built outside inference mode (training multiplies by it under autograd too)
+        with torch.inference_mode(False), torch.no_grad():
+            i = torch.arange(INDEXER_DIM)
+            bits = i[:, None] & i[None, :]
+            parity = torch.zeros_like(bits)
+            for k in range(7):
+                parity ^= (bits >> k) & 1
+            h = _HADAMARD[device] = (1 - 2 * parity).to(torch.float32).to(device)
+    return h
+
+
 def hadamard128(x: torch.Tensor) -> torch.Tensor:
     """Orthonormal Walsh-Hadamard transform over the last dim (must be 128), Sylvester order:
     y = H x / sqrt(128) with H[i, j] = (-1)^popcount(i & j). Computed in float32, returns x's
-    dtype. H is symmetric and orthonormal, so applying it twice is the identity."""
+    dtype. H is symmetric and orthonormal, so applying it twice is the identity.
+
+    One fp32 GEMM with the ±1 matrix (cached per device) rather than 7 butterfly stages (21
+    launches per call on the decode path): the products are exact, only the order of the 128-term
+    sums differs; the 1/sqrt(128) factor is applied afterwards as before."""
     if x.shape[-1] != INDEXER_DIM:
         raise ValueError(f"hadamard128: last dim must be {INDEXER_DIM}, got {x.shape[-1]}")
     y = x.to(torch.float32).reshape(-1, INDEXER_DIM)
+    if y.is_cuda and (torch.backends.cuda.matmul.allow_tf32
+                      or torch.get_float32_matmul_precision() != "highest"):
+        y = _butterflies(y)            # TF32 GEMMs (training turns them on) would round inputs
+    else:
+        y = y @ _hadamard_matrix(x.device)
+    return (y * INDEXER_DIM**-0.5).reshape(x.shape).to(x.dtype)
+
+
+def _butterflies(y: torch.Tensor) -> torch.Tensor:
+    """H y for fp32 rows y [N, 128] by 7 butterfly stages: pair element j with j + h inside
+    blocks of 2h."""
     h = 1
-    while h < INDEXER_DIM:  # 7 butterfly stages: pair element j with j + h inside blocks of 2h
+    while h < INDEXER_DIM:
         pairs = y.view(-1, INDEXER_DIM // (2 * h), 2, h)
         a, b = pairs[:, :, 0], pairs[:, :, 1]
         y = torch.stack((a + b, a - b), dim=2).view(-1, INDEXER_DIM)
         h *= 2
-    return (y * INDEXER_DIM**-0.5).reshape(x.shape).to(x.dtype)
+    return y

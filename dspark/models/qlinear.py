@@ -124,7 +124,7 @@ class QuantMoE(MoE):
             experts = [((e.w1.weight, e.w1.scale), (e.w3.weight, e.w3.scale),
                         (e.w2.weight, e.w2.scale)) for e in self.experts]
             out = fp4_moe(x, idx, w, experts, limit, backend=first.backend, grouped=False)
-        out += self.shared_experts(x).float()
+        out += self.shared_experts(x)        # fp32 += x.dtype: added in fp32, no cast launch
         return out.to(x.dtype)
 
     def fp4_stack(self) -> FP4ExpertStack:

@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from .compressor import Compressor
+from .fused import norm_rope
 from .indexer import Indexer
-from .norm import RMSNorm, rms_normalize
+from .norm import RMSNorm
 from .rope import rope_for_layer
 from .state import DenseState
 
@@ -39,20 +40,18 @@ class Attention(nn.Module):
 
     # ---- projections shared by every backend --------------------------------------------
     # ``bound`` (optional, here and below): a host-side int > every position, so RoPE needs no
-    # device->host sync to size its table; ``memo``: the forward's RoPE-row memo (Rope.rows)
-    def _rope(self, x, positions, inverse, bound, memo):
-        if bound is None and memo is None:    # any rope (e.g. the drafter's DraftRope)
-            return self.rope.apply(x, positions, inverse)
-        return self.rope.apply(x, positions, inverse, bound=bound, memo=memo)
+    # device->host sync to size its table; ``memo``: the forward's RoPE-row memo (Rope.rows).
+    # Norm + RoPE chains go through fused.norm_rope (one kernel on CUDA).
 
     def project_q(self, x, positions, bound=None, memo=None):
         cq = self.q_norm(self.wq_a(x))
         q = self.wq_b(cq).view(-1, self.n_heads, self.head_dim)
-        q = rms_normalize(q, self.cfg.rms_norm_eps).to(x.dtype)
-        return cq, self._rope(q, positions, False, bound, memo)
+        return cq, norm_rope(q, self.rope, positions, "unweighted", self.cfg.rms_norm_eps,
+                             bound=bound, memo=memo, dtype=x.dtype)
 
     def project_kv(self, x, positions, quant, bound=None, memo=None):
-        kv = self._rope(self.kv_norm(self.wkv(x)), positions, False, bound, memo)
+        kv = norm_rope(self.wkv(x), self.rope, positions, self.kv_norm, bound=bound, memo=memo,
+                       dtype=x.dtype)
         return kv if quant is None else quant.kv(kv)
 
     def finish_entries(self, pooled, j0: int, comp: Compressor, dtype, quant, indexer: bool):
@@ -65,15 +64,14 @@ class Attention(nn.Module):
     def finish_entries_at(self, pooled, positions, bound: int, comp: Compressor, dtype, quant,
                           indexer: bool):
         """The same for entries at any `positions` (j*ratio each; host int `bound` > all)."""
-        e = comp.norm(pooled.to(dtype))
-        e = self._rope(e, positions, False, bound, None)
+        e = norm_rope(pooled, self.rope, positions, comp.norm, bound=bound, dtype=dtype)
         if quant is not None:
             e = quant.indexer(e).to(dtype) if indexer else quant.kv(e)
         return e
 
     def output(self, o, positions, dtype, bound=None, memo=None):
         """Inverse RoPE, then the grouped low-rank projection. o [T, H, hd] -> [T, D]."""
-        o = self._rope(o.to(dtype), positions, True, bound, memo)
+        o = norm_rope(o, self.rope, positions, inverse=True, bound=bound, memo=memo, dtype=dtype)
         G = self.cfg.o_groups
         if hasattr(self.wo_a, "grouped"):      # quantized weights (dspark.models.qlinear)
             z = self.wo_a.grouped(o.reshape(o.shape[0], G, -1), G)

@@ -45,6 +45,7 @@ from dspark.graph_capture import capture, pow2_buckets, step_bucket, warm_up
 from dspark.kvcache.paged import copy_rows
 from dspark.request import BlockTokens
 
+from .compressor import gated_pool
 from .indexer import topk_lowest_ties
 
 SCRATCH_RID = "__v4_graph_scratch__"
@@ -280,7 +281,7 @@ def _emit(attn, comp, kern, sp, layer, kind, x, quant):
     if comp.overlap:       # A-halves of the previous window, B-halves of the entry's own
         A = torch.cat([A[:, :m, :d], A[:, m:, d:]], dim=1)
         Z = torch.cat([Z[:, :m, :d], Z[:, m:, d:]], dim=1)
-    pooled = (torch.softmax(Z, dim=1) * A).sum(1)
+    pooled = gated_pool(A, Z)
     e = attn.finish_entries_at(pooled, rp.emit_pos, sp.position_bound, comp, x.dtype, quant,
                                indexer=kind == "indexer")
     pool = cache.entries[layer] if kind == "main" else cache.index_keys[layer]

@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .compressor import Compressor
+from .fused import norm_rope
 
 
 def topk_lowest_ties(scores: torch.Tensor, k: int):
@@ -29,8 +30,7 @@ class Indexer(nn.Module):
         """Index queries [T, Hi, d] (fp32) and head weights [T, Hi] (fp32). ``bound``, ``memo``:
         see Rope.rows."""
         q = self.wq_b(cq).view(-1, self.n_heads, self.head_dim)
-        q = (rope.apply(q, positions) if bound is None and memo is None
-             else rope.apply(q, positions, bound=bound, memo=memo)).float()
+        q = norm_rope(q, rope, positions, bound=bound, memo=memo, out_dtype=torch.float32)
         if quant is not None:
             q = quant.indexer(q)
         w = F.linear(x, self.weights_proj.weight).float() * (self.head_dim * self.n_heads) ** -0.5

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .norm import fp32
+from .norm import fp32, linear_fp32
 
 
 class Expert(nn.Module):
@@ -59,7 +59,9 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor):
         """Returns (expert ids [T, k] int64, weights [T, k] fp32)."""
-        scores = torch.sqrt(F.softplus(F.linear(x.float(), fp32(self.weight))))
+        # fp32 scores; on CUDA a bf16 GEMM with fp32 accumulation / output (linear_fp32): exact
+        # products as in F.linear(x.float(), w.float()), no cast of x or fp32 weight copy
+        scores = torch.sqrt(F.softplus(linear_fp32(x, self.weight)))
         if self.hash:
             idx = self.tid2eid[token_ids]
             idx = idx if idx.dtype == torch.long else idx.long()
@@ -93,7 +95,7 @@ class MoE(nn.Module):
             out = self._routed_gathered(x, idx, w, *stack)
         else:
             out = self._routed_per_expert(x, idx, w)
-        out += self.shared_experts(x).float()
+        out += self.shared_experts(x)        # fp32 += x.dtype: added in fp32, no cast launch
         return out.to(x.dtype)
 
     def _routed_per_expert(self, x, idx, w):

@@ -3,13 +3,37 @@
 `F.rms_norm` on fp32 input is one aten op (fused on recent CUDA builds) instead of six, with the
 same formula x·rsqrt(mean(x²) + eps)·w. The input is cast to fp32 first so the weight multiply
 also happens in fp32 and the result is rounded to x.dtype once, as the reference does.
+
+On CUDA (no autograd) the cast / norm / cast chain is one Triton launch instead
+(`dspark.kernels.norm_rope`, which also fuses the RoPE that follows most norms: see
+`fused.norm_rope`). NORM_BACKEND (environment variable DSPARK_NORM_BACKEND) overrides the choice
+like mhc.BACKEND: "reference" = torch everywhere, "triton" = the kernel everywhere (CPU tensors
+then need TRITON_INTERPRET=1).
 """
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
-FP32_CACHE_MAX_NUMEL = 1 << 22    # larger weights (e.g. a big vocab head) are cast per call
+FP32_CACHE_MAX_NUMEL = 1 << 22
+NORM_BACKENDS = ("auto", "reference", "triton")
+NORM_BACKEND = os.environ.get("DSPARK_NORM_BACKEND", "auto")
+
+
+def fused_kernels(x: torch.Tensor, dtype, out_dtype, *tensors):
+    """dspark.kernels.norm_rope when the fused kernel should run on x (and the optional other
+    tensors, e.g. a norm weight) with these rounding / output dtypes, else None."""
+    if NORM_BACKEND not in NORM_BACKENDS:
+        raise ValueError(f"norm backend {NORM_BACKEND!r} (DSPARK_NORM_BACKEND): use one of "
+                         f"{NORM_BACKENDS}")
+    if NORM_BACKEND == "reference" or (NORM_BACKEND == "auto" and not x.is_cuda):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *tensors)):
+        return None                   # the kernel has no backward
+    from dspark.kernels import norm_rope    # imports triton: only where the kernel runs
+    return norm_rope if norm_rope.supported(x, dtype, out_dtype) else None    # larger weights (e.g. a big vocab head) are cast per call
 
 
 def derived(holder, attr: str, sources, build):
@@ -76,4 +100,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = fused_kernels(x, x.dtype, x.dtype, self.weight)
+        if k is not None and self.weight.is_contiguous():
+            return k.norm_rope(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         return F.rms_norm(x.float(), (x.shape[-1],), fp32(self.weight), self.eps).to(x.dtype)
