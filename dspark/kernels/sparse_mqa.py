@@ -525,12 +525,14 @@ def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr, stride_ot, stride_oh, 
 # 91.5 / 174 us): up to 32 query tokens v3 BLOCK_K 32 split-KV 4 (39.4 us at 16 requests x 2
 # tokens; v2's best 49.9); from 128 tokens v3 BLOCK_K 64 with 2 stages: 80.2 / 152.4 / 292.9 us at
 # 64 / 128 / 256 requests = 1.64-1.68x FlashMLA (v2 in the same run 110.6 / 206.0 / 402.8 = 2.25-
-# 2.32x).
+# 2.32x). --grid v3b (sweep_attention_v3b_h200.json): early_decode (a tile's four chunks decoded
+# before its first score wgmma) 77.3 / 147.0 / 282.2 us = 1.58-1.62x; the bit-trick fp8 decode,
+# lazy rescaling and 64-column chunks were all slower (1.80-2.41x).
 DEFAULT_CONFIGS: list[tuple[int | None, dict]] = [
     (32, dict(impl="v3", block_h=64, block_k=32, split_d=1, kv_splits=4, num_warps=8,
               num_stages=2)),
     (None, dict(impl="v3", block_h=64, block_k=64, split_d=1, kv_splits=1, num_warps=8,
-                num_stages=2)),
+                num_stages=2, early_decode=True)),
 ]
 
 
