@@ -162,34 +162,19 @@ def _attention_cases():
         extra = extra[0] if extra else {}
         const = {"FP8": True, "HAS_B": True, "A_HAS_LEN": True, "B_HAS_LEN": True,
                  "POW2_N": True, "BLOCK_H": 64, "BLOCK_N": bk, "NUM_SPLITS": 1,
-                 "PRECISION": "bf16", "BITS": extra.get("fp8_decode") == "bits",
-                 "LAZY": bool(extra.get("lazy_rescale"))}
-        if extra.get("early_decode"):
-            const["EARLY"] = True
-        yield ("_sparse_mqa_v3c64_kernel" if extra.get("chunk_cols") == 64
-               else "_sparse_mqa_v3_kernel", f"block_k={bk} num_warps={w} num_stages={st}"
+                 "PRECISION": "bf16", "EARLY": bool(extra.get("early_decode"))}
+        yield ("_sparse_mqa_v3_kernel", f"block_k={bk} num_warps={w} num_stages={st}"
                + (f" maxnreg={mr}" if mr else "")
                + "".join(f" {k}={v}" for k, v in extra.items()),
-               v3._sparse_mqa_v3c64_kernel if extra.get("chunk_cols") == 64
-               else v3._sparse_mqa_v3_kernel, sig3, const, w, st, mr, aligned)
+               v3._sparse_mqa_v3_kernel, sig3, const, w, st, mr, aligned)
 
 
 # v3 configs screened offline: (block_k, num_warps, num_stages, maxnreg[, v3 knobs])
-_BITS, _LAZY, _C64 = dict(fp8_decode="bits"), dict(lazy_rescale=True), dict(chunk_cols=64)
+_EARLY = dict(early_decode=True)
 V3_CONFIGS = [(64, 8, 1, None), (64, 8, 2, None), (32, 8, 1, None), (32, 8, 2, None),
-              (32, 8, 3, None), (16, 8, 2, None), (16, 8, 3, None),
-              # --grid v3b candidates (sweep_attention.py GRID_V3B)
-              (64, 8, 2, None, _BITS), (64, 8, 2, None, _LAZY), (64, 8, 2, None, {**_BITS, **_LAZY}),
-              (64, 8, 3, None), (64, 8, 3, None, {**_BITS, **_LAZY}),
-              (128, 8, 1, None), (128, 8, 1, None, {**_BITS, **_LAZY}),
-              (64, 8, 2, None, _C64), (64, 8, 2, None, {**_C64, **_BITS}),
-              (64, 8, 2, None, {**_C64, **_LAZY}), (64, 8, 2, None, {**_C64, **_BITS, **_LAZY}),
-              (64, 8, 3, None, _C64), (128, 8, 1, None, _C64), (32, 8, 2, None, _C64),
-              (64, 8, 2, None, dict(early_decode=True)),
-              (64, 8, 2, None, dict(early_decode=True, **_BITS, **_LAZY)),
-              (64, 8, 2, None, dict(early_decode=True, **_LAZY)),
-              (64, 8, 3, None, dict(early_decode=True)),
-              (64, 8, 3, None, dict(early_decode=True, **_BITS, **_LAZY))]
+              (32, 8, 3, None), (16, 8, 2, None), (16, 8, 3, None), (64, 8, 3, None),
+              (128, 8, 1, None), (64, 8, 2, None, _EARLY), (64, 8, 3, None, _EARLY),
+              (32, 8, 2, None, _EARLY)]
 
 
 KERNELS = {"moe": _moe_cases, "fp8": _fp8_cases, "attention": _attention_cases}

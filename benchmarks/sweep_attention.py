@@ -88,7 +88,7 @@ def _c(impl="v2", block_h=64, block_k=64, split_d=1, kv_splits=1, num_warps=8, n
         cfg["maxnreg"] = maxnreg
     if halves:
         cfg["halves"] = True
-    cfg.update(v3_knobs)         # fp8_decode / lazy_rescale / chunk_cols / early_decode (v3)
+    cfg.update(v3_knobs)         # early_decode (v3)
     return cfg
 
 
@@ -136,36 +136,23 @@ GRID_V3 = [
     _c("v3", block_k=16, num_stages=2, kv_splits=4),
 ]
 
-# v3b: candidate changes to the v3 loop against the shipped v3 row (k64 w8 s2: 80.2 / 152.4 /
-# 292.9 us at 64 / 128 / 256 requests, 1.64-1.68x FlashMLA; target <= 1.5x). Knobs: 'bits' =
-# fp8_decode='bits' (e4m3 -> fp32 by bit operations + one power-of-two multiply, no fp8 cvt);
-# 'lazy' = lazy_rescale (accumulators rescaled only when a row max grows by > 2^8); 'early' =
-# early_decode (the tile's 4 chunks decoded before the first score wgmma); 'c64' = chunk_cols=64
-# (eight 64-column groups: half the decode transient, RoPE group without a select).
-# Offline sm_90 / triton 3.6 (kernel_regs.py), spill B/thread, smem KB: base 164 / 168, bits 168,
-# lazy 164, bits+lazy 168, early 48, early+lazy 48, early+bits+lazy 40, c64+bits+lazy 88 / 164,
-# early s3 140 / 208, early s3 bits+lazy 128 / 208 (also screened: k64 s3 264, k128 s1 912,
-# k128 s1 c64 500, k64 w4 1692, k128 s2 272 KB smem: not run).
-_B, _L, _C, _E = (dict(fp8_decode="bits"), dict(lazy_rescale=True), dict(chunk_cols=64),
-                  dict(early_decode=True))
+# v3b: early_decode (the tile's 4 chunks decoded before the first score wgmma; offline spills
+# 164 -> 48 B/thread) against the shipped v3 row, at 2 and 3 stages. The other v3b candidates
+# (bit-level fp8 decode, lazy rescaling, 64-column chunks) ran slower on the H200 and were removed
+# (benchmarks/results/sweep_attention_v3b_h200.json; code in commit a218409).
+_E = dict(early_decode=True)
 GRID_V3B = [
-    _c("v3", block_k=64, num_stages=2),                                          # shipped v3
-    _c("v3", block_k=64, num_stages=2, **_B), _c("v3", block_k=64, num_stages=2, **_L),
-    _c("v3", block_k=64, num_stages=2, **_B, **_L),
-    _c("v3", block_k=64, num_stages=2, **_E), _c("v3", block_k=64, num_stages=2, **_E, **_L),
-    _c("v3", block_k=64, num_stages=2, **_E, **_B, **_L),
-    _c("v3", block_k=64, num_stages=2, **_C, **_B, **_L),
-    _c("v3", block_k=64, num_stages=3, **_E), _c("v3", block_k=64, num_stages=3, **_E, **_B, **_L),
+    _c("v3", block_k=64, num_stages=2), _c("v3", block_k=64, num_stages=2, **_E),
+    _c("v3", block_k=64, num_stages=3, **_E), _c("v3", block_k=32, num_stages=2, **_E),
+    _c("v3", block_k=32, num_stages=2, kv_splits=4, **_E),
 ]
+
 
 def cfg_name(cfg: dict) -> str:
     s = (f"{cfg['impl']} h{cfg['block_h']} k{cfg['block_k']} d{cfg['split_d']} "
          f"kv{cfg['kv_splits']} w{cfg['num_warps']} s{cfg['num_stages']}")
     return (s + (f" r{cfg['maxnreg']}" if cfg.get("maxnreg") else "")
             + (" hv" if cfg.get("halves") else "")
-            + (" bits" if cfg.get("fp8_decode") == "bits" else "")
-            + (" lazy" if cfg.get("lazy_rescale") else "")
-            + (" c64" if cfg.get("chunk_cols") == 64 else "")
             + (" early" if cfg.get("early_decode") else ""))
 
 

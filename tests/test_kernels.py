@@ -264,14 +264,8 @@ def test_sparse_mqa_fp8_kernel_v2(cfg):
     dict(impl="v3", block_h=16, block_k=16),                      # 2 head blocks, one loop a+b
     dict(impl="v3", block_h=32, block_k=32, kv_splits=3),         # splits straddle the lists
     dict(impl="v3", block_h=16, block_k=16, kv_splits=5),         # more splits than some tiles
-    dict(impl="v3", block_h=16, block_k=16, fp8_decode="bits"),   # bit-level fp8 decode
-    dict(impl="v3", block_h=32, block_k=16, lazy_rescale=True),   # lazy accumulator rescale
-    dict(impl="v3", block_h=16, block_k=32, kv_splits=3, fp8_decode="bits", lazy_rescale=True),
-    dict(impl="v3", block_h=16, block_k=16, chunk_cols=64),       # eight 64-column groups
-    dict(impl="v3", block_h=32, block_k=16, kv_splits=2, chunk_cols=64, fp8_decode="bits",
-         lazy_rescale=True),
     dict(impl="v3", block_h=16, block_k=16, early_decode=True),   # chunks decoded up front
-    dict(impl="v3", block_h=32, block_k=32, kv_splits=2, early_decode=True, fp8_decode="bits"),
+    dict(impl="v3", block_h=32, block_k=32, kv_splits=2, early_decode=True),
 ])
 @pytest.mark.parametrize("n2", [2, 3])                            # pow2 (shift) / general N
 def test_sparse_mqa_fp8_kernel_v3(cfg, n2):
@@ -320,7 +314,7 @@ def test_sparse_mqa_fp8_kernel_v3_single_list_bf16():
 @pytest.mark.parametrize("cfg", [dict(impl="v2", split_d=2),
                                  dict(impl="v2", kv_splits=2),
                                  dict(impl="v3", kv_splits=2),
-                                 dict(impl="v3", chunk_cols=64, lazy_rescale=True)])
+                                 dict(impl="v3", early_decode=True)])
 def test_sparse_mqa_dense_kernel_v2(cfg):
     gen = torch.Generator().manual_seed(8)
     T, H, E = 4, 12, 50
@@ -344,7 +338,7 @@ def test_sparse_mqa_default_config_table(monkeypatch):
     v2b = dict(impl="v2", block_h=64, block_k=64, split_d=1, kv_splits=1, num_warps=8,
                num_stages=1, maxnreg=None)
     monkeypatch.setattr(smqa, "DEFAULT_CONFIGS", [(32, v2a), (None, v2b)])
-    new = dict(fp8_decode="cvt", lazy_rescale=False, chunk_cols=128, early_decode=False)              # v3 knobs, default values
+    new = dict(early_decode=False)                                   # v3 knob, default value
     assert smqa._resolve_config(32, 64, "bf16", {}) == {**v2a, "maxnreg": None, "halves": False,
                                                           **new}
     assert smqa._resolve_config(33, 64, "bf16", {}) == {**v2b, "halves": False, **new}
@@ -364,11 +358,7 @@ def test_sparse_mqa_default_config_table(monkeypatch):
     with pytest.raises(AssertionError):
         smqa._resolve_config(8, 64, "bf16", dict(impl="v3", split_d=2))
     with pytest.raises(AssertionError):
-        smqa._resolve_config(8, 64, "bf16", dict(impl="v2", fp8_decode="bits"))
-    with pytest.raises(AssertionError):
-        smqa._resolve_config(8, 64, "bf16", dict(impl="v3", fp8_decode="fast"))
-    with pytest.raises(AssertionError):
-        smqa._resolve_config(8, 64, "bf16", dict(impl="v3", chunk_cols=64, early_decode=True))
+        smqa._resolve_config(8, 64, "bf16", dict(impl="v2", early_decode=True))
     for bound, row in smqa.DEFAULT_CONFIGS:                          # shipped rows are valid
         smqa._resolve_config(1, 64, "bf16", dict(row))
 
@@ -606,9 +596,8 @@ def test_gpu_sparse_mqa_fp8_realistic(T):
                 dict(impl="v2", block_k=32, num_stages=2, halves=True),
                 dict(impl="v3", block_k=64), dict(impl="v3", block_k=32, num_stages=2),
                 dict(impl="v3", block_k=16, num_stages=2), dict(impl="v3", kv_splits=3),
-                dict(impl="v3", num_stages=2, fp8_decode="bits", lazy_rescale=True),
-                dict(impl="v3", num_stages=2, chunk_cols=64),
-                dict(impl="v3", num_stages=2, early_decode=True, lazy_rescale=True)):
+                dict(impl="v3", num_stages=2, early_decode=True),
+                dict(impl="v3", block_k=32, num_stages=2, kv_splits=4, early_decode=True)):
         alt = smqa.sparse_mqa_fp8(q, swa, N, win, sink, SCALE, extra_cache=comp,
                                   extra_indices=top, **cfg)
         assert rel_err(alt, want) < 2e-2, cfg

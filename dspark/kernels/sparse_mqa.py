@@ -566,17 +566,8 @@ def _resolve_config(T: int, H: int, prec: str, user: dict) -> dict:
     cfg.setdefault("split_d", 1)
     cfg.setdefault("maxnreg", None)
     cfg.setdefault("halves", False)
-    cfg.setdefault("fp8_decode", "cvt")
-    cfg.setdefault("lazy_rescale", False)
-    cfg.setdefault("chunk_cols", 128)
     cfg.setdefault("early_decode", False)
-    assert cfg["fp8_decode"] in ("cvt", "bits"), "fp8_decode must be 'cvt' or 'bits'"
-    assert cfg["chunk_cols"] in (64, 128), "chunk_cols must be 64 or 128"
-    assert cfg["impl"] == "v3" or (cfg["fp8_decode"] == "cvt" and not cfg["lazy_rescale"]
-                                   and cfg["chunk_cols"] == 128 and not cfg["early_decode"]), \
-        "fp8_decode='bits' / lazy_rescale / chunk_cols=64 / early_decode need impl='v3'"
-    assert not (cfg["early_decode"] and cfg["chunk_cols"] == 64), \
-        "early_decode applies to chunk_cols=128 only"
+    assert cfg["impl"] == "v3" or not cfg["early_decode"], "early_decode needs impl='v3'"
     assert cfg["impl"] in ("v1", "v2", "v3"), \
         f"impl must be 'v1', 'v2' or 'v3', got {cfg['impl']!r}"
     assert cfg["block_h"] >= 16 and cfg["block_k"] >= 16, "tl.dot needs tiles of at least 16"
@@ -699,9 +690,7 @@ def sparse_mqa_fp8(q: torch.Tensor, cache: torch.Tensor, entries_per_page: int,
                    num_warps: int | None = None, num_stages: int | None = None,
                    precision: str | None = None, kv_splits: int | None = None,
                    impl: str | None = None, maxnreg: int | None = None,
-                   halves: bool | None = None, fp8_decode: str | None = None,
-                   lazy_rescale: bool | None = None,
-                   chunk_cols: int | None = None,
+                   halves: bool | None = None,
                    early_decode: bool | None = None) -> torch.Tensor:
     """Sparse MQA with sink over a paged ``fp8_ds_mla`` cache (Triton).
 
@@ -716,16 +705,12 @@ def sparse_mqa_fp8(q: torch.Tensor, cache: torch.Tensor, entries_per_page: int,
     extra_*:  optional second cache / index list (e.g. compressed entries next to the SWA
               window), joined into the same softmax. ``extra_cache`` defaults to ``cache``.
     impl ('v1' | 'v2' | 'v3'), block_h, block_k, split_d, kv_splits, halves, num_warps, num_stages,
-    maxnreg, fp8_decode, lazy_rescale, chunk_cols, early_decode, precision ('bf16' | 'tf32' | 'ieee'):
+    maxnreg, early_decode, precision ('bf16' | 'tf32' | 'ieee'):
               tuning knobs (none given: the DEFAULT_CONFIGS row for T). split_d > 1 splits the
               512 output columns over that many programs (scores computed by each); kv_splits > 1
               (v2) splits each token's keys over that many programs plus a combine kernel.
-              v3 only: fp8_decode 'cvt' (default: fp8 -> fp32 conversion instructions) or 'bits'
-              (bit-level e4m3 -> bf16 + a power-of-two bf16 multiply); lazy_rescale (default
-              False): rescale the accumulators only when a row max grows by > 2^8; chunk_cols
-              (default 128): 64 = decode / multiply in eight 64-column groups; early_decode
-              (default False): decode all four chunks of a tile before its first product.
-              See sparse_mqa_v3.py.
+              v3 only: early_decode (default False): decode all four chunks of a key tile
+              before its first product. See sparse_mqa_v3.py.
     Returns float32 [T, H, 512]; rows with every key masked are 0.
     """
     q, sink = _prep_q(q, sink)
@@ -739,9 +724,7 @@ def sparse_mqa_fp8(q: torch.Tensor, cache: torch.Tensor, entries_per_page: int,
                             extra_indices, extra_lengths, T, "extra_cache")
     tuning = dict(impl=impl, block_h=block_h, block_k=block_k, split_d=split_d,
                   kv_splits=kv_splits, halves=halves, num_warps=num_warps,
-                  num_stages=num_stages, maxnreg=maxnreg, fp8_decode=fp8_decode,
-                  lazy_rescale=lazy_rescale, chunk_cols=chunk_cols,
-                  early_decode=early_decode)
+                  num_stages=num_stages, maxnreg=maxnreg, early_decode=early_decode)
     return _launch(q, sink, scale, True, a, b, tuning, precision)
 
 
@@ -765,9 +748,7 @@ def sparse_mqa_dense(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
                      num_warps: int | None = None, num_stages: int | None = None,
                      precision: str | None = None, kv_splits: int | None = None,
                      impl: str | None = None, maxnreg: int | None = None,
-                     halves: bool | None = None, fp8_decode: str | None = None,
-                     lazy_rescale: bool | None = None,
-                     chunk_cols: int | None = None,
+                     halves: bool | None = None,
                      early_decode: bool | None = None) -> torch.Tensor:
     """Sparse MQA with sink over a non-quantised cache ``kv`` [num_entries, 512] (bf16/fp32).
 
@@ -783,9 +764,7 @@ def sparse_mqa_dense(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
                         "extra_kv")
     tuning = dict(impl=impl, block_h=block_h, block_k=block_k, split_d=split_d,
                   kv_splits=kv_splits, halves=halves, num_warps=num_warps,
-                  num_stages=num_stages, maxnreg=maxnreg, fp8_decode=fp8_decode,
-                  lazy_rescale=lazy_rescale, chunk_cols=chunk_cols,
-                  early_decode=early_decode)
+                  num_stages=num_stages, maxnreg=maxnreg, early_decode=early_decode)
     return _launch(q, sink, scale, False, a, b, tuning, precision)
 
 

@@ -20,12 +20,12 @@ Hopper thread (v2 at BLOCK_K 64 / 8 warps spills 1.3 KB per thread under triton 
 * The next tile's index entries are loaded one iteration ahead (one dependent global round trip
   less per tile).
 Knobs as v2: block_h, block_k, kv_splits (flash-decoding + the shared combine kernel), num_warps,
-num_stages, maxnreg; split_d and halves do not apply (always the full 512 columns). Candidate
-knobs (v3b; defaults = the behaviour above): fp8_decode='bits' (e4m3 decoded by bit operations
-and one power-of-two multiply, keys carried as x 2^-64), lazy_rescale=True (accumulators rescaled
-only when a row max grows by > 2^8), chunk_cols=64 (_sparse_mqa_v3c64_kernel: eight 64-column
-groups instead of four 128-column chunks), early_decode=True (the tile's four chunks decoded
-before its first score product; offline this cuts the k64 s2 spills from 164 to 48 B/thread).
+num_stages, maxnreg; split_d and halves do not apply (always the full 512 columns); early_decode=True
+decodes the tile's four chunks before its first score product (more loads and decode in flight;
+offline the k64 s2 spills drop from 164 to 48 B/thread; on the H200 77.3 vs 79.5 us at 64
+requests: the default for long batches). Tried on the H200 and removed as slower (sweep --grid v3b,
+benchmarks/results/sweep_attention_v3b_h200.json, code in commit a218409): e4m3 decoded by bit
+operations (1.80x FlashMLA vs 1.63x), lazy accumulator rescaling (2.00x), 64-column chunks (2.33x).
 Offline sm_90 compile (triton 3.6 = the H200's, benchmarks/kernel_regs.py), 64 heads, 8 warps:
 v2 BLOCK_K 64 spills 1.3 KB/thread; v3 BLOCK_K 64: 240 B, 32 (2 stages): 16 B, 16 (2 stages): 0,
 the loads of the next tile's chunks then go to shared memory by cp.async while this tile computes.
@@ -39,31 +39,14 @@ from dspark.kernels.sparse_mqa import _dot, _mma_operand
 
 
 @triton.jit
-def _v3_bits_fp32(f8, sbyte):
-    """fp8 e4m3 bytes x 2^(sbyte - 127) x 2^-64 in fp32, by bit operations (no fp8 conversion
-    instruction): the byte's sign to bit 31 and its 7 exponent / mantissa bits to bits 20-26 give
-    an fp32 equal to the e4m3 value x 2^-120 exactly (e4m3 subnormals land on fp32 subnormals);
-    one multiply by the power of two 2^(sbyte - 71) (exponent field sbyte + 56: normal for every
-    scale byte 0..198) restores the scale. The 2^-64 keeps that factor in range; the kernel
-    multiplies it back into the score scale and the output. (A bf16 version of the same trick is
-    not testable: the interpreter's bf16 multiply of bitcast values is wrong.)"""
-    x = f8.to(tl.int32)
-    kv = (((x & 0x80) << 24) | ((x & 0x7F) << 20)).to(tl.float32, bitcast=True)
-    fac = ((sbyte.to(tl.int32) + (120 - 64)) << 23).to(tl.float32, bitcast=True)
-    return kv * fac
-
-
-@triton.jit
 def _v3_load_chunk(rec, sc, valid, c: tl.constexpr, cache_u8_ptr, cache_bf16_ptr,
-                   FP8: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                   BITS: tl.constexpr = False):
+                   FP8: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """Chunk c (columns [128c, 128c + 128)) of BLOCK_N keys -> MMA operand [BLOCK_N, 128].
 
     FP8: rec / sc = int64 [BLOCK_N] byte offsets of each key's data row and scale row (0 where
     invalid); the chunk is decoded as [BLOCK_N, 2, 64] (two 64-wide groups, scale byte broadcast
     over each; chunk 3's second group is the bf16 RoPE part). Dense: rec = element offset of the
-    row in the kv tensor (cache_u8_ptr is then the bf16 / fp32 kv base pointer).
-    BITS (FP8 only): decode with _v3_bits_fp32; the chunk is then the keys x 2^-64 (RoPE too)."""
+    row in the kv tensor (cache_u8_ptr is then the bf16 / fp32 kv base pointer)."""
     if FP8:
         g = 2 * c + tl.arange(0, 2)[None, :, None]                 # global 64-wide group
         i = tl.arange(0, 64)[None, None, :]
@@ -72,56 +55,20 @@ def _v3_load_chunk(rec, sc, valid, c: tl.constexpr, cache_u8_ptr, cache_bf16_ptr
         if c < 3:
             f8 = tl.load(cache_u8_ptr + rec3 + g * 64 + i, mask=v3, other=0)
             sbyte = tl.load(cache_u8_ptr + sc[:, None, None] + g, mask=v3, other=127)
-            if BITS:
-                kv = _v3_bits_fp32(f8, sbyte)
-            else:
-                scale = (sbyte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-                kv = f8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
+            scale = (sbyte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+            kv = f8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
         else:
             is_nope = g < 7
             f8 = tl.load(cache_u8_ptr + rec3 + g * 64 + i, mask=v3 & is_nope, other=0)
             sbyte = tl.load(cache_u8_ptr + sc[:, None, None] + g, mask=v3 & is_nope, other=127)
             rope = tl.load(cache_bf16_ptr + ((rec3 >> 1) + 224) + i, mask=v3, other=0.0)
-            if BITS:
-                kv = tl.where(is_nope, _v3_bits_fp32(f8, sbyte),
-                              rope.to(tl.float32) * 5.421010862427522e-20)   # x 2^-64
-            else:
-                scale = (sbyte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-                kv = tl.where(is_nope,
-                              f8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale,
-                              rope.to(tl.float32))
+            scale = (sbyte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+            kv = tl.where(is_nope, f8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale,
+                          rope.to(tl.float32))
         kv = tl.reshape(kv, (BLOCK_N, 128))
     else:
         d = c * 128 + tl.arange(0, 128)[None, :]
         kv = tl.load(cache_u8_ptr + rec[:, None] + d, mask=valid[:, None], other=0.0)
-    return _mma_operand(kv, PRECISION)
-
-
-@triton.jit
-def _v3_load_g64(rec, sc, valid, g: tl.constexpr, cache_u8_ptr, cache_bf16_ptr,
-                 FP8: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                 BITS: tl.constexpr = False):
-    """As _v3_load_chunk for one 64-column group g (0..7; FP8: group 7 is the bf16 RoPE part,
-    loaded without a select) -> MMA operand [BLOCK_N, 64]: half the decode transient."""
-    i = tl.arange(0, 64)[None, :]
-    v2 = valid[:, None]
-    if FP8:
-        if g < 7:
-            f8 = tl.load(cache_u8_ptr + rec[:, None] + g * 64 + i, mask=v2, other=0)
-            sbyte = tl.load(cache_u8_ptr + sc + g, mask=valid, other=127)[:, None]
-            if BITS:
-                kv = _v3_bits_fp32(f8, sbyte)
-            else:
-                scale = (sbyte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-                kv = f8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
-        else:
-            rope = tl.load(cache_bf16_ptr + ((rec[:, None] >> 1) + 224) + i, mask=v2, other=0.0)
-            if BITS:
-                kv = rope.to(tl.float32) * 5.421010862427522e-20          # x 2^-64
-            else:
-                kv = rope
-    else:
-        kv = tl.load(cache_u8_ptr + rec[:, None] + g * 64 + i, mask=v2, other=0.0)
     return _mma_operand(kv, PRECISION)
 
 
@@ -145,7 +92,7 @@ def _sparse_mqa_v3_kernel(
     FP8: tl.constexpr, HAS_B: tl.constexpr, A_HAS_LEN: tl.constexpr, B_HAS_LEN: tl.constexpr,
     POW2_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-    BITS: tl.constexpr = False, LAZY: tl.constexpr = False, EARLY: tl.constexpr = False,
+    EARLY: tl.constexpr = False,
 ):
     """1-D grid over T × NUM_SPLITS × cdiv(H, BLOCK_H) (head blocks fastest). Outputs as v2:
     the final rows (NUM_SPLITS == 1) or normalised partials + log2-sum-exp for _combine_kernel.
@@ -154,11 +101,7 @@ def _sparse_mqa_v3_kernel(
     takes an equal share of it): per tile the list's cache pointers / page geometry are scalar
     selects, so there is one copy of the loop body and its state. POW2_N: both lists' entries per
     page are powers of two (a_shift / b_shift = log2 N): page and row are a shift and a mask.
-    BITS (fp8 only): bit-level fp8 decode (keys x 2^-64: the score scale and the output take the
-    2^64 back). LAZY: the running max m_i (and with it the accumulators / l_i) is only moved when
-    some row's tile max exceeds it by more than 8 (log2 units; one uniform branch per tile), so
-    most tiles skip the 4 x 64 x 128 accumulator rescale; p <= 2^8 stays exact enough in bf16 and
-    the result is unchanged (acc, l_i and m_i stay consistent)."""
+    EARLY: the tile's four chunks are decoded before its first score product."""
     pid = tl.program_id(0)
     n_hb = tl.cdiv(H, BLOCK_H)
     hb = pid % n_hb
@@ -201,8 +144,6 @@ def _sparse_mqa_v3_kernel(
     a_row = a_idx_ptr + t * a_stride_it
     b_row = b_idx_ptr + t * b_stride_it
 
-    if FP8 and BITS:
-        qk_scale_log2 = qk_scale_log2 * 18446744073709551616.0      # keys carry 2^-64
     ent_next = _v3_tile_ids(j_lo, ta, a_row, n_a, b_row, n_b, BLOCK_N)
     for j in range(j_lo, j_hi):
         ent = ent_next
@@ -230,56 +171,35 @@ def _sparse_mqa_v3_kernel(
             sc = rec
         if EARLY:
             # all four chunks decoded before the first product (more loads / decode in flight)
-            k_0 = _v3_load_chunk(rec, sc, valid, 0, u8, bf, FP8, BLOCK_N, PRECISION, BITS)
-            k_1 = _v3_load_chunk(rec, sc, valid, 1, u8, bf, FP8, BLOCK_N, PRECISION, BITS)
-            k_2 = _v3_load_chunk(rec, sc, valid, 2, u8, bf, FP8, BLOCK_N, PRECISION, BITS)
-            k_3 = _v3_load_chunk(rec, sc, valid, 3, u8, bf, FP8, BLOCK_N, PRECISION, BITS)
+            k_0 = _v3_load_chunk(rec, sc, valid, 0, u8, bf, FP8, BLOCK_N, PRECISION)
+            k_1 = _v3_load_chunk(rec, sc, valid, 1, u8, bf, FP8, BLOCK_N, PRECISION)
+            k_2 = _v3_load_chunk(rec, sc, valid, 2, u8, bf, FP8, BLOCK_N, PRECISION)
+            k_3 = _v3_load_chunk(rec, sc, valid, 3, u8, bf, FP8, BLOCK_N, PRECISION)
             s = _dot(q0, tl.trans(k_0), tl.zeros((BLOCK_H, BLOCK_N), tl.float32), PRECISION)
             s = _dot(q1, tl.trans(k_1), s, PRECISION)
             s = _dot(q2, tl.trans(k_2), s, PRECISION)
             s = _dot(q3, tl.trans(k_3), s, PRECISION)
         else:
-            k_0 = _v3_load_chunk(rec, sc, valid, 0, u8, bf, FP8, BLOCK_N, PRECISION, BITS)
+            k_0 = _v3_load_chunk(rec, sc, valid, 0, u8, bf, FP8, BLOCK_N, PRECISION)
             s = _dot(q0, tl.trans(k_0), tl.zeros((BLOCK_H, BLOCK_N), tl.float32), PRECISION)
-            k_1 = _v3_load_chunk(rec, sc, valid, 1, u8, bf, FP8, BLOCK_N, PRECISION, BITS)
+            k_1 = _v3_load_chunk(rec, sc, valid, 1, u8, bf, FP8, BLOCK_N, PRECISION)
             s = _dot(q1, tl.trans(k_1), s, PRECISION)
-            k_2 = _v3_load_chunk(rec, sc, valid, 2, u8, bf, FP8, BLOCK_N, PRECISION, BITS)
+            k_2 = _v3_load_chunk(rec, sc, valid, 2, u8, bf, FP8, BLOCK_N, PRECISION)
             s = _dot(q2, tl.trans(k_2), s, PRECISION)
-            k_3 = _v3_load_chunk(rec, sc, valid, 3, u8, bf, FP8, BLOCK_N, PRECISION, BITS)
+            k_3 = _v3_load_chunk(rec, sc, valid, 3, u8, bf, FP8, BLOCK_N, PRECISION)
             s = _dot(q3, tl.trans(k_3), s, PRECISION)
         s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        if LAZY:
-            # move the pivot only when a row's max grew by > 8 (m_i = -inf: always)
-            grow = tl.max(tl.where(m_new > m_i, m_new - m_i, 0.0), axis=0)
-            if grow > 8.0:
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_i - m_use)
-                l_i = l_i * alpha
-                a0 = a0 * alpha[:, None]
-                a1 = a1 * alpha[:, None]
-                a2 = a2 * alpha[:, None]
-                a3 = a3 * alpha[:, None]
-                m_i = m_new
-            m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
-            p = tl.exp2(s - m_use[:, None])
-            l_i = l_i + tl.sum(p, axis=1)
-            p = _mma_operand(p, PRECISION)
-            a0 = _dot(p, k_0, a0, PRECISION)
-            a1 = _dot(p, k_1, a1, PRECISION)
-            a2 = _dot(p, k_2, a2, PRECISION)
-            a3 = _dot(p, k_3, a3, PRECISION)
-        else:
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # all-masked so far: pivot 0
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            p = _mma_operand(p, PRECISION)
-            a0 = _dot(p, k_0, a0 * alpha[:, None], PRECISION)
-            a1 = _dot(p, k_1, a1 * alpha[:, None], PRECISION)
-            a2 = _dot(p, k_2, a2 * alpha[:, None], PRECISION)
-            a3 = _dot(p, k_3, a3 * alpha[:, None], PRECISION)
-            m_i = m_new
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # all-masked so far: pivot 0
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p = _mma_operand(p, PRECISION)
+        a0 = _dot(p, k_0, a0 * alpha[:, None], PRECISION)
+        a1 = _dot(p, k_1, a1 * alpha[:, None], PRECISION)
+        a2 = _dot(p, k_2, a2 * alpha[:, None], PRECISION)
+        a3 = _dot(p, k_3, a3 * alpha[:, None], PRECISION)
+        m_i = m_new
 
     if NUM_SPLITS == 1:
         # sink: one extra logit per head, only in the denominator; pivot on max(m, sink)
@@ -296,197 +216,11 @@ def _sparse_mqa_v3_kernel(
         row = (t * NUM_SPLITS + split) * H + h                    # [BLOCK_H] rows of part/lse
         o_rows = part_ptr + row[:, None] * 512 + dc[None, :]
         tl.store(lse_ptr + row, lse, mask=h_ok)
-    if FP8 and BITS:
-        f = f * 18446744073709551616.0                              # the keys' 2^-64
     f = f[:, None]
     tl.store(o_rows, a0 * f, mask=h_ok[:, None])
     tl.store(o_rows + 128, a1 * f, mask=h_ok[:, None])
     tl.store(o_rows + 256, a2 * f, mask=h_ok[:, None])
     tl.store(o_rows + 384, a3 * f, mask=h_ok[:, None])
-
-
-@triton.jit
-def _sparse_mqa_v3c64_kernel(
-    q_ptr, stride_qt, stride_qh,
-    out_ptr, stride_ot, stride_oh,
-    part_ptr, lse_ptr,
-    sink_ptr, H, qk_scale_log2,
-    a_u8_ptr, a_bf16_ptr, a_page_bytes, a_N, a_shift, a_idx_ptr, a_stride_it, a_K, a_len_ptr,
-    b_u8_ptr, b_bf16_ptr, b_page_bytes, b_N, b_shift, b_idx_ptr, b_stride_it, b_K, b_len_ptr,
-    FP8: tl.constexpr, HAS_B: tl.constexpr, A_HAS_LEN: tl.constexpr, B_HAS_LEN: tl.constexpr,
-    POW2_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-    BITS: tl.constexpr = False, LAZY: tl.constexpr = False,
-):
-    """_sparse_mqa_v3_kernel with the 512 columns as eight 64-column groups instead of four
-    128-column chunks (chunk_cols=64): each decode transient is [BLOCK_N, 64] (half of v3's, to
-    cut its register spills at BLOCK_N 64), group 7 (RoPE) needs no select, and the products are
-    8 + 8 wgmmas of K / N = 64 per tile instead of 4 + 4 of 128. Same arguments and outputs."""
-    pid = tl.program_id(0)
-    n_hb = tl.cdiv(H, BLOCK_H)
-    hb = pid % n_hb
-    rest = pid // n_hb
-    split = rest % NUM_SPLITS
-    t = (rest // NUM_SPLITS).to(tl.int64)
-
-    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = h < H
-    dc = tl.arange(0, 64)
-    q_rows = q_ptr + t * stride_qt + h[:, None] * stride_qh + dc[None, :]
-    q0 = _mma_operand(tl.load(q_rows + 0, mask=h_ok[:, None], other=0.0), PRECISION)
-    q1 = _mma_operand(tl.load(q_rows + 64, mask=h_ok[:, None], other=0.0), PRECISION)
-    q2 = _mma_operand(tl.load(q_rows + 128, mask=h_ok[:, None], other=0.0), PRECISION)
-    q3 = _mma_operand(tl.load(q_rows + 192, mask=h_ok[:, None], other=0.0), PRECISION)
-    q4 = _mma_operand(tl.load(q_rows + 256, mask=h_ok[:, None], other=0.0), PRECISION)
-    q5 = _mma_operand(tl.load(q_rows + 320, mask=h_ok[:, None], other=0.0), PRECISION)
-    q6 = _mma_operand(tl.load(q_rows + 384, mask=h_ok[:, None], other=0.0), PRECISION)
-    q7 = _mma_operand(tl.load(q_rows + 448, mask=h_ok[:, None], other=0.0), PRECISION)
-    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_H,), tl.float32)
-    a0 = tl.zeros((BLOCK_H, 64), tl.float32)
-    a1 = tl.zeros((BLOCK_H, 64), tl.float32)
-    a2 = tl.zeros((BLOCK_H, 64), tl.float32)
-    a3 = tl.zeros((BLOCK_H, 64), tl.float32)
-    a4 = tl.zeros((BLOCK_H, 64), tl.float32)
-    a5 = tl.zeros((BLOCK_H, 64), tl.float32)
-    a6 = tl.zeros((BLOCK_H, 64), tl.float32)
-    a7 = tl.zeros((BLOCK_H, 64), tl.float32)
-
-    n_a = a_K
-    if A_HAS_LEN:
-        n_a = tl.minimum(tl.load(a_len_ptr + t), a_K)
-    n_b = 0
-    if HAS_B:
-        n_b = b_K
-        if B_HAS_LEN:
-            n_b = tl.minimum(tl.load(b_len_ptr + t), b_K)
-    ta = tl.cdiv(n_a, BLOCK_N)
-    n_tiles = ta + tl.cdiv(n_b, BLOCK_N)
-    if NUM_SPLITS == 1:
-        j_lo = 0
-        j_hi = n_tiles
-    else:
-        per = tl.cdiv(n_tiles, NUM_SPLITS)
-        j_lo = tl.minimum(split * per, n_tiles)
-        j_hi = tl.minimum(j_lo + per, n_tiles)
-    a_row = a_idx_ptr + t * a_stride_it
-    b_row = b_idx_ptr + t * b_stride_it
-
-    if FP8 and BITS:
-        qk_scale_log2 = qk_scale_log2 * 18446744073709551616.0      # keys carry 2^-64
-    ent_next = _v3_tile_ids(j_lo, ta, a_row, n_a, b_row, n_b, BLOCK_N)
-    for j in range(j_lo, j_hi):
-        ent = ent_next
-        ent_next = _v3_tile_ids(j + 1, ta, a_row, n_a, b_row, n_b, BLOCK_N)  # one tile ahead
-        in_a = j < ta
-        valid = ent >= 0
-        ent = tl.where(valid, ent, 0)
-        u8 = tl.where(in_a, a_u8_ptr, b_u8_ptr)
-        bf = tl.where(in_a, a_bf16_ptr, b_bf16_ptr)
-        pb = tl.where(in_a, a_page_bytes, b_page_bytes)
-        if FP8:
-            n = tl.where(in_a, a_N, b_N)
-            if POW2_N:
-                sh = tl.where(in_a, a_shift, b_shift)
-                page = ent >> sh
-                row = ent & (n - 1)
-            else:
-                page = ent // n
-                row = ent - page * n
-            base = page.to(tl.int64) * pb
-            rec = base + row * 576                                 # data row (bytes)
-            sc = base + n * 576 + row * 8                          # its scale row (bytes)
-        else:
-            rec = ent.to(tl.int64) * pb
-            sc = rec
-        k_0 = _v3_load_g64(rec, sc, valid, 0, u8, bf, FP8, BLOCK_N, PRECISION, BITS)
-        s = _dot(q0, tl.trans(k_0), tl.zeros((BLOCK_H, BLOCK_N), tl.float32), PRECISION)
-        k_1 = _v3_load_g64(rec, sc, valid, 1, u8, bf, FP8, BLOCK_N, PRECISION, BITS)
-        s = _dot(q1, tl.trans(k_1), s, PRECISION)
-        k_2 = _v3_load_g64(rec, sc, valid, 2, u8, bf, FP8, BLOCK_N, PRECISION, BITS)
-        s = _dot(q2, tl.trans(k_2), s, PRECISION)
-        k_3 = _v3_load_g64(rec, sc, valid, 3, u8, bf, FP8, BLOCK_N, PRECISION, BITS)
-        s = _dot(q3, tl.trans(k_3), s, PRECISION)
-        k_4 = _v3_load_g64(rec, sc, valid, 4, u8, bf, FP8, BLOCK_N, PRECISION, BITS)
-        s = _dot(q4, tl.trans(k_4), s, PRECISION)
-        k_5 = _v3_load_g64(rec, sc, valid, 5, u8, bf, FP8, BLOCK_N, PRECISION, BITS)
-        s = _dot(q5, tl.trans(k_5), s, PRECISION)
-        k_6 = _v3_load_g64(rec, sc, valid, 6, u8, bf, FP8, BLOCK_N, PRECISION, BITS)
-        s = _dot(q6, tl.trans(k_6), s, PRECISION)
-        k_7 = _v3_load_g64(rec, sc, valid, 7, u8, bf, FP8, BLOCK_N, PRECISION, BITS)
-        s = _dot(q7, tl.trans(k_7), s, PRECISION)
-        s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        if LAZY:
-            # move the pivot only when a row's max grew by > 8 (m_i = -inf: always)
-            grow = tl.max(tl.where(m_new > m_i, m_new - m_i, 0.0), axis=0)
-            if grow > 8.0:
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_i - m_use)
-                l_i = l_i * alpha
-                a0 = a0 * alpha[:, None]
-                a1 = a1 * alpha[:, None]
-                a2 = a2 * alpha[:, None]
-                a3 = a3 * alpha[:, None]
-                a4 = a4 * alpha[:, None]
-                a5 = a5 * alpha[:, None]
-                a6 = a6 * alpha[:, None]
-                a7 = a7 * alpha[:, None]
-                m_i = m_new
-            m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
-            p = tl.exp2(s - m_use[:, None])
-            l_i = l_i + tl.sum(p, axis=1)
-            p = _mma_operand(p, PRECISION)
-            a0 = _dot(p, k_0, a0, PRECISION)
-            a1 = _dot(p, k_1, a1, PRECISION)
-            a2 = _dot(p, k_2, a2, PRECISION)
-            a3 = _dot(p, k_3, a3, PRECISION)
-            a4 = _dot(p, k_4, a4, PRECISION)
-            a5 = _dot(p, k_5, a5, PRECISION)
-            a6 = _dot(p, k_6, a6, PRECISION)
-            a7 = _dot(p, k_7, a7, PRECISION)
-        else:
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # all-masked so far: pivot 0
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            p = _mma_operand(p, PRECISION)
-            a0 = _dot(p, k_0, a0 * alpha[:, None], PRECISION)
-            a1 = _dot(p, k_1, a1 * alpha[:, None], PRECISION)
-            a2 = _dot(p, k_2, a2 * alpha[:, None], PRECISION)
-            a3 = _dot(p, k_3, a3 * alpha[:, None], PRECISION)
-            a4 = _dot(p, k_4, a4 * alpha[:, None], PRECISION)
-            a5 = _dot(p, k_5, a5 * alpha[:, None], PRECISION)
-            a6 = _dot(p, k_6, a6 * alpha[:, None], PRECISION)
-            a7 = _dot(p, k_7, a7 * alpha[:, None], PRECISION)
-            m_i = m_new
-
-    if NUM_SPLITS == 1:
-        # sink: one extra logit per head, only in the denominator; pivot on max(m, sink)
-        sink = tl.load(sink_ptr + h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-        m_fin = tl.maximum(m_i, sink)
-        m_fin = tl.where(m_fin == float("-inf"), 0.0, m_fin)
-        alpha = tl.exp2(m_i - m_fin)                      # 0 for an all-masked row
-        f = alpha / (l_i * alpha + tl.exp2(sink - m_fin))
-        o_rows = out_ptr + t * stride_ot + h[:, None] * stride_oh + dc[None, :]
-    else:
-        has = l_i > 0.0
-        f = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        row = (t * NUM_SPLITS + split) * H + h                    # [BLOCK_H] rows of part/lse
-        o_rows = part_ptr + row[:, None] * 512 + dc[None, :]
-        tl.store(lse_ptr + row, lse, mask=h_ok)
-    if FP8 and BITS:
-        f = f * 18446744073709551616.0                              # the keys' 2^-64
-    f = f[:, None]
-    tl.store(o_rows, a0 * f, mask=h_ok[:, None])
-    tl.store(o_rows + 64, a1 * f, mask=h_ok[:, None])
-    tl.store(o_rows + 128, a2 * f, mask=h_ok[:, None])
-    tl.store(o_rows + 192, a3 * f, mask=h_ok[:, None])
-    tl.store(o_rows + 256, a4 * f, mask=h_ok[:, None])
-    tl.store(o_rows + 320, a5 * f, mask=h_ok[:, None])
-    tl.store(o_rows + 384, a6 * f, mask=h_ok[:, None])
-    tl.store(o_rows + 448, a7 * f, mask=h_ok[:, None])
 
 
 def launch_v3(q, out, part, lse, sink, qk_scale_log2, a, b, has_b, cfg, flags, launch_opts):
@@ -500,8 +234,7 @@ def launch_v3(q, out, part, lse, sink, qk_scale_log2, a, b, has_b, cfg, flags, l
     ns = cfg["kv_splits"]
     grid = (T * ns * triton.cdiv(H, cfg["block_h"]),)
     pow2 = all(n & (n - 1) == 0 for n in (a_N, b_N))
-    kern = _sparse_mqa_v3c64_kernel if cfg.get("chunk_cols", 128) == 64 else _sparse_mqa_v3_kernel
-    return kern[grid](
+    return _sparse_mqa_v3_kernel[grid](
         q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), part, lse,
         sink, H, qk_scale_log2,
         a_u8, a_bf, a_pb, a_N, a_N.bit_length() - 1, a_idx, a_idx.stride(0), a_idx.shape[1],
@@ -509,6 +242,5 @@ def launch_v3(q, out, part, lse, sink, qk_scale_log2, a, b, has_b, cfg, flags, l
         b_u8, b_bf, b_pb, b_N, b_N.bit_length() - 1, b_idx, b_idx.stride(0), b_idx.shape[1],
         b_len if b_len is not None else b_idx,
         POW2_N=pow2, BLOCK_N=cfg["block_k"], NUM_SPLITS=ns,
-        BITS=cfg.get("fp8_decode", "cvt") == "bits", LAZY=bool(cfg.get("lazy_rescale")),
-        **(dict(EARLY=True) if cfg.get("early_decode") else {}),
+        EARLY=bool(cfg.get("early_decode")),
         **flags, **launch_opts)
