@@ -333,6 +333,20 @@ def _fp4_gemv_tile(x_row_ptr, w_rows_ptr, stride_wn, s_rows_ptr, stride_sn, n_ok
 
 
 @triton.jit
+def _swiglu_h(g, u, limit, rw, DT: tl.constexpr):
+    """The expert's hidden h in x.dtype values (fp32 tensor), as `swiglu_expert`: g, u rounded to
+    x.dtype (the per-expert GEMMs return it), u clamped to [-limit, limit] and g <= limit when
+    limit > 0, silu(g) * u in fp32, times the routing weight rw (before w2), rounded again."""
+    g = _round_to(g, DT)
+    u = _round_to(u, DT)
+    clamp = limit > 0
+    u = tl.where(clamp, tl.minimum(tl.maximum(u, -limit), limit), u)
+    g = tl.where(clamp, tl.minimum(g, limit), g)
+    h = g / (1.0 + tl.exp(-g)) * u
+    return _round_to(h * rw, DT)
+
+
+@triton.jit
 def _fp4_moe_gate_up_kernel(
     x_ptr, stride_xt, idx_ptr, rw_ptr, emap_ptr,
     w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, h_ptr, stride_hp,
@@ -354,14 +368,7 @@ def _fp4_moe_gate_up_kernel(
     g = _fp4_gemv_tile(x_row, w_base, stride_wn, s_base, stride_sn, n_ok, D, BLOCK_N, BLOCK_G)
     u = _fp4_gemv_tile(x_row, w_base + I * stride_wn, stride_wn,
                        s_base + I * stride_sn, stride_sn, n_ok, D, BLOCK_N, BLOCK_G)
-    g = _round_to(g, DT)                                    # the per-expert GEMMs return x.dtype
-    u = _round_to(u, DT)
-    clamp = limit > 0
-    u = tl.where(clamp, tl.minimum(tl.maximum(u, -limit), limit), u)
-    g = tl.where(clamp, tl.minimum(g, limit), g)
-    h = g / (1.0 + tl.exp(-g)) * u                          # silu(g) * u, fp32
-    h = h * tl.load(rw_ptr + p).to(tl.float32)              # routing weight before w2
-    h = _round_to(h, DT)
+    h = _swiglu_h(g, u, limit, tl.load(rw_ptr + p).to(tl.float32), DT)
     tl.store(h_ptr + p.to(tl.int64) * stride_hp + rn, h, mask=rn < I)
 
 

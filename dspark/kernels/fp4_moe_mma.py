@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.kernels.fp4_moe import _DT_NAME, FP4ExpertStack, _round_to
+from dspark.kernels.fp4_moe import _DT_NAME, FP4ExpertStack, _round_to, _swiglu_h
 
 BLOCK_T = 16          # token columns per program (the MMA's N side)
 # tokens from which fp4_moe_grouped takes this path by default (below it every expert is used by
@@ -95,6 +95,20 @@ def _block_dot(xt_ptrs, xt_mask, w_rows_ptr, stride_wn, s_rows_ptr, stride_sn, n
 
 
 @triton.jit
+def _block_setup(table_ptr, emap_ptr, b, e, pid_n, n_rows, BLOCK_N: tl.constexpr,
+                 BLOCK_T: tl.constexpr):
+    """Block b of expert e: its pair ids (int64, 0 where padding), which are real, the expert's
+    stack row (int64; 0 when not held), this program's weight rows and which of them to read
+    (none when the expert is not held: emap -1)."""
+    pairs = tl.load(table_ptr + b * BLOCK_T + tl.arange(0, BLOCK_T))
+    valid = pairs >= 0
+    row = tl.load(emap_ptr + e)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < tl.where(row >= 0, n_rows, 0)
+    return (tl.maximum(pairs, 0).to(tl.int64), valid, tl.maximum(row, 0).to(tl.int64), rn, n_ok)
+
+
+@triton.jit
 def _mma_gate_up_kernel(
     x_ptr, stride_xt, table_ptr, bexp_ptr, rw_ptr, emap_ptr,
     w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, h_ptr, stride_hp,
@@ -105,14 +119,8 @@ def _mma_gate_up_kernel(
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + b)
     if e >= 0:
-        pairs = tl.load(table_ptr + b * BLOCK_T + tl.arange(0, BLOCK_T))
-        valid = pairs >= 0
-        pairs = tl.maximum(pairs, 0).to(tl.int64)
-        row = tl.load(emap_ptr + e)                         # stack row (-1: not held)
-        rows_held = tl.where(row >= 0, I, 0)
-        row = tl.maximum(row, 0).to(tl.int64)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = rn < rows_held
+        pairs, valid, row, rn, n_ok = _block_setup(table_ptr, emap_ptr, b, e, pid_n, I,
+                                                   BLOCK_N, BLOCK_T)
         xt_ptrs = x_ptr + (pairs // KSLOTS) * stride_xt
         w_base = w_ptr + row * stride_we + (pid_n * BLOCK_N).to(tl.int64) * stride_wn
         s_base = s_ptr + row * stride_se + (pid_n * BLOCK_N).to(tl.int64) * stride_sn
@@ -120,14 +128,8 @@ def _mma_gate_up_kernel(
                        BLOCK_N, BLOCK_K, BLOCK_T)
         u = _block_dot(xt_ptrs, valid, w_base + I * stride_wn, stride_wn,
                        s_base + I * stride_sn, stride_sn, n_ok, D, BLOCK_N, BLOCK_K, BLOCK_T)
-        g = _round_to(g, DT)                                # the per-expert GEMMs return x.dtype
-        u = _round_to(u, DT)
-        clamp = limit > 0
-        u = tl.where(clamp, tl.minimum(tl.maximum(u, -limit), limit), u)
-        g = tl.where(clamp, tl.minimum(g, limit), g)
-        h = g / (1.0 + tl.exp(-g)) * u                      # silu(g) * u, fp32
-        h = h * tl.load(rw_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[None, :]
-        h = _round_to(h, DT)
+        rw = tl.load(rw_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[None, :]
+        h = _swiglu_h(g, u, limit, rw, DT)
         tl.store(h_ptr + pairs[None, :] * stride_hp + rn[:, None], h,
                  mask=(rn < I)[:, None] & valid[None, :])
 
@@ -142,13 +144,8 @@ def _mma_down_kernel(
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + b)
     if e >= 0:
-        pairs = tl.load(table_ptr + b * BLOCK_T + tl.arange(0, BLOCK_T))
-        valid = pairs >= 0
-        pairs = tl.maximum(pairs, 0).to(tl.int64)
-        row = tl.load(emap_ptr + e)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = rn < tl.where(row >= 0, D, 0)
-        row = tl.maximum(row, 0).to(tl.int64)
+        pairs, valid, row, rn, n_ok = _block_setup(table_ptr, emap_ptr, b, e, pid_n, D,
+                                                   BLOCK_N, BLOCK_T)
         w_base = w_ptr + row * stride_we + (pid_n * BLOCK_N).to(tl.int64) * stride_wn
         s_base = s_ptr + row * stride_se + (pid_n * BLOCK_N).to(tl.int64) * stride_sn
         y = _block_dot(h_ptr + pairs * stride_hp, valid, w_base, stride_wn, s_base, stride_sn,

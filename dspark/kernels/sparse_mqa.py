@@ -112,6 +112,22 @@ def _mma(a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _list_lengths(t, a_K, a_len_ptr, b_K, b_len_ptr, HAS_B: tl.constexpr, A_HAS_LEN: tl.constexpr,
+                  B_HAS_LEN: tl.constexpr):
+    """Entries token t reads from list a and list b (0 without b): the list width, cut by the
+    token's length when the list has a length array."""
+    n_a = a_K
+    if A_HAS_LEN:
+        n_a = tl.minimum(tl.load(a_len_ptr + t), a_K)
+    n_b = 0
+    if HAS_B:
+        n_b = b_K
+        if B_HAS_LEN:
+            n_b = tl.minimum(tl.load(b_len_ptr + t), b_K)
+    return n_a, n_b
+
+
+@triton.jit
 def _load_kv_tile(ent, valid, d_off, cache_u8_ptr, cache_bf16_ptr, page_bytes, N,
                   FP8: tl.constexpr, BLOCK_K: tl.constexpr, D_COLS: tl.constexpr):
     """De-quantise columns [d_off, d_off + D_COLS) of BLOCK_K keys -> fp32 [BLOCK_K, D_COLS].
@@ -422,14 +438,7 @@ def _sparse_mqa_v2_kernel(
     acc = tl.zeros((BLOCK_H, D_OUT), tl.float32)
     acc2 = tl.zeros((BLOCK_H, D_OUT), tl.float32)    # second half (HALVES only)
 
-    n_a = a_K
-    if A_HAS_LEN:
-        n_a = tl.minimum(tl.load(a_len_ptr + t), a_K)
-    n_b = 0
-    if HAS_B:
-        n_b = b_K
-        if B_HAS_LEN:
-            n_b = tl.minimum(tl.load(b_len_ptr + t), b_K)
+    n_a, n_b = _list_lengths(t, a_K, a_len_ptr, b_K, b_len_ptr, HAS_B, A_HAS_LEN, B_HAS_LEN)
     if NUM_SPLITS == 1:
         lo_a = 0
         hi_a = n_a

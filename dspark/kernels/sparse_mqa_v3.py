@@ -35,7 +35,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dspark.kernels.sparse_mqa import _dot, _mma_operand
+from dspark.kernels.sparse_mqa import _dot, _list_lengths, _mma_operand
 
 
 @triton.jit
@@ -124,14 +124,7 @@ def _sparse_mqa_v3_kernel(
     a2 = tl.zeros((BLOCK_H, 128), tl.float32)
     a3 = tl.zeros((BLOCK_H, 128), tl.float32)
 
-    n_a = a_K
-    if A_HAS_LEN:
-        n_a = tl.minimum(tl.load(a_len_ptr + t), a_K)
-    n_b = 0
-    if HAS_B:
-        n_b = b_K
-        if B_HAS_LEN:
-            n_b = tl.minimum(tl.load(b_len_ptr + t), b_K)
+    n_a, n_b = _list_lengths(t, a_K, a_len_ptr, b_K, b_len_ptr, HAS_B, A_HAS_LEN, B_HAS_LEN)
     ta = tl.cdiv(n_a, BLOCK_N)
     n_tiles = ta + tl.cdiv(n_b, BLOCK_N)
     if NUM_SPLITS == 1:
