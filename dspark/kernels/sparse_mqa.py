@@ -112,6 +112,19 @@ def _mma(a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _softmax_step(s, valid, qk_scale_log2, m_i, l_i):
+    """One online-softmax step (base 2) over a score tile s [heads, keys] of raw q.k products:
+    (p, alpha, new running max, new running sum); the caller rescales its accumulator by alpha
+    and adds p @ V. Masked keys get -inf; a row masked so far pivots on 0 (p = 0, alpha = 1)."""
+    s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
 def _list_lengths(t, a_K, a_len_ptr, b_K, b_len_ptr, HAS_B: tl.constexpr, A_HAS_LEN: tl.constexpr,
                   B_HAS_LEN: tl.constexpr):
     """Entries token t reads from list a and list b (0 without b): the list width, cut by the
@@ -341,14 +354,8 @@ def _v2_attend(q_own, q_oth, m_i, l_i, acc, g_own, g_oth, idx_row_ptr, k_lo, k_h
             k_oth = _v2_load_groups(ent, valid, g_oth, cache_u8_ptr, cache_bf16_ptr, page_bytes,
                                     N, FP8, BLOCK_N, NG, PRECISION)
             s = _dot(q_oth, tl.trans(k_oth), s, PRECISION)
-        s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # all-masked so far: pivot 0
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_i, l_i = _softmax_step(s, valid, qk_scale_log2, m_i, l_i)
         acc = _dot(_mma_operand(p, PRECISION), k_own, acc * alpha[:, None], PRECISION)
-        m_i = m_new
     return m_i, l_i, acc
 
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dspark.kernels.sparse_mqa import _dot, _list_lengths, _mma_operand
+from dspark.kernels.sparse_mqa import _dot, _list_lengths, _mma_operand, _softmax_step
 
 
 @triton.jit
@@ -181,18 +181,12 @@ def _sparse_mqa_v3_kernel(
             s = _dot(q2, tl.trans(k_2), s, PRECISION)
             k_3 = _v3_load_chunk(rec, sc, valid, 3, u8, bf, FP8, BLOCK_N, PRECISION)
             s = _dot(q3, tl.trans(k_3), s, PRECISION)
-        s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # all-masked so far: pivot 0
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_i, l_i = _softmax_step(s, valid, qk_scale_log2, m_i, l_i)
         p = _mma_operand(p, PRECISION)
         a0 = _dot(p, k_0, a0 * alpha[:, None], PRECISION)
         a1 = _dot(p, k_1, a1 * alpha[:, None], PRECISION)
         a2 = _dot(p, k_2, a2 * alpha[:, None], PRECISION)
         a3 = _dot(p, k_3, a3 * alpha[:, None], PRECISION)
-        m_i = m_new
 
     if NUM_SPLITS == 1:
         # sink: one extra logit per head, only in the denominator; pivot on max(m, sink)
