@@ -88,7 +88,7 @@ def test_host_plan_equals_derive_plan(schedule):
         # packed behind 5 words of "inputs" and read back as views: what the graph reads
         layout = hp.plan_layout(cache, B, q, P, base=5)
         words = np.full(layout.end, -7, np.int64)       # garbage in unused word halves
-        hp.pack(layout, words, host)
+        hp.pack(hp.host_views(layout, words), host)
         viewed = _tensors(plan_from_views(cache, hp.views(layout, torch.from_numpy(words)), inp,
                                           1000))
         assert set(ref) - set(viewed) == {"window_ids"} | {

@@ -364,6 +364,7 @@ class V4DecodeGraphs:
         # the inputs, then the plan of the step's bucket (every field grows with B, q and P, so
         # the largest bucket's plan bounds them all)
         self._layouts: dict = {}
+        self._host_views: dict = {}
         words = self._layout(self.max_batch, self.qmax, self.max_pages).end
         self.ints = torch.zeros(words, dtype=torch.long, device=dev)
         # pinned on CUDA, so the per-step upload is asynchronous (a pageable copy would wait for
@@ -394,6 +395,12 @@ class V4DecodeGraphs:
         if key not in self._layouts:
             self._layouts[key] = hp.plan_layout(self.cache, B, q, P, int(self._offs[-1]))
         return self._layouts[key]
+
+    def _host_plan_views(self, B: int, q: int, P: int) -> dict:
+        key = (B, q, P)
+        if key not in self._host_views:
+            self._host_views[key] = hp.host_views(self._layout(B, q, P), self.host)
+        return self._host_views[key]
 
     def _split(self, buf):
         o = self._offs
@@ -450,13 +457,14 @@ class V4DecodeGraphs:
         ids[R * q:B * q] = 0                 # padding: token 0 at positions 0..q-1 of the scratch
         pos[R * q:B * q] = np.tile(np.arange(q), B - R)
         st[R:B], sl[R:B], va[R:B] = 0, self.scratch_slot, 0
-        layout = self._layout(B, q, P)
-        hp.pack(layout, self.host, hp.host_plan(c, B, q, P, pos[:B * q], st[:B], sl[:B], va[:B],
-                                                pt, self.scratch_page))
+        hp.pack(self._host_plan_views(B, q, P),
+                hp.host_plan(c, B, q, P, pos[:B * q], st[:B], sl[:B], va[:B], pt,
+                             self.scratch_page))
         for rid, start, _ in items:
             c.begin_forward(rid, start, start + q)
         # one copy: the inputs and this bucket's plan (the words past it belong to larger buckets)
-        dst, src = self.ints[:layout.end], self._host_t[:layout.end]
+        end = self._layout(B, q, P).end
+        dst, src = self.ints[:end], self._host_t[:end]
         if self._host_t.is_pinned():
             dst.copy_(src, non_blocking=True)
             self._uploaded = torch.cuda.Event()

@@ -84,10 +84,17 @@ def _view(words, first, shape, dt, np_side: bool):
     return run.view(_DTYPES[dt][1])[:n].view(shape)
 
 
-def pack(layout: PlanLayout, host_words: np.ndarray, values: dict) -> None:
-    """Write a host plan into its fields of the host (pinned) buffer."""
-    for name, (first, shape, dt) in layout.fields.items():
-        _view(host_words, first, shape, dt, True)[...] = values[name]
+def host_views(layout: PlanLayout, host_words: np.ndarray) -> dict:
+    """{name: numpy view} of the host (pinned) buffer; built once per bucket (a view costs
+    microseconds, the per-step copy into it less)."""
+    return {name: _view(host_words, first, shape, dt, True)
+            for name, (first, shape, dt) in layout.fields.items()}
+
+
+def pack(dst: dict, values: dict) -> None:
+    """Write a host plan into its fields (`host_views`) of the host buffer."""
+    for name, view in dst.items():
+        view[...] = values[name]
 
 
 def views(layout: PlanLayout, words: torch.Tensor) -> dict:
