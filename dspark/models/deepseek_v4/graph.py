@@ -12,8 +12,10 @@ tokens (q = 1: decode; q = γ + 1: verify blocks) gets shapes that depend only o
   one copy per step. Padding requests (up to the batch bucket) and every write that has nothing
   to write (a candidate entry that does not complete) go to a *scratch request* that the class
   registers in the cache (one state slot + one page nobody else owns);
-* **plan** (`derive_plan`, device ops inside the graph): window index lists, staging and ring
-  rows, and per ratio m the ``ceil(q/m)`` candidate entries of each request — entry
+* **plan** (computed on the host by `host_plan.host_plan` when the inputs are filled, packed
+  behind them in the same buffer and upload, read as views by the graph; `derive_plan` is the
+  same plan as device ops, the reference): window index lists, staging and ring rows, and per
+  ratio m the ``ceil(q/m)`` candidate entries of each request — entry
   j = start//m + k is written iff it completes in this forward, its pooling rows are gathered
   from the compressor ring (positions before the forward) and this forward's rows with a fixed
   [E, c·m] index, ring rows are read before the forward's rows are persisted (as in the eager
@@ -29,7 +31,7 @@ tokens (q = 1: decode; q = γ + 1: verify blocks) gets shapes that depend only o
 Steps that do not fit (prefill chunks, unequal lengths, too many requests, tokens or pages)
 return None from `V4DecodeGraphs.run`, and the caller runs the eager path. Host work that stays
 outside the graph: validation (`check_forward`), bookkeeping (`begin_forward`), filling the input
-buffer. Requirement: q ≤ cache.lookahead + 1 (then a forward never reads a ring row it rewrites,
+buffer and the plan. Requirement: q ≤ cache.lookahead + 1 (then a forward never reads a ring row it rewrites,
 so the warm-up run before a capture and the replay write identical state).
 """
 from __future__ import annotations
@@ -45,6 +47,7 @@ from dspark.graph_capture import capture, pow2_buckets, step_bucket, warm_up
 from dspark.kvcache.paged import copy_rows
 from dspark.request import BlockTokens
 
+from . import host_plan as hp
 from .compressor import gated_pool
 from .indexer import topk_lowest_ties
 
@@ -89,7 +92,8 @@ class RatioStatic:
     fresh_rows: torch.Tensor        # [E, c*m] flat token row of this forward (otherwise)
     before_zero: torch.Tensor       # [E, c*m] bool: position < 0 (entry 0's empty A-half)
     persist_dst: torch.Tensor       # [T] ring row each token's compressor rows go to
-    all_visible_ids: torch.Tensor | None = None      # HCA [T, P*N] global ids, -1 pad
+    all_visible_ids: torch.Tensor | None = None      # HCA [T, P*N] global ids, -1 pad (None
+    #                                                  in the host plan: the int32 copy is read)
     all_visible_ids_i32: torch.Tensor | None = None
 
 
@@ -103,7 +107,8 @@ class StaticPlan:
     req_index_i32: torch.Tensor
     page_table: torch.Tensor        # [B, P] int64
     page_table_i32: torch.Tensor
-    window_ids: torch.Tensor        # [T, W] int64 ids into the SWA pool, -1 = none
+    window_ids: torch.Tensor | None  # [T, W] int64 ids into the SWA pool, -1 = none (None:
+    #                                  host plan, which uploads only the int32 copy the kernels read)
     window_ids_i32: torch.Tensor
     stage_ids: torch.Tensor         # [T]
     ring_src: torch.Tensor          # [T] staged rows -> ring rows (padding: scratch slot)
@@ -159,6 +164,21 @@ def derive_plan(cache, inp: StaticInputs, bound: int, scratch_slot: int,
             rp.all_visible_ids = torch.where(local < n_vis[:, None], ids, -1)
             rp.all_visible_ids_i32 = rp.all_visible_ids.int()
         plan.ratios[m] = rp
+    return plan
+
+
+def plan_from_views(cache, v: dict, inp: StaticInputs, bound: int) -> StaticPlan:
+    """The StaticPlan over the uploaded host plan (`host_plan.views`): views only, no op."""
+    plan = StaticPlan(
+        inp.B, inp.q, inp.P, inp.positions, v["req_index"], v["req_index_i32"], inp.page_table,
+        v["page_table_i32"], None, v["window_ids_i32"], v["stage_ids"], v["stage_ids"],
+        v["ring_dst"], v["ring_split"], {}, bound)
+    for m in sorted({m for m in cache.ratios if m}):
+        f = {k.split(".", 1)[1]: t for k, t in v.items() if k.startswith(f"{m}.")}
+        plan.ratios[m] = RatioStatic(
+            m, cache.entries_per_page(m), f["n_visible"], f["n_visible_i32"], f["emit_valid"],
+            f["emit_dst"], f["emit_pos"], f["from_ring"], f["ring_rows"], f["fresh_rows"],
+            f["before_zero"], f["persist_dst"], None, f.get("all_visible_ids_i32"))
     return plan
 
 
@@ -341,11 +361,15 @@ class V4DecodeGraphs:
         self.rows = R
         self._offs = np.cumsum([0, R, R, self.max_batch, self.max_batch, self.max_batch,
                                 self.max_batch * Pm])
-        self.ints = torch.zeros(int(self._offs[-1]), dtype=torch.long, device=dev)
+        # the inputs, then the plan of the step's bucket (every field grows with B, q and P, so
+        # the largest bucket's plan bounds them all)
+        self._layouts: dict = {}
+        self._host_views: dict = {}
+        words = self._layout(self.max_batch, self.qmax, self.max_pages).end
+        self.ints = torch.zeros(words, dtype=torch.long, device=dev)
         # pinned on CUDA, so the per-step upload is asynchronous (a pageable copy would wait for
         # all queued GPU work, e.g. the draft pass); `_uploaded` guards its reuse
-        self._host_t = torch.zeros(int(self._offs[-1]), dtype=torch.long,
-                                   pin_memory=dev.type == "cuda")
+        self._host_t = torch.zeros(words, dtype=torch.long, pin_memory=dev.type == "cuda")
         self.host = self._host_t.numpy()
         self._uploaded = None
         D, V = model.cfg.hidden_size, model.cfg.vocab_size
@@ -366,6 +390,18 @@ class V4DecodeGraphs:
         return step_bucket(items, self.q_lens, self.batch_buckets, self.page_buckets,
                            self.cache.block_size)
 
+    def _layout(self, B: int, q: int, P: int) -> hp.PlanLayout:
+        key = (B, q, P)
+        if key not in self._layouts:
+            self._layouts[key] = hp.plan_layout(self.cache, B, q, P, int(self._offs[-1]))
+        return self._layouts[key]
+
+    def _host_plan_views(self, B: int, q: int, P: int) -> dict:
+        key = (B, q, P)
+        if key not in self._host_views:
+            self._host_views[key] = hp.host_views(self._layout(B, q, P), self.host)
+        return self._host_views[key]
+
     def _split(self, buf):
         o = self._offs
         return [buf[o[k]:o[k + 1]] for k in range(len(o) - 1)]
@@ -378,7 +414,8 @@ class V4DecodeGraphs:
     def _forward(self, B: int, q: int, P: int):
         """The fixed-shape forward on the static buffers, results into the static outputs."""
         inp = self.inputs(B, q, P)
-        sp = derive_plan(self.cache, inp, self.bound, self.scratch_slot, self.scratch_page)
+        sp = plan_from_views(self.cache, hp.views(self._layout(B, q, P), self.ints), inp,
+                             self.bound)
         X, taps = static_forward(self.model, self.kernels, sp, inp.token_ids, self.tap_layers)
         self.logits_out[:B * q].copy_(self.model.logits(X))
         if taps is not None:
@@ -420,14 +457,20 @@ class V4DecodeGraphs:
         ids[R * q:B * q] = 0                 # padding: token 0 at positions 0..q-1 of the scratch
         pos[R * q:B * q] = np.tile(np.arange(q), B - R)
         st[R:B], sl[R:B], va[R:B] = 0, self.scratch_slot, 0
+        hp.pack(self._host_plan_views(B, q, P),
+                hp.host_plan(c, B, q, P, pos[:B * q], st[:B], sl[:B], va[:B], pt,
+                             self.scratch_page))
         for rid, start, _ in items:
             c.begin_forward(rid, start, start + q)
+        # one copy: the inputs and this bucket's plan (the words past it belong to larger buckets)
+        end = self._layout(B, q, P).end
+        dst, src = self.ints[:end], self._host_t[:end]
         if self._host_t.is_pinned():
-            self.ints.copy_(self._host_t, non_blocking=True)
+            dst.copy_(src, non_blocking=True)
             self._uploaded = torch.cuda.Event()
             self._uploaded.record()
         else:
-            self.ints.copy_(self._host_t)
+            dst.copy_(src)
         ids_dev = self._split(self.ints)[0]
         for row, drafts in on_device:        # device to device: no wait for the draft pass
             ids_dev[row:row + drafts.shape[0]].copy_(drafts, non_blocking=True)

@@ -1,0 +1,162 @@
+"""The fixed-shape V4 step's plan computed on the host (numpy), packed into the static int buffer
+and uploaded with the step's inputs in the same single host->device copy.
+
+`derive_plan` (graph.py) builds the same lists from the static inputs with ~100 tiny device
+integer ops; inside a CUDA graph each one is a kernel launch per step (~2-3 us each), although
+every value is a function of integers the engine knows on the host before the step (positions,
+request starts, slots, page tables). `host_plan` is its numpy twin (same formulas, same order,
+same dtypes: tests/test_v4_host_plan.py compares every field on random schedules); the graph then
+only takes views of the uploaded buffer.
+
+Layout: per bucket (B, q, P) a fixed list of fields (`plan_fields`), each a run of int64 words of
+the buffer, viewed as int64, int32 (two per word) or bool (eight per word), so int32 and bool
+fields need no in-graph cast. The shapes depend on the bucket only, so a captured graph reads
+the same addresses every replay; buckets share one region (one step at a time).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_DTYPES = {"i8": (np.int64, torch.int64), "i4": (np.int32, torch.int32),
+           "b1": (np.bool_, torch.bool)}
+
+
+def _ratios(cache):
+    return sorted({m for m in cache.ratios if m})
+
+
+def _shapes(cache, m, B, q, P):
+    """(E = candidate entries, c*m = pooling rows per entry, N = entries per page) of ratio m."""
+    c, K = (2 if m == 4 else 1), -(-q // m)     # at most ceil(q/m) entries complete per request
+    return B * K, c * m, cache.entries_per_page(m)
+
+
+def plan_fields(cache, B: int, q: int, P: int) -> list:
+    """[(name, shape, dtype)] of what the fixed-shape forward reads, in buffer order. Not
+    uploaded: the int64 twins of window_ids / all_visible_ids (the forward reads the int32
+    ones; the HCA list is the largest field)."""
+    T, W = B * q, cache.window
+    out = [("req_index", (T,), "i8"), ("req_index_i32", (T,), "i4"),
+           ("page_table_i32", (B, P), "i4"), ("window_ids_i32", (T, W), "i4"),
+           ("stage_ids", (T,), "i8"), ("ring_dst", (T,), "i8"), ("ring_split", (4, T), "i8")]
+    for m in _ratios(cache):
+        E, cm, N = _shapes(cache, m, B, q, P)
+        out += [(f"{m}.n_visible", (T,), "i8"), (f"{m}.n_visible_i32", (T,), "i4"),
+                (f"{m}.emit_valid", (E,), "b1"), (f"{m}.emit_dst", (E,), "i8"),
+                (f"{m}.emit_pos", (E,), "i8"), (f"{m}.from_ring", (E, cm), "b1"),
+                (f"{m}.ring_rows", (E, cm), "i8"), (f"{m}.fresh_rows", (E, cm), "i8"),
+                (f"{m}.before_zero", (E, cm), "b1"), (f"{m}.persist_dst", (T,), "i8")]
+        if m != 4:
+            out.append((f"{m}.all_visible_ids_i32", (T, P * N), "i4"))
+    return out
+
+
+@dataclass(frozen=True)
+class PlanLayout:
+    """Where each field of one bucket's plan lives: {name: (first word, shape, dtype)}, from
+    word `base` of the static buffer to `end`."""
+    fields: dict
+    base: int
+    end: int
+
+
+def plan_layout(cache, B: int, q: int, P: int, base: int) -> PlanLayout:
+    fields, w = {}, base
+    for name, shape, dt in plan_fields(cache, B, q, P):
+        fields[name] = (w, shape, dt)
+        n = int(np.prod(shape))
+        w += -(-n * np.dtype(_DTYPES[dt][0]).itemsize // 8)     # whole words: aligned views
+    return PlanLayout(fields, base, w)
+
+
+def _view(words, first, shape, dt, np_side: bool):
+    """A field's view of an int64 word buffer (numpy array or torch tensor): no copy, no op."""
+    n = int(np.prod(shape))
+    nbytes = np.dtype(_DTYPES[dt][0]).itemsize
+    run = words[first:first + -(-n * nbytes // 8)]
+    if np_side:
+        return run.view(_DTYPES[dt][0])[:n].reshape(shape)
+    if dt == "b1":
+        return run.view(torch.uint8)[:n].view(torch.bool).view(shape)
+    return run.view(_DTYPES[dt][1])[:n].view(shape)
+
+
+def host_views(layout: PlanLayout, host_words: np.ndarray) -> dict:
+    """{name: numpy view} of the host (pinned) buffer; built once per bucket (a view costs
+    microseconds, the per-step copy into it less)."""
+    return {name: _view(host_words, first, shape, dt, True)
+            for name, (first, shape, dt) in layout.fields.items()}
+
+
+def pack(dst: dict, values: dict) -> None:
+    """Write a host plan into its fields (`host_views`) of the host buffer."""
+    for name, view in dst.items():
+        view[...] = values[name]
+
+
+def views(layout: PlanLayout, words: torch.Tensor) -> dict:
+    """{name: tensor view} of the uploaded buffer (what the graph reads)."""
+    return {name: _view(words, first, shape, dt, False)
+            for name, (first, shape, dt) in layout.fields.items()}
+
+
+def host_plan(cache, B: int, q: int, P: int, pos, req_start, req_slot, req_valid, page_table,
+              scratch_page: int) -> dict:
+    """Numpy twin of graph.derive_plan: {field: array} for int64 host inputs pos [B*q], req_start
+    / req_slot / req_valid [B], page_table [B, P] (also the int64 window_ids and
+    all_visible_ids, for tests). Same formulas in the same order; numpy's // and % floor like
+    torch's."""
+    T = B * q
+    pos, pt = np.asarray(pos, np.int64), np.asarray(page_table, np.int64)
+    st, sl = np.asarray(req_start, np.int64), np.asarray(req_slot, np.int64)
+    tok = np.arange(T, dtype=np.int64)
+    req = tok // q
+    valid_r = np.asarray(req_valid) != 0
+    valid_t, s_t, slot_t = valid_r[req], st[req], sl[req]
+    W, C = cache.window, cache.capacity
+    qw = pos[:, None] - (W - 1) + np.arange(W)
+    win = np.where(qw >= s_t[:, None], cache.stage_base + tok[:, None] + qw - pos[:, None],
+                   slot_t[:, None] * C + qw % C)
+    window_ids = np.where((qw >= 0) & valid_t[:, None], win, -1)
+    stage = cache.stage_base + tok
+    ring_dst = slot_t * C + pos % C
+    out = dict(req_index=req, req_index_i32=req.astype(np.int32),
+               page_table_i32=pt.astype(np.int32), window_ids=window_ids,
+               window_ids_i32=window_ids.astype(np.int32), stage_ids=stage, ring_dst=ring_dst,
+               ring_split=np.stack([stage // C, stage % C, ring_dst // C, ring_dst % C]))
+    for m in _ratios(cache):
+        out.update(_ratio_plan(cache, m, B, q, P, pos, st, sl, valid_r, valid_t, slot_t, req, pt,
+                               scratch_page))
+    return out
+
+
+def _ratio_plan(cache, m, B, q, P, pos, st, sl, valid_r, valid_t, slot_t, req, pt,
+                scratch_page) -> dict:
+    """The ratio-m fields (RatioStatic's): candidate entries e (request e // K, entry
+    j = start // m + e % K), their pooling rows, the ring rows this forward persists."""
+    T, R = B * q, cache.comp_ring(m)
+    E, cm, N = _shapes(cache, m, B, q, P)
+    c, K = cm // m, E // B
+    e = np.arange(E, dtype=np.int64)
+    i = e // K
+    j = st[i] // m + e % K
+    ok = (j < (st[i] + q) // m) & valid_r[i]
+    page = pt[i, np.minimum(j // N, P - 1)]
+    dst = np.where(ok, page * N + j % N, scratch_page * N)
+    p = (j - (c - 1))[:, None] * m + np.arange(cm)                        # [E, c*m]
+    s_i = st[i][:, None]
+    n_vis = np.where(valid_t, (pos + 1) // m, 0)
+    out = {"n_visible": n_vis, "n_visible_i32": n_vis.astype(np.int32), "emit_valid": ok,
+           "emit_dst": dst, "emit_pos": np.where(ok, j, 0) * m, "from_ring": p < s_i,
+           "ring_rows": sl[i][:, None] * R + p % R,
+           "fresh_rows": np.clip(i[:, None] * q + p - s_i, 0, T - 1), "before_zero": p < 0,
+           "persist_dst": slot_t * R + pos % R}
+    if m != 4:
+        local = np.arange(P * N)
+        ids = pt[req[:, None], local // N] * N + local % N
+        out["all_visible_ids"] = np.where(local < n_vis[:, None], ids, -1)
+        out["all_visible_ids_i32"] = out["all_visible_ids"].astype(np.int32)
+    return {f"{m}.{k}": v for k, v in out.items()}

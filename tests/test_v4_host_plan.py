@@ -1,0 +1,113 @@
+"""The host (numpy) plan of the fixed-shape V4 step (dspark/models/deepseek_v4/host_plan.py)
+against the device-op plan `derive_plan` (graph.py) it replaces inside the graph: every field,
+dtype and shape on random schedules — several requests with their own slots and scattered page
+tables, padding requests (scratch slot / page) up to the batch bucket, starts on and around
+entry boundaries and far enough that the SWA window and the compressor rings wrap, q = 1
+(decode) and verify blocks, compression ratios 4 / 16 (tiny preset) and 4 / 128. Then the same
+plan packed into the static buffer and read back as views (what the graph reads).
+"""
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from dspark.kvcache.paged import PagedKVCache
+from dspark.models.deepseek_v4 import host_plan as hp
+from dspark.models.deepseek_v4.graph import (StaticInputs, derive_plan, plan_from_views,
+                                             reserve_scratch)
+from dspark.tools.make_checkpoint import preset_config
+
+LOOKAHEAD = 5
+SCHEDULES = {"tiny 4/16": ((0, 4, 16, 4, 16, 0), 16),
+             "4/128": ((0, 4, 128, 4, 128, 0), 128)}
+
+
+def make_cache(ratios, block_size):
+    cfg = preset_config("tiny", overrides={"compress_ratios": ratios})
+    cache = PagedKVCache(cfg, kv_cache_dtype="fp32", block_size=block_size, num_blocks=24,
+                         max_num_seqs=9, lookahead=LOOKAHEAD, max_batch_tokens=64)
+    return cache, *reserve_scratch(cache)
+
+
+def random_step(rng, cache, scratch_slot, scratch_page):
+    """Host int64 inputs of one bucket (B, q, P), filled as V4DecodeGraphs.run fills them."""
+    bs, m_max = cache.block_size, max(cache.ratios)
+    B = rng.choice([1, 2, 4, 8])
+    R, q, P = rng.randint(1, B), rng.choice([1, 2, LOOKAHEAD + 1]), rng.choice([1, 2, 4, 8])
+    pos, st = np.zeros(B * q, np.int64), np.zeros(B, np.int64)
+    sl, va = np.full(B, scratch_slot, np.int64), np.zeros(B, np.int64)
+    pt = np.full((B, P), scratch_page, np.int64)
+    slots = rng.sample([s for s in range(cache.num_slots) if s != scratch_slot], R)
+    pages = [p for p in range(cache.num_blocks) if p != scratch_page]
+    for i in range(R):
+        # near an entry boundary of the largest ratio (or anywhere), the window often wrapped
+        top = P * bs - q
+        start = rng.choice([rng.randint(0, top),
+                            min(top, max(0, rng.randint(0, top // m_max) * m_max
+                                         + rng.randint(-q, 1)))])
+        pos[i * q:(i + 1) * q] = np.arange(start, start + q)
+        st[i], sl[i], va[i] = start, slots[i], 1
+        need = -(-(start + q) // bs)
+        pt[i, :need] = rng.sample(pages, need)
+    pos[R * q:] = np.tile(np.arange(q), B - R)      # padding: positions 0..q-1 of the scratch
+    return B, q, P, pos, st, sl, va, pt
+
+
+def _tensors(plan):
+    """{name: tensor} of a StaticPlan's int / bool fields, ratio fields as 'm.field'."""
+    out = {k: v for k, v in vars(plan).items() if isinstance(v, torch.Tensor)}
+    for m, rp in plan.ratios.items():
+        out.update({f"{m}.{k}": v for k, v in vars(rp).items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+def assert_same(name, got, want):
+    got = torch.as_tensor(got)
+    assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape), (
+        name, got.dtype, want.dtype, tuple(got.shape), tuple(want.shape))
+    assert torch.equal(got, want), (name, got, want)
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_host_plan_equals_derive_plan(schedule):
+    cache, scratch_slot, scratch_page = make_cache(*SCHEDULES[schedule])
+    rng = random.Random(schedule)
+    seen = set()
+    for _ in range(60):
+        B, q, P, pos, st, sl, va, pt = random_step(rng, cache, scratch_slot, scratch_page)
+        T = lambda a: torch.from_numpy(a.copy())      # noqa: E731
+        inp = StaticInputs(B, q, P, torch.zeros(B * q, dtype=torch.long), T(pos), T(st), T(sl),
+                           T(va), T(pt))
+        ref = _tensors(derive_plan(cache, inp, 1000, scratch_slot, scratch_page))
+        host = hp.host_plan(cache, B, q, P, pos, st, sl, va, pt, scratch_page)
+        want = {k for k in ref if k != "positions" and k != "page_table" and k != "ring_src"}
+        assert set(host) == want, set(host) ^ want
+        for name, value in host.items():
+            assert_same(name, value, ref[name])
+        # packed behind 5 words of "inputs" and read back as views: what the graph reads
+        layout = hp.plan_layout(cache, B, q, P, base=5)
+        words = np.full(layout.end, -7, np.int64)       # garbage in unused word halves
+        hp.pack(hp.host_views(layout, words), host)
+        viewed = _tensors(plan_from_views(cache, hp.views(layout, torch.from_numpy(words)), inp,
+                                          1000))
+        assert set(ref) - set(viewed) == {"window_ids"} | {
+            f"{m}.all_visible_ids" for m in set(cache.ratios) - {0, 4}}
+        for name, t in viewed.items():
+            assert_same(name, t, ref[name])
+        seen.add((B, q, bool(((pos >= cache.capacity) & (np.repeat(va, q) != 0)).any())))
+    # every batch bucket, decode and verify, and windows wrapping the ring were drawn
+    assert {b for b, _, _ in seen} == {1, 2, 4, 8} and {q for _, q, _ in seen} >= {1, 6}
+    assert any(w for _, _, w in seen)
+
+
+def test_layout_fits_the_largest_bucket():
+    """Every bucket's plan lies inside the largest bucket's (the buffer V4DecodeGraphs sizes)."""
+    cache, _, _ = make_cache(*SCHEDULES["4/128"])
+    top = hp.plan_layout(cache, 8, 6, 16, base=100).end
+    for B in (1, 2, 4, 8):
+        for q in (1, 6):
+            for P in (1, 2, 4, 8, 16):
+                lay = hp.plan_layout(cache, B, q, P, base=100)
+                firsts = sorted(f for f, _, _ in lay.fields.values())
+                assert firsts[0] == 100 and lay.end <= top
