@@ -9,8 +9,9 @@ import torch  # noqa: E402
 
 from dspark.kernels import fp4_moe_mma as mm  # noqa: E402
 from dspark.kernels.fp4_moe import fp4_moe, fp4_moe_grouped, stack_fp4_experts  # noqa: E402
+from dspark.models.quant import quant_fp4  # noqa: E402
 from test_fp4_moe_grouped import (D, I, _dev, _experts, _mv, _reference, _routing,  # noqa: E402
-                                  rel_err)
+                                  _spread, rel_err)
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +86,10 @@ def test_mma_flash_shapes_gpu(T, monkeypatch):
     fp4_moe_grouped dispatches to it under DSPARK_MOE_MMA=1, and a CUDA-graph replay with new
     inputs == eager."""
     gen = torch.Generator().manual_seed(T)
-    n, k, d, inter = 16, 6, 4096, 2048
-    exps = _experts(gen, n, d, inter, scale=0.02)
-    cu = [tuple(tuple(a.cuda() for a in p) for p in ex) for ex in exps]
+    n, k, d, inter = 8, 6, 4096, 2048
+    # quantized on the GPU (the CPU quantization of flash-width experts takes most of a minute)
+    cu = [tuple(quant_fp4((_spread(r, c, gen) * 0.02).cuda()) for r, c in
+                ((inter, d), (inter, d), (d, inter))) for _ in range(n)]
     st = stack_fp4_experts(cu)
     x = torch.randn(T, d, generator=gen).bfloat16().cuda()
     idx = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(T)]).cuda()
