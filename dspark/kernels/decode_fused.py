@@ -1,0 +1,125 @@
+"""Small fused kernels of the V4 decode step: chains of elementwise / gather ops on the same data
+that the torch code runs as several launches, as one Triton launch each (the batch-1 decode
+forward is launch-bound: each launch costs ~2-3 us inside a CUDA graph).
+
+* `swiglu` — the shared expert's activation: g, u (the w1 / w3 outputs, x.dtype) ->
+  x.dtype( silu(min(g, limit)) · clamp(u, ±limit) ) in fp32, as `moe.clamped_swiglu` followed
+  by ``.to(x.dtype)`` (2 casts, 2 clamps, silu, mul, cast: 7 launches). The math is the grouped
+  FP4 MoE kernels' `_swiglu_h` (same formula as torch's silu: g / (1 + exp(-g))).
+* `gather_pool` — the compressor's candidate-entry pooling of the fixed-shape step
+  (`graph._emit`): per candidate entry e and slot s, the row comes from the compressor ring
+  (rows before this forward) or from this forward's rows; slots before position 0 are empty
+  (a = 0, z = -inf), unused candidates get z = 0 (kept finite); with the overlap form (ratio 4)
+  slot s < m reads the A-half columns and s >= m the B-half; then the gated softmax pool
+  Σ_s softmax_s(z) · a (`compressor.gated_pool`). 4 gathers, 2 where, 3 masked_fill, a not,
+  2 cats, softmax, mul, sum (13-15 launches) -> 1. Same fp32 formula (exp(z - max) / Σ), only
+  the order of the slot sums and the exp implementation may differ.
+
+Bf16 roundings by bit arithmetic (fp4_moe._round_to) so the interpreter matches the GPU.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dspark.kernels.fp4_moe import _swiglu_h
+
+_DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+@triton.jit
+def _swiglu_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, limit,
+                   DT: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    row = t.to(tl.int64)
+    g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    h = _swiglu_h(g, u, limit, 1.0, DT)
+    tl.store(out_ptr + row * N + cols, h.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def swiglu_supported(g: torch.Tensor, u: torch.Tensor) -> bool:
+    return (g.dtype == u.dtype and g.dtype in _DT and g.shape == u.shape and g.dim() >= 1
+            and g.stride(-1) == 1 and u.stride(-1) == 1 and g.numel() > 0)
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
+    """g.dtype( silu(min(g, limit)) · clamp(u, ±limit) ) computed in fp32 (no clamp when
+    limit <= 0): `moe.clamped_swiglu(g.float(), u.float(), limit).to(g.dtype)` in one launch."""
+    N = g.shape[-1]
+    g2, u2 = g.reshape(-1, N), u.reshape(-1, N)
+    out = torch.empty(g2.shape, dtype=g.dtype, device=g.device)
+    BLOCK = min(1024, triton.next_power_of_2(N))
+    _swiglu_kernel[(g2.shape[0], triton.cdiv(N, BLOCK))](
+        g2, u2, out, N, g2.stride(0), u2.stride(0), float(limit), DT=_DT[g.dtype], BLOCK=BLOCK,
+        num_warps=4)
+    return out.view(g.shape)
+
+
+@triton.jit
+def _gather_pool_kernel(ring_a_ptr, ring_z_ptr, a_ptr, z_ptr, stride_ra, stride_rz, stride_a,
+                        stride_z, from_ring_ptr, ring_rows_ptr, fresh_rows_ptr, before_zero_ptr,
+                        valid_ptr, out_ptr, S, M, D,
+                        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    e = tl.program_id(0)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    s_ok = s < S
+    k = e.to(tl.int64) * S + s
+    fr = tl.load(from_ring_ptr + k, mask=s_ok, other=0) != 0
+    rr = tl.load(ring_rows_ptr + k, mask=s_ok, other=0).to(tl.int64)
+    fw = tl.load(fresh_rows_ptr + k, mask=s_ok, other=0).to(tl.int64)
+    bz = tl.load(before_zero_ptr + k, mask=s_ok, other=0) != 0
+    col = (s // M) * D                                   # overlap: B-half columns for s >= m
+    cols = col[:, None] + d[None, :]
+    m2 = s_ok[:, None] & (d < D)[None, :]
+    from_r = m2 & fr[:, None]
+    from_f = m2 & (~fr)[:, None]
+    a = tl.where(fr[:, None],
+                 tl.load(ring_a_ptr + rr[:, None] * stride_ra + cols, mask=from_r, other=0.0),
+                 tl.load(a_ptr + fw[:, None] * stride_a + cols, mask=from_f, other=0.0))
+    z = tl.where(fr[:, None],
+                 tl.load(ring_z_ptr + rr[:, None] * stride_rz + cols, mask=from_r, other=0.0),
+                 tl.load(z_ptr + fw[:, None] * stride_z + cols, mask=from_f, other=0.0))
+    a = tl.where(bz[:, None], 0.0, a)
+    z = tl.where(bz[:, None], float("-inf"), z)
+    valid = tl.load(valid_ptr + e) != 0
+    z = tl.where(valid, z, 0.0)
+    z = tl.where(s_ok[:, None], z, float("-inf"))        # padding slots: weight 0
+    mx = tl.max(z, axis=0)
+    p = tl.exp(z - mx[None, :])
+    w = p / tl.sum(p, axis=0)[None, :]
+    out = tl.sum(w * a, axis=0)
+    tl.store(out_ptr + e.to(tl.int64) * D + d, out, mask=d < D)
+
+
+def _pool_block_d(block_s: int, out_dim: int) -> int:
+    """Columns per program: a [BLOCK_S, BLOCK_D] fp32 tile of a and of z (at most 2048 elements
+    each: no spills at 4 warps, e.g. ratio 128's 128 slots x 16 columns)."""
+    return max(16, min(128, 2048 // block_s, triton.next_power_of_2(out_dim)))
+
+
+def gather_pool(ring_a, ring_z, a, z, from_ring, ring_rows, fresh_rows, before_zero, valid,
+                ratio: int, out_dim: int) -> torch.Tensor:
+    """fp32 [E, out_dim]: the pooled candidate entries of `graph._emit` (see the module doc).
+
+    ring_a, ring_z [R, c·d] fp32 and a, z [T, c·d] fp32 (rows, last dim contiguous); from_ring,
+    before_zero bool [E, c·m]; ring_rows, fresh_rows int64 [E, c·m]; valid bool [E]."""
+    E, S = ring_rows.shape
+    for t in (ring_a, ring_z, a, z):
+        assert t.dtype == torch.float32 and t.stride(-1) == 1
+    out = torch.empty(E, out_dim, dtype=torch.float32, device=a.device)
+    if E == 0:
+        return out
+    BLOCK_S = triton.next_power_of_2(S)
+    BLOCK_D = _pool_block_d(BLOCK_S, out_dim)
+    _gather_pool_kernel[(E, triton.cdiv(out_dim, BLOCK_D))](
+        ring_a, ring_z, a, z, ring_a.stride(0), ring_z.stride(0), a.stride(0), z.stride(0),
+        from_ring.contiguous().view(torch.uint8), ring_rows.contiguous(),
+        fresh_rows.contiguous(), before_zero.contiguous().view(torch.uint8),
+        valid.contiguous().view(torch.uint8), out, S, ratio, out_dim,
+        BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, num_warps=4)
+    return out
