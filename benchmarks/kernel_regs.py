@@ -193,6 +193,10 @@ def _decode_fused_cases():
         bd = df._pool_block_d(bs, 512)
         yield ("_gather_pool_kernel", f"BLOCK_S={bs} BLOCK_D={bd} warps=4",
                df._gather_pool_kernel, gp, {"BLOCK_S": bs, "BLOCK_D": bd}, 4, 1, None)
+    hf = {"x_ptr": "*fp32", "out_ptr": "*fp32", "N": "i32", "stride_x": "i32",
+          "inv_sqrt": "fp32", "amax_floor": "fp32"}
+    yield ("_hadamard_fp4_kernel", "BLOCK_R=16 warps=4", df._hadamard_fp4_kernel, hf,
+           {"BLOCK_R": 16, "DIM": 128, "FP4_BLOCK": 32}, 4, 1, None)
 
 
 KERNELS = {"moe": _moe_cases, "fp8": _fp8_cases, "attention": _attention_cases,

@@ -14,6 +14,12 @@ forward is launch-bound: each launch costs ~2-3 us inside a CUDA graph).
   Σ_s softmax_s(z) · a (`compressor.gated_pool`). 4 gathers, 2 where, 3 masked_fill, a not,
   2 cats, softmax, mul, sum (13-15 launches) -> 1. Same fp32 formula (exp(z - max) / Σ), only
   the order of the slot sums and the exp implementation may differ.
+* `hadamard_fp4` — the indexer's query / key rounding (`RecordQuant.indexer`):
+  fp4_roundtrip(hadamard128(x)) over 128-wide fp32 rows (a GEMM, a scale and ~27 elementwise /
+  bit ops -> 1). The transform sums ±x over the ±1 Sylvester matrix (built from the
+  bits, exact products: only the order of the 128-term sums differs, here sequential); the FP4 part is exact
+  arithmetic as in `layouts.fp4_roundtrip` (scale exponent from the bits of amax, multiplies by
+  powers of two, round-half-even by the 2^23 trick, no division or transcendental).
 
 Bf16 roundings by bit arithmetic (fp4_moe._round_to) so the interpreter matches the GPU.
 """
@@ -123,3 +129,58 @@ def gather_pool(ring_a, ring_z, a, z, from_ring, ring_rows, fresh_rows, before_z
         valid.contiguous().view(torch.uint8), out, S, ratio, out_dim,
         BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, num_warps=4)
     return out
+
+
+@triton.jit
+def _hadamard_fp4_kernel(x_ptr, out_ptr, N, stride_x, inv_sqrt, amax_floor,
+                         BLOCK_R: tl.constexpr, DIM: tl.constexpr, FP4_BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, DIM)
+    rmask = (rows < N)[:, None]
+    x_rows = x_ptr + rows.to(tl.int64) * stride_x
+    # y = x H with the Sylvester H[i, j] = (-1)^popcount(i & j), one input column at a time
+    # (x[:, i] · ±1 is exact: each step is one rounded fp32 add, a [BLOCK_R, DIM] accumulator)
+    y = tl.zeros((BLOCK_R, DIM), dtype=tl.float32)
+    for i in range(DIM):
+        xi = tl.load(x_rows + i, mask=rows < N, other=0.0).to(tl.float32)
+        v = cols & i
+        v = v ^ (v >> 4)
+        v = v ^ (v >> 2)
+        v = v ^ (v >> 1)
+        y += tl.where((v & 1) == 0, xi[:, None], -xi[:, None])
+    y = y * inv_sqrt                                                    # [BLOCK_R, DIM]
+    # FP4 (e2m1) round trip in 32-blocks
+    yb = tl.reshape(y, (BLOCK_R, DIM // FP4_BLOCK, FP4_BLOCK))
+    amax = tl.maximum(tl.max(tl.abs(yb), axis=2), amax_floor)          # [BLOCK_R, DIM/32]
+    bits = amax.to(tl.int32, bitcast=True)
+    # ceil(log2(amax / 6)) exactly: amax = M·2^E, amax/6 = (M/1.5)·2^(E-2)
+    e = ((bits >> 23) & 0xFF) - 127 - 2 + ((bits & 0x7FFFFF) > 0x400000).to(tl.int32)
+    e = tl.minimum(tl.maximum(e, -126), 126)
+    scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)               # 2^-e, exact
+    q = yb * inv[:, :, None]
+    a = tl.abs(q)
+    up = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))           # 1 / grid spacing
+    t = a * up
+    t = (t + 8388608.0) - 8388608.0                                     # round half to even
+    r = tl.minimum(t * (1.0 / up), 6.0)
+    sign = q.to(tl.int32, bitcast=True) & (-2147483648)
+    r = (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    out = tl.reshape(r * scale[:, :, None], (BLOCK_R, DIM))
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * DIM + cols[None, :], out, mask=rmask)
+
+
+def hadamard_fp4(x: torch.Tensor) -> torch.Tensor:
+    """fp32 fp4_roundtrip(hadamard128(x.float())) for x [..., 128] (see the module doc)."""
+    from dspark.kvcache.layouts import FP4_AMAX_FLOOR, FP4_BLOCK, INDEXER_DIM
+    assert x.shape[-1] == INDEXER_DIM
+    x2 = x.reshape(-1, INDEXER_DIM)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
+    n, BLOCK_R = x2.shape[0], 16
+    if n:
+        _hadamard_fp4_kernel[(triton.cdiv(n, BLOCK_R),)](
+            x2, out, n, x2.stride(0), INDEXER_DIM ** -0.5, FP4_AMAX_FLOOR, BLOCK_R=BLOCK_R,
+            DIM=INDEXER_DIM, FP4_BLOCK=FP4_BLOCK, num_warps=4)
+    return out.view(x.shape)
