@@ -183,7 +183,7 @@ def _decode_fused_cases():
           "stride_u": "i32", "limit": "fp32"}
     for block in (1024, 512):
         yield ("_swiglu_kernel", f"BLOCK={block} warps=4", df._swiglu_kernel, sw,
-               {"DT": "bf16", "BLOCK": block}, 4, 1, None)
+               {"DT": "bf16", "EXACT": True, "BLOCK": block}, 4, 1, None)
     gp = {"ring_a_ptr": "*fp32", "ring_z_ptr": "*fp32", "a_ptr": "*fp32", "z_ptr": "*fp32",
           "stride_ra": "i32", "stride_rz": "i32", "stride_a": "i32", "stride_z": "i32",
           "from_ring_ptr": "*u8", "ring_rows_ptr": "*i64", "fresh_rows_ptr": "*i64",
@@ -192,7 +192,8 @@ def _decode_fused_cases():
     for bs in (8, 16, 128):                     # ratio 4 (overlap: 8 slots), 16, 128
         bd = df._pool_block_d(bs, 512)
         yield ("_gather_pool_kernel", f"BLOCK_S={bs} BLOCK_D={bd} warps=4",
-               df._gather_pool_kernel, gp, {"BLOCK_S": bs, "BLOCK_D": bd}, 4, 1, None)
+               df._gather_pool_kernel, gp, {"BLOCK_S": bs, "BLOCK_D": bd, "EXACT": True}, 4, 1,
+               None)
     hf = {"x_ptr": "*fp32", "out_ptr": "*fp32", "N": "i32", "stride_x": "i32",
           "inv_sqrt": "fp32", "amax_floor": "fp32"}
     yield ("_hadamard_fp4_kernel", "BLOCK_R=16 warps=4", df._hadamard_fp4_kernel, hf,

@@ -4,8 +4,8 @@ forward is launch-bound: each launch costs ~2-3 us inside a CUDA graph).
 
 * `swiglu` — the shared expert's activation: g, u (the w1 / w3 outputs, x.dtype) ->
   x.dtype( silu(min(g, limit)) · clamp(u, ±limit) ) in fp32, as `moe.clamped_swiglu` followed
-  by ``.to(x.dtype)`` (2 casts, 2 clamps, silu, mul, cast: 7 launches). The math is the grouped
-  FP4 MoE kernels' `_swiglu_h` (same formula as torch's silu: g / (1 + exp(-g))).
+  by ``.to(x.dtype)`` (2 casts, 2 clamps, silu, mul, cast: 7 launches); torch's silu formula
+  g / (1 + exp(-g)).
 * `gather_pool` — the compressor's candidate-entry pooling of the fixed-shape step
   (`graph._emit`): per candidate entry e and slot s, the row comes from the compressor ring
   (rows before this forward) or from this forward's rows; slots before position 0 are empty
@@ -13,7 +13,7 @@ forward is launch-bound: each launch costs ~2-3 us inside a CUDA graph).
   slot s < m reads the A-half columns and s >= m the B-half; then the gated softmax pool
   Σ_s softmax_s(z) · a (`compressor.gated_pool`). 4 gathers, 2 where, 3 masked_fill, a not,
   2 cats, softmax, mul, sum (13-15 launches) -> 1. Same fp32 formula (exp(z - max) / Σ), only
-  the order of the slot sums and the exp implementation may differ.
+  the order of the slot sums may differ.
 * `hadamard_fp4` — the indexer's query / key rounding (`RecordQuant.indexer`):
   fp4_roundtrip(hadamard128(x)) over 128-wide fp32 rows (a GEMM, a scale and ~27 elementwise /
   bit ops -> 1). The transform sums ±x over the ±1 Sylvester matrix (built from the
@@ -21,7 +21,10 @@ forward is launch-bound: each launch costs ~2-3 us inside a CUDA graph).
   arithmetic as in `layouts.fp4_roundtrip` (scale exponent from the bits of amax, multiplies by
   powers of two, round-half-even by the 2^23 trick, no division or transcendental).
 
-Bf16 roundings by bit arithmetic (fp4_moe._round_to) so the interpreter matches the GPU.
+Bf16 roundings by bit arithmetic (fp4_moe._round_to) so the interpreter matches the GPU. On the
+GPU (EXACT) exp is libdevice's expf and divisions are IEEE (div_rn), as in torch's CUDA kernels;
+the interpreter has no libdevice and uses tl.exp / numpy division (fp32 ulps from torch's CPU
+exp, which the tests allow).
 """
 from __future__ import annotations
 
@@ -29,22 +32,46 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.kernels.fp4_moe import _swiglu_h
+from triton.language.extra import libdevice
+
+from dspark.kernels.fp4_moe import _round_to
 
 _DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 @triton.jit
+def _exp(x, EXACT: tl.constexpr):
+    """expf: on the GPU (EXACT) libdevice's, the one torch's CUDA kernels call; in the
+    interpreter (no libdevice there) tl.exp."""
+    if EXACT:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _div(a, b, EXACT: tl.constexpr):
+    """a / b correctly rounded on the GPU (Triton's fp32 `/` is div.full, not IEEE)."""
+    if EXACT:
+        return tl.math.div_rn(a, b)
+    else:
+        return a / b
+
+
+@triton.jit
 def _swiglu_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, limit,
-                   DT: tl.constexpr, BLOCK: tl.constexpr):
+                   DT: tl.constexpr, EXACT: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
     row = t.to(tl.int64)
     g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    h = _swiglu_h(g, u, limit, 1.0, DT)
-    tl.store(out_ptr + row * N + cols, h.to(out_ptr.dtype.element_ty), mask=mask)
+    clamp = limit > 0
+    u = tl.where(clamp, tl.minimum(tl.maximum(u, -limit), limit), u)
+    g = tl.where(clamp, tl.minimum(g, limit), g)
+    h = _div(g, 1.0 + _exp(-g, EXACT), EXACT) * u        # torch's silu: g / (1 + exp(-g))
+    tl.store(out_ptr + row * N + cols, _round_to(h, DT).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def swiglu_supported(g: torch.Tensor, u: torch.Tensor) -> bool:
@@ -60,15 +87,15 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
     out = torch.empty(g2.shape, dtype=g.dtype, device=g.device)
     BLOCK = min(1024, triton.next_power_of_2(N))
     _swiglu_kernel[(g2.shape[0], triton.cdiv(N, BLOCK))](
-        g2, u2, out, N, g2.stride(0), u2.stride(0), float(limit), DT=_DT[g.dtype], BLOCK=BLOCK,
-        num_warps=4)
+        g2, u2, out, N, g2.stride(0), u2.stride(0), float(limit), DT=_DT[g.dtype],
+        EXACT=g.is_cuda, BLOCK=BLOCK, num_warps=4)
     return out.view(g.shape)
 
 
 @triton.jit
 def _gather_pool_kernel(ring_a_ptr, ring_z_ptr, a_ptr, z_ptr, stride_ra, stride_rz, stride_a,
                         stride_z, from_ring_ptr, ring_rows_ptr, fresh_rows_ptr, before_zero_ptr,
-                        valid_ptr, out_ptr, S, M, D,
+                        valid_ptr, out_ptr, S, M, D, EXACT: tl.constexpr,
                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     e = tl.program_id(0)
     s = tl.arange(0, BLOCK_S)
@@ -96,8 +123,8 @@ def _gather_pool_kernel(ring_a_ptr, ring_z_ptr, a_ptr, z_ptr, stride_ra, stride_
     z = tl.where(valid, z, 0.0)
     z = tl.where(s_ok[:, None], z, float("-inf"))        # padding slots: weight 0
     mx = tl.max(z, axis=0)
-    p = tl.exp(z - mx[None, :])
-    w = p / tl.sum(p, axis=0)[None, :]
+    p = _exp(z - mx[None, :], EXACT)
+    w = _div(p, tl.sum(p, axis=0)[None, :], EXACT)
     out = tl.sum(w * a, axis=0)
     tl.store(out_ptr + e.to(tl.int64) * D + d, out, mask=d < D)
 
@@ -126,7 +153,7 @@ def gather_pool(ring_a, ring_z, a, z, from_ring, ring_rows, fresh_rows, before_z
         ring_a, ring_z, a, z, ring_a.stride(0), ring_z.stride(0), a.stride(0), z.stride(0),
         from_ring.contiguous().view(torch.uint8), ring_rows.contiguous(),
         fresh_rows.contiguous(), before_zero.contiguous().view(torch.uint8),
-        valid.contiguous().view(torch.uint8), out, S, ratio, out_dim,
+        valid.contiguous().view(torch.uint8), out, S, ratio, out_dim, EXACT=a.is_cuda,
         BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, num_warps=4)
     return out
 
@@ -161,9 +188,10 @@ def _hadamard_fp4_kernel(x_ptr, out_ptr, N, stride_x, inv_sqrt, amax_floor,
     q = yb * inv[:, :, None]
     a = tl.abs(q)
     up = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))           # 1 / grid spacing
-    t = a * up
+    spacing = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
+    t = a * up                                                          # exact
     t = (t + 8388608.0) - 8388608.0                                     # round half to even
-    r = tl.minimum(t * (1.0 / up), 6.0)
+    r = tl.minimum(t * spacing, 6.0)
     sign = q.to(tl.int32, bitcast=True) & (-2147483648)
     r = (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     out = tl.reshape(r * scale[:, :, None], (BLOCK_R, DIM))
