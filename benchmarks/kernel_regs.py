@@ -196,6 +196,12 @@ def _decode_fused_cases():
                None)
     hf = {"x_ptr": "*fp32", "out_ptr": "*fp32", "N": "i32", "stride_x": "i32",
           "inv_sqrt": "fp32", "amax_floor": "fp32"}
+    rt = {"logits_ptr": "*fp32", "stride_l": "i32", "bias_ptr": "*fp32", "tid_ptr": "*i64",
+          "stride_tid": "i32", "tok_ptr": "*i64", "idx_ptr": "*i64", "w_ptr": "*fp32", "E": "i32",
+          "route_scale": "fp32"}
+    for hashed in (False, True):                # V4-Flash: 256 experts, 6 per token
+        yield ("_route_kernel", f"E=256 K=6 HASH={hashed} warps=4", df._route_kernel, rt,
+               {"K": 6, "HASH": hashed, "EXACT": True, "BLOCK_E": 256, "BLOCK_K": 8}, 4, 1, None)
     yield ("_hadamard_fp4_kernel", "BLOCK_R=16 warps=4", df._hadamard_fp4_kernel, hf,
            {"BLOCK_R": 16, "DIM": 128, "FP4_BLOCK": 32}, 4, 1, None)
 

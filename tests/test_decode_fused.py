@@ -108,3 +108,31 @@ def test_hadamard_fp4_exact_on_grid():
     x = hadamard128(g)
     want = fp4_roundtrip(hadamard128(x))
     assert torch.equal(hadamard_fp4(x), want)
+
+
+@triton_ok
+@pytest.mark.parametrize("hashed", [False, True])
+def test_gate_route(hashed):
+    from dspark.models.deepseek_v4.moe import Gate
+    torch.manual_seed(5 + hashed)
+    g = Gate(64, 48, 6, 2.5, hash_vocab=100 if hashed else 0).to(DEV)
+    with torch.no_grad():
+        g.weight.copy_(torch.randn(48, 64) * 0.5)
+        if hashed:
+            g.tid2eid.copy_(torch.stack([torch.randperm(48)[:6] for _ in range(100)]))
+        else:
+            g.bias.copy_(torch.randn(48) * 0.1)
+    x = (torch.randn(5, 64) * 3).to(DEV)
+    x[0] *= 20                                     # logits past the softplus threshold
+    tok = torch.randint(0, 100, (5,), device=DEV)
+    old = N.NORM_BACKEND
+    try:
+        with torch.no_grad():
+            N.NORM_BACKEND = "reference"
+            want_i, want_w = g(x, tok)
+            N.NORM_BACKEND = "triton"
+            got_i, got_w = g(x, tok)
+    finally:
+        N.NORM_BACKEND = old
+    assert got_i.dtype == torch.long and torch.equal(got_i, want_i)
+    torch.testing.assert_close(got_w, want_w, rtol=2e-6, atol=1e-7)

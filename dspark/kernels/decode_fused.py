@@ -21,6 +21,12 @@ forward is launch-bound: each launch costs ~2-3 us inside a CUDA graph).
   arithmetic as in `layouts.fp4_roundtrip` (scale exponent from the bits of amax, multiplies by
   powers of two, round-half-even by the 2^23 trick, no division or transcendental).
 
+* `route` — the MoE gate after its fp32 logits (`moe.Gate`): scores sqrt(softplus(l)), the
+  expert ids (top-k of scores + bias, or the hash table row of the token), their scores
+  normalised to sum 1, times the route scale: softplus, sqrt, add, topk (or a gather of the
+  table), gather, sum, div, mul (7-8 launches) -> 1. Same fp32 formula; top-k by repeated argmax
+  (descending, like torch.topk; exactly equal scores: the lower expert id first).
+
 Bf16 roundings by bit arithmetic (fp4_moe._round_to) so the interpreter matches the GPU. On the
 GPU (EXACT) exp is libdevice's expf and divisions are IEEE (div_rn), as in torch's CUDA kernels;
 the interpreter has no libdevice and uses tl.exp / numpy division (fp32 ulps from torch's CPU
@@ -212,3 +218,71 @@ def hadamard_fp4(x: torch.Tensor) -> torch.Tensor:
             x2, out, n, x2.stride(0), INDEXER_DIM ** -0.5, FP4_AMAX_FLOOR, BLOCK_R=BLOCK_R,
             DIM=INDEXER_DIM, FP4_BLOCK=FP4_BLOCK, num_warps=4)
     return out.view(x.shape)
+
+
+@triton.jit
+def _route_scores(x, EXACT: tl.constexpr):
+    """sqrt(softplus(x)) with torch's softplus: x if x > 20 else log1p(exp(x))."""
+    e = _exp(x, EXACT)
+    if EXACT:
+        sp = libdevice.log1p(e)
+    else:                       # accurate log1p without libdevice: log(u) · e / (u - 1)
+        u = 1.0 + e
+        sp = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
+    sp = tl.where(x > 20.0, x, sp)
+    if EXACT:
+        return tl.sqrt_rn(sp)
+    else:
+        return tl.sqrt(sp)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, stride_l, bias_ptr, tid_ptr, stride_tid, tok_ptr, idx_ptr, w_ptr,
+                  E, route_scale, K: tl.constexpr, HASH: tl.constexpr, EXACT: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    kk = tl.arange(0, BLOCK_K)
+    km = kk < K
+    row = logits_ptr + t * stride_l
+    if HASH:
+        tok = tl.load(tok_ptr + t).to(tl.int64)
+        idx = tl.load(tid_ptr + tok * stride_tid + kk, mask=km, other=0).to(tl.int64)
+    else:
+        e = tl.arange(0, BLOCK_E)
+        em = e < E
+        s = _route_scores(tl.load(row + e, mask=em, other=0.0), EXACT)
+        b = tl.where(em, s + tl.load(bias_ptr + e, mask=em, other=0.0), float("-inf"))
+        idx = tl.zeros((BLOCK_K,), dtype=tl.int64)
+        for k in tl.static_range(K):
+            j = tl.argmax(b, 0, tie_break_left=True)
+            idx = tl.where(kk == k, j.to(tl.int64), idx)
+            b = tl.where(e == j, float("-inf"), b)
+    w = _route_scores(tl.load(row + idx, mask=km, other=0.0), EXACT)
+    w = tl.where(km, w, 0.0)
+    w = _div(w, tl.sum(w, axis=0), EXACT) * route_scale
+    tl.store(idx_ptr + t * K + kk, idx, mask=km)
+    tl.store(w_ptr + t * K + kk, w, mask=km)
+
+
+def route(logits: torch.Tensor, topk: int, route_scale: float, bias: torch.Tensor | None = None,
+          tid2eid: torch.Tensor | None = None, token_ids: torch.Tensor | None = None):
+    """(expert ids int64 [T, k], weights fp32 [T, k]) from the gate's fp32 logits [T, E]
+    (see the module doc): hash routing when tid2eid is given (row token_ids[t]), else top-k of
+    scores + bias."""
+    T, E = logits.shape
+    assert logits.dtype == torch.float32 and logits.stride(-1) == 1
+    idx = torch.empty(T, topk, dtype=torch.long, device=logits.device)
+    w = torch.empty(T, topk, dtype=torch.float32, device=logits.device)
+    if T == 0:
+        return idx, w
+    hashed = tid2eid is not None
+    if hashed:
+        assert tid2eid.stride(-1) == 1 and tid2eid.shape[1] == topk
+    else:
+        assert bias.dtype == torch.float32 and bias.is_contiguous()
+    _route_kernel[(T,)](
+        logits, logits.stride(0), logits if hashed else bias, tid2eid if hashed else idx,
+        tid2eid.stride(0) if hashed else 0, token_ids if hashed else idx, idx, w, E,
+        float(route_scale), K=topk, HASH=hashed, EXACT=logits.is_cuda,
+        BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(topk), num_warps=4)
+    return idx, w

@@ -66,7 +66,14 @@ class Gate(nn.Module):
         """Returns (expert ids [T, k] int64, weights [T, k] fp32)."""
         # fp32 scores; on CUDA a bf16 GEMM with fp32 accumulation / output (linear_fp32): exact
         # products as in F.linear(x.float(), w.float()), no cast of x or fp32 weight copy
-        scores = torch.sqrt(F.softplus(linear_fp32(x, self.weight)))
+        logits = linear_fp32(x, self.weight)
+        if logits.dim() == 2 and logits.stride(-1) == 1 and fused_backend(logits, x):
+            from dspark.kernels import decode_fused as K      # scoring .. scaling: one launch
+            if self.hash:
+                return K.route(logits, self.topk, self.route_scale, tid2eid=self.tid2eid,
+                               token_ids=token_ids.reshape(-1))
+            return K.route(logits, self.topk, self.route_scale, bias=fp32(self.bias))
+        scores = torch.sqrt(F.softplus(logits))
         if self.hash:
             idx = self.tid2eid[token_ids]
             idx = idx if idx.dtype == torch.long else idx.long()
