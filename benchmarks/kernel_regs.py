@@ -202,6 +202,10 @@ def _decode_fused_cases():
     for hashed in (False, True):                # V4-Flash: 256 experts, 6 per token
         yield ("_route_kernel", f"E=256 K=6 HASH={hashed} warps=4", df._route_kernel, rt,
                {"K": 6, "HASH": hashed, "EXACT": True, "BLOCK_E": 256, "BLOCK_K": 8}, 4, 1, None)
+    cr = {"pool_ptr": "*u8", "page_bytes": "i64", "split_ptr": "*i64", "n": "i32",
+          "per_page": "i32"}
+    yield ("_copy_records_kernel", "DATA=576 SCALE=8 warps=4", df._copy_records_kernel, cr,
+           {"DATA": 576, "SCALE": 8, "BLOCK": 1024, "BLOCK_S": 8}, 4, 1, None)
     yield ("_hadamard_fp4_kernel", "BLOCK_R=16 warps=4", df._hadamard_fp4_kernel, hf,
            {"BLOCK_R": 16, "DIM": 128, "FP4_BLOCK": 32}, 4, 1, None)
 

@@ -136,3 +136,21 @@ def test_gate_route(hashed):
         N.NORM_BACKEND = old
     assert got_i.dtype == torch.long and torch.equal(got_i, want_i)
     torch.testing.assert_close(got_w, want_w, rtol=2e-6, atol=1e-7)
+
+
+@triton_ok
+def test_copy_records():
+    from dspark.kernels.decode_fused import copy_records
+    from dspark.kvcache.layouts import DATA_ROW_BYTES, SCALE_ROW_BYTES
+    from dspark.kvcache.paged import copy_rows
+    per_page, pages = 4, 6
+    page_bytes = per_page * (DATA_ROW_BYTES + SCALE_ROW_BYTES) + 32      # padded pages
+    torch.manual_seed(7)
+    pool = torch.randint(0, 256, (pages, page_bytes), dtype=torch.uint8, device=DEV)
+    src = torch.tensor([0, 1, 2], device=DEV)            # staging rows (page 0)
+    dst = torch.tensor([13, 22, 7], device=DEV)          # ring rows elsewhere
+    split = torch.stack([src // per_page, src % per_page, dst // per_page, dst % per_page])
+    want = pool.clone()
+    copy_rows(want, per_page, src, dst, split)
+    copy_records(pool, per_page, split)
+    assert torch.equal(pool, want)

@@ -27,6 +27,10 @@ forward is launch-bound: each launch costs ~2-3 us inside a CUDA graph).
   table), gather, sum, div, mul (7-8 launches) -> 1. Same fp32 formula; top-k by repeated argmax
   (descending, like torch.topk; exactly equal scores: the lower expert id first).
 
+* `copy_records` — `paged.copy_rows` on an fp8_ds_mla record pool with the precomputed split
+  (the staged window rows into the rings, once per layer): 2 gathers + 2 scatters -> 1 launch,
+  bytes as-is.
+
 Bf16 roundings by bit arithmetic (fp4_moe._round_to) so the interpreter matches the GPU. On the
 GPU (EXACT) exp is libdevice's expf and divisions are IEEE (div_rn), as in torch's CUDA kernels;
 the interpreter has no libdevice and uses tl.exp / numpy division (fp32 ulps from torch's CPU
@@ -286,3 +290,37 @@ def route(logits: torch.Tensor, topk: int, route_scale: float, bias: torch.Tenso
         float(route_scale), K=topk, HASH=hashed, EXACT=logits.is_cuda,
         BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(topk), num_warps=4)
     return idx, w
+
+
+@triton.jit
+def _copy_records_kernel(pool_ptr, page_bytes, split_ptr, n, per_page,
+                         DATA: tl.constexpr, SCALE: tl.constexpr, BLOCK: tl.constexpr,
+                         BLOCK_S: tl.constexpr):
+    i = tl.program_id(0)
+    sp = tl.load(split_ptr + i).to(tl.int64)
+    sr = tl.load(split_ptr + n + i).to(tl.int64)
+    dp = tl.load(split_ptr + 2 * n + i).to(tl.int64)
+    dr = tl.load(split_ptr + 3 * n + i).to(tl.int64)
+    o = tl.arange(0, BLOCK)
+    m = o < DATA
+    v = tl.load(pool_ptr + sp * page_bytes + sr * DATA + o, mask=m)
+    tl.store(pool_ptr + dp * page_bytes + dr * DATA + o, v, mask=m)
+    so = tl.arange(0, BLOCK_S)
+    base = per_page.to(tl.int64) * DATA
+    v = tl.load(pool_ptr + sp * page_bytes + base + sr * SCALE + so, mask=so < SCALE)
+    tl.store(pool_ptr + dp * page_bytes + base + dr * SCALE + so, v, mask=so < SCALE)
+
+
+def copy_records(pool: torch.Tensor, per_page: int, split: torch.Tensor) -> None:
+    """`paged.copy_rows(pool, per_page, src, dst, split)` for an fp8_ds_mla uint8 pool
+    [pages, page_bytes] and split int64 [4, n] = (src page, src row, dst page, dst row); distinct
+    destinations that are no source row (staging -> ring)."""
+    from dspark.kvcache.layouts import DATA_ROW_BYTES, SCALE_ROW_BYTES
+    assert pool.dtype == torch.uint8 and pool.stride(1) == 1 and split.shape[0] == 4
+    split = split.contiguous()
+    n = split.shape[1]
+    if n:
+        _copy_records_kernel[(n,)](
+            pool, pool.stride(0), split, n, per_page, DATA=DATA_ROW_BYTES,
+            SCALE=SCALE_ROW_BYTES, BLOCK=triton.next_power_of_2(DATA_ROW_BYTES),
+            BLOCK_S=triton.next_power_of_2(SCALE_ROW_BYTES), num_warps=4)

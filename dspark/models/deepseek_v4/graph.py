@@ -207,6 +207,14 @@ class _Kernels:
         else:
             L.write_indexer_fp8(pool, per_page, ids, x)
 
+    def copy_rows(self, pool, per_page, sp: StaticPlan):
+        """The staged window rows into the rings (after attention read them)."""
+        if self.kind == "triton" and pool.dtype == torch.uint8:
+            from dspark.kernels.decode_fused import copy_records
+            copy_records(pool, per_page, sp.ring_split)      # one launch instead of four
+        else:
+            copy_rows(pool, per_page, sp.ring_src, sp.ring_dst, sp.ring_split)
+
     def select(self, sp: StaticPlan, layer: int, qi, wi, topk: int) -> torch.Tensor:
         """int64 [T, topk] request-local entry ids (top-k visible scores), -1 padded."""
         rp, pool = sp.ratios[4], self.cache.index_keys[layer]
@@ -277,7 +285,7 @@ def static_attention(attn, x, kern: _Kernels, sp: StaticPlan, layer: int, quant)
             ids = _global(selected, sp.req_index, sp.page_table, N).int()
     o = kern.attend(q, cache.swa[layer], cache.capacity, sp.window_ids_i32, entry_pool, N, ids,
                     lens, attn.attn_sink, attn.head_dim ** -0.5)
-    copy_rows(cache.swa[layer], cache.capacity, sp.ring_src, sp.ring_dst, sp.ring_split)
+    kern.copy_rows(cache.swa[layer], cache.capacity, sp)
     return attn.output(o, pos, x.dtype, bound, memo)
 
 
