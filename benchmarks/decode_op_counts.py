@@ -49,11 +49,11 @@ MAYBE = {"aten::reshape", "aten::contiguous", "aten::to", "aten::clone", "aten::
 
 # torch-level calls that never launch (for the by-source listing)
 PY_NO_KERNEL = {"__get__", "dim", "stride", "data_ptr", "numel", "storage_offset", "device",
-                "is_contiguous", "is_floating_point", "element_size", "size", "__getitem__",
+                "is_contiguous", "is_floating_point", "element_size", "size",
                 "_record_function_enter_new", "_record_function_exit._RecordFunction", "view",
                 "unsqueeze", "unflatten", "view_as_complex", "view_as_real", "empty", "unbind",
                 "reshape", "flatten", "split", "squeeze", "expand", "t", "transpose",
-                "is_pinned", "__len__", "__hash__", "__bool__", "__index__", "__format__"}
+                "is_pinned", "__len__", "__hash__", "__bool__", "__index__", "__format__"} - {"__getitem__"}
 BLACK_BOX = "[gemm] "
 TRITON = "[triton] "
 

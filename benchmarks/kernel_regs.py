@@ -177,7 +177,41 @@ V3_CONFIGS = [(64, 8, 1, None), (64, 8, 2, None), (32, 8, 1, None), (32, 8, 2, N
               (32, 8, 2, None, _EARLY)]
 
 
-KERNELS = {"moe": _moe_cases, "fp8": _fp8_cases, "attention": _attention_cases}
+def _decode_fused_cases():
+    import dspark.kernels.decode_fused as df     # the small fused decode kernels
+    sw = {"g_ptr": "*bf16", "u_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "stride_g": "i32",
+          "stride_u": "i32", "limit": "fp32"}
+    for block in (1024, 512):
+        yield ("_swiglu_kernel", f"BLOCK={block} warps=4", df._swiglu_kernel, sw,
+               {"DT": "bf16", "EXACT": True, "BLOCK": block}, 4, 1, None)
+    gp = {"ring_a_ptr": "*fp32", "ring_z_ptr": "*fp32", "a_ptr": "*fp32", "z_ptr": "*fp32",
+          "stride_ra": "i32", "stride_rz": "i32", "stride_a": "i32", "stride_z": "i32",
+          "from_ring_ptr": "*u8", "ring_rows_ptr": "*i64", "fresh_rows_ptr": "*i64",
+          "before_zero_ptr": "*u8", "valid_ptr": "*u8", "out_ptr": "*fp32", "S": "i32",
+          "M": "i32", "D": "i32"}
+    for bs in (8, 16, 128):                     # ratio 4 (overlap: 8 slots), 16, 128
+        bd = df._pool_block_d(bs, 512)
+        yield ("_gather_pool_kernel", f"BLOCK_S={bs} BLOCK_D={bd} warps=4",
+               df._gather_pool_kernel, gp, {"BLOCK_S": bs, "BLOCK_D": bd, "EXACT": True}, 4, 1,
+               None)
+    hf = {"x_ptr": "*fp32", "out_ptr": "*fp32", "N": "i32", "stride_x": "i32",
+          "inv_sqrt": "fp32", "amax_floor": "fp32"}
+    rt = {"logits_ptr": "*fp32", "stride_l": "i32", "bias_ptr": "*fp32", "tid_ptr": "*i64",
+          "stride_tid": "i32", "tok_ptr": "*i64", "idx_ptr": "*i64", "w_ptr": "*fp32", "E": "i32",
+          "route_scale": "fp32"}
+    for hashed in (False, True):                # V4-Flash: 256 experts, 6 per token
+        yield ("_route_kernel", f"E=256 K=6 HASH={hashed} warps=4", df._route_kernel, rt,
+               {"K": 6, "HASH": hashed, "EXACT": True, "BLOCK_E": 256, "BLOCK_K": 8}, 4, 1, None)
+    cr = {"pool_ptr": "*u8", "page_bytes": "i64", "split_ptr": "*i64", "n": "i32",
+          "per_page": "i32"}
+    yield ("_copy_records_kernel", "DATA=576 SCALE=8 warps=4", df._copy_records_kernel, cr,
+           {"DATA": 576, "SCALE": 8, "BLOCK": 1024, "BLOCK_S": 8}, 4, 1, None)
+    yield ("_hadamard_fp4_kernel", "BLOCK_R=16 warps=4", df._hadamard_fp4_kernel, hf,
+           {"BLOCK_R": 16, "DIM": 128, "FP4_BLOCK": 32}, 4, 1, None)
+
+
+KERNELS = {"moe": _moe_cases, "fp8": _fp8_cases, "attention": _attention_cases,
+           "decode_fused": _decode_fused_cases}
 
 
 def main(argv=None):

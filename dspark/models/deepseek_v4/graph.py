@@ -207,6 +207,14 @@ class _Kernels:
         else:
             L.write_indexer_fp8(pool, per_page, ids, x)
 
+    def copy_rows(self, pool, per_page, sp: StaticPlan):
+        """The staged window rows into the rings (after attention read them)."""
+        if self.kind == "triton" and pool.dtype == torch.uint8:
+            from dspark.kernels.decode_fused import copy_records
+            copy_records(pool, per_page, sp.ring_split)      # one launch instead of four
+        else:
+            copy_rows(pool, per_page, sp.ring_src, sp.ring_dst, sp.ring_split)
+
     def select(self, sp: StaticPlan, layer: int, qi, wi, topk: int) -> torch.Tensor:
         """int64 [T, topk] request-local entry ids (top-k visible scores), -1 padded."""
         rp, pool = sp.ratios[4], self.cache.index_keys[layer]
@@ -277,7 +285,7 @@ def static_attention(attn, x, kern: _Kernels, sp: StaticPlan, layer: int, quant)
             ids = _global(selected, sp.req_index, sp.page_table, N).int()
     o = kern.attend(q, cache.swa[layer], cache.capacity, sp.window_ids_i32, entry_pool, N, ids,
                     lens, attn.attn_sink, attn.head_dim ** -0.5)
-    copy_rows(cache.swa[layer], cache.capacity, sp.ring_src, sp.ring_dst, sp.ring_split)
+    kern.copy_rows(cache.swa[layer], cache.capacity, sp)
     return attn.output(o, pos, x.dtype, bound, memo)
 
 
@@ -289,23 +297,34 @@ def _emit(attn, comp, kern, sp, layer, kind, x, quant):
     rp = sp.ratios[attn.ratio]
     a, z = comp.rows(x, sp.positions)
     ring_a, ring_z = cache.comp_rows[layer, kind]
+    m, d = comp.ratio, comp.out_dim
+    if kern.kind == "triton":      # gathers, masks, overlap halves and gated pool: one launch
+        from dspark.kernels.decode_fused import gather_pool
+        pooled = gather_pool(ring_a, ring_z, a, z, rp.from_ring, rp.ring_rows, rp.fresh_rows,
+                             rp.before_zero, rp.emit_valid, m, d)
+    else:
+        pooled = _gather_pool_torch(comp, ring_a, ring_z, a, z, rp)
+    ring_a.index_copy_(0, rp.persist_dst, a)        # after the ring rows were read
+    ring_z.index_copy_(0, rp.persist_dst, z)
+    e = attn.finish_entries_at(pooled, rp.emit_pos, sp.position_bound, comp, x.dtype, quant,
+                               indexer=kind == "indexer")
+    pool = cache.entries[layer] if kind == "main" else cache.index_keys[layer]
+    kern.store(pool, rp.per_page, rp.emit_dst, e)
+
+
+def _gather_pool_torch(comp, ring_a, ring_z, a, z, rp):
+    """The torch definition of `decode_fused.gather_pool` (see there)."""
     sel = rp.from_ring[..., None]
     A = torch.where(sel, ring_a[rp.ring_rows], a[rp.fresh_rows])          # [E, c*m, c*d]
     Z = torch.where(sel, ring_z[rp.ring_rows], z[rp.fresh_rows])
     A = A.masked_fill(rp.before_zero[..., None], 0.0)
     Z = Z.masked_fill(rp.before_zero[..., None], float("-inf"))
     Z = Z.masked_fill(~rp.emit_valid[:, None, None], 0.0)    # keep unused candidates finite
-    ring_a.index_copy_(0, rp.persist_dst, a)
-    ring_z.index_copy_(0, rp.persist_dst, z)
     m, d = comp.ratio, comp.out_dim
     if comp.overlap:       # A-halves of the previous window, B-halves of the entry's own
         A = torch.cat([A[:, :m, :d], A[:, m:, d:]], dim=1)
         Z = torch.cat([Z[:, :m, :d], Z[:, m:, d:]], dim=1)
-    pooled = gated_pool(A, Z)
-    e = attn.finish_entries_at(pooled, rp.emit_pos, sp.position_bound, comp, x.dtype, quant,
-                               indexer=kind == "indexer")
-    pool = cache.entries[layer] if kind == "main" else cache.index_keys[layer]
-    kern.store(pool, rp.per_page, rp.emit_dst, e)
+    return gated_pool(A, Z)
 
 
 def static_forward(model, kern: _Kernels, sp: StaticPlan, token_ids, tap_layers=()):

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .norm import fp32, linear_fp32
+from .norm import fp32, fused_backend, linear_fp32
 
 
 class Expert(nn.Module):
@@ -29,7 +29,12 @@ class Expert(nn.Module):
         self.limit = swiglu_limit
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        h = clamped_swiglu(self.w1(x).float(), self.w3(x).float(), self.limit, weight)
+        g, u = self.w1(x), self.w3(x)
+        if weight is None and g.dtype == x.dtype and fused_backend(g, u):
+            from dspark.kernels import decode_fused as K      # imports triton: only where it runs
+            if K.swiglu_supported(g, u):                      # one launch instead of 7
+                return self.w2(K.swiglu(g, u, self.limit))
+        h = clamped_swiglu(g.float(), u.float(), self.limit, weight)
         return self.w2(h.to(x.dtype))
 
 
@@ -61,7 +66,14 @@ class Gate(nn.Module):
         """Returns (expert ids [T, k] int64, weights [T, k] fp32)."""
         # fp32 scores; on CUDA a bf16 GEMM with fp32 accumulation / output (linear_fp32): exact
         # products as in F.linear(x.float(), w.float()), no cast of x or fp32 weight copy
-        scores = torch.sqrt(F.softplus(linear_fp32(x, self.weight)))
+        logits = linear_fp32(x, self.weight)
+        if logits.dim() == 2 and logits.stride(-1) == 1 and fused_backend(logits, x):
+            from dspark.kernels import decode_fused as K      # scoring .. scaling: one launch
+            if self.hash:
+                return K.route(logits, self.topk, self.route_scale, tid2eid=self.tid2eid,
+                               token_ids=token_ids.reshape(-1))
+            return K.route(logits, self.topk, self.route_scale, bias=fp32(self.bias))
+        scores = torch.sqrt(F.softplus(logits))
         if self.hash:
             idx = self.tid2eid[token_ids]
             idx = idx if idx.dtype == torch.long else idx.long()

@@ -22,16 +22,24 @@ NORM_BACKENDS = ("auto", "reference", "triton")
 NORM_BACKEND = os.environ.get("DSPARK_NORM_BACKEND", "auto")
 
 
-def fused_kernels(x: torch.Tensor, dtype, out_dtype, *tensors):
-    """dspark.kernels.norm_rope when the fused kernel should run on x (and the optional other
-    tensors, e.g. a norm weight) with these rounding / output dtypes, else None."""
+def fused_backend(x: torch.Tensor, *tensors) -> bool:
+    """Whether the fused Triton kernels (norm / RoPE, dspark.kernels.decode_fused) should run on
+    x and the other tensors: NORM_BACKEND "triton", or "auto" on CUDA; never under autograd."""
     if NORM_BACKEND not in NORM_BACKENDS:
         raise ValueError(f"norm backend {NORM_BACKEND!r} (DSPARK_NORM_BACKEND): use one of "
                          f"{NORM_BACKENDS}")
     if NORM_BACKEND == "reference" or (NORM_BACKEND == "auto" and not x.is_cuda):
-        return None
+        return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *tensors)):
-        return None                   # the kernel has no backward
+        return False                  # the kernels have no backward
+    return True
+
+
+def fused_kernels(x: torch.Tensor, dtype, out_dtype, *tensors):
+    """dspark.kernels.norm_rope when the fused kernel should run on x (and the optional other
+    tensors, e.g. a norm weight) with these rounding / output dtypes, else None."""
+    if not fused_backend(x, *tensors):
+        return None
     from dspark.kernels import norm_rope    # imports triton: only where the kernel runs
     return norm_rope if norm_rope.supported(x, dtype, out_dtype) else None    # larger weights (e.g. a big vocab head) are cast per call
 

@@ -1,0 +1,326 @@
+"""Small fused kernels of the V4 decode step: chains of elementwise / gather ops on the same data
+that the torch code runs as several launches, as one Triton launch each (the batch-1 decode
+forward is launch-bound: each launch costs ~2-3 us inside a CUDA graph).
+
+* `swiglu` — the shared expert's activation: g, u (the w1 / w3 outputs, x.dtype) ->
+  x.dtype( silu(min(g, limit)) · clamp(u, ±limit) ) in fp32, as `moe.clamped_swiglu` followed
+  by ``.to(x.dtype)`` (2 casts, 2 clamps, silu, mul, cast: 7 launches); torch's silu formula
+  g / (1 + exp(-g)).
+* `gather_pool` — the compressor's candidate-entry pooling of the fixed-shape step
+  (`graph._emit`): per candidate entry e and slot s, the row comes from the compressor ring
+  (rows before this forward) or from this forward's rows; slots before position 0 are empty
+  (a = 0, z = -inf), unused candidates get z = 0 (kept finite); with the overlap form (ratio 4)
+  slot s < m reads the A-half columns and s >= m the B-half; then the gated softmax pool
+  Σ_s softmax_s(z) · a (`compressor.gated_pool`). 4 gathers, 2 where, 3 masked_fill, a not,
+  2 cats, softmax, mul, sum (13-15 launches) -> 1. Same fp32 formula (exp(z - max) / Σ), only
+  the order of the slot sums may differ.
+* `hadamard_fp4` — the indexer's query / key rounding (`RecordQuant.indexer`):
+  fp4_roundtrip(hadamard128(x)) over 128-wide fp32 rows (a GEMM, a scale and ~27 elementwise /
+  bit ops -> 1). The transform sums ±x over the ±1 Sylvester matrix (built from the
+  bits, exact products: only the order of the 128-term sums differs, here sequential); the FP4 part is exact
+  arithmetic as in `layouts.fp4_roundtrip` (scale exponent from the bits of amax, multiplies by
+  powers of two, round-half-even by the 2^23 trick, no division or transcendental).
+
+* `route` — the MoE gate after its fp32 logits (`moe.Gate`): scores sqrt(softplus(l)), the
+  expert ids (top-k of scores + bias, or the hash table row of the token), their scores
+  normalised to sum 1, times the route scale: softplus, sqrt, add, topk (or a gather of the
+  table), gather, sum, div, mul (7-8 launches) -> 1. Same fp32 formula; top-k by repeated argmax
+  (descending, like torch.topk; exactly equal scores: the lower expert id first).
+
+* `copy_records` — `paged.copy_rows` on an fp8_ds_mla record pool with the precomputed split
+  (the staged window rows into the rings, once per layer): 2 gathers + 2 scatters -> 1 launch,
+  bytes as-is.
+
+Bf16 roundings by bit arithmetic (fp4_moe._round_to) so the interpreter matches the GPU. On the
+GPU (EXACT) exp is libdevice's expf and divisions are IEEE (div_rn), as in torch's CUDA kernels;
+the interpreter has no libdevice and uses tl.exp / numpy division (fp32 ulps from torch's CPU
+exp, which the tests allow).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from triton.language.extra import libdevice
+
+from dspark.kernels.fp4_moe import _round_to
+
+_DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+@triton.jit
+def _exp(x, EXACT: tl.constexpr):
+    """expf: on the GPU (EXACT) libdevice's, the one torch's CUDA kernels call; in the
+    interpreter (no libdevice there) tl.exp."""
+    if EXACT:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _div(a, b, EXACT: tl.constexpr):
+    """a / b correctly rounded on the GPU (Triton's fp32 `/` is div.full, not IEEE)."""
+    if EXACT:
+        return tl.math.div_rn(a, b)
+    else:
+        return a / b
+
+
+@triton.jit
+def _swiglu_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, limit,
+                   DT: tl.constexpr, EXACT: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    row = t.to(tl.int64)
+    g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    clamp = limit > 0
+    u = tl.where(clamp, tl.minimum(tl.maximum(u, -limit), limit), u)
+    g = tl.where(clamp, tl.minimum(g, limit), g)
+    h = _div(g, 1.0 + _exp(-g, EXACT), EXACT) * u        # torch's silu: g / (1 + exp(-g))
+    tl.store(out_ptr + row * N + cols, _round_to(h, DT).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def swiglu_supported(g: torch.Tensor, u: torch.Tensor) -> bool:
+    return (g.dtype == u.dtype and g.dtype in _DT and g.shape == u.shape and g.dim() >= 1
+            and g.stride(-1) == 1 and u.stride(-1) == 1 and g.numel() > 0)
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
+    """g.dtype( silu(min(g, limit)) · clamp(u, ±limit) ) computed in fp32 (no clamp when
+    limit <= 0): `moe.clamped_swiglu(g.float(), u.float(), limit).to(g.dtype)` in one launch."""
+    N = g.shape[-1]
+    g2, u2 = g.reshape(-1, N), u.reshape(-1, N)
+    out = torch.empty(g2.shape, dtype=g.dtype, device=g.device)
+    BLOCK = min(1024, triton.next_power_of_2(N))
+    _swiglu_kernel[(g2.shape[0], triton.cdiv(N, BLOCK))](
+        g2, u2, out, N, g2.stride(0), u2.stride(0), float(limit), DT=_DT[g.dtype],
+        EXACT=g.is_cuda, BLOCK=BLOCK, num_warps=4)
+    return out.view(g.shape)
+
+
+@triton.jit
+def _gather_pool_kernel(ring_a_ptr, ring_z_ptr, a_ptr, z_ptr, stride_ra, stride_rz, stride_a,
+                        stride_z, from_ring_ptr, ring_rows_ptr, fresh_rows_ptr, before_zero_ptr,
+                        valid_ptr, out_ptr, S, M, D, EXACT: tl.constexpr,
+                        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    e = tl.program_id(0)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    s_ok = s < S
+    k = e.to(tl.int64) * S + s
+    fr = tl.load(from_ring_ptr + k, mask=s_ok, other=0) != 0
+    rr = tl.load(ring_rows_ptr + k, mask=s_ok, other=0).to(tl.int64)
+    fw = tl.load(fresh_rows_ptr + k, mask=s_ok, other=0).to(tl.int64)
+    bz = tl.load(before_zero_ptr + k, mask=s_ok, other=0) != 0
+    col = (s // M) * D                                   # overlap: B-half columns for s >= m
+    cols = col[:, None] + d[None, :]
+    m2 = s_ok[:, None] & (d < D)[None, :]
+    from_r = m2 & fr[:, None]
+    from_f = m2 & (~fr)[:, None]
+    a = tl.where(fr[:, None],
+                 tl.load(ring_a_ptr + rr[:, None] * stride_ra + cols, mask=from_r, other=0.0),
+                 tl.load(a_ptr + fw[:, None] * stride_a + cols, mask=from_f, other=0.0))
+    z = tl.where(fr[:, None],
+                 tl.load(ring_z_ptr + rr[:, None] * stride_rz + cols, mask=from_r, other=0.0),
+                 tl.load(z_ptr + fw[:, None] * stride_z + cols, mask=from_f, other=0.0))
+    a = tl.where(bz[:, None], 0.0, a)
+    z = tl.where(bz[:, None], float("-inf"), z)
+    valid = tl.load(valid_ptr + e) != 0
+    z = tl.where(valid, z, 0.0)
+    z = tl.where(s_ok[:, None], z, float("-inf"))        # padding slots: weight 0
+    mx = tl.max(z, axis=0)
+    p = _exp(z - mx[None, :], EXACT)
+    w = _div(p, tl.sum(p, axis=0)[None, :], EXACT)
+    out = tl.sum(w * a, axis=0)
+    tl.store(out_ptr + e.to(tl.int64) * D + d, out, mask=d < D)
+
+
+def _pool_block_d(block_s: int, out_dim: int) -> int:
+    """Columns per program: a [BLOCK_S, BLOCK_D] fp32 tile of a and of z (at most 2048 elements
+    each: no spills at 4 warps, e.g. ratio 128's 128 slots x 16 columns)."""
+    return max(16, min(128, 2048 // block_s, triton.next_power_of_2(out_dim)))
+
+
+def gather_pool(ring_a, ring_z, a, z, from_ring, ring_rows, fresh_rows, before_zero, valid,
+                ratio: int, out_dim: int) -> torch.Tensor:
+    """fp32 [E, out_dim]: the pooled candidate entries of `graph._emit` (see the module doc).
+
+    ring_a, ring_z [R, c·d] fp32 and a, z [T, c·d] fp32 (rows, last dim contiguous); from_ring,
+    before_zero bool [E, c·m]; ring_rows, fresh_rows int64 [E, c·m]; valid bool [E]."""
+    E, S = ring_rows.shape
+    for t in (ring_a, ring_z, a, z):
+        assert t.dtype == torch.float32 and t.stride(-1) == 1
+    out = torch.empty(E, out_dim, dtype=torch.float32, device=a.device)
+    if E == 0:
+        return out
+    BLOCK_S = triton.next_power_of_2(S)
+    BLOCK_D = _pool_block_d(BLOCK_S, out_dim)
+    _gather_pool_kernel[(E, triton.cdiv(out_dim, BLOCK_D))](
+        ring_a, ring_z, a, z, ring_a.stride(0), ring_z.stride(0), a.stride(0), z.stride(0),
+        from_ring.contiguous().view(torch.uint8), ring_rows.contiguous(),
+        fresh_rows.contiguous(), before_zero.contiguous().view(torch.uint8),
+        valid.contiguous().view(torch.uint8), out, S, ratio, out_dim, EXACT=a.is_cuda,
+        BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, num_warps=4)
+    return out
+
+
+@triton.jit
+def _hadamard_fp4_kernel(x_ptr, out_ptr, N, stride_x, inv_sqrt, amax_floor,
+                         BLOCK_R: tl.constexpr, DIM: tl.constexpr, FP4_BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, DIM)
+    rmask = (rows < N)[:, None]
+    x_rows = x_ptr + rows.to(tl.int64) * stride_x
+    # y = x H with the Sylvester H[i, j] = (-1)^popcount(i & j), one input column at a time
+    # (x[:, i] · ±1 is exact: each step is one rounded fp32 add, a [BLOCK_R, DIM] accumulator)
+    y = tl.zeros((BLOCK_R, DIM), dtype=tl.float32)
+    for i in range(DIM):
+        xi = tl.load(x_rows + i, mask=rows < N, other=0.0).to(tl.float32)
+        v = cols & i
+        v = v ^ (v >> 4)
+        v = v ^ (v >> 2)
+        v = v ^ (v >> 1)
+        y += tl.where((v & 1) == 0, xi[:, None], -xi[:, None])
+    y = y * inv_sqrt                                                    # [BLOCK_R, DIM]
+    # FP4 (e2m1) round trip in 32-blocks
+    yb = tl.reshape(y, (BLOCK_R, DIM // FP4_BLOCK, FP4_BLOCK))
+    amax = tl.maximum(tl.max(tl.abs(yb), axis=2), amax_floor)          # [BLOCK_R, DIM/32]
+    bits = amax.to(tl.int32, bitcast=True)
+    # ceil(log2(amax / 6)) exactly: amax = M·2^E, amax/6 = (M/1.5)·2^(E-2)
+    e = ((bits >> 23) & 0xFF) - 127 - 2 + ((bits & 0x7FFFFF) > 0x400000).to(tl.int32)
+    e = tl.minimum(tl.maximum(e, -126), 126)
+    scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)               # 2^-e, exact
+    q = yb * inv[:, :, None]
+    a = tl.abs(q)
+    up = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))           # 1 / grid spacing
+    spacing = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
+    t = a * up                                                          # exact
+    t = (t + 8388608.0) - 8388608.0                                     # round half to even
+    r = tl.minimum(t * spacing, 6.0)
+    sign = q.to(tl.int32, bitcast=True) & (-2147483648)
+    r = (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    out = tl.reshape(r * scale[:, :, None], (BLOCK_R, DIM))
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * DIM + cols[None, :], out, mask=rmask)
+
+
+def hadamard_fp4(x: torch.Tensor) -> torch.Tensor:
+    """fp32 fp4_roundtrip(hadamard128(x.float())) for x [..., 128] (see the module doc)."""
+    from dspark.kvcache.layouts import FP4_AMAX_FLOOR, FP4_BLOCK, INDEXER_DIM
+    assert x.shape[-1] == INDEXER_DIM
+    x2 = x.reshape(-1, INDEXER_DIM)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
+    n, BLOCK_R = x2.shape[0], 16
+    if n:
+        _hadamard_fp4_kernel[(triton.cdiv(n, BLOCK_R),)](
+            x2, out, n, x2.stride(0), INDEXER_DIM ** -0.5, FP4_AMAX_FLOOR, BLOCK_R=BLOCK_R,
+            DIM=INDEXER_DIM, FP4_BLOCK=FP4_BLOCK, num_warps=4)
+    return out.view(x.shape)
+
+
+@triton.jit
+def _route_scores(x, EXACT: tl.constexpr):
+    """sqrt(softplus(x)) with torch's softplus: x if x > 20 else log1p(exp(x))."""
+    e = _exp(x, EXACT)
+    if EXACT:
+        sp = libdevice.log1p(e)
+    else:                       # accurate log1p without libdevice: log(u) · e / (u - 1)
+        u = 1.0 + e
+        sp = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
+    sp = tl.where(x > 20.0, x, sp)
+    if EXACT:
+        return tl.sqrt_rn(sp)
+    else:
+        return tl.sqrt(sp)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, stride_l, bias_ptr, tid_ptr, stride_tid, tok_ptr, idx_ptr, w_ptr,
+                  E, route_scale, K: tl.constexpr, HASH: tl.constexpr, EXACT: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    kk = tl.arange(0, BLOCK_K)
+    km = kk < K
+    row = logits_ptr + t * stride_l
+    if HASH:
+        tok = tl.load(tok_ptr + t).to(tl.int64)
+        idx = tl.load(tid_ptr + tok * stride_tid + kk, mask=km, other=0).to(tl.int64)
+    else:
+        e = tl.arange(0, BLOCK_E)
+        em = e < E
+        s = _route_scores(tl.load(row + e, mask=em, other=0.0), EXACT)
+        b = tl.where(em, s + tl.load(bias_ptr + e, mask=em, other=0.0), float("-inf"))
+        idx = tl.zeros((BLOCK_K,), dtype=tl.int64)
+        for k in tl.static_range(K):
+            j = tl.argmax(b, 0, tie_break_left=True)
+            idx = tl.where(kk == k, j.to(tl.int64), idx)
+            b = tl.where(e == j, float("-inf"), b)
+    w = _route_scores(tl.load(row + idx, mask=km, other=0.0), EXACT)
+    w = tl.where(km, w, 0.0)
+    w = _div(w, tl.sum(w, axis=0), EXACT) * route_scale
+    tl.store(idx_ptr + t * K + kk, idx, mask=km)
+    tl.store(w_ptr + t * K + kk, w, mask=km)
+
+
+def route(logits: torch.Tensor, topk: int, route_scale: float, bias: torch.Tensor | None = None,
+          tid2eid: torch.Tensor | None = None, token_ids: torch.Tensor | None = None):
+    """(expert ids int64 [T, k], weights fp32 [T, k]) from the gate's fp32 logits [T, E]
+    (see the module doc): hash routing when tid2eid is given (row token_ids[t]), else top-k of
+    scores + bias."""
+    T, E = logits.shape
+    assert logits.dtype == torch.float32 and logits.stride(-1) == 1
+    idx = torch.empty(T, topk, dtype=torch.long, device=logits.device)
+    w = torch.empty(T, topk, dtype=torch.float32, device=logits.device)
+    if T == 0:
+        return idx, w
+    hashed = tid2eid is not None
+    if hashed:
+        assert tid2eid.stride(-1) == 1 and tid2eid.shape[1] == topk
+    else:
+        assert bias.dtype == torch.float32 and bias.is_contiguous()
+    _route_kernel[(T,)](
+        logits, logits.stride(0), logits if hashed else bias, tid2eid if hashed else idx,
+        tid2eid.stride(0) if hashed else 0, token_ids if hashed else idx, idx, w, E,
+        float(route_scale), K=topk, HASH=hashed, EXACT=logits.is_cuda,
+        BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(topk), num_warps=4)
+    return idx, w
+
+
+@triton.jit
+def _copy_records_kernel(pool_ptr, page_bytes, split_ptr, n, per_page,
+                         DATA: tl.constexpr, SCALE: tl.constexpr, BLOCK: tl.constexpr,
+                         BLOCK_S: tl.constexpr):
+    i = tl.program_id(0)
+    sp = tl.load(split_ptr + i).to(tl.int64)
+    sr = tl.load(split_ptr + n + i).to(tl.int64)
+    dp = tl.load(split_ptr + 2 * n + i).to(tl.int64)
+    dr = tl.load(split_ptr + 3 * n + i).to(tl.int64)
+    o = tl.arange(0, BLOCK)
+    m = o < DATA
+    v = tl.load(pool_ptr + sp * page_bytes + sr * DATA + o, mask=m)
+    tl.store(pool_ptr + dp * page_bytes + dr * DATA + o, v, mask=m)
+    so = tl.arange(0, BLOCK_S)
+    base = per_page.to(tl.int64) * DATA
+    v = tl.load(pool_ptr + sp * page_bytes + base + sr * SCALE + so, mask=so < SCALE)
+    tl.store(pool_ptr + dp * page_bytes + base + dr * SCALE + so, v, mask=so < SCALE)
+
+
+def copy_records(pool: torch.Tensor, per_page: int, split: torch.Tensor) -> None:
+    """`paged.copy_rows(pool, per_page, src, dst, split)` for an fp8_ds_mla uint8 pool
+    [pages, page_bytes] and split int64 [4, n] = (src page, src row, dst page, dst row); distinct
+    destinations that are no source row (staging -> ring)."""
+    from dspark.kvcache.layouts import DATA_ROW_BYTES, SCALE_ROW_BYTES
+    assert pool.dtype == torch.uint8 and pool.stride(1) == 1 and split.shape[0] == 4
+    split = split.contiguous()
+    n = split.shape[1]
+    if n:
+        _copy_records_kernel[(n,)](
+            pool, pool.stride(0), split, n, per_page, DATA=DATA_ROW_BYTES,
+            SCALE=SCALE_ROW_BYTES, BLOCK=triton.next_power_of_2(DATA_ROW_BYTES),
+            BLOCK_S=triton.next_power_of_2(SCALE_ROW_BYTES), num_warps=4)
