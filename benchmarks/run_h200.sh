@@ -17,8 +17,9 @@ step() { echo "[t=$((SECONDS - T0))s] $1"; }
 for s in $STEPS; do case $s in
 tests)   # correctness first: every kernel / graph against its torch or eager reference
   step "GPU tests"
-  # the sampling kernels' tests are unmarked (they run on CPU under the interpreter too)
-  timeout "$(left 120)" python -m pytest -q -rfE tests/test_sampling_kernel.py > "$R/gpu_tests_sampling.txt" 2>&1
+  # kernel tests that are unmarked (they run on CPU under the interpreter too, on CUDA here)
+  timeout "$(left 150)" python -m pytest -q -rfE tests/test_sampling_kernel.py tests/test_decode_fused.py \
+    tests/test_norm_rope.py tests/test_v4_host_plan.py > "$R/gpu_tests_sampling.txt" 2>&1
   tail -3 "$R/gpu_tests_sampling.txt" | cut -c1-300
   timeout "$(left 300)" python -m pytest -q -m gpu -rfE ${GPU_TESTS:-tests} > "$R/gpu_tests.txt" 2>&1
   tail -12 "$R/gpu_tests.txt" | cut -c1-300 ;;
