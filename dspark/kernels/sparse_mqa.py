@@ -125,6 +125,17 @@ def _softmax_step(s, valid, qk_scale_log2, m_i, l_i):
 
 
 @triton.jit
+def _sink_factor(sink_ptr, h, h_ok, m_i, l_i):
+    """Output factor per head [BLOCK_H] after the last tile (no split): the sink is one extra
+    logit in the denominator only; pivot on max(m, sink); 0 for a row with every key masked."""
+    sink = tl.load(sink_ptr + h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    m_fin = tl.maximum(m_i, sink)
+    m_fin = tl.where(m_fin == float("-inf"), 0.0, m_fin)
+    alpha = tl.exp2(m_i - m_fin)                      # 0 for an all-masked row
+    return alpha / (l_i * alpha + tl.exp2(sink - m_fin))
+
+
+@triton.jit
 def _list_lengths(t, a_K, a_len_ptr, b_K, b_len_ptr, HAS_B: tl.constexpr, A_HAS_LEN: tl.constexpr,
                   B_HAS_LEN: tl.constexpr):
     """Entries token t reads from list a and list b (0 without b): the list width, cut by the
@@ -261,12 +272,7 @@ def _sparse_mqa_kernel(
 
     # Sink: one extra logit per head that only enlarges the denominator. Re-pivot on
     # max(m, sink) so neither e^{sink-m} nor the key terms can overflow.
-    sink = tl.load(sink_ptr + h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-    m_fin = tl.maximum(m_i, sink)
-    m_fin = tl.where(m_fin == float("-inf"), 0.0, m_fin)
-    alpha = tl.exp2(m_i - m_fin)                      # 0 for an all-masked row
-    denom = l_i * alpha + tl.exp2(sink - m_fin)
-    out = acc * (alpha / denom)[:, None]
+    out = acc * _sink_factor(sink_ptr, h, h_ok, m_i, l_i)[:, None]
     do = d_off + tl.arange(0, D_OUT)
     tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + do[None, :], out,
              mask=h_ok[:, None])
@@ -486,11 +492,7 @@ def _sparse_mqa_v2_kernel(
     do = g_own * 64 + dq
     if NUM_SPLITS == 1:
         # sink: one extra logit per head, only in the denominator; pivot on max(m, sink)
-        sink = tl.load(sink_ptr + h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-        m_fin = tl.maximum(m_i, sink)
-        m_fin = tl.where(m_fin == float("-inf"), 0.0, m_fin)
-        alpha = tl.exp2(m_i - m_fin)                      # 0 for an all-masked row
-        f = alpha / (l_i * alpha + tl.exp2(sink - m_fin))
+        f = _sink_factor(sink_ptr, h, h_ok, m_i, l_i)
         o_rows = out_ptr + t * stride_ot + h[:, None] * stride_oh
     else:
         has = l_i > 0.0

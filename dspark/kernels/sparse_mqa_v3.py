@@ -35,7 +35,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dspark.kernels.sparse_mqa import _dot, _list_lengths, _mma_operand, _softmax_step
+from dspark.kernels.sparse_mqa import (_dot, _list_lengths, _mma_operand, _sink_factor,
+                                       _softmax_step)
 
 
 @triton.jit
@@ -190,11 +191,7 @@ def _sparse_mqa_v3_kernel(
 
     if NUM_SPLITS == 1:
         # sink: one extra logit per head, only in the denominator; pivot on max(m, sink)
-        sink = tl.load(sink_ptr + h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-        m_fin = tl.maximum(m_i, sink)
-        m_fin = tl.where(m_fin == float("-inf"), 0.0, m_fin)
-        alpha = tl.exp2(m_i - m_fin)                      # 0 for an all-masked row
-        f = alpha / (l_i * alpha + tl.exp2(sink - m_fin))
+        f = _sink_factor(sink_ptr, h, h_ok, m_i, l_i)
         o_rows = out_ptr + t * stride_ot + h[:, None] * stride_oh + dc[None, :]
     else:
         has = l_i > 0.0
