@@ -44,9 +44,7 @@ import triton.language as tl
 
 from triton.language.extra import libdevice
 
-from dspark.kernels.fp4_moe import _round_to
-
-_DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+from dspark.kernels.fp4_moe import _DT_NAME as _DT, _round_to
 
 
 @triton.jit
