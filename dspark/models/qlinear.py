@@ -87,8 +87,10 @@ class QuantLinear(nn.Module):
     def grouped(self, x: torch.Tensor, groups: int) -> torch.Tensor:
         """Grouped projection (attention `wo_a`): x [T, G, in] -> [T, G, out/G], group g using
         weight rows g*out/G .. (g+1)*out/G — the einsum "tgi,gri->tgr" of the reference.
-        FP8 with 128-aligned groups (V4-Flash: 1024 rows per group): one fp8_linear per group on the
-        row slice of the weight and its scale tiles; otherwise the weight is de-quantized per call."""
+        FP8 with 128-aligned groups (V4-Flash: 1024 rows per group): few tokens on the Triton
+        backend in one skinny launch for all groups (`fp8_linear_grouped`), else one fp8_linear per
+        group on the row slice of the weight and its scale tiles; otherwise the weight is
+        de-quantized per call."""
         R = self.out_features // groups
         if self.kind == "fp8":
             y = fp8_linear_grouped(x, self.weight, self.scale, groups, self.backend)
