@@ -116,7 +116,8 @@ def bench_fp8(tokens, iters, rows):
 
 
 # grouped MoE variants: (name, kind, block, num_warps, num_stages); the first is the baseline
-MOE_VARIANTS = [("fma 8x16", "fma", (8, 16), 4, 3),
+MOE_VARIANTS = [("fma 8x16", "fma", (8, 16), 4, 3), ("fma 16x8", "fma", (16, 8), 4, 3),
+                ("fma 16x16", "fma", (16, 16), 4, 3), ("fma 4x32", "fma", (4, 32), 4, 3),
                 ("mma 32x256 w4 s3", "mma", (32, 256), 4, 3),
                 ("mma 32x256 w4 s4", "mma", (32, 256), 4, 4),
                 ("mma 64x256 w4 s3", "mma", (64, 256), 4, 3)]
@@ -182,6 +183,7 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--skip-moe", action="store_true")
     ap.add_argument("--skip-fp8", action="store_true")
+    ap.add_argument("--moe-tokens", type=int, nargs="+", default=MOE_TOKENS)
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -196,7 +198,7 @@ def main(argv=None):
     if not args.skip_fp8:
         bench_fp8(args.tokens, args.iters, rows)
     if not args.skip_moe:
-        bench_moe(MOE_TOKENS, args.iters, rows)
+        bench_moe(args.moe_tokens, args.iters, rows)
     step = {"fp8 old": 0.0, "fp8 new": 0.0}
     for r in rows:
         if r["T"] == 1 and r["kind"] == "fp8":

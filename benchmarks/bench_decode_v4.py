@@ -417,6 +417,56 @@ def op_profile(eng, steps: int, context: int = 128, top: int = 15) -> list:
              "us_per_step": us / steps} for k, (n, us) in rows]
 
 
+def host_profile(eng, steps: int, context: int = 128, top: int = 25) -> dict:
+    """cProfile over `steps` batch-1 decode steps (after a prefill and warm steps): where the
+    host's time per step goes (Python, launches, graph replays, and the waits on the device,
+    which show up in the synchronising calls). The gap between a step and its kernels' device
+    time is host work the GPU waits for."""
+    import cProfile
+    import pstats
+
+    from dspark.sampling import SamplingParams
+    rid = eng.add_request(_random_prompt(context, eng.cfg.vocab_size, seed=9),
+                          SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+    req = eng.requests[rid]
+    try:
+        while not req.output_ids:
+            eng.step()
+        for _ in range(3):
+            eng.step()
+        _sync(eng.device)
+        pr = cProfile.Profile()
+        t0 = time.perf_counter()
+        pr.enable()
+        for _ in range(steps):
+            eng.step()
+        _sync(eng.device)
+        pr.disable()
+        wall = time.perf_counter() - t0
+    finally:
+        eng.abort(rid)
+    st = pstats.Stats(pr)
+    rows = []
+    for (fn, line, name), (cc, nc, tt, ct, _) in st.stats.items():
+        where = f"{fn.split('site-packages/')[-1].split('/work/')[-1][-48:]}:{line}({name})"
+        rows.append({"function": where, "calls_per_step": nc / steps,
+                     "self_us_per_step": 1e6 * tt / steps, "cum_us_per_step": 1e6 * ct / steps})
+    by_self = sorted(rows, key=lambda r: -r["self_us_per_step"])[:top]
+    by_cum = sorted(rows, key=lambda r: -r["cum_us_per_step"])[:top]
+    return {"steps": steps, "context": context, "wall_us_per_step": 1e6 * wall / steps,
+            "by_self": by_self, "by_cumulative": by_cum}
+
+
+def print_host_profile(hp: dict) -> None:
+    print(f"\n(d) host time of a decode step (cProfile, {hp['steps']} steps): "
+          f"{hp['wall_us_per_step']:.0f} us per step under the profiler")
+    for key, title in (("by_self", "self"), ("by_cumulative", "cumulative")):
+        print(f"  by {title} time:")
+        for r in hp[key]:
+            print(f"  {r['self_us_per_step']:>8.1f} self {r['cum_us_per_step']:>8.1f} cum "
+                  f"x{r['calls_per_step']:<6.1f} {r['function']}")
+
+
 def print_kernel_profile(kp: dict) -> None:
     tot = max(kp["total_us_per_step"], 1e-9)
     print(f"\n(c) where a decode step's time goes — {kp['device']}, {kp['steps']} steps after a "
@@ -660,6 +710,8 @@ def main(argv=None):
                          "on first use and keep the fastest (the picks are reported)")
     ap.add_argument("--kernel-profile", type=int, default=0, metavar="STEPS",
                     help="(c): profile this many decode steps, time per kernel and per category")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
+                    help="also cProfile this many decode steps: the host's share of a step")
     ap.add_argument("--device", default=None)
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
@@ -792,6 +844,14 @@ def main(argv=None):
         except Exception as exc:         # keep (a) and (b)
             result["kernel_profile_error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
             print(f"kernel profile failed: {result['kernel_profile_error']}")
+        save()
+    if args.host_profile:
+        try:
+            result["host_profile"] = host_profile(eng, args.host_profile)
+            print_host_profile(result["host_profile"])
+        except Exception as exc:
+            result["host_profile_error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+            print(f"host profile failed: {result['host_profile_error']}")
         save()
     # -- (b) end to end vs HF --
     t_phase = time.perf_counter()

@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-out}; R="$OUT/r"; mkdir -p "$R"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 BUDGET=${BUDGET:-570}; T0=$SECONDS
-STEPS=${STEPS:-"tests decode bench trace draft qwen3 sweep mhc tp"}
+STEPS=${STEPS:-"tests decode kernels bench trace draft qwen3 sweep mhc tp"}
 left() { local l=$((BUDGET - SECONDS + T0)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 1 ] && l=1; echo $l; }
 step() { echo "[t=$((SECONDS - T0))s] $1"; }
 for s in $STEPS; do case $s in
@@ -19,15 +19,41 @@ tests)   # correctness first: every kernel / graph against its torch or eager re
   step "GPU tests"
   # kernel tests that are unmarked (they run on CPU under the interpreter too, on CUDA here)
   timeout "$(left 150)" python -m pytest -q -rfE tests/test_sampling_kernel.py tests/test_decode_fused.py \
-    tests/test_norm_rope.py tests/test_v4_host_plan.py > "$R/gpu_tests_sampling.txt" 2>&1
+    tests/test_norm_rope.py tests/test_v4_host_plan.py tests/test_sampling.py > "$R/gpu_tests_sampling.txt" 2>&1
   tail -3 "$R/gpu_tests_sampling.txt" | cut -c1-300
   timeout "$(left 300)" python -m pytest -q -m gpu -rfE ${GPU_TESTS:-tests} > "$R/gpu_tests.txt" 2>&1
   tail -12 "$R/gpu_tests.txt" | cut -c1-300 ;;
 decode)  # issue 7: V4-Flash decode vs HBM roofline and vs HF (grouped FP4 MoE + target graphs: the defaults)
   step "bench_decode_v4 (grouped FP4 MoE + target graphs)"
   timeout "$(left 150)" python benchmarks/bench_decode_v4.py --context 128,4096 --new-tokens 32 \
-    --kernel-profile 10 --json "$R/bench_decode_v4_graphs.json" > "$R/bench_decode_v4_graphs.txt" 2>&1
-  grep -v -i "warn\|it/s\]" "$R/bench_decode_v4_graphs.txt" | tail -40 | cut -c1-250
+    --kernel-profile 10 --host-profile 20 --json "$R/bench_decode_v4_graphs.json" > "$R/bench_decode_v4_graphs.txt" 2>&1
+  grep -v -i "warn\|it/s\]" "$R/bench_decode_v4_graphs.txt" | tail -40 | cut -c1-250 ;;
+quick)   # issue 7: the decode step at context 128 only, no HF side (kernel + host profiles)
+  step "bench_decode_v4 quick"
+  timeout "$(left 120)" python benchmarks/bench_decode_v4.py --context 128 --skip-hf \
+    --kernel-profile 5 --host-profile 10 --json "$R/bench_decode_quick.json" > "$R/bench_decode_quick.txt" 2>&1
+  grep -v -i "warn\|it/s\]" "$R/bench_decode_quick.txt" | grep -A22 "^ context\|^(c)" | cut -c1-160 ;;
+ncu)     # issue 7: Nsight Compute sections of the attention and MoE decode kernels
+  step "ncu"
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  if [ -z "$NCU" ]; then echo "no ncu on this machine"; else
+    for k in attention:sparse_mqa_v3 moe:fp4_moe_gate_up; do
+      timeout "$(left 150)" "$NCU" --kernel-name "regex:${k#*:}" --launch-skip 2 --launch-count 1 \
+        --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
+        --section LaunchStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+        python benchmarks/ncu_targets.py --only "${k%%:*}" > "$R/ncu_${k%%:*}.txt" 2>&1
+      grep -v "^==PROF==\|^    ---\|^ *$" "$R/ncu_${k%%:*}.txt" | grep -i "duration\|throughput\|stall\|warp cycles\|issued\|registers\|occupancy\|eligible\|active warps\|error" | head -30
+    done
+  fi ;;
+v3c)     # issue 7: fp16 MMA operands in the sparse-MQA v3 kernel vs the shipped bf16 rows
+  step "sweep_attention --grid v3c"
+  timeout "$(left 200)" python benchmarks/sweep_attention.py --grid v3c --budget-s 150 \
+    --json "$R/sweep_attention_v3c.json" > "$R/sweep_v3c.txt" 2>&1; grep -v -i warn "$R/sweep_v3c.txt" | tail -16 ;;
+moe)     # issue 7: the grouped FP4 MoE kernels at decode / verify token counts
+  step "bench_decode_kernels --skip-fp8"
+  timeout "$(left 120)" python benchmarks/bench_decode_kernels.py --skip-fp8 --moe-tokens 1 6 16 \
+    --json "$R/bench_moe.json" > "$R/bench_moe.txt" 2>&1; grep -v -i warn "$R/bench_moe.txt" | tail -22 ;;
+kernels) # issue 7: the few-token FP8 / grouped FP4 MoE kernels alone (cold L2, graph replay)
   step "bench_decode_kernels (few-token FP8 / grouped FP4 MoE kernels, old vs new)"
   timeout "$(left 150)" python benchmarks/bench_decode_kernels.py --json "$R/bench_decode_kernels.json" \
     > "$R/bench_decode_kernels.txt" 2>&1; grep -v -i warn "$R/bench_decode_kernels.txt" | tail -12 ;;

@@ -147,13 +147,24 @@ GRID_V3B = [
     _c("v3", block_k=32, num_stages=2, kv_splits=4, **_E),
 ]
 
+# v3c: fp16 MMA operands (e4m3 -> f16 in one conversion per value pair, the scale an f16 multiply;
+# fp16 q and P) against the shipped bf16 rows.
+_H = dict(precision="fp16")
+GRID_V3C = [
+    _c("v3", block_k=64, num_stages=2, **_E), _c("v3", block_k=64, num_stages=2, **_E, **_H),
+    _c("v3", block_k=64, num_stages=3, **_E, **_H), _c("v3", block_k=64, num_stages=2, **_H),
+    _c("v3", block_k=32, num_stages=2, kv_splits=4), _c("v3", block_k=32, num_stages=2,
+                                                         kv_splits=4, **_H),
+]
+
 
 def cfg_name(cfg: dict) -> str:
     s = (f"{cfg['impl']} h{cfg['block_h']} k{cfg['block_k']} d{cfg['split_d']} "
          f"kv{cfg['kv_splits']} w{cfg['num_warps']} s{cfg['num_stages']}")
     return (s + (f" r{cfg['maxnreg']}" if cfg.get("maxnreg") else "")
             + (" hv" if cfg.get("halves") else "")
-            + (" early" if cfg.get("early_decode") else ""))
+            + (" early" if cfg.get("early_decode") else "")
+            + (f" {cfg['precision']}" if cfg.get("precision") else ""))
 
 
 def _case(batch, args_dict):
@@ -377,9 +388,10 @@ def main(argv=None):
     ap.add_argument("--topk", type=int, default=512)
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--ctx-entries", type=int, default=2048)
-    ap.add_argument("--grid", choices=["full", "quick", "v3", "v3b"], default="full",
+    ap.add_argument("--grid", choices=["full", "quick", "v3", "v3b", "v3c"], default="full",
                     help="full / quick: v1 + v2 families; v3: v2's shipped rows vs the v3 "
-                         "configs; v3b: v3 k64 s2 vs its candidate knobs (GRID_V3B)")
+                         "configs; v3b: v3 k64 s2 vs its candidate knobs (GRID_V3B); v3c: fp16 "
+                         "operands (GRID_V3C)")
     ap.add_argument("--iters", type=int, default=30, help="timed replays per config and shape")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the configs")
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1),
@@ -397,7 +409,7 @@ def main(argv=None):
         sys.exit("sweep_attention.py needs a CUDA GPU; run tests/test_kernels.py -k mqa on CPU.")
     t_start = time.perf_counter()
     configs = {"full": GRID_FULL, "quick": GRID_QUICK, "v3": GRID_V3,
-               "v3b": GRID_V3B}[args.grid]
+               "v3b": GRID_V3B, "v3c": GRID_V3C}[args.grid]
     args_dict = vars(args)
     print(f"{len(configs)} configurations x batches {args.batches}", flush=True)
     pre = precompile_all(configs, args_dict, min(args.workers, len(configs)),

@@ -33,8 +33,8 @@ from .models.drafter import DSparkDrafter
 from .models.loader import load_checkpoint
 from .request import BlockTokens, Request, Status
 from .runner import ModelRunner, QuantSim
-from .sampling import (SamplingParams, filters_used, fused_sampling_enabled, probs_from_logits,
-                       stack_params)
+from .sampling import (SamplingParams, argmax_rows, filters_used, fused_sampling_enabled,
+                       probs_from_logits, stack_params)
 from .scheduler import Scheduler
 from .spec.policy import make_policy
 from .spec.verify import FinishReason, accept_greedy_host, emit_and_stop_host, verify
@@ -382,7 +382,7 @@ class Engine:
         if greedy:
             # greedy fast path: argmaxes only, no softmax over V, no random draws; the compare
             # runs on the host after the one read back below
-            head = logits[row_idx].argmax(-1)                                   # [R, γ+1]
+            head = argmax_rows(logits[row_idx])                                 # [R, γ+1]
         else:
             use_top_k, use_top_p = filters_used([r.params for r in reqs])
             # q = None: every verified draft is a point mass at its token (greedy drafts, or

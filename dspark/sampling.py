@@ -141,6 +141,21 @@ def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor,
     return probs.scatter_(1, top, torch.where(greedy.unsqueeze(1), 1.0, probs.gather(1, top)))
 
 
+def argmax_rows(x: torch.Tensor, two_pass: bool | None = None) -> torch.Tensor:
+    """x.argmax(-1) (first index on ties, NaN counts as the maximum, as torch's), in two passes
+    over chunks of the last dim on CUDA: torch's one-pass argmax over a 129k vocabulary row runs
+    ~28 us on the H200 (few blocks per row), chunk maxima then the maximum of those ~4 us. The
+    first maximal chunk holds the first maximal index, so ties and NaN resolve the same way.
+    two_pass: None = on CUDA only (tests force it on CPU)."""
+    V = x.shape[-1]
+    chunk = next((c for c in (512, 256, 128) if V % c == 0 and V // c >= 8), 0)
+    if not chunk or not (x.is_cuda if two_pass is None else two_pass):
+        return x.argmax(-1)
+    best, where = x.unflatten(-1, (V // chunk, chunk)).max(-1)           # [..., V / chunk]
+    c = best.argmax(-1, keepdim=True)
+    return (c * chunk + where.gather(-1, c)).squeeze(-1)
+
+
 def fused_sampling_enabled(device) -> bool:
     """Whether sampled draft tokens / sampled verification use the fused Triton kernels
     (dspark/kernels/sampling.py, both validated against this module on an H200) instead of the

@@ -8,14 +8,14 @@ from dspark.kvcache.paged import PagedKVCache
 from dspark.runner import ModelRunner, QuantSim
 
 
-def load_model(path, dtype="fp32"):
-    return Engine(path, device="cpu", dtype=dtype, kv_cache_dtype="fp32",
+def load_model(path, dtype="fp32", device="cpu"):
+    return Engine(path, device=device, dtype=dtype, kv_cache_dtype="fp32",
                   speculative="none").model
 
 
-def dense_runner(model, quant=False):
+def dense_runner(model, quant=False, device="cpu"):
     """The dense reference path (DenseState per request), QuantSim on for fp8 comparisons."""
-    return ModelRunner(model, None, "cpu", QuantSim() if quant else None)
+    return ModelRunner(model, None, device, QuantSim() if quant else None)
 
 
 def paged_runner(model, kv_cache_dtype="fp32", backend="reference", **cache_kw):

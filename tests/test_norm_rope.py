@@ -113,11 +113,11 @@ def test_model_forward_with_fused_norms(tiny_ckpt, dtype):
     RoPE == the torch composition. (Without the fp8 / fp4 quantisation simulation: on these
     random weights a last-bit difference that flips one fp8 rounding moves the logits by ~10%.)"""
     from paged_helpers import dense_runner, load_model
-    model = load_model(tiny_ckpt, dtype)
-    toks = [(11 * i + 5) % model.cfg.vocab_size for i in range(40)]
+    model = load_model(tiny_ckpt, dtype, device=DEV)     # (CUDA: the compiled kernel needs
+    toks = [(11 * i + 5) % model.cfg.vocab_size for i in range(40)]   # device tensors)
 
     def run():
-        r = dense_runner(model, quant=False)
+        r = dense_runner(model, quant=False, device=DEV)
         return r.target_forward([(r.new_states()[0], 0, toks)])[0]
     got, want = both(run)
     err = ((got - want).abs().max() / want.abs().max()).item()

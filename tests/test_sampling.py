@@ -196,3 +196,23 @@ def test_sample_from_probs_never_returns_zero_probability_token():
     row = torch.tensor([[0.0, 0.4, 0.0, 0.6, 0.0]])
     assert sample_from_probs(row, torch.tensor([0.0])).item() == 1
     assert sample_from_probs(row, torch.tensor([1 - 2 ** -24])).item() == 3
+
+
+def test_argmax_rows_two_pass_matches_argmax():
+    """The chunked two-pass argmax (CUDA default) == torch's argmax, ties (first index) and NaN
+    (counts as the maximum, first one wins) included, on CPU by forcing the two passes."""
+    from dspark.sampling import argmax_rows
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-3, 4, (5, 3, 129280), generator=g).float()     # many ties per row
+    x[0, 0, 70000] = 10.0
+    x[0, 0, 90000] = 10.0                                              # tie across chunks
+    x[1, 2, 5] = float("nan")
+    x[1, 2, 100000] = float("nan")
+    x[2, 1, 129279] = 99.0                                             # last column
+    want = x.argmax(-1)
+    assert torch.equal(argmax_rows(x, two_pass=True), want)
+    assert want[0, 0] == 70000 and want[1, 2] == 5 and want[2, 1] == 129279
+    if torch.cuda.is_available():                                      # the default path there
+        assert torch.equal(argmax_rows(x.cuda()).cpu(), want)
+    odd = torch.randn(2, 1001, generator=g)                            # no chunk divides: one pass
+    assert torch.equal(argmax_rows(odd, two_pass=True), odd.argmax(-1))

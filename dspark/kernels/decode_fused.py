@@ -169,24 +169,27 @@ def gather_pool(ring_a, ring_z, a, z, from_ring, ring_rows, fresh_rows, before_z
 @triton.jit
 def _hadamard_fp4_kernel(x_ptr, out_ptr, N, stride_x, inv_sqrt, amax_floor,
                          BLOCK_R: tl.constexpr, DIM: tl.constexpr, FP4_BLOCK: tl.constexpr):
+    """Grid (row blocks, DIM / FP4_BLOCK): program (r, c) writes the FP4 block c (columns
+    [c·32, c·32 + 32)) of BLOCK_R rows: y = x H[:, block] / sqrt(DIM) with the Sylvester
+    H[i, j] = (-1)^popcount(i & j), then the block's e2m1 round trip. Many small programs: a
+    decode step has ~65 rows (one token's indexer heads), and one program per 16 rows took
+    20-80 us on the H200 (4 programs, long serial FMA chains)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, DIM)
+    cols = tl.program_id(1) * FP4_BLOCK + tl.arange(0, FP4_BLOCK)                # [32]
+    ks = tl.arange(0, DIM)
     rmask = (rows < N)[:, None]
-    x_rows = x_ptr + rows.to(tl.int64) * stride_x
-    # y = x H with the Sylvester H[i, j] = (-1)^popcount(i & j), one input column at a time
-    # (x[:, i] · ±1 is exact: each step is one rounded fp32 add, a [BLOCK_R, DIM] accumulator)
-    y = tl.zeros((BLOCK_R, DIM), dtype=tl.float32)
-    for i in range(DIM):
-        xi = tl.load(x_rows + i, mask=rows < N, other=0.0).to(tl.float32)
-        v = cols & i
-        v = v ^ (v >> 4)
-        v = v ^ (v >> 2)
-        v = v ^ (v >> 1)
-        y += tl.where((v & 1) == 0, xi[:, None], -xi[:, None])
-    y = y * inv_sqrt                                                    # [BLOCK_R, DIM]
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + ks[None, :], mask=rmask,
+                other=0.0).to(tl.float32)                                        # [R, DIM]
+    v = ks[:, None] & cols[None, :]
+    v = v ^ (v >> 4)
+    v = v ^ (v >> 2)
+    v = v ^ (v >> 1)
+    hmat = tl.where((v & 1) == 0, 1.0, -1.0)                                     # [DIM, 32]
+    # exact ±1 products, fp32 sums (only their order differs from the reference GEMM)
+    y = tl.sum(x[:, :, None] * hmat[None, :, :], axis=1) * inv_sqrt              # [R, 32]
     # FP4 (e2m1) round trip in 32-blocks
-    yb = tl.reshape(y, (BLOCK_R, DIM // FP4_BLOCK, FP4_BLOCK))
-    amax = tl.maximum(tl.max(tl.abs(yb), axis=2), amax_floor)          # [BLOCK_R, DIM/32]
+    yb = tl.reshape(y, (BLOCK_R, 1, FP4_BLOCK))
+    amax = tl.maximum(tl.max(tl.abs(yb), axis=2), amax_floor)          # [BLOCK_R, 1]
     bits = amax.to(tl.int32, bitcast=True)
     # ceil(log2(amax / 6)) exactly: amax = M·2^E, amax/6 = (M/1.5)·2^(E-2)
     e = ((bits >> 23) & 0xFF) - 127 - 2 + ((bits & 0x7FFFFF) > 0x400000).to(tl.int32)
@@ -202,7 +205,7 @@ def _hadamard_fp4_kernel(x_ptr, out_ptr, N, stride_x, inv_sqrt, amax_floor,
     r = tl.minimum(t * spacing, 6.0)
     sign = q.to(tl.int32, bitcast=True) & (-2147483648)
     r = (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-    out = tl.reshape(r * scale[:, :, None], (BLOCK_R, DIM))
+    out = tl.reshape(r * scale[:, :, None], (BLOCK_R, FP4_BLOCK))
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * DIM + cols[None, :], out, mask=rmask)
 
 
@@ -214,11 +217,14 @@ def hadamard_fp4(x: torch.Tensor) -> torch.Tensor:
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     out = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
-    n, BLOCK_R = x2.shape[0], 16
+    n = x2.shape[0]
+    # decode: many small programs; long prefills: 4 rows per program at 8 warps (the [R, 128,
+    # 32] product stays at 64 values per thread either way)
+    BLOCK_R, warps = (2, 4) if n <= 4096 else (4, 8)
     if n:
-        _hadamard_fp4_kernel[(triton.cdiv(n, BLOCK_R),)](
+        _hadamard_fp4_kernel[(triton.cdiv(n, BLOCK_R), INDEXER_DIM // FP4_BLOCK)](
             x2, out, n, x2.stride(0), INDEXER_DIM ** -0.5, FP4_AMAX_FLOOR, BLOCK_R=BLOCK_R,
-            DIM=INDEXER_DIM, FP4_BLOCK=FP4_BLOCK, num_warps=4)
+            DIM=INDEXER_DIM, FP4_BLOCK=FP4_BLOCK, num_warps=warps)
     return out.view(x.shape)
 
 

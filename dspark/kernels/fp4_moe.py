@@ -303,33 +303,61 @@ def _round_to(v, DT: tl.constexpr):
 
 
 @triton.jit
+def _x_pairs(x_row_ptr, kb, b_ok, K, BF16_PAIRS: tl.constexpr):
+    """fp32 (x[2 kb], x[2 kb + 1]) for byte columns kb [G, 16]. BF16_PAIRS (bf16 x, even K, the
+    row 4-byte aligned): one contiguous int32 load per pair, split by bit shifts (exact), instead
+    of two strided 2-byte loads: on the H200 the strided loads, repeated by every row's thread,
+    kept the L1 pipe ~92% busy."""
+    if BF16_PAIRS:
+        pr = tl.load(x_row_ptr.to(tl.pointer_type(tl.int32)) + kb, mask=b_ok, other=0)
+        xe = (pr << 16).to(tl.float32, bitcast=True)
+        xo = (pr & -65536).to(tl.float32, bitcast=True)
+    else:
+        ke = 2 * kb
+        xe = tl.load(x_row_ptr + ke, mask=b_ok & (ke < K), other=0.0).to(tl.float32)
+        xo = tl.load(x_row_ptr + ke + 1, mask=b_ok & (ke + 1 < K), other=0.0).to(tl.float32)
+    return xe, xo
+
+
+@triton.jit
 def _fp4_gemv_tile(x_row_ptr, w_rows_ptr, stride_wn, s_rows_ptr, stride_sn, n_ok, K,
-                   BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
+                   second_w, second_s,
+                   BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, TWO: tl.constexpr,
+                   BF16_PAIRS: tl.constexpr):
     """fp32 [BLOCK_N]: x[0:K] . W[n, 0:K] for BLOCK_N packed FP4 rows (row n at w_rows_ptr +
     n * stride_wn, its UE8M0 scales at s_rows_ptr + n * stride_sn; n_ok masks rows). Works on
-    [BLOCK_N, BLOCK_G groups, 16 bytes] tiles: 32 columns share one scale."""
+    [BLOCK_N, BLOCK_G groups, 16 bytes] tiles: 32 columns share one scale. TWO: also the rows
+    second_w / second_s elements further on (gate and up rows of an expert) in the same loop,
+    sharing the x loads; returns (first, second) (second = zeros when not TWO)."""
     rn = tl.arange(0, BLOCK_N).to(tl.int64)
     gi = tl.arange(0, BLOCK_G)
     ji = tl.arange(0, 16)
     KB = (K + 1) // 2
     NG = (K + 31) // 32
     acc = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
     for g0 in range(0, NG, BLOCK_G):
         grp = g0 + gi                                           # scale column [G]
         kb = grp[:, None] * 16 + ji[None, :]                    # byte column [G, 16]
         b_ok = kb < KB
-        wb = tl.load(w_rows_ptr + rn[:, None, None] * stride_wn + kb[None, :, :],
-                     mask=n_ok[:, None, None] & b_ok[None, :, :], other=0)
-        wb = wb.to(tl.int32) & 0xFF
-        ke = 2 * kb
-        xe = tl.load(x_row_ptr + ke, mask=b_ok & (ke < K), other=0.0).to(tl.float32)
-        xo = tl.load(x_row_ptr + ke + 1, mask=b_ok & (ke + 1 < K), other=0.0).to(tl.float32)
+        w_ptrs = w_rows_ptr + rn[:, None, None] * stride_wn + kb[None, :, :]
+        w_mask = n_ok[:, None, None] & b_ok[None, :, :]
+        s_ptrs = s_rows_ptr + rn[:, None] * stride_sn + grp[None, :]
+        s_mask = n_ok[:, None] & (grp < NG)[None, :]
+        wb = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.int32) & 0xFF
+        sb = tl.load(s_ptrs, mask=s_mask, other=0).to(tl.int32)
+        if TWO:
+            wb2 = tl.load(w_ptrs + second_w, mask=w_mask, other=0).to(tl.int32) & 0xFF
+            sb2 = tl.load(s_ptrs + second_s, mask=s_mask, other=0).to(tl.int32)
+        xe, xo = _x_pairs(x_row_ptr, kb, b_ok, K, BF16_PAIRS)
         part = tl.sum(_e2m1_times_2pow14(wb & 0xF) * xe[None, :, :]
                       + _e2m1_times_2pow14(wb >> 4) * xo[None, :, :], axis=2)     # [N, G]
-        sb = tl.load(s_rows_ptr + rn[:, None] * stride_sn + grp[None, :],
-                     mask=n_ok[:, None] & (grp < NG)[None, :], other=0).to(tl.int32)
         acc += part * ((sb + 14) << 23).to(tl.float32, bitcast=True)  # 2^(b-127) * 2^14
-    return tl.sum(acc, axis=1)
+        if TWO:
+            part2 = tl.sum(_e2m1_times_2pow14(wb2 & 0xF) * xe[None, :, :]
+                           + _e2m1_times_2pow14(wb2 >> 4) * xo[None, :, :], axis=2)
+            acc2 += part2 * ((sb2 + 14) << 23).to(tl.float32, bitcast=True)
+    return tl.sum(acc, axis=1), tl.sum(acc2, axis=1)
 
 
 @triton.jit
@@ -351,7 +379,7 @@ def _fp4_moe_gate_up_kernel(
     x_ptr, stride_xt, idx_ptr, rw_ptr, emap_ptr,
     w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, h_ptr, stride_hp,
     KSLOTS, I, D, limit, NP,                    # NP: programs along axis 0, bucketed (tuning key)
-    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, DT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, DT: tl.constexpr, BF16_PAIRS: tl.constexpr,
 ):
     p = tl.program_id(0)                                    # (token, slot) pair
     pid_n = tl.program_id(1)
@@ -365,9 +393,8 @@ def _fp4_moe_gate_up_kernel(
     x_row = x_ptr + t.to(tl.int64) * stride_xt
     w_base = w_ptr + row * stride_we + (pid_n * BLOCK_N).to(tl.int64) * stride_wn
     s_base = s_ptr + row * stride_se + (pid_n * BLOCK_N).to(tl.int64) * stride_sn
-    g = _fp4_gemv_tile(x_row, w_base, stride_wn, s_base, stride_sn, n_ok, D, BLOCK_N, BLOCK_G)
-    u = _fp4_gemv_tile(x_row, w_base + I * stride_wn, stride_wn,
-                       s_base + I * stride_sn, stride_sn, n_ok, D, BLOCK_N, BLOCK_G)
+    g, u = _fp4_gemv_tile(x_row, w_base, stride_wn, s_base, stride_sn, n_ok, D,
+                          I * stride_wn, I * stride_sn, BLOCK_N, BLOCK_G, True, BF16_PAIRS)
     h = _swiglu_h(g, u, limit, tl.load(rw_ptr + p).to(tl.float32), DT)
     tl.store(h_ptr + p.to(tl.int64) * stride_hp + rn, h, mask=rn < I)
 
@@ -377,7 +404,7 @@ def _fp4_moe_down_kernel(
     h_ptr, stride_hp, idx_ptr, emap_ptr,
     w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, out_ptr, stride_ot,
     KSLOTS, D, I, NP,                           # NP: programs along axis 0, bucketed (tuning key)
-    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, DT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, DT: tl.constexpr, BF16_PAIRS: tl.constexpr,
 ):
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -390,8 +417,8 @@ def _fp4_moe_down_kernel(
         row = tl.maximum(row, 0).to(tl.int64)
         w_base = w_ptr + row * stride_we + (pid_n * BLOCK_N).to(tl.int64) * stride_wn
         s_base = s_ptr + row * stride_se + (pid_n * BLOCK_N).to(tl.int64) * stride_sn
-        y = _fp4_gemv_tile(h_ptr + p.to(tl.int64) * stride_hp, w_base, stride_wn, s_base,
-                           stride_sn, n_ok, I, BLOCK_N, BLOCK_G)
+        y, _ = _fp4_gemv_tile(h_ptr + p.to(tl.int64) * stride_hp, w_base, stride_wn, s_base,
+                              stride_sn, n_ok, I, 0, 0, BLOCK_N, BLOCK_G, False, BF16_PAIRS)
         out += _round_to(y, DT)                             # each expert's output in x.dtype
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + rn, out, mask=rn < D)
 
@@ -400,13 +427,14 @@ _DT_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"
 
 
 def _grouped_blocks(programs_per_col: int, n: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_G): 8 rows x 16 scale groups (512 columns, 256 bytes per row) per K step,
-    what DSPARK_AUTOTUNE picked on the H200 at V4-Flash widths for 1, 6 and 768 pairs alike (the
-    kernels are latency-bound: more, smaller programs keep more loads in flight); gate_up + down
-    per layer at batch 1 went from 199 to 126 us."""
+    """(BLOCK_N, BLOCK_G): 4 rows x 32 scale groups (1024 columns, 512 bytes per row) per K step.
+    H200 at V4-Flash widths (benchmarks/bench_decode_kernels.py, cold L2, graph replay; gate_up
+    + down per layer): 8 x 16 (the earlier DSPARK_AUTOTUNE pick) 100.4 / 553 / 1449 us at 1 / 6
+    / 16 tokens, 4 x 32 94.4 / 485 / 1273, 16 x 8 and 16 x 16 twice as slow (the kernels are
+    latency-bound: more, smaller programs keep more loads in flight)."""
     if _interpreting():
         return 64, 2          # few programs (the interpreter's cost is per program)
-    return 8, 16
+    return 4, 32
 
 
 # ---- opt-in autotuning (DSPARK_AUTOTUNE=1) ---------------------------------------------------
@@ -483,6 +511,9 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     P = T * k
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
     dt = _DT_NAME[x.dtype]
+    # bf16 activations read as int32 pairs: even widths, 4-byte aligned rows (h is ours)
+    pairs = (dt == "bf16" and D % 2 == 0 and I % 2 == 0 and x.stride(0) % 2 == 0
+             and x.data_ptr() % 4 == 0)
     w13, s13, w2, s2, emap = stack
     up_args = (x, x.stride(0), idx, weights, emap, w13, w13.stride(0), w13.stride(1), s13,
                s13.stride(0), s13.stride(1), h, h.stride(0), k, I, D, float(swiglu_limit),
@@ -491,12 +522,14 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                  s2.stride(1), out, out.stride(0), k, D, I, _np_bucket(T))
     if block is None and autotune_enabled():
         _tuned(_fp4_moe_gate_up_kernel, ["NP", "KSLOTS", "I", "D"])[
-            lambda m: (P, triton.cdiv(I, m["BLOCK_N"]))](*up_args, DT=dt)
+            lambda m: (P, triton.cdiv(I, m["BLOCK_N"]))](*up_args, DT=dt, BF16_PAIRS=pairs)
         _tuned(_fp4_moe_down_kernel, ["NP", "KSLOTS", "D", "I"])[
-            lambda m: (T, triton.cdiv(D, m["BLOCK_N"]))](*down_args, DT=dt)
+            lambda m: (T, triton.cdiv(D, m["BLOCK_N"]))](*down_args, DT=dt, BF16_PAIRS=pairs)
         return out
     bn1, bg1 = block or _grouped_blocks(P, I)
     bn2, bg2 = block or _grouped_blocks(T, D)
-    _fp4_moe_gate_up_kernel[(P, triton.cdiv(I, bn1))](*up_args, BLOCK_N=bn1, BLOCK_G=bg1, DT=dt)
-    _fp4_moe_down_kernel[(T, triton.cdiv(D, bn2))](*down_args, BLOCK_N=bn2, BLOCK_G=bg2, DT=dt)
+    _fp4_moe_gate_up_kernel[(P, triton.cdiv(I, bn1))](*up_args, BLOCK_N=bn1, BLOCK_G=bg1, DT=dt,
+                                                      BF16_PAIRS=pairs)
+    _fp4_moe_down_kernel[(T, triton.cdiv(D, bn2))](*down_args, BLOCK_N=bn2, BLOCK_G=bg2, DT=dt,
+                                                   BF16_PAIRS=pairs)
     return out

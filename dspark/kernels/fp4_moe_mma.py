@@ -35,8 +35,10 @@ from dspark.kernels.fp4_moe import _DT_NAME, FP4ExpertStack, _round_to, _swiglu_
 
 BLOCK_T = 16          # token columns per program (the MMA's N side)
 # tokens from which fp4_moe_grouped takes this path by default (below it every expert is used by
-# ~1 token: the align step's launches cost more than the shared weight reads save)
-MMA_MIN_TOKENS = 16
+# ~1 token: the align step's launches cost more than the shared weight reads save). H200,
+# benchmarks/results/bench_moe_h200.json: at 16 tokens the CUDA-core kernels (int32 pair loads,
+# 4 x 32 blocks) take 1273 us per layer vs 1526 here, so 32.
+MMA_MIN_TOKENS = 32
 
 
 def mma_enabled() -> bool:

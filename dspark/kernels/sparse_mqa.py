@@ -72,15 +72,17 @@ def _interpreting() -> bool:
 
 
 def _pick_precision(q_dtype: torch.dtype, precision: str | None) -> str:
-    """MMA operand precision: 'bf16' (production, bf16 q), 'tf32' (fp32 q on GPU) or 'ieee'.
+    """MMA operand precision: 'bf16' (bf16 q; the default rows may switch it to 'fp16', see
+    DEFAULT_CONFIGS), 'fp16' (asked for), 'tf32' (fp32 q on GPU) or 'ieee'.
 
     Under TRITON_INTERPRET the interpreter's bf16 dot multiplies raw uint16 bit patterns (triton
     3.9) and its fp32→bf16 cast does not round correctly, so the interpreter always uses 'ieee'
     (exact fp32 products: the kernel is then more accurate than on GPU, never less)."""
-    if _interpreting():
-        return "ieee"
     if precision is not None:
-        assert precision in ("bf16", "tf32", "ieee"), precision
+        assert precision in ("bf16", "fp16", "tf32", "ieee"), precision
+    if _interpreting():
+        return "fp16" if precision == "fp16" else "ieee"     # (numpy's fp16 dot is sound)
+    if precision is not None:
         return precision
     return "bf16" if q_dtype == torch.bfloat16 else "tf32"
 
@@ -91,9 +93,11 @@ def _pick_precision(q_dtype: torch.dtype, precision: str | None) -> str:
 
 @triton.jit
 def _mma_operand(x, PRECISION: tl.constexpr):
-    """Cast a tile to the MMA input type once (bf16 for 'bf16', fp32 otherwise)."""
+    """Cast a tile to the MMA input type once (bf16 / fp16 for 'bf16' / 'fp16', else fp32)."""
     if PRECISION == "bf16":
         return x.to(tl.bfloat16)
+    elif PRECISION == "fp16":
+        return x.to(tl.float16)
     else:
         return x.to(tl.float32)
 
@@ -103,7 +107,7 @@ def _mma(a, b, PRECISION: tl.constexpr):
     """a @ b with fp32 accumulation; operands rounded to the chosen MMA input precision."""
     a = _mma_operand(a, PRECISION)
     b = _mma_operand(b, PRECISION)
-    if PRECISION == "bf16":
+    if PRECISION == "bf16" or PRECISION == "fp16":
         return tl.dot(a, b)
     elif PRECISION == "tf32":
         return tl.dot(a, b, input_precision="tf32")
@@ -285,7 +289,7 @@ def _sparse_mqa_kernel(
 @triton.jit
 def _dot(a, b, acc, PRECISION: tl.constexpr):
     """acc + a @ b (fp32 accumulation); a, b already in the MMA operand type."""
-    if PRECISION == "bf16":
+    if PRECISION == "bf16" or PRECISION == "fp16":
         return tl.dot(a, b, acc)
     elif PRECISION == "tf32":
         return tl.dot(a, b, acc, input_precision="tf32")
@@ -545,12 +549,17 @@ def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr, stride_ot, stride_oh, 
 # 64 / 128 / 256 requests = 1.64-1.68x FlashMLA (v2 in the same run 110.6 / 206.0 / 402.8 = 2.25-
 # 2.32x). --grid v3b (sweep_attention_v3b_h200.json): early_decode (a tile's four chunks decoded
 # before its first score wgmma) 77.3 / 147.0 / 282.2 us = 1.58-1.62x; the bit-trick fp8 decode,
-# lazy rescaling and 64-column chunks were all slower (1.80-2.41x).
+# lazy rescaling and 64-column chunks were all slower (1.80-2.41x). --grid v3c
+# (sweep_attention_v3c_h200.json): fp16 MMA operands (q, the decoded keys, P; an e4m3 pair becomes
+# an f16 pair in one conversion, the power-of-two scale one f16 multiply, where the bf16 path goes
+# through fp32): 72.1 / 136.6 / 260.9 us = 1.48 / 1.49 / 1.50x FlashMLA at 64 / 128 / 256
+# requests (bf16 in the same run 77.3 / 146.1 / 280.5), 38.0 us at 16. fp16 keeps 3 more mantissa
+# bits than bf16; its range (|value| < 65504, scales >= 2^-24) holds for RMS-normed latents.
 DEFAULT_CONFIGS: list[tuple[int | None, dict]] = [
     (32, dict(impl="v3", block_h=64, block_k=32, split_d=1, kv_splits=4, num_warps=8,
-              num_stages=2)),
+              num_stages=2, fp16_operands=True)),
     (None, dict(impl="v3", block_h=64, block_k=64, split_d=1, kv_splits=1, num_warps=8,
-                num_stages=2, early_decode=True)),
+                num_stages=2, early_decode=True, fp16_operands=True)),
 ]
 
 
@@ -566,7 +575,7 @@ def _resolve_config(T: int, H: int, prec: str, user: dict) -> dict:
     """
     user = {k: v for k, v in user.items() if v is not None}
     cfg = None
-    if not user and prec == "bf16" and H >= 64:
+    if not user and prec in ("bf16", "fp16") and H >= 64:
         for bound, row in DEFAULT_CONFIGS:
             if bound is None or T <= bound:
                 cfg = dict(row)
@@ -576,7 +585,7 @@ def _resolve_config(T: int, H: int, prec: str, user: dict) -> dict:
         bh = user.get("block_h", min(64, max(16, triton.next_power_of_2(H))))
         # fp32 operands: v2 keeps q and the key tile in shared memory (and a layout-conversion
         # scratch), so 16 keys per tile there (32 would need 256 KB at tf32)
-        bk = 64 if prec == "bf16" else (32 if impl == "v1" else 16)
+        bk = 64 if prec in ("bf16", "fp16") else (32 if impl == "v1" else 16)
         cfg = dict(impl=impl, block_h=bh, block_k=bk, split_d=1, kv_splits=1,
                    num_warps=8 if bh >= 64 else 4, num_stages=1)
     cfg.update(user)
@@ -585,6 +594,7 @@ def _resolve_config(T: int, H: int, prec: str, user: dict) -> dict:
     cfg.setdefault("maxnreg", None)
     cfg.setdefault("halves", False)
     cfg.setdefault("early_decode", False)
+    cfg.setdefault("fp16_operands", False)
     assert cfg["impl"] == "v3" or not cfg["early_decode"], "early_decode needs impl='v3'"
     assert cfg["impl"] in ("v1", "v2", "v3"), \
         f"impl must be 'v1', 'v2' or 'v3', got {cfg['impl']!r}"
@@ -636,6 +646,8 @@ def _launch(q, sink, scale, fp8, a, b, tuning: dict, precision):
         return out
     prec = _pick_precision(q.dtype, precision)
     cfg = _resolve_config(T, H, prec, tuning)
+    if precision is None and prec == "bf16" and cfg["fp16_operands"]:
+        prec = "fp16"           # a DEFAULT_CONFIGS row's choice (see there)
     has_b = b is not None
     if not has_b:
         b = a  # dummy arguments, never read (HAS_B = False)
@@ -723,7 +735,8 @@ def sparse_mqa_fp8(q: torch.Tensor, cache: torch.Tensor, entries_per_page: int,
     extra_*:  optional second cache / index list (e.g. compressed entries next to the SWA
               window), joined into the same softmax. ``extra_cache`` defaults to ``cache``.
     impl ('v1' | 'v2' | 'v3'), block_h, block_k, split_d, kv_splits, halves, num_warps, num_stages,
-    maxnreg, early_decode, precision ('bf16' | 'tf32' | 'ieee'):
+    maxnreg, early_decode, precision ('bf16' | 'fp16' | 'tf32' | 'ieee'; None: bf16 operands for
+    bf16 q, fp16 where the DEFAULT_CONFIGS row says fp16_operands, tf32 for fp32 q):
               tuning knobs (none given: the DEFAULT_CONFIGS row for T). split_d > 1 splits the
               512 output columns over that many programs (scores computed by each); kv_splits > 1
               (v2) splits each token's keys over that many programs plus a combine kernel.
