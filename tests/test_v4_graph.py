@@ -186,6 +186,45 @@ def test_fixed_shape_forward_equals_eager_triton_fp8(model):
     drive(model, "fp8", "triton", [3, 14], n_steps=4, tol=2e-2, seed=2)
 
 
+def test_decode_plans_computed_ahead(model):
+    """Consecutive decode steps reuse the plan computed during the previous step (every request
+    one position on, same pages) and stay equal to the eager path; a step that differs from the
+    guess (a verify block, a rollback, a request leaving) computes its own."""
+    eager, ce, prefill, cg, graphs = make_pair(model, "fp32", "reference", 2)
+    rng = random.Random(5)
+    seqs = [[rng.randrange(model.cfg.vocab_size) for _ in range(80)] for _ in range(2)]
+    P = [11, 14]
+    for r, n in enumerate(P):
+        for c in (ce, cg):
+            c.add_request(r)
+            c.reserve(r, 64)
+        eager.target_forward([(r, 0, seqs[r][:n])])
+        prefill.target_forward([(r, 0, seqs[r][:n])])
+
+    def step(who, q=1):
+        items = [(r, P[r], seqs[r][P[r]:P[r] + q]) for r in who]
+        le, _ = eager.target_forward(items)
+        lg, _ = graphs.run(items)
+        assert rel_err(lg, le) <= 1e-5, (items, rel_err(lg, le))
+        for r in who:
+            P[r] += q
+
+    for _ in range(8):                  # (request 1 crosses a page: reserved ahead, guessed)
+        step([0, 1])
+    assert graphs.plans_ahead_used == 7
+    step([0, 1], q=Q_VERIFY)            # a verify block: not the guess
+    step([0])                           # request 1 left the batch: not the guess
+    assert graphs.plans_ahead_used == 7
+    for r in (0, 1):                    # rollback by two positions: not the guess
+        P[r] -= 2
+        ce.truncate(r, P[r])
+        cg.truncate(r, P[r])
+    step([0, 1])
+    step([0, 1])
+    assert graphs.plans_ahead_used == 8
+    owned_rows_equal(ce, cg, [0, 1], 1e-5)
+
+
 def test_steps_that_do_not_fit_return_none_and_change_nothing(model):
     eager, ce, prefill, cg, graphs = make_pair(model, "fp32", "reference", 3, max_batch=2)
     for r in range(3):
