@@ -273,6 +273,8 @@ def decode_steps(eng, context: int, warmup: int, iters: int) -> dict:
         _sync(dev)
         prefill_s = time.perf_counter() - t0
         fwd.clear()
+        graphs = getattr(eng.runner, "target_graphs", None)
+        ahead0 = getattr(graphs, "plans_ahead_used", 0)
         steps = []
         for _ in range(warmup + iters):
             n0 = len(req.output_ids)
@@ -288,7 +290,9 @@ def decode_steps(eng, context: int, warmup: int, iters: int) -> dict:
     st, fw = steps[warmup:], fwd[warmup:]
     return {"context": context, "prefill_s": prefill_s, "step_ms": 1e3 * statistics.median(st),
             "step_min_ms": 1e3 * min(st), "forward_ms": 1e3 * statistics.median(fw),
-            "steps": len(st)}
+            "steps": len(st),
+            # steps whose host plan was computed during the step before (V4 target graphs)
+            "plans_ahead_used": getattr(graphs, "plans_ahead_used", 0) - ahead0}
 
 
 # what a kernel (CUDA) or a leaf op (CPU) belongs to, first match wins
