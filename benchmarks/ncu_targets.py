@@ -5,8 +5,8 @@
 
 Kernels: sparse-MQA v3 at the V4-Flash decode shape of the FlashMLA anchors (64 heads, 2 query
 tokens per request, window 128 + top-k 512 of 2048 entries, pages of 64; --batch requests, the
-shipped default config), and the grouped FP4 MoE at --tokens tokens (V4-Flash widths, 256
-experts, top-6).
+shipped default config), the grouped FP4 MoE at --tokens tokens (V4-Flash widths, 256
+experts, top-6), and the skinny FP8 linear of attention's wo_b (4096 x 8192) at --tokens tokens.
 """
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--calls", type=int, default=4)
-    ap.add_argument("--only", choices=("attention", "moe"), default=None)
+    ap.add_argument("--only", choices=("attention", "moe", "fp8"), default=None)
     args = ap.parse_args(argv)
-    if args.only != "moe":
+    if args.only in (None, "attention"):
         from bench_attention import build_case
 
         from dspark.kernels.sparse_mqa import sparse_mqa_fp8
@@ -34,7 +34,7 @@ def main(argv=None):
         for _ in range(args.calls):
             sparse_mqa_fp8(**case)
         torch.cuda.synchronize()
-    if args.only != "attention":
+    if args.only in (None, "moe"):
         from dspark.kernels.fp4_moe import fp4_moe_grouped, stack_fp4_experts
         from dspark.models.quant import quant_fp4
         E, k, D, I = 256, 6, 4096, 2048
@@ -47,6 +47,16 @@ def main(argv=None):
         w = torch.rand(args.tokens, k, device="cuda", generator=gen)
         for _ in range(args.calls):
             fp4_moe_grouped(x, idx, w, stack, 10.0)
+        torch.cuda.synchronize()
+    if args.only in (None, "fp8"):
+        from dspark.kernels import fp8_gemm as fg
+        from dspark.models.quant import quant_fp8_blocks
+        N, K = 4096, 8192
+        w, sc = quant_fp8_blocks(torch.randn(N, K, device="cuda") * 0.02)
+        x = torch.randn(args.tokens, K, device="cuda", dtype=torch.bfloat16)
+        for _ in range(args.calls):
+            fg.fp8_skinny_triton(x, w.view(torch.uint8), sc.view(torch.uint8), N, K,
+                                 torch.bfloat16, "bf16")
         torch.cuda.synchronize()
     print("done")
 

@@ -37,7 +37,7 @@ ncu)     # issue 7: Nsight Compute sections of the attention and MoE decode kern
   step "ncu"
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   if [ -z "$NCU" ]; then echo "no ncu on this machine"; else
-    for k in attention:sparse_mqa_v3 moe:fp4_moe_gate_up; do
+    for k in ${NCU_KERNELS:-attention:sparse_mqa_v3 moe:fp4_moe_gate_up fp8:fp8_skinny}; do
       timeout "$(left 150)" "$NCU" --kernel-name "regex:${k#*:}" --launch-skip 2 --launch-count 1 \
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
         --section LaunchStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \

@@ -185,21 +185,9 @@ def default_results_dir() -> str:
 
 
 def summarize_result_file(path: str) -> str:
-    """One line about a saved benchmark result: its own `summary` if it has one."""
-    try:
-        with open(path) as f:
-            d = json.load(f)
-    except (OSError, ValueError) as e:
-        return f"unreadable ({type(e).__name__})"
-    if not isinstance(d, dict):
-        return f"{type(d).__name__} of {len(d)}" if hasattr(d, "__len__") else "?"
-    dev = d.get("device")
-    dev = dev.get("name") if isinstance(dev, dict) else dev
-    if d.get("summary"):
-        return f"{d['summary']}" + (f"  [{dev}]" if dev else "")
-    n = len(d.get("results", [])) if isinstance(d.get("results"), list) else None
-    return (f"{n} result rows" if n is not None else f"keys {sorted(d)[:6]}") + \
-        (f"  [{dev}]" if dev else "")
+    """One line about a saved benchmark result (dspark/bench/results.py)."""
+    from .results import summarize_file
+    return summarize_file(path)
 
 
 def print_results_index(results_dir: str) -> None:

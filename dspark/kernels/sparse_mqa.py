@@ -646,8 +646,9 @@ def _launch(q, sink, scale, fp8, a, b, tuning: dict, precision):
         return out
     prec = _pick_precision(q.dtype, precision)
     cfg = _resolve_config(T, H, prec, tuning)
-    if precision is None and prec == "bf16" and cfg["fp16_operands"]:
-        prec = "fp16"           # a DEFAULT_CONFIGS row's choice (see there)
+    if precision is None and prec == "bf16" and cfg["fp16_operands"] and fp8:
+        prec = "fp16"           # a DEFAULT_CONFIGS row's choice for fp8 pages (see there); bf16
+                                # caches keep bf16 operands (their range is bf16's)
     has_b = b is not None
     if not has_b:
         b = a  # dummy arguments, never read (HAS_B = False)

@@ -472,7 +472,10 @@ class V4DecodeGraphs:
                 ids[rows] = toks
         ids[R * q:B * q] = 0                 # padding: token 0 at positions 0..q-1 of the scratch
         fields = (pos[:B * q], st[:B], sl[:B], va[:B], pt[:B * P].reshape(B, P))
-        self._fill_positions(items, B, q, P, *fields)
+        if not self._fill_positions(items, B, q, P, *fields):
+            raise ValueError(f"V4DecodeGraphs: a request's pages do not cover its rows "
+                             f"{[(rid, start, start + q) for rid, start, _ in items]}; reserve "
+                             "them before the step")
         hp.pack(self._host_plan_views(B, q, P), self._plan(B, q, P, fields))
         for rid, start, _ in items:
             c.begin_forward(rid, start, start + q)
