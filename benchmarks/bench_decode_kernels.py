@@ -102,9 +102,19 @@ def bench_fp8(tokens, iters, rows):
                             ("skinny", lambda x, w, s: fg.fp8_skinny_triton(
                                 x, w, s, N, K, torch.bfloat16, "bf16", groups=G).view(T, G, -1)))
             else:
+                bn, bt, split = fg._skinny_blocks(T, N, K, False)
+                nk = fg.triton.cdiv(K, 128)
                 variants = (("splitk", lambda x, w, s: splitk_linear(x, w, s, N, K)),
                             ("skinny", lambda x, w, s: fg.fp8_skinny_triton(
-                                x, w, s, N, K, torch.bfloat16, "bf16")))
+                                x, w, s, N, K, torch.bfloat16, "bf16")),
+                            # more K splits: more programs in flight per SM (candidates; the
+                            # shipped split aims at ~2 programs per SM)
+                            ("skinny_s2x", lambda x, w, s, b=(bn, bt, min(nk, 2 * split)):
+                                fg.fp8_skinny_triton(x, w, s, N, K, torch.bfloat16, "bf16",
+                                                     block=b)),
+                            ("skinny_s4x", lambda x, w, s, b=(bn, bt, min(nk, 4 * split)):
+                                fg.fp8_skinny_triton(x, w, s, N, K, torch.bfloat16, "bf16",
+                                                     block=b)))
             for variant, fn in variants:
                 err = _rel(fn(x, *ws[0]), ref)
                 t = graph_time([lambda w=w, s=s: fn(x, w, s) for w, s in ws], iters)
@@ -118,6 +128,8 @@ def bench_fp8(tokens, iters, rows):
 # grouped MoE variants: (name, kind, block, num_warps, num_stages); the first is the baseline
 MOE_VARIANTS = [("fma 8x16", "fma", (8, 16), 4, 3), ("fma 16x8", "fma", (16, 8), 4, 3),
                 ("fma 16x16", "fma", (16, 16), 4, 3), ("fma 4x32", "fma", (4, 32), 4, 3),
+                ("fma 4x32 pair decode", "fma-pair", (4, 32), 4, 3),     # candidate
+                ("fma 8x32 pair decode", "fma-pair", (8, 32), 4, 3),
                 ("mma 32x256 w4 s3", "mma", (32, 256), 4, 3),
                 ("mma 32x256 w4 s4", "mma", (32, 256), 4, 4),
                 ("mma 64x256 w4 s3", "mma", (64, 256), 4, 3)]
@@ -143,9 +155,10 @@ def bench_moe(tokens, iters, rows, E=256, k=6, D=4096, I=2048):
         ref = fp4_moe(xs[0], idxs[0], wts[0], experts, 10.0, grouped=False)   # per-expert loop
         base = None
         for name, kind, block, warps, stages in MOE_VARIANTS:
-            if kind == "fma":
+            if kind in ("fma", "fma-pair"):
                 os.environ["DSPARK_MOE_MMA"] = "0"
-                fn = lambda a, i, w, block=block: fp4_moe_grouped(a, i, w, stack, 10.0, block=block)  # noqa: E731
+                fn = lambda a, i, w, block=block, pd=kind == "fma-pair": fp4_moe_grouped(  # noqa: E731
+                    a, i, w, stack, 10.0, block=block, pair_decode=pd)
             else:
                 fn = lambda a, i, w, block=block, warps=warps, stages=stages: fp4_moe_mma(  # noqa: E731
                     a, i, w, stack, 10.0, block=block, num_warps=warps, num_stages=stages)
@@ -174,7 +187,9 @@ def _print_row(r):
     to, tn = r[f"{old}_us"], r[f"{new}_us"]
     print(f"{r['kind'] + ' ' + r['op']:28s} {r['T']:3d} {r['bytes'] / 1e6:7.1f} {to:8.1f} "
           f"{r['bytes'] / to / 1e6:5.2f} {tn:8.1f} {r['bytes'] / tn / 1e6:5.2f} {to / tn:6.2f}x "
-          f"{r[f'{old}_err']:8.1e} {r[f'{new}_err']:8.1e}", flush=True)
+          f"{r[f'{old}_err']:8.1e} {r[f'{new}_err']:8.1e}"
+          + "".join(f"  {v[7:]} {r[f'{v}_us']:.1f} us" for v in ("skinny_s2x", "skinny_s4x")
+                    if f"{v}_us" in r), flush=True)
 
 
 def main(argv=None):

@@ -24,6 +24,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--calls", type=int, default=4)
+    ap.add_argument("--pair-decode", action="store_true", help="MoE: the pair-decode candidate")
     ap.add_argument("--only", choices=("attention", "moe", "fp8"), default=None)
     args = ap.parse_args(argv)
     if args.only in (None, "attention"):
@@ -46,7 +47,7 @@ def main(argv=None):
         idx = torch.rand(args.tokens, E, device="cuda", generator=gen).topk(k, dim=-1).indices
         w = torch.rand(args.tokens, k, device="cuda", generator=gen)
         for _ in range(args.calls):
-            fp4_moe_grouped(x, idx, w, stack, 10.0)
+            fp4_moe_grouped(x, idx, w, stack, 10.0, pair_decode=args.pair_decode)
         torch.cuda.synchronize()
     if args.only in (None, "fp8"):
         from dspark.kernels import fp8_gemm as fg

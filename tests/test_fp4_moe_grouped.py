@@ -147,6 +147,23 @@ def test_grouped_half_precision_rounds_like_per_expert(experts, stack, dtype):
 
 
 @triton_ok
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_pair_decode_is_bit_identical(experts, stack, dtype):
+    """Decoding both codes of a byte together (pair_decode) yields the same values in the same
+    order: outputs bit-identical to the per-code decode, every byte value included (the spread
+    test weights use all 16 codes; the bf16 run takes the int32 activation-pair loads)."""
+    gen = torch.Generator().manual_seed(13)
+    T, k = 4, 3
+    x = torch.randn(T, D, generator=gen).to(dtype)
+    idx, w = _routing(gen, T, k)
+    codes = torch.cat([stack.w13.flatten(), stack.w2.flatten()]).cpu()
+    assert torch.unique(codes).numel() == 256                  # every byte value is decoded
+    a = fp4_moe_grouped(*_dev(x, idx, w), stack, 0.7)
+    b = fp4_moe_grouped(*_dev(x, idx, w), stack, 0.7, pair_decode=True)
+    assert torch.equal(a, b)
+
+
+@triton_ok
 def test_grouped_not_held_experts_contribute_zero(experts):
     """Experts this rank does not hold (None) are left out of the stack; pairs routed to them
     add nothing (another rank adds them), the held ones are unchanged."""

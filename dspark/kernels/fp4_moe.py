@@ -69,6 +69,19 @@ def _e2m1_times_2pow14(code):
 
 
 @triton.jit
+def _e2m1_pair_times_2pow14(b):
+    """Both codes of a byte (int32 0..255; low nibble = even column) -> fp32 values * 2^-14, as
+    _e2m1_times_2pow14 but built together: the two f16 bit patterns (sign << 15 | magnitude << 9)
+    are assembled in one 32-bit word (~7 integer ops for the pair instead of ~14), then each half
+    is converted. Exact, -0.0 for code 8 as the single-code version."""
+    t = b | (b << 12)                       # low nibble at bits 0-3, high nibble at bits 16-19
+    w = ((t & 0x00070007) << 9) | ((t & 0x00080008) << 12)
+    lo = w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
 def _fp4_linear_kernel(
     x_ptr, stride_xt, w_ptr, stride_wn, s_ptr, stride_sn, y_ptr, stride_yt,
     T, N, K,
@@ -320,10 +333,21 @@ def _x_pairs(x_row_ptr, kb, b_ok, K, BF16_PAIRS: tl.constexpr):
 
 
 @triton.jit
+def _byte_dot(wb, xe, xo, PAIR_DECODE: tl.constexpr):
+    """sum over the 16 bytes of each group of e2m1(lo) * xe + e2m1(hi) * xo (times 2^-14)."""
+    if PAIR_DECODE:
+        lo, hi = _e2m1_pair_times_2pow14(wb)
+    else:
+        lo = _e2m1_times_2pow14(wb & 0xF)
+        hi = _e2m1_times_2pow14(wb >> 4)
+    return tl.sum(lo * xe[None, :, :] + hi * xo[None, :, :], axis=2)
+
+
+@triton.jit
 def _fp4_gemv_tile(x_row_ptr, w_rows_ptr, stride_wn, s_rows_ptr, stride_sn, n_ok, K,
                    second_w, second_s,
                    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, TWO: tl.constexpr,
-                   BF16_PAIRS: tl.constexpr):
+                   BF16_PAIRS: tl.constexpr, PAIR_DECODE: tl.constexpr = False):
     """fp32 [BLOCK_N]: x[0:K] . W[n, 0:K] for BLOCK_N packed FP4 rows (row n at w_rows_ptr +
     n * stride_wn, its UE8M0 scales at s_rows_ptr + n * stride_sn; n_ok masks rows). Works on
     [BLOCK_N, BLOCK_G groups, 16 bytes] tiles: 32 columns share one scale. TWO: also the rows
@@ -350,12 +374,10 @@ def _fp4_gemv_tile(x_row_ptr, w_rows_ptr, stride_wn, s_rows_ptr, stride_sn, n_ok
             wb2 = tl.load(w_ptrs + second_w, mask=w_mask, other=0).to(tl.int32) & 0xFF
             sb2 = tl.load(s_ptrs + second_s, mask=s_mask, other=0).to(tl.int32)
         xe, xo = _x_pairs(x_row_ptr, kb, b_ok, K, BF16_PAIRS)
-        part = tl.sum(_e2m1_times_2pow14(wb & 0xF) * xe[None, :, :]
-                      + _e2m1_times_2pow14(wb >> 4) * xo[None, :, :], axis=2)     # [N, G]
+        part = _byte_dot(wb, xe, xo, PAIR_DECODE)                           # [N, G]
         acc += part * ((sb + 14) << 23).to(tl.float32, bitcast=True)  # 2^(b-127) * 2^14
         if TWO:
-            part2 = tl.sum(_e2m1_times_2pow14(wb2 & 0xF) * xe[None, :, :]
-                           + _e2m1_times_2pow14(wb2 >> 4) * xo[None, :, :], axis=2)
+            part2 = _byte_dot(wb2, xe, xo, PAIR_DECODE)
             acc2 += part2 * ((sb2 + 14) << 23).to(tl.float32, bitcast=True)
     return tl.sum(acc, axis=1), tl.sum(acc2, axis=1)
 
@@ -380,6 +402,7 @@ def _fp4_moe_gate_up_kernel(
     w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, h_ptr, stride_hp,
     KSLOTS, I, D, limit, NP,                    # NP: programs along axis 0, bucketed (tuning key)
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, DT: tl.constexpr, BF16_PAIRS: tl.constexpr,
+    PAIR_DECODE: tl.constexpr = False,
 ):
     p = tl.program_id(0)                                    # (token, slot) pair
     pid_n = tl.program_id(1)
@@ -394,7 +417,8 @@ def _fp4_moe_gate_up_kernel(
     w_base = w_ptr + row * stride_we + (pid_n * BLOCK_N).to(tl.int64) * stride_wn
     s_base = s_ptr + row * stride_se + (pid_n * BLOCK_N).to(tl.int64) * stride_sn
     g, u = _fp4_gemv_tile(x_row, w_base, stride_wn, s_base, stride_sn, n_ok, D,
-                          I * stride_wn, I * stride_sn, BLOCK_N, BLOCK_G, True, BF16_PAIRS)
+                          I * stride_wn, I * stride_sn, BLOCK_N, BLOCK_G, True, BF16_PAIRS,
+                          PAIR_DECODE)
     h = _swiglu_h(g, u, limit, tl.load(rw_ptr + p).to(tl.float32), DT)
     tl.store(h_ptr + p.to(tl.int64) * stride_hp + rn, h, mask=rn < I)
 
@@ -405,6 +429,7 @@ def _fp4_moe_down_kernel(
     w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, out_ptr, stride_ot,
     KSLOTS, D, I, NP,                           # NP: programs along axis 0, bucketed (tuning key)
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, DT: tl.constexpr, BF16_PAIRS: tl.constexpr,
+    PAIR_DECODE: tl.constexpr = False,
 ):
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -418,7 +443,8 @@ def _fp4_moe_down_kernel(
         w_base = w_ptr + row * stride_we + (pid_n * BLOCK_N).to(tl.int64) * stride_wn
         s_base = s_ptr + row * stride_se + (pid_n * BLOCK_N).to(tl.int64) * stride_sn
         y, _ = _fp4_gemv_tile(h_ptr + p.to(tl.int64) * stride_hp, w_base, stride_wn, s_base,
-                              stride_sn, n_ok, I, 0, 0, BLOCK_N, BLOCK_G, False, BF16_PAIRS)
+                              stride_sn, n_ok, I, 0, 0, BLOCK_N, BLOCK_G, False, BF16_PAIRS,
+                              PAIR_DECODE)
         out += _round_to(y, DT)                             # each expert's output in x.dtype
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + rn, out, mask=rn < D)
 
@@ -478,13 +504,17 @@ def _np_bucket(n: int) -> int:
 
 
 def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
-                    stack: FP4ExpertStack, swiglu_limit: float, block=None) -> torch.Tensor:
+                    stack: FP4ExpertStack, swiglu_limit: float, block=None,
+                    pair_decode: bool = False) -> torch.Tensor:
     """Routed-expert output fp32 [T, D] by the two grouped kernels (module docstring): fixed
     shapes, no host sync. x [T, D] (bf16 / fp16 / fp32), idx [T, k] global expert ids,
     weights [T, k] routing weights. Expert ids must be < len(stack.emap) (not checked: that would
     sync). block = (BLOCK_N, BLOCK_G) for both FMA kernels (tests), else picked by shape. On the
     GPU, bf16 batches of MMA_MIN_TOKENS tokens or more go to the expert-grouped tensor-core kernels
-    of fp4_moe_mma.py (DSPARK_MOE_MMA=0: never, =1: from 2 tokens)."""
+    of fp4_moe_mma.py (DSPARK_MOE_MMA=0: never, =1: from 2 tokens). pair_decode: the CUDA-core
+    kernels decode both codes of a byte together (_e2m1_pair_times_2pow14; same values, fewer
+    integer ops: a candidate for the issue-bound decode kernels, timed by
+    benchmarks/bench_decode_kernels.py, not yet the default)."""
     if x.dim() != 2 or idx.dim() != 2 or weights.shape != idx.shape or idx.shape[0] != x.shape[0]:
         raise ValueError(f"fp4_moe_grouped: x {tuple(x.shape)}, idx {tuple(idx.shape)}, weights "
                          f"{tuple(weights.shape)}: expected [T, D], [T, k], [T, k]")
@@ -522,14 +552,16 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                  s2.stride(1), out, out.stride(0), k, D, I, _np_bucket(T))
     if block is None and autotune_enabled():
         _tuned(_fp4_moe_gate_up_kernel, ["NP", "KSLOTS", "I", "D"])[
-            lambda m: (P, triton.cdiv(I, m["BLOCK_N"]))](*up_args, DT=dt, BF16_PAIRS=pairs)
+            lambda m: (P, triton.cdiv(I, m["BLOCK_N"]))](*up_args, DT=dt, BF16_PAIRS=pairs,
+                                                          PAIR_DECODE=pair_decode)
         _tuned(_fp4_moe_down_kernel, ["NP", "KSLOTS", "D", "I"])[
-            lambda m: (T, triton.cdiv(D, m["BLOCK_N"]))](*down_args, DT=dt, BF16_PAIRS=pairs)
+            lambda m: (T, triton.cdiv(D, m["BLOCK_N"]))](*down_args, DT=dt, BF16_PAIRS=pairs,
+                                                          PAIR_DECODE=pair_decode)
         return out
     bn1, bg1 = block or _grouped_blocks(P, I)
     bn2, bg2 = block or _grouped_blocks(T, D)
     _fp4_moe_gate_up_kernel[(P, triton.cdiv(I, bn1))](*up_args, BLOCK_N=bn1, BLOCK_G=bg1, DT=dt,
-                                                      BF16_PAIRS=pairs)
+                                                      BF16_PAIRS=pairs, PAIR_DECODE=pair_decode)
     _fp4_moe_down_kernel[(T, triton.cdiv(D, bn2))](*down_args, BLOCK_N=bn2, BLOCK_G=bg2, DT=dt,
-                                                   BF16_PAIRS=pairs)
+                                                   BF16_PAIRS=pairs, PAIR_DECODE=pair_decode)
     return out
