@@ -316,10 +316,12 @@ def kernel_category(name: str) -> str:
     return "other elementwise / reductions"
 
 
-def _profiled_decode(eng, steps: int, context: int, seed: int, warm_steps: int, **profile_kw):
-    """torch.profiler over `steps` batch-1 decode steps of one request with a `context`-token
-    random prompt, after its prefill and `warm_steps` unprofiled steps (graph captures, kernel
-    compiles); the request is aborted afterwards. Returns the profiler."""
+def _profiled_decode(eng, steps: int, context: int, seed: int, warm_steps: int, profiler=None,
+                     **profile_kw):
+    """`profiler` (a context manager; default torch.profiler.profile(**profile_kw)) around
+    `steps` batch-1 decode steps of one request with a `context`-token random prompt, after its
+    prefill and `warm_steps` unprofiled steps (graph captures, kernel compiles); the request is
+    aborted afterwards. Returns (the profiler, wall seconds of the profiled steps)."""
     from torch.profiler import profile
 
     from dspark.sampling import SamplingParams
@@ -332,13 +334,15 @@ def _profiled_decode(eng, steps: int, context: int, seed: int, warm_steps: int, 
         for _ in range(warm_steps):
             eng.step()
         _sync(eng.device)
-        with profile(**profile_kw) as prof:
+        t0 = time.perf_counter()
+        with (profiler if profiler is not None else profile(**profile_kw)) as prof:
             for _ in range(steps):
                 eng.step()
             _sync(eng.device)
+        wall = time.perf_counter() - t0
     finally:
         eng.abort(rid)
-    return prof
+    return prof, wall
 
 
 def kernel_profile(eng, steps: int, context: int = 128, top: int = 15) -> dict:
@@ -347,8 +351,8 @@ def kernel_profile(eng, steps: int, context: int = 128, top: int = 15) -> dict:
     gap to the roofline can be pinned on kernels."""
     from torch.profiler import ProfilerActivity
     cuda = eng.device.type == "cuda"
-    prof = _profiled_decode(eng, steps, context, seed=7, warm_steps=3,
-                            activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+    prof, _ = _profiled_decode(eng, steps, context, seed=7, warm_steps=3,
+                               activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
     per = {}
     for e in prof.key_averages():
         if cuda:
@@ -400,8 +404,8 @@ def op_profile(eng, steps: int, context: int = 128, top: int = 15) -> list:
     graphs, eng.runner.target_graphs = getattr(eng.runner, "target_graphs", None), None
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     try:
-        prof = _profiled_decode(eng, steps, context, seed=8, warm_steps=1, activities=acts,
-                                record_shapes=True, with_stack=True)
+        prof, _ = _profiled_decode(eng, steps, context, seed=8, warm_steps=1, activities=acts,
+                                   record_shapes=True, with_stack=True)
     finally:
         if graphs is not None:
             eng.runner.target_graphs = graphs
@@ -429,26 +433,8 @@ def host_profile(eng, steps: int, context: int = 128, top: int = 25) -> dict:
     import cProfile
     import pstats
 
-    from dspark.sampling import SamplingParams
-    rid = eng.add_request(_random_prompt(context, eng.cfg.vocab_size, seed=9),
-                          SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
-    req = eng.requests[rid]
-    try:
-        while not req.output_ids:
-            eng.step()
-        for _ in range(3):
-            eng.step()
-        _sync(eng.device)
-        pr = cProfile.Profile()
-        t0 = time.perf_counter()
-        pr.enable()
-        for _ in range(steps):
-            eng.step()
-        _sync(eng.device)
-        pr.disable()
-        wall = time.perf_counter() - t0
-    finally:
-        eng.abort(rid)
+    pr, wall = _profiled_decode(eng, steps, context, seed=9, warm_steps=3,
+                                profiler=cProfile.Profile())
     st = pstats.Stats(pr)
     rows = []
     for (fn, line, name), (cc, nc, tt, ct, _) in st.stats.items():

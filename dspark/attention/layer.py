@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.kvcache.layouts import fp4_roundtrip, hadamard128
+from dspark.kvcache.layouts import INDEXER_DIM, fp4_roundtrip, hadamard128
 
 
 class RecordQuant:
@@ -24,7 +24,7 @@ class RecordQuant:
 
     def indexer(self, x):
         from dspark.models.deepseek_v4.norm import fused_backend
-        if x.shape[-1] == 128 and fused_backend(x):     # one Triton launch instead of ~29
+        if x.shape[-1] == INDEXER_DIM and fused_backend(x):   # one Triton launch, not ~29
             from dspark.kernels.decode_fused import hadamard_fp4
             return hadamard_fp4(x)
         return fp4_roundtrip(hadamard128(x.float()))

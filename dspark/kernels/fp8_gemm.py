@@ -178,6 +178,12 @@ def _unused_workspace(device) -> torch.Tensor:
     return _DEVICE_BUFFERS[key]
 
 
+def _fill_splits(programs: int, K: int) -> int:
+    """K splits that bring `programs` (output tiles) up to ~2 per H200 SM (132), at most one per
+    128-column K block."""
+    return max(1, min(triton.cdiv(K, FP8_BLOCK), triton.cdiv(264, programs)))
+
+
 def _skinny_blocks(T: int, N: int, K: int, interp: bool):
     """(BLOCK_N, BLOCK_T, SPLIT): 64 weight rows per program, tokens padded to 16..64, K split
     until ~2 programs per H200 SM (132) would run."""
@@ -185,9 +191,7 @@ def _skinny_blocks(T: int, N: int, K: int, interp: bool):
         return 32, 16, max(1, min(3, triton.cdiv(K, FP8_BLOCK)))
     bt = max(16, triton.next_power_of_2(T))
     bn = 64
-    progs = triton.cdiv(N, bn) * triton.cdiv(T, bt)
-    split = max(1, min(triton.cdiv(K, FP8_BLOCK), triton.cdiv(264, progs)))
-    return bn, bt, split
+    return bn, bt, _fill_splits(triton.cdiv(N, bn) * triton.cdiv(T, bt), K)
 
 
 def skinny_enabled() -> bool:
@@ -249,9 +253,7 @@ def _pick_blocks(T: int, N: int, K: int, interp: bool):
         return 16, 32, 1                    # small tiles keep the interpreter fast
     if T <= 64:                             # decode / small verify batches: stream the weight
         BM, BN = 16, 64
-        progs = triton.cdiv(N, BN)
-        split = max(1, min(triton.cdiv(K, FP8_BLOCK), triton.cdiv(264, progs)))
-        return BM, BN, split
+        return BM, BN, _fill_splits(triton.cdiv(N, BN), K)
     return (64 if T <= 256 else 128), 128, 1
 
 

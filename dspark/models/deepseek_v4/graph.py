@@ -255,6 +255,11 @@ class _Kernels:
         return fn(q, window_pool, window_ids, sink, scale, **extra)
 
 
+def _plan_key(B: int, q: int, P: int, fields) -> tuple:
+    """What a step's host plan is a function of: its bucket and the bytes of its inputs."""
+    return (B, q, P) + tuple(f.tobytes() for f in fields)
+
+
 def _global(local, req_index, page_table, N):
     valid = local >= 0
     j = torch.where(valid, local, 0)
@@ -429,7 +434,7 @@ class V4DecodeGraphs:
         return [buf[o[k]:o[k + 1]] for k in range(len(o) - 1)]
 
     def inputs(self, B: int, q: int, P: int) -> StaticInputs:
-        ids, pos, st, sl, va, pt = self._split(self.ints)
+        ids, pos, st, sl, va, pt = self._ints_parts
         return StaticInputs(B, q, P, ids[:B * q], pos[:B * q], st[:B], sl[:B], va[:B],
                             pt[:B * P].view(B, P))
 
@@ -527,9 +532,8 @@ class V4DecodeGraphs:
         """host_plan for these inputs: the one computed ahead during the previous step when its
         inputs are identical (the usual decode step: every request one position further, same
         pages), else computed now (~0.2-0.4 ms of numpy on the step's critical path)."""
-        key = (B, q, P) + tuple(f.tobytes() for f in fields)
         ahead, self._next_plan = self._next_plan, None
-        if ahead is not None and ahead[0] == key:
+        if ahead is not None and ahead[0] == _plan_key(B, q, P, fields):
             self.plans_ahead_used += 1
             return ahead[1]
         return hp.host_plan(self.cache, B, q, P, *fields, self.scratch_page)
@@ -548,7 +552,7 @@ class V4DecodeGraphs:
         fields = (np.empty(B * q2, np.int64), np.empty(B, np.int64), np.empty(B, np.int64),
                   np.empty(B, np.int64), np.empty((B, P), np.int64))
         if self._fill_positions(nxt, B, q2, P, *fields):
-            self._next_plan = ((B, q2, P) + tuple(f.tobytes() for f in fields),
+            self._next_plan = (_plan_key(B, q2, P, fields),
                                hp.host_plan(self.cache, B, q2, P, *fields, self.scratch_page))
 
     def _graph(self, key):

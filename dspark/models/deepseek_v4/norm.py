@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 
-FP32_CACHE_MAX_NUMEL = 1 << 22
+FP32_CACHE_MAX_NUMEL = 1 << 22    # larger weights (e.g. a big vocab head) are cast per call
 NORM_BACKENDS = ("auto", "reference", "triton")
 NORM_BACKEND = os.environ.get("DSPARK_NORM_BACKEND", "auto")
 
@@ -41,7 +41,7 @@ def fused_kernels(x: torch.Tensor, dtype, out_dtype, *tensors):
     if not fused_backend(x, *tensors):
         return None
     from dspark.kernels import norm_rope    # imports triton: only where the kernel runs
-    return norm_rope if norm_rope.supported(x, dtype, out_dtype) else None    # larger weights (e.g. a big vocab head) are cast per call
+    return norm_rope if norm_rope.supported(x, dtype, out_dtype) else None
 
 
 def derived(holder, attr: str, sources, build):
