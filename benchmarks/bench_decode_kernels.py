@@ -74,6 +74,23 @@ def _rel(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
 
 
+# candidate configs of the skinny FP8 kernel, timed next to the shipped one (BLOCK_N rows per
+# program, K splits re-picked for it, x `split_mult`; pipeline stages; warps)
+SKINNY_VARIANTS = [("stages 4", dict(num_stages=4)), ("stages 6", dict(num_stages=6)),
+                   ("bn 32", dict(bn=32)), ("bn 128 w8", dict(bn=128, num_warps=8)),
+                   ("split x2", dict(split_mult=2)), ("split /2", dict(split_mult=0.5)),
+                   ("bn 32 stages 5", dict(bn=32, num_stages=5))]
+
+
+def skinny_variant(T, N, K, bn=64, split_mult=1.0, num_warps=4, num_stages=3):
+    bt = max(16, fg.triton.next_power_of_2(T))
+    split = fg._fill_splits(fg.triton.cdiv(N, bn) * fg.triton.cdiv(T, bt), K)
+    split = max(1, min(fg.triton.cdiv(K, 128), round(split * split_mult)))
+    return lambda x, w, s: fg.fp8_skinny_triton(x, w, s, N, K, torch.bfloat16, "bf16",
+                                                block=(bn, bt, split), num_warps=num_warps,
+                                                num_stages=num_stages)
+
+
 def splitk_linear(x2, wu, su, N, K):
     """The pre-skinny decode path: split-K MMA kernel + torch sum + cast."""
     BM, BN, split = fg._pick_blocks(x2.shape[0], N, K, False)
@@ -102,19 +119,11 @@ def bench_fp8(tokens, iters, rows):
                             ("skinny", lambda x, w, s: fg.fp8_skinny_triton(
                                 x, w, s, N, K, torch.bfloat16, "bf16", groups=G).view(T, G, -1)))
             else:
-                bn, bt, split = fg._skinny_blocks(T, N, K, False)
-                nk = fg.triton.cdiv(K, 128)
                 variants = (("splitk", lambda x, w, s: splitk_linear(x, w, s, N, K)),
                             ("skinny", lambda x, w, s: fg.fp8_skinny_triton(
-                                x, w, s, N, K, torch.bfloat16, "bf16")),
-                            # more K splits: more programs in flight per SM (candidates; the
-                            # shipped split aims at ~2 programs per SM)
-                            ("skinny_s2x", lambda x, w, s, b=(bn, bt, min(nk, 2 * split)):
-                                fg.fp8_skinny_triton(x, w, s, N, K, torch.bfloat16, "bf16",
-                                                     block=b)),
-                            ("skinny_s4x", lambda x, w, s, b=(bn, bt, min(nk, 4 * split)):
-                                fg.fp8_skinny_triton(x, w, s, N, K, torch.bfloat16, "bf16",
-                                                     block=b)))
+                                x, w, s, N, K, torch.bfloat16, "bf16")))
+                variants += tuple((f"skinny {v}", skinny_variant(T, N, K, **kw))
+                                  for v, kw in SKINNY_VARIANTS)
             for variant, fn in variants:
                 err = _rel(fn(x, *ws[0]), ref)
                 t = graph_time([lambda w=w, s=s: fn(x, w, s) for w, s in ws], iters)
@@ -128,7 +137,7 @@ def bench_fp8(tokens, iters, rows):
 # grouped MoE variants: (name, kind, block, num_warps, num_stages); the first is the baseline
 MOE_VARIANTS = [("fma 8x16", "fma", (8, 16), 4, 3), ("fma 16x8", "fma", (16, 8), 4, 3),
                 ("fma 16x16", "fma", (16, 16), 4, 3), ("fma 4x32", "fma", (4, 32), 4, 3),
-                ("fma 4x32 pair decode", "fma-pair", (4, 32), 4, 3),     # candidate
+                ("fma 4x32 pair decode", "fma-pair", (4, 32), 4, 3),     # shipped
                 ("fma 8x32 pair decode", "fma-pair", (8, 32), 4, 3),
                 ("mma 32x256 w4 s3", "mma", (32, 256), 4, 3),
                 ("mma 32x256 w4 s4", "mma", (32, 256), 4, 4),
@@ -188,7 +197,8 @@ def _print_row(r):
     print(f"{r['kind'] + ' ' + r['op']:28s} {r['T']:3d} {r['bytes'] / 1e6:7.1f} {to:8.1f} "
           f"{r['bytes'] / to / 1e6:5.2f} {tn:8.1f} {r['bytes'] / tn / 1e6:5.2f} {to / tn:6.2f}x "
           f"{r[f'{old}_err']:8.1e} {r[f'{new}_err']:8.1e}"
-          + "".join(f"  {v[7:]} {r[f'{v}_us']:.1f} us" for v in ("skinny_s2x", "skinny_s4x")
+          + "".join(f" | {v[7:]} {r[f'{v}_us']:.1f}" for v in (f"skinny {n}" for n, _ in
+                                                                SKINNY_VARIANTS)
                     if f"{v}_us" in r), flush=True)
 
 

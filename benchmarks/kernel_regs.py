@@ -88,7 +88,8 @@ def _moe_cases():
     for fn, sig in ((fm._fp4_moe_gate_up_kernel, up), (fm._fp4_moe_down_kernel, down)):
         for n, g, w, st in fm._GEMV_CONFIGS:
             yield (fn.__name__, f"BLOCK_N={n} BLOCK_G={g} warps={w} stages={st}", fn, sig,
-                   {"BLOCK_N": n, "BLOCK_G": g, "DT": "bf16"}, w, st, None)
+                   {"BLOCK_N": n, "BLOCK_G": g, "DT": "bf16", "BF16_PAIRS": True,
+                    "PAIR_DECODE": True, "FULL_GROUPS": True}, w, st, None)
     import dspark.kernels.fp4_moe_mma as mm       # expert-grouped tensor-core kernels
     mcommon = {"table_ptr": "*i32", "bexp_ptr": "*i32", "emap_ptr": "*i32", "w_ptr": "*u8",
                "stride_we": "i32", "stride_wn": "i32", "s_ptr": "*u8", "stride_se": "i32",
@@ -116,11 +117,11 @@ def _fp8_cases():
     ssig = {"x_ptr": "*bf16", "stride_xt": "i32", "stride_xg": "i32", "w_ptr": "*u8",
             "stride_wn": "i32", "s_ptr": "*u8", "stride_sn": "i32", "y_ptr": "*bf16",
             "stride_yt": "i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "T": "i32", "N": "i32",
-            "K": "i32", "K_PER_SPLIT": "i32", "SPLIT": "i32", "GROUP_ROWS": "i32"}
-    for bn, bt in ((64, 16), (128, 16), (64, 64)):
-        yield ("_fp8_skinny_kernel", f"BLOCK_N={bn} BLOCK_T={bt} warps=4", fg._fp8_skinny_kernel,
-               ssig, {"BLOCK_N": bn, "BLOCK_T": bt, "BLOCK_K": fg.FP8_BLOCK, "PRECISION": "bf16"},
-               4, 3, None)
+            "K": "i32", "K_PER_SPLIT": "i32", "GROUP_ROWS": "i32"}
+    for bn, bt, split in ((64, 16, 1), (64, 16, 8), (128, 16, 4), (64, 64, 1)):
+        yield ("_fp8_skinny_kernel", f"BLOCK_N={bn} BLOCK_T={bt} SPLIT={split} warps=4",
+               fg._fp8_skinny_kernel, ssig, {"BLOCK_N": bn, "BLOCK_T": bt, "BLOCK_K": fg.FP8_BLOCK,
+                                             "PRECISION": "bf16", "SPLIT": split}, 4, 3, None)
 
 
 def _attention_cases():

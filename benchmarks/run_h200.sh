@@ -7,6 +7,8 @@
 #   STEPS="tests decode bench ..."  which steps, in this order (default: all, in the order below)
 #   GPU_TESTS="tests/test_v4_graph.py ..."  what the tests step runs (default: the whole suite's
 #              GPU-marked tests; the full set needs more than 200 s, so name files to go first)
+#   UNMARKED_TESTS="tests/..." UNMARKED_S=150  the unmarked kernel tests the tests step runs first
+#              on CUDA, and their time box
 set -uo pipefail
 OUT=${OUT:-out}; R="$OUT/r"; mkdir -p "$R"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -18,8 +20,9 @@ for s in $STEPS; do case $s in
 tests)   # correctness first: every kernel / graph against its torch or eager reference
   step "GPU tests"
   # kernel tests that are unmarked (they run on CPU under the interpreter too, on CUDA here)
-  timeout "$(left 150)" python -m pytest -q -rfE tests/test_sampling_kernel.py tests/test_decode_fused.py \
-    tests/test_norm_rope.py tests/test_v4_host_plan.py tests/test_sampling.py > "$R/gpu_tests_sampling.txt" 2>&1
+  timeout "$(left ${UNMARKED_S:-150})" python -m pytest -q -rfE ${UNMARKED_TESTS:-tests/test_sampling_kernel.py \
+    tests/test_decode_fused.py tests/test_norm_rope.py tests/test_v4_host_plan.py tests/test_sampling.py \
+    tests/test_fp4_moe_grouped.py} > "$R/gpu_tests_sampling.txt" 2>&1
   tail -3 "$R/gpu_tests_sampling.txt" | cut -c1-300
   timeout "$(left 300)" python -m pytest -q -m gpu -rfE ${GPU_TESTS:-tests} > "$R/gpu_tests.txt" 2>&1
   tail -12 "$R/gpu_tests.txt" | cut -c1-300 ;;
@@ -33,6 +36,11 @@ quick)   # issue 7: the decode step at context 128 only, no HF side (kernel + ho
   timeout "$(left 120)" python benchmarks/bench_decode_v4.py --context 128 --skip-hf \
     --kernel-profile 5 --host-profile 10 --json "$R/bench_decode_quick.json" > "$R/bench_decode_quick.txt" 2>&1
   grep -v -i "warn\|it/s\]" "$R/bench_decode_quick.txt" | grep -A22 "^ context\|^(c)" | cut -c1-160 ;;
+quick_serial) # the same with one round at a time (no overlapped decode), for comparison
+  step "bench_decode_v4 quick --no-overlap"
+  timeout "$(left 120)" python benchmarks/bench_decode_v4.py --context 128 --skip-hf --no-overlap \
+    --json "$R/bench_decode_quick_serial.json" > "$R/bench_decode_quick_serial.txt" 2>&1
+  grep -v -i "warn\|it/s\]" "$R/bench_decode_quick_serial.txt" | grep -A4 "^ context" | cut -c1-160 ;;
 ncu)     # issue 7: Nsight Compute sections of the attention and MoE decode kernels
   step "ncu"
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)

@@ -31,6 +31,7 @@ from .metrics import SpecMetrics
 from .models.deepseek_v4.model import DeepseekV4Model
 from .models.drafter import DSparkDrafter
 from .models.loader import load_checkpoint
+from .overlap import OverlappedDecode
 from .request import BlockTokens, Request, Status
 from .runner import ModelRunner, QuantSim
 from .sampling import (SamplingParams, argmax_rows, filters_used, fused_sampling_enabled,
@@ -58,6 +59,24 @@ class RequestOutput:
     text_delta: str = ""
 
 
+@dataclass
+class Decision:
+    """Acceptance results still on the device (Engine._decide): `head` [R, γ+1] target argmaxes
+    (greedy) or [R, 2] = (accepted a, next token y); the drafts [R, γ] that were verified."""
+    head: torch.Tensor
+    drafts: torch.Tensor
+    verified: bool                   # any request verified drafts this round
+    greedy: bool
+
+    def table(self) -> torch.Tensor:
+        """What the host needs, one tensor (one read back): head, then the drafts if verified."""
+        return torch.cat([self.head, self.drafts], 1) if self.verified else self.head
+
+    def next_tokens(self) -> torch.Tensor:
+        """[R] each request's next token when nothing was verified (ℓ = 0: a plain decode step)."""
+        return self.head[:, 0] if self.greedy else self.head[:, 1]
+
+
 def default_model_path() -> str:
     return os.path.join(os.path.dirname(__file__), "assets", "default")
 
@@ -82,7 +101,7 @@ class Engine:
                  num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
                  tensor_parallel_size: int = 1, weight_format: str = "bf16",
                  cuda_graphs: bool | None = None, target_cuda_graphs: bool | None = None,
-                 **policy_kwargs):
+                 overlap_decode: bool | None = None, **policy_kwargs):
         path = path or default_model_path()
         # "bf16": fp8/fp4 checkpoint weights de-quantized at load to `dtype` (default; the debug
         # reference). "quantized": kept as FP8 / packed FP4 + e8m0 scales (dspark.models.qlinear)
@@ -148,6 +167,15 @@ class Engine:
                                           target_graphs=bool(target_cuda_graphs))
         self.cache = getattr(self.runner.backend, "cache", None) if hasattr(self.runner, "backend") \
             else None
+        # plain decode steps (no drafter) launch the next round before reading this one back
+        # (dspark/overlap.py): on by default on CUDA with the single-device DeepSeek-V4 runner
+        plain_runner = type(self.runner) is ModelRunner
+        if overlap_decode is None:
+            overlap_decode = self.device.type == "cuda" and plain_runner
+        elif overlap_decode and not plain_runner:
+            raise ValueError("overlap_decode=True needs the single-device DeepSeek-V4 runner "
+                             "(not Qwen3 or tensor-parallel); leave it unset")
+        self.overlap = OverlappedDecode(self) if overlap_decode else None
         self.cfg = cfg
         self.model, self.drafter = model, drafter
         if self.device.type == "cpu" and (cpu_threads or cfg.hidden_size <= 1024):
@@ -285,6 +313,19 @@ class Engine:
 
     # ---- one DSpark round ----------------------------------------------------------------
     def step(self) -> list:
+        """One round for every running request; returns a RequestOutput per request that got
+        tokens (or finished). With overlapped decode the round committed is the one launched by
+        the previous call, while this call's round runs on the device."""
+        outs = []
+        if self.overlap is not None:
+            if self.overlap.applies():
+                done = self.overlap.step()
+                if done is not None:
+                    return done
+            outs = self.overlap.drain()   # a prompt waits, or pages ran short: ordinary round
+        return outs + self._round()
+
+    def _round(self) -> list:
         sch = self.scheduler
         for req in sch.running:                                   # 1. verify lengths
             req.verify_len = 0
@@ -360,6 +401,13 @@ class Engine:
     def _accept(self, reqs, logits, taps, first_rows, lengths, anchor_pos) -> list:
         if not reqs:
             return []
+        dec = self._decide(reqs, logits, first_rows, lengths, anchor_pos)
+        # every result in ONE read back ([argmax | a, y] and the drafts), the rest on the host
+        return self._commit(reqs, dec, dec.table().tolist(), taps, first_rows, lengths, anchor_pos)
+
+    def _decide(self, reqs, logits, first_rows, lengths, anchor_pos) -> "Decision":
+        """The device part of acceptance, nothing read back: per request the target's argmax
+        rows (greedy) or [accepted a, next token y] (sampled verification)."""
         g = self.drafter.gamma if self.drafter is not None else 1
         R, V, dev = len(reqs), logits.shape[-1], logits.device
         # the host integers the device part needs in ONE upload (pinned and asynchronous on
@@ -370,10 +418,10 @@ class Engine:
         ints = to_device(flat, torch.long, dev)
         row_idx = ints[:R * (g + 1)].view(R, g + 1)
         lens, seeds, P = ints[R * (g + 1):R * (g + 4)].view(3, R).unbind(0)
-        verified = [r for r, n in zip(reqs, lengths) if n]
+        verified = any(lengths)
         if not verified:
             drafts = torch.zeros(R, g, dtype=torch.long, device=dev)
-        elif len(verified) == R:
+        elif all(lengths):
             drafts = torch.stack([r.draft.tokens for r in reqs])
         else:
             none = torch.zeros(g, dtype=torch.long, device=dev)
@@ -381,38 +429,42 @@ class Engine:
         greedy = all(r.params.greedy for r in reqs)
         if greedy:
             # greedy fast path: argmaxes only, no softmax over V, no random draws; the compare
-            # runs on the host after the one read back below
-            head = argmax_rows(logits[row_idx])                                 # [R, γ+1]
+            # runs on the host after the one read back
+            return Decision(argmax_rows(logits[row_idx]), drafts, verified, True)  # [R, γ+1]
+        use_top_k, use_top_p = filters_used([r.params for r in reqs])
+        # q = None: every verified draft is a point mass at its token (greedy drafts, or
+        # nothing verified), which verify and fused_verify build implicitly
+        q = None
+        if all(lengths) and all(r.draft.probs is not None for r in reqs):
+            q = torch.stack([r.draft.probs for r in reqs])
+        elif any(r.draft.probs is not None for r, n in zip(reqs, lengths) if n):
+            q = torch.zeros(R, g, V, device=dev)
+            for i, r in enumerate(reqs):
+                if lengths[i]:       # greedy drafts keep no distribution: a point mass
+                    q[i] = r.draft.probs if r.draft.probs is not None else \
+                        torch.zeros(g, V, device=dev).scatter_(1, r.draft.tokens[:, None], 1.0)
+        if not use_top_k and not use_top_p and fused_sampling_enabled(dev):
+            from .kernels.sampling import fused_verify   # Triton: imported only when used
+            temp = to_device([float(r.params.temperature) for r in reqs], torch.float32, dev)
+            res = fused_verify(drafts, q, logits[row_idx], temp, lens, seeds, P)
         else:
-            use_top_k, use_top_p = filters_used([r.params for r in reqs])
-            # q = None: every verified draft is a point mass at its token (greedy drafts, or
-            # nothing verified), which verify and fused_verify build implicitly
-            q = None
-            if len(verified) == R and all(r.draft.probs is not None for r in reqs):
-                q = torch.stack([r.draft.probs for r in reqs])
-            elif any(r.draft.probs is not None for r in verified):
-                q = torch.zeros(R, g, V, device=dev)
-                for i, r in enumerate(reqs):
-                    if lengths[i]:       # greedy drafts keep no distribution: a point mass
-                        q[i] = r.draft.probs if r.draft.probs is not None else \
-                            torch.zeros(g, V, device=dev).scatter_(1, r.draft.tokens[:, None], 1.0)
-            if not use_top_k and not use_top_p and fused_sampling_enabled(dev):
-                from .kernels.sampling import fused_verify   # Triton: imported only when used
-                temp = to_device([float(r.params.temperature) for r in reqs], torch.float32, dev)
-                res = fused_verify(drafts, q, logits[row_idx], temp, lens, seeds, P)
-            else:
-                temp, top_k, top_p = stack_params([r.params for r in reqs], dev)
-                rep = lambda t: None if t is None else t.repeat_interleave(g + 1)  # noqa: E731
-                p = probs_from_logits(logits[row_idx.flatten()], rep(temp), rep(top_k),
-                                      rep(top_p)).view(R, g + 1, V)
-                res = verify(drafts, q, p, lens, seeds, P)
-            head = torch.stack([res.accepted, res.next_token], 1)               # [R, 2]
-        # every result in ONE read back ([argmax | a, y] and the drafts), the rest on the host:
-        # accept (greedy), emitted tokens, stop tokens and token budgets
-        table = (torch.cat([head, drafts], 1) if verified else head).tolist()
-        w = head.shape[1]
-        host_drafts = [row[w:] for row in table] if verified else [[]] * R
-        if greedy:
+            temp, top_k, top_p = stack_params([r.params for r in reqs], dev)
+            rep = lambda t: None if t is None else t.repeat_interleave(g + 1)  # noqa: E731
+            p = probs_from_logits(logits[row_idx.flatten()], rep(temp), rep(top_k),
+                                  rep(top_p)).view(R, g + 1, V)
+            res = verify(drafts, q, p, lens, seeds, P)
+        return Decision(torch.stack([res.accepted, res.next_token], 1), drafts, verified, False)
+
+    def _commit(self, reqs, dec, table, taps, first_rows, lengths, anchor_pos,
+                in_flight=frozenset()) -> list:
+        """The host part of acceptance on the read-back `table` (rows of dec.table()): accept
+        (greedy), emitted tokens, stop tokens and token budgets, then every request's state.
+        `in_flight`: ids of requests whose next position a launched forward already writes (the
+        overlapped decode loop), so their cache keeps it (no rollback to the committed length)."""
+        g = self.drafter.gamma if self.drafter is not None else 1
+        R, w = len(reqs), dec.head.shape[1]
+        host_drafts = [row[w:] for row in table] if dec.verified else [[]] * R
+        if dec.greedy:
             accepted, nxt = accept_greedy_host(host_drafts, [row[:w] for row in table], lengths)
         else:
             accepted, nxt = [row[0] for row in table], [row[1] for row in table]
@@ -420,7 +472,7 @@ class Engine:
             host_drafts, accepted, nxt,
             [set(r.params.all_stop_ids(self.eos_token_ids)) for r in reqs],
             [len(r.output_ids) for r in reqs],
-            [min(r.params.max_tokens, self.max_model_len - len(r.prompt_ids)) for r in reqs])
+            [self._token_limit(r) for r in reqs])
 
         now, outs = time.perf_counter(), []
         for i, req in enumerate(reqs):
@@ -441,7 +493,8 @@ class Engine:
                 self.scheduler.promote(req)
                 req.first_token_time = now
             req.output_ids.extend(new)
-            if self.cache is not None and finish[i] == FinishReason.NONE:
+            if (self.cache is not None and finish[i] == FinishReason.NONE
+                    and req.request_id not in in_flight):
                 # roll every cache back to the committed tokens (rejected drafts never happened)
                 self.cache.truncate(req.request_id, req.num_committed)
             if finish[i] != FinishReason.NONE:
@@ -450,6 +503,10 @@ class Engine:
                 self.scheduler.finish(req)
             outs.append(self._output(req, new))
         return outs
+
+    def _token_limit(self, req: Request) -> int:
+        """Most output tokens the request may have: max_tokens, or what the model length allows."""
+        return min(req.params.max_tokens, self.max_model_len - len(req.prompt_ids))
 
     # ---- helpers -------------------------------------------------------------------------
     def _paged_backend(self, cfg, drafter, kv_cache_dtype, name, max_num_seqs, max_batched,

@@ -21,20 +21,22 @@ class DraftBlock:
 
 
 class BlockTokens:
-    """The tokens a verify step feeds: the anchor (known on the host) and the first ℓ drafted
-    tokens as a device tensor view, so the step can be scheduled without reading the draft
-    tokens back (which would wait for the draft pass). Runners that cannot take device tokens
-    call `tolist()` (that read)."""
+    """The tokens a verify step feeds: the anchor and the first ℓ drafted tokens as a device
+    tensor view, so the step can be scheduled without reading the draft tokens back (which would
+    wait for the draft pass). The anchor is a host int, or a 0-d device tensor when the previous
+    round computed it and the host has not read it yet (the overlapped decode loop). Runners that
+    cannot take device tokens call `tolist()` (that read)."""
     __slots__ = ("anchor", "drafts")
 
-    def __init__(self, anchor: int, drafts: torch.Tensor):
-        self.anchor, self.drafts = int(anchor), drafts
+    def __init__(self, anchor, drafts: torch.Tensor):
+        self.anchor = anchor if isinstance(anchor, torch.Tensor) else int(anchor)
+        self.drafts = drafts
 
     def __len__(self) -> int:
         return 1 + self.drafts.shape[0]
 
     def tolist(self) -> list:
-        return [self.anchor] + self.drafts.tolist()
+        return [int(self.anchor)] + self.drafts.tolist()
 
 
 def token_list(tokens) -> list:

@@ -347,7 +347,8 @@ def _byte_dot(wb, xe, xo, PAIR_DECODE: tl.constexpr):
 def _fp4_gemv_tile(x_row_ptr, w_rows_ptr, stride_wn, s_rows_ptr, stride_sn, n_ok, K,
                    second_w, second_s,
                    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, TWO: tl.constexpr,
-                   BF16_PAIRS: tl.constexpr, PAIR_DECODE: tl.constexpr = False):
+                   BF16_PAIRS: tl.constexpr, PAIR_DECODE: tl.constexpr = False,
+                   FULL_GROUPS: tl.constexpr = False):
     """fp32 [BLOCK_N]: x[0:K] . W[n, 0:K] for BLOCK_N packed FP4 rows (row n at w_rows_ptr +
     n * stride_wn, its UE8M0 scales at s_rows_ptr + n * stride_sn; n_ok masks rows). Works on
     [BLOCK_N, BLOCK_G groups, 16 bytes] tiles: 32 columns share one scale. TWO: also the rows
@@ -363,7 +364,11 @@ def _fp4_gemv_tile(x_row_ptr, w_rows_ptr, stride_wn, s_rows_ptr, stride_sn, n_ok
     for g0 in range(0, NG, BLOCK_G):
         grp = g0 + gi                                           # scale column [G]
         kb = grp[:, None] * 16 + ji[None, :]                    # byte column [G, 16]
-        b_ok = kb < KB
+        if FULL_GROUPS:     # K % 32 == 0: masks constant over a group's 16 bytes, so the
+            # weight / activation loads vectorise (16 B per thread, not 16 one-byte loads)
+            b_ok = tl.broadcast_to((grp < NG)[:, None], (BLOCK_G, 16))
+        else:
+            b_ok = kb < KB
         w_ptrs = w_rows_ptr + rn[:, None, None] * stride_wn + kb[None, :, :]
         w_mask = n_ok[:, None, None] & b_ok[None, :, :]
         s_ptrs = s_rows_ptr + rn[:, None] * stride_sn + grp[None, :]
@@ -402,7 +407,7 @@ def _fp4_moe_gate_up_kernel(
     w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, h_ptr, stride_hp,
     KSLOTS, I, D, limit, NP,                    # NP: programs along axis 0, bucketed (tuning key)
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, DT: tl.constexpr, BF16_PAIRS: tl.constexpr,
-    PAIR_DECODE: tl.constexpr = False,
+    PAIR_DECODE: tl.constexpr = False, FULL_GROUPS: tl.constexpr = False,
 ):
     p = tl.program_id(0)                                    # (token, slot) pair
     pid_n = tl.program_id(1)
@@ -418,7 +423,7 @@ def _fp4_moe_gate_up_kernel(
     s_base = s_ptr + row * stride_se + (pid_n * BLOCK_N).to(tl.int64) * stride_sn
     g, u = _fp4_gemv_tile(x_row, w_base, stride_wn, s_base, stride_sn, n_ok, D,
                           I * stride_wn, I * stride_sn, BLOCK_N, BLOCK_G, True, BF16_PAIRS,
-                          PAIR_DECODE)
+                          PAIR_DECODE, FULL_GROUPS)
     h = _swiglu_h(g, u, limit, tl.load(rw_ptr + p).to(tl.float32), DT)
     tl.store(h_ptr + p.to(tl.int64) * stride_hp + rn, h, mask=rn < I)
 
@@ -429,7 +434,7 @@ def _fp4_moe_down_kernel(
     w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, out_ptr, stride_ot,
     KSLOTS, D, I, NP,                           # NP: programs along axis 0, bucketed (tuning key)
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, DT: tl.constexpr, BF16_PAIRS: tl.constexpr,
-    PAIR_DECODE: tl.constexpr = False,
+    PAIR_DECODE: tl.constexpr = False, FULL_GROUPS: tl.constexpr = False,
 ):
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -444,7 +449,7 @@ def _fp4_moe_down_kernel(
         s_base = s_ptr + row * stride_se + (pid_n * BLOCK_N).to(tl.int64) * stride_sn
         y, _ = _fp4_gemv_tile(h_ptr + p.to(tl.int64) * stride_hp, w_base, stride_wn, s_base,
                               stride_sn, n_ok, I, 0, 0, BLOCK_N, BLOCK_G, False, BF16_PAIRS,
-                              PAIR_DECODE)
+                              PAIR_DECODE, FULL_GROUPS)
         out += _round_to(y, DT)                             # each expert's output in x.dtype
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + rn, out, mask=rn < D)
 
@@ -505,7 +510,7 @@ def _np_bucket(n: int) -> int:
 
 def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                     stack: FP4ExpertStack, swiglu_limit: float, block=None,
-                    pair_decode: bool = False) -> torch.Tensor:
+                    pair_decode: bool = True) -> torch.Tensor:
     """Routed-expert output fp32 [T, D] by the two grouped kernels (module docstring): fixed
     shapes, no host sync. x [T, D] (bf16 / fp16 / fp32), idx [T, k] global expert ids,
     weights [T, k] routing weights. Expert ids must be < len(stack.emap) (not checked: that would
@@ -513,8 +518,8 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     GPU, bf16 batches of MMA_MIN_TOKENS tokens or more go to the expert-grouped tensor-core kernels
     of fp4_moe_mma.py (DSPARK_MOE_MMA=0: never, =1: from 2 tokens). pair_decode: the CUDA-core
     kernels decode both codes of a byte together (_e2m1_pair_times_2pow14; same values, fewer
-    integer ops: a candidate for the issue-bound decode kernels, timed by
-    benchmarks/bench_decode_kernels.py, not yet the default)."""
+    integer ops for the issue-bound decode kernels: 1.12-1.17x at 1-64 tokens on an H200, see
+    benchmarks/bench_decode_kernels.py); False decodes code by code (the reference)."""
     if x.dim() != 2 or idx.dim() != 2 or weights.shape != idx.shape or idx.shape[0] != x.shape[0]:
         raise ValueError(f"fp4_moe_grouped: x {tuple(x.shape)}, idx {tuple(idx.shape)}, weights "
                          f"{tuple(weights.shape)}: expected [T, D], [T, k], [T, k]")
@@ -544,6 +549,7 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     # bf16 activations read as int32 pairs: even widths, 4-byte aligned rows (h is ours)
     pairs = (dt == "bf16" and D % 2 == 0 and I % 2 == 0 and x.stride(0) % 2 == 0
              and x.data_ptr() % 4 == 0)
+    full = D % 32 == 0 and I % 32 == 0        # every scale group whole (V4: always)
     w13, s13, w2, s2, emap = stack
     up_args = (x, x.stride(0), idx, weights, emap, w13, w13.stride(0), w13.stride(1), s13,
                s13.stride(0), s13.stride(1), h, h.stride(0), k, I, D, float(swiglu_limit),
@@ -553,15 +559,17 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     if block is None and autotune_enabled():
         _tuned(_fp4_moe_gate_up_kernel, ["NP", "KSLOTS", "I", "D"])[
             lambda m: (P, triton.cdiv(I, m["BLOCK_N"]))](*up_args, DT=dt, BF16_PAIRS=pairs,
-                                                          PAIR_DECODE=pair_decode)
+                                                          PAIR_DECODE=pair_decode, FULL_GROUPS=full)
         _tuned(_fp4_moe_down_kernel, ["NP", "KSLOTS", "D", "I"])[
             lambda m: (T, triton.cdiv(D, m["BLOCK_N"]))](*down_args, DT=dt, BF16_PAIRS=pairs,
-                                                          PAIR_DECODE=pair_decode)
+                                                          PAIR_DECODE=pair_decode, FULL_GROUPS=full)
         return out
     bn1, bg1 = block or _grouped_blocks(P, I)
     bn2, bg2 = block or _grouped_blocks(T, D)
     _fp4_moe_gate_up_kernel[(P, triton.cdiv(I, bn1))](*up_args, BLOCK_N=bn1, BLOCK_G=bg1, DT=dt,
-                                                      BF16_PAIRS=pairs, PAIR_DECODE=pair_decode)
+                                                      BF16_PAIRS=pairs, PAIR_DECODE=pair_decode,
+                                                      FULL_GROUPS=full)
     _fp4_moe_down_kernel[(T, triton.cdiv(D, bn2))](*down_args, BLOCK_N=bn2, BLOCK_G=bg2, DT=dt,
-                                                   BF16_PAIRS=pairs, PAIR_DECODE=pair_decode)
+                                                   BF16_PAIRS=pairs, PAIR_DECODE=pair_decode,
+                                                   FULL_GROUPS=full)
     return out

@@ -103,9 +103,9 @@ def _fp8_linear_kernel(
 @triton.jit
 def _fp8_skinny_kernel(
     x_ptr, stride_xt, stride_xg, w_ptr, stride_wn, s_ptr, stride_sn, y_ptr, stride_yt, ws_ptr,
-    cnt_ptr, T, N, K, K_PER_SPLIT, SPLIT, GROUP_ROWS,
+    cnt_ptr, T, N, K, K_PER_SPLIT, GROUP_ROWS,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Few tokens (decode, verify): y^T = W x^T with the weight rows as the MMA's M side
     ("swap AB": a [BLOCK_N, 128] weight tile against x^T [128, BLOCK_T], so 64-128 weight rows
@@ -114,7 +114,9 @@ def _fp8_skinny_kernel(
     N / BLOCK_N alone would leave SMs idle: each split stores its fp32 partial to a workspace, and
     the split that arrives last (a per-tile arrival counter) sums the SPLIT partials in split
     order (deterministic whichever arrives last), writes y in its dtype and re-arms the counter
-    for the next launch / graph replay. One launch, no sum / cast kernels after it.
+    for the next launch / graph replay. One launch, no sum / cast kernels after it. SPLIT is a
+    compile-time constant so that sum unrolls: its SPLIT loads are all issued before the adds
+    wait (a runtime loop waited one L2 round trip per partial, at the kernel's tail).
     Grouped weights (attention wo_a): rows g*GROUP_ROWS .. (g+1)*GROUP_ROWS - 1 multiply x's group
     g (x + g * stride_xg); GROUP_ROWS is a multiple of BLOCK_N, and N for plain linears."""
     pid_n = tl.program_id(0)
@@ -150,7 +152,7 @@ def _fp8_skinny_kernel(
         arrived = tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT - 1:                           # last split of this tile
             total = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-            for j in range(0, SPLIT):
+            for j in tl.static_range(SPLIT):
                 total += tl.load(ws_ptr + j * T * N + rt[None, :] * N + rn[:, None], mask=ok,
                                  other=0.0, cache_modifier=".cg")
             tl.store(out, total.to(y_ptr.dtype.element_ty), mask=ok)
@@ -201,10 +203,11 @@ def skinny_enabled() -> bool:
 
 
 def fp8_skinny_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: int, K: int,
-                      out_dtype, precision: str, block=None, groups: int = 1) -> torch.Tensor:
+                      out_dtype, precision: str, block=None, groups: int = 1, num_warps: int = 4,
+                      num_stages: int = 3) -> torch.Tensor:
     """[T, N] in out_dtype from x2 [T, K] (unit column stride) and the weight / scale bytes.
     groups > 1: x2 is [T, groups, K] and weight rows g*N/groups.. use x2[:, g] ([T, N] is then
-    [T, groups, N/groups])."""
+    [T, groups, N/groups]). block = (BLOCK_N, BLOCK_T, K splits), else picked by shape."""
     T = x2.shape[0]
     BN, BT, split = block or _skinny_blocks(T, N, K, _interpreting())
     assert FP8_BLOCK % BN == 0, BN
@@ -223,8 +226,8 @@ def fp8_skinny_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: i
     cnt = _arrival_counters(x2.device, grid[0] * grid[2])
     _fp8_skinny_kernel[grid](
         x2, x2.stride(0), stride_xg, wu, wu.stride(0), su, su.stride(0), y, y.stride(0), ws, cnt,
-        T, N, K, k_per, split, R, BLOCK_N=BN, BLOCK_T=BT, BLOCK_K=FP8_BLOCK, PRECISION=precision,
-        num_warps=4, num_stages=3)
+        T, N, K, k_per, R, BLOCK_N=BN, BLOCK_T=BT, BLOCK_K=FP8_BLOCK, PRECISION=precision,
+        SPLIT=split, num_warps=num_warps, num_stages=num_stages)
     return y
 
 

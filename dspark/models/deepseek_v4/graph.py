@@ -466,15 +466,21 @@ class V4DecodeGraphs:
             self._uploaded.synchronize()
         ids, pos, st, sl, va, pt = self._host_parts
         on_device = []                       # (first row, drafts still on the device)
+        anchors = []                         # anchors still on the device (overlapped decode)
         for i, (rid, start, toks) in enumerate(items):
             rows = slice(i * q, (i + 1) * q)
             if isinstance(toks, BlockTokens):
                 ids[rows] = 0
-                ids[i * q] = toks.anchor
+                if isinstance(toks.anchor, torch.Tensor):
+                    anchors.append(toks.anchor.view(1))
+                else:
+                    ids[i * q] = toks.anchor
                 if toks.drafts.shape[0]:
                     on_device.append((i * q + 1, toks.drafts))
             else:
                 ids[rows] = toks
+        if anchors and len(anchors) != R:
+            raise ValueError("V4DecodeGraphs: either every item's anchor is on the device or none is")
         ids[R * q:B * q] = 0                 # padding: token 0 at positions 0..q-1 of the scratch
         fields = (pos[:B * q], st[:B], sl[:B], va[:B], pt[:B * P].reshape(B, P))
         if not self._fill_positions(items, B, q, P, *fields):
@@ -496,6 +502,9 @@ class V4DecodeGraphs:
         ids_dev = self._ints_parts[0]
         for row, drafts in on_device:        # device to device: no wait for the draft pass
             ids_dev[row:row + drafts.shape[0]].copy_(drafts, non_blocking=True)
+        if anchors:                          # all of the items (checked above): one copy
+            src = anchors[0] if R == 1 else torch.cat(anchors)
+            ids_dev[:R * q].view(R, q)[:, 0].copy_(src, non_blocking=True)
         if not self.capture:
             self._forward(B, q, P)
         else:
