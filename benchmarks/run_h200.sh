@@ -9,9 +9,10 @@
 #              GPU-marked tests; the full set needs more than 200 s, so name files to go first)
 #   UNMARKED_TESTS="tests/..." UNMARKED_S=150  the unmarked kernel tests the tests step runs first
 #              on CUDA, and their time box
+#   KERNEL_ARGS="--skip-moe ..."  extra arguments of the kernels step
 set -uo pipefail
 OUT=${OUT:-out}; R="$OUT/r"; mkdir -p "$R"
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 DSPARK_INSTAFAIL=1
 BUDGET=${BUDGET:-570}; T0=$SECONDS
 STEPS=${STEPS:-"tests decode kernels bench trace draft qwen3 sweep mhc tp"}
 left() { local l=$((BUDGET - SECONDS + T0)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 1 ] && l=1; echo $l; }
@@ -24,8 +25,10 @@ tests)   # correctness first: every kernel / graph against its torch or eager re
     tests/test_decode_fused.py tests/test_norm_rope.py tests/test_v4_host_plan.py tests/test_sampling.py \
     tests/test_fp4_moe_grouped.py} > "$R/gpu_tests_sampling.txt" 2>&1
   tail -3 "$R/gpu_tests_sampling.txt" | cut -c1-300
+  grep -A12 "^=== FAILED" "$R/gpu_tests_sampling.txt" | cut -c1-200 | head -40
   timeout "$(left 300)" python -m pytest -q -m gpu -rfE ${GPU_TESTS:-tests} > "$R/gpu_tests.txt" 2>&1
-  tail -12 "$R/gpu_tests.txt" | cut -c1-300 ;;
+  tail -12 "$R/gpu_tests.txt" | cut -c1-300
+  grep -A12 "^=== FAILED" "$R/gpu_tests.txt" | cut -c1-200 | head -40 ;;
 decode)  # issue 7: V4-Flash decode vs HBM roofline and vs HF (grouped FP4 MoE + target graphs: the defaults)
   step "bench_decode_v4 (grouped FP4 MoE + target graphs)"
   timeout "$(left 150)" python benchmarks/bench_decode_v4.py --context 128,4096 --new-tokens 32 \
@@ -63,8 +66,9 @@ moe)     # issue 7: the grouped FP4 MoE kernels at decode / verify token counts
     --json "$R/bench_moe.json" > "$R/bench_moe.txt" 2>&1; grep -v -i warn "$R/bench_moe.txt" | tail -22 ;;
 kernels) # issue 7: the few-token FP8 / grouped FP4 MoE kernels alone (cold L2, graph replay)
   step "bench_decode_kernels (few-token FP8 / grouped FP4 MoE kernels, old vs new)"
-  timeout "$(left 150)" python benchmarks/bench_decode_kernels.py --json "$R/bench_decode_kernels.json" \
-    > "$R/bench_decode_kernels.txt" 2>&1; grep -v -i warn "$R/bench_decode_kernels.txt" | tail -12 ;;
+  timeout "$(left 150)" python benchmarks/bench_decode_kernels.py ${KERNEL_ARGS:-} \
+    --json "$R/bench_decode_kernels.json" > "$R/bench_decode_kernels.txt" 2>&1
+  grep -v -i warn "$R/bench_decode_kernels.txt" | tail -12 ;;
 bench)   # issue 6: tau and speed-up vs speculation off on the shipped pair, batch 1, engine
          # defaults (on CUDA: target and draft passes as CUDA graphs, fused sampling kernels);
          # run alone: a busy CPU skews it

@@ -54,3 +54,11 @@ def small_vocab_ckpt(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("vocab8"))
     make_checkpoint(out, preset="tiny", seed=2, dspark=True, vocab=8, progress=False)
     return out
+
+
+def pytest_runtest_logreport(report):
+    """DSPARK_INSTAFAIL=1: print a failing test's traceback the moment it fails (time-boxed GPU
+    runs may be cut off before pytest's end-of-run summary)."""
+    if report.failed and os.environ.get("DSPARK_INSTAFAIL") == "1":
+        print(f"\n=== FAILED {report.nodeid} ({report.when}) ===\n{report.longreprtext[-3000:]}\n",
+              flush=True)

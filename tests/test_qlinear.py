@@ -265,6 +265,36 @@ def test_quantized_rejects_bad_weight_format(tiny_quant_ckpt):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("T", [1, 6])
+@pytest.mark.parametrize("N,K,groups", [(1024, 4096, 1), (4096, 8192, 1), (8192, 4096, 8)])
+def test_fp8_skinny_prefetch_and_pdl_change_no_bit_gpu(T, N, K, groups):
+    """The L2 prefetch and programmatic dependent launch only move when bytes arrive: outputs
+    bit-identical to the plain kernel, also back to back in one CUDA graph (the PDL chain)."""
+    gen = torch.Generator().manual_seed(N + T)
+    w, s = quant_fp8_blocks(_spread(N, K, gen, 128) * 0.02)
+    wu, su = w.cuda().view(torch.uint8), s.cuda().view(torch.uint8)
+    shape = (T, groups, K) if groups > 1 else (T, K)
+    xs = [torch.randn(*shape, generator=gen).to(torch.bfloat16).cuda() for _ in range(3)]
+    run = lambda x, **kw: fp8g.fp8_skinny_triton(x, wu, su, N, K, torch.bfloat16, "bf16",  # noqa: E731
+                                               groups=groups, **kw)
+    plain = [run(x) for x in xs]
+    for kw in (dict(prefetch=True), dict(pdl=True), dict(prefetch=True, pdl=True)):
+        assert all(torch.equal(run(x, **kw), p) for x, p in zip(xs, plain)), kw
+        outs = [None] * 3
+        for x in xs:                                   # compile / warm up outside the capture
+            run(x, **kw)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i, x in enumerate(xs):
+                outs[i] = run(x, **kw)
+        g.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(o, p) for o, p in zip(outs, plain)), kw
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("T", [1, 16, 200, 1024])
 @pytest.mark.parametrize("N,K", [(1024, 4096), (32768, 1024), (4096, 8192), (4096, 4096)])
 def test_fp8_linear_flash_shapes_gpu(T, N, K):
