@@ -76,22 +76,19 @@ def _rel(a, b):
 
 # candidate configs of the skinny FP8 kernel, timed next to the shipped one (BLOCK_N rows per
 # program, K splits re-picked for it, x `split_mult`; pipeline stages; warps)
-SKINNY_VARIANTS = [("prefetch", dict(prefetch=True)), ("pdl", dict(pdl=True)),
-                   ("prefetch pdl", dict(prefetch=True, pdl=True)),
-                   ("split x2", dict(split_mult=2)),
-                   ("prefetch split x2", dict(prefetch=True, split_mult=2)),
-                   ("prefetch pdl split x2", dict(prefetch=True, pdl=True, split_mult=2)),
-                   ("bn 128 w8 prefetch pdl", dict(bn=128, num_warps=8, prefetch=True, pdl=True))]
+SKINNY_VARIANTS = [("stages 4", dict(num_stages=4)), ("stages 6", dict(num_stages=6)),
+                   ("bn 32", dict(bn=32)), ("bn 128 w8", dict(bn=128, num_warps=8)),
+                   ("split x2", dict(split_mult=2)), ("split /2", dict(split_mult=0.5)),
+                   ("bn 32 stages 5", dict(bn=32, num_stages=5))]
 
 
-def skinny_variant(T, N, K, bn=64, split_mult=1.0, num_warps=4, num_stages=3, prefetch=False,
-                   pdl=False):
+def skinny_variant(T, N, K, bn=64, split_mult=1.0, num_warps=4, num_stages=3):
     bt = max(16, fg.triton.next_power_of_2(T))
     split = fg._fill_splits(fg.triton.cdiv(N, bn) * fg.triton.cdiv(T, bt), K)
     split = max(1, min(fg.triton.cdiv(K, 128), round(split * split_mult)))
     return lambda x, w, s: fg.fp8_skinny_triton(x, w, s, N, K, torch.bfloat16, "bf16",
                                                 block=(bn, bt, split), num_warps=num_warps,
-                                                num_stages=num_stages, prefetch=prefetch, pdl=pdl)
+                                                num_stages=num_stages)
 
 
 def splitk_linear(x2, wu, su, N, K):
@@ -120,10 +117,7 @@ def bench_fp8(tokens, iters, rows):
                                 [splitk_linear(x[:, g], w[g * R_:(g + 1) * R_],
                                                s[g * rb:(g + 1) * rb], R_, K) for g in range(G)], 1)),
                             ("skinny", lambda x, w, s: fg.fp8_skinny_triton(
-                                x, w, s, N, K, torch.bfloat16, "bf16", groups=G).view(T, G, -1)),
-                            ("skinny prefetch pdl", lambda x, w, s: fg.fp8_skinny_triton(
-                                x, w, s, N, K, torch.bfloat16, "bf16", groups=G, prefetch=True,
-                                pdl=True).view(T, G, -1)))
+                                x, w, s, N, K, torch.bfloat16, "bf16", groups=G).view(T, G, -1)))
             else:
                 variants = (("splitk", lambda x, w, s: splitk_linear(x, w, s, N, K)),
                             ("skinny", lambda x, w, s: fg.fp8_skinny_triton(
@@ -145,8 +139,6 @@ MOE_VARIANTS = [("fma 8x16", "fma", (8, 16), 4, 3), ("fma 16x8", "fma", (16, 8),
                 ("fma 16x16", "fma", (16, 16), 4, 3), ("fma 4x32", "fma", (4, 32), 4, 3),
                 ("fma 4x32 pair decode", "fma-pair", (4, 32), 4, 3),     # shipped
                 ("fma 8x32 pair decode", "fma-pair", (8, 32), 4, 3),
-                ("fma 4x32 pair prefetch", "fma-pair-pf", (4, 32), 4, 3),  # candidate
-                ("fma 8x32 pair prefetch", "fma-pair-pf", (8, 32), 4, 3),
                 ("mma 32x256 w4 s3", "mma", (32, 256), 4, 3),
                 ("mma 32x256 w4 s4", "mma", (32, 256), 4, 4),
                 ("mma 64x256 w4 s3", "mma", (64, 256), 4, 3)]
@@ -172,11 +164,10 @@ def bench_moe(tokens, iters, rows, E=256, k=6, D=4096, I=2048):
         ref = fp4_moe(xs[0], idxs[0], wts[0], experts, 10.0, grouped=False)   # per-expert loop
         base = None
         for name, kind, block, warps, stages in MOE_VARIANTS:
-            if kind.startswith("fma"):
+            if kind in ("fma", "fma-pair"):
                 os.environ["DSPARK_MOE_MMA"] = "0"
-                fn = lambda a, i, w, block=block, pd=kind != "fma", pf=kind == "fma-pair-pf": \
-                    fp4_moe_grouped(a, i, w, stack, 10.0, block=block, pair_decode=pd,  # noqa: E731
-                                    prefetch=pf)
+                fn = lambda a, i, w, block=block, pd=kind == "fma-pair": fp4_moe_grouped(  # noqa: E731
+                    a, i, w, stack, 10.0, block=block, pair_decode=pd)
             else:
                 fn = lambda a, i, w, block=block, warps=warps, stages=stages: fp4_moe_mma(  # noqa: E731
                     a, i, w, stack, 10.0, block=block, num_warps=warps, num_stages=stages)
@@ -227,8 +218,7 @@ def main(argv=None):
     torch.manual_seed(0)
     rows = []
     print("old = split-K FP8 MMA + sum + cast / CUDA-core FP4 MoE; new = skinny FP8 / "
-          "tensor-core FP4 MoE; us per call from CUDA-graph replays, cold L2; programmatic "
-          f"dependent launch {'available' if fg.pdl_supported() else 'NOT available (pdl = plain)'}")
+          "tensor-core FP4 MoE; us per call from CUDA-graph replays, cold L2")
     print(_HEADER)
     if not args.skip_fp8:
         bench_fp8(args.tokens, args.iters, rows)

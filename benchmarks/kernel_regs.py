@@ -89,7 +89,7 @@ def _moe_cases():
         for n, g, w, st in fm._GEMV_CONFIGS:
             yield (fn.__name__, f"BLOCK_N={n} BLOCK_G={g} warps={w} stages={st}", fn, sig,
                    {"BLOCK_N": n, "BLOCK_G": g, "DT": "bf16", "BF16_PAIRS": True,
-                    "PAIR_DECODE": True, "FULL_GROUPS": True, "PREFETCH": True}, w, st, None)
+                    "PAIR_DECODE": True, "FULL_GROUPS": True}, w, st, None)
     import dspark.kernels.fp4_moe_mma as mm       # expert-grouped tensor-core kernels
     mcommon = {"table_ptr": "*i32", "bexp_ptr": "*i32", "emap_ptr": "*i32", "w_ptr": "*u8",
                "stride_we": "i32", "stride_wn": "i32", "s_ptr": "*u8", "stride_se": "i32",
@@ -118,13 +118,10 @@ def _fp8_cases():
             "stride_wn": "i32", "s_ptr": "*u8", "stride_sn": "i32", "y_ptr": "*bf16",
             "stride_yt": "i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "T": "i32", "N": "i32",
             "K": "i32", "K_PER_SPLIT": "i32", "GROUP_ROWS": "i32"}
-    for bn, bt, split, pf in ((64, 16, 1, False), (64, 16, 8, False), (64, 16, 8, True),
-                              (128, 16, 4, False), (64, 64, 1, False)):
-        yield ("_fp8_skinny_kernel", f"BLOCK_N={bn} BLOCK_T={bt} SPLIT={split} warps=4"
-               + (" PREFETCH PDL" if pf else ""),
+    for bn, bt, split in ((64, 16, 1), (64, 16, 8), (128, 16, 4), (64, 64, 1)):
+        yield ("_fp8_skinny_kernel", f"BLOCK_N={bn} BLOCK_T={bt} SPLIT={split} warps=4",
                fg._fp8_skinny_kernel, ssig, {"BLOCK_N": bn, "BLOCK_T": bt, "BLOCK_K": fg.FP8_BLOCK,
-                                             "PRECISION": "bf16", "SPLIT": split, "PREFETCH": pf,
-                                             "PDL": pf}, 4, 3, None)
+                                             "PRECISION": "bf16", "SPLIT": split}, 4, 3, None)
 
 
 def _attention_cases():

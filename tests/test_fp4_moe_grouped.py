@@ -275,7 +275,10 @@ def test_quant_moe_grouped_path_shares_weights(monkeypatch):
         moe.grouped_max_pairs = 0                      # per-expert loop on the same views
         y_loop = moe(x, ids)
         assert calls == [1]
-        assert rel_err(y.cpu(), y_loop.cpu()) < 2e-6
+        # fp32: exact products both ways in the interpreter; on a GPU the per-expert fp4_linear
+        # kernel multiplies fp32 in tf32 (its default precision), the grouped kernel in fp32
+        tol = 2e-3 if DEV == "cuda" else 2e-6
+        assert rel_err(y.cpu(), y_loop.cpu()) < tol
         moe.grouped_max_pairs = 19                     # 20 pairs > 19: loop
         moe(x, ids)
         assert calls == [1]
@@ -287,7 +290,7 @@ def test_quant_moe_grouped_path_shares_weights(monkeypatch):
         y2 = moe(x, ids)
         assert moe._fp4_stack is not st and calls == [1, 1]
         moe.grouped_max_pairs = 0
-        assert rel_err(y2.cpu(), moe(x, ids).cpu()) < 2e-6
+        assert rel_err(y2.cpu(), moe(x, ids).cpu()) < tol
         assert rel_err(y2.cpu(), y.cpu()) > 1e-3
 
 
@@ -363,10 +366,6 @@ def test_grouped_flash_shapes_gpu(T):
     yb = fp4_moe_grouped(xb.cuda(), idx.cuda(), w.cuda(), st, 10.0)
     loop = fp4_moe(xb.cuda(), idx.cuda(), w.cuda(), cu, 10.0, grouped=False)
     assert rel_err(yb, loop.float()) < 2e-2
-    # the L2 prefetch of the weight slices changes no bit (T < the tensor-core path's minimum)
-    if T < 32:
-        for xx, y in ((x.cuda(), y32), (xb.cuda(), yb)):
-            assert torch.equal(fp4_moe_grouped(xx, idx.cuda(), w.cuda(), st, 10.0, prefetch=True), y)
 
 
 @pytest.mark.gpu

@@ -20,8 +20,7 @@ def test_fp8_skinny_kernel_does_not_spill(tmp_path):
         pytest.skip("this triton wheel ships no ptxas")
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
-    # unsplit, 8 K splits, 8 K splits with the L2 prefetch and PDL
-    assert len(rows) == 3 and not any("error" in r for r in rows), rows
+    assert len(rows) == 2 and not any("error" in r for r in rows), rows   # unsplit, 8 K splits
     # the decode-size FP8 kernel must not spill and must leave room for several resident programs
     # (the split one with its unrolled reduction of the 8 partials too)
     assert all(r["regs"] <= 128 and not r["spill_stores"] for r in rows), rows

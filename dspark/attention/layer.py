@@ -43,8 +43,8 @@ def make_attn_fn(backend, md):
 def paged_attention(attn, x, be, md, layer: int, quant):
     """x [T, D] (attn-normed hidden of the flat batch) -> attention output [T, D]."""
     pos, bound, memo = md.positions, md.position_bound, md.rope_memo
-    cq, q = attn.project_q(x, pos, bound, memo)
-    be.write_window(md, layer, attn.project_kv(x, pos, quant, bound, memo))
+    cq, q, kv = attn.project_q_kv(x, pos, quant, bound, memo)
+    be.write_window(md, layer, kv)
     selected = None
     if attn.ratio:
         _emit(attn, attn.compressor, be, md, layer, "main", x, quant)

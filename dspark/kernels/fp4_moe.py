@@ -56,7 +56,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from dspark.kernels.fp8_gemm import _interpreting, _prefetch_l2, flat_operands
+from dspark.kernels.fp8_gemm import _interpreting, flat_operands
 from dspark.kernels.sparse_mqa import _mma, _pick_precision
 from dspark.models.quant import FP4_GROUP, dequant_fp4_experts, fp4_scale_shape
 
@@ -348,7 +348,7 @@ def _fp4_gemv_tile(x_row_ptr, w_rows_ptr, stride_wn, s_rows_ptr, stride_sn, n_ok
                    second_w, second_s,
                    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, TWO: tl.constexpr,
                    BF16_PAIRS: tl.constexpr, PAIR_DECODE: tl.constexpr = False,
-                   FULL_GROUPS: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                   FULL_GROUPS: tl.constexpr = False):
     """fp32 [BLOCK_N]: x[0:K] . W[n, 0:K] for BLOCK_N packed FP4 rows (row n at w_rows_ptr +
     n * stride_wn, its UE8M0 scales at s_rows_ptr + n * stride_sn; n_ok masks rows). Works on
     [BLOCK_N, BLOCK_G groups, 16 bytes] tiles: 32 columns share one scale. TWO: also the rows
@@ -361,13 +361,6 @@ def _fp4_gemv_tile(x_row_ptr, w_rows_ptr, stride_wn, s_rows_ptr, stride_sn, n_ok
     NG = (K + 31) // 32
     acc = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
-    if PREFETCH:        # the rows' whole slices into L2 first: more bytes in flight than the loop
-        rows = w_rows_ptr + tl.where(n_ok, rn, 0)[:, None] * stride_wn
-        for c0 in range(0, KB, 16 * 128):
-            cols = tl.minimum(c0 + tl.arange(0, 16) * 128, KB - 1)[None, :]
-            _prefetch_l2(rows + cols)
-            if TWO:
-                _prefetch_l2(rows + second_w + cols)
     for g0 in range(0, NG, BLOCK_G):
         grp = g0 + gi                                           # scale column [G]
         kb = grp[:, None] * 16 + ji[None, :]                    # byte column [G, 16]
@@ -415,7 +408,6 @@ def _fp4_moe_gate_up_kernel(
     KSLOTS, I, D, limit, NP,                    # NP: programs along axis 0, bucketed (tuning key)
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, DT: tl.constexpr, BF16_PAIRS: tl.constexpr,
     PAIR_DECODE: tl.constexpr = False, FULL_GROUPS: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
 ):
     p = tl.program_id(0)                                    # (token, slot) pair
     pid_n = tl.program_id(1)
@@ -431,7 +423,7 @@ def _fp4_moe_gate_up_kernel(
     s_base = s_ptr + row * stride_se + (pid_n * BLOCK_N).to(tl.int64) * stride_sn
     g, u = _fp4_gemv_tile(x_row, w_base, stride_wn, s_base, stride_sn, n_ok, D,
                           I * stride_wn, I * stride_sn, BLOCK_N, BLOCK_G, True, BF16_PAIRS,
-                          PAIR_DECODE, FULL_GROUPS, PREFETCH)
+                          PAIR_DECODE, FULL_GROUPS)
     h = _swiglu_h(g, u, limit, tl.load(rw_ptr + p).to(tl.float32), DT)
     tl.store(h_ptr + p.to(tl.int64) * stride_hp + rn, h, mask=rn < I)
 
@@ -443,7 +435,6 @@ def _fp4_moe_down_kernel(
     KSLOTS, D, I, NP,                           # NP: programs along axis 0, bucketed (tuning key)
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, DT: tl.constexpr, BF16_PAIRS: tl.constexpr,
     PAIR_DECODE: tl.constexpr = False, FULL_GROUPS: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
 ):
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -458,7 +449,7 @@ def _fp4_moe_down_kernel(
         s_base = s_ptr + row * stride_se + (pid_n * BLOCK_N).to(tl.int64) * stride_sn
         y, _ = _fp4_gemv_tile(h_ptr + p.to(tl.int64) * stride_hp, w_base, stride_wn, s_base,
                               stride_sn, n_ok, I, 0, 0, BLOCK_N, BLOCK_G, False, BF16_PAIRS,
-                              PAIR_DECODE, FULL_GROUPS, PREFETCH)
+                              PAIR_DECODE, FULL_GROUPS)
         out += _round_to(y, DT)                             # each expert's output in x.dtype
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + rn, out, mask=rn < D)
 
@@ -519,7 +510,7 @@ def _np_bucket(n: int) -> int:
 
 def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                     stack: FP4ExpertStack, swiglu_limit: float, block=None,
-                    pair_decode: bool = True, prefetch: bool | None = None) -> torch.Tensor:
+                    pair_decode: bool = True) -> torch.Tensor:
     """Routed-expert output fp32 [T, D] by the two grouped kernels (module docstring): fixed
     shapes, no host sync. x [T, D] (bf16 / fp16 / fp32), idx [T, k] global expert ids,
     weights [T, k] routing weights. Expert ids must be < len(stack.emap) (not checked: that would
@@ -528,8 +519,7 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     of fp4_moe_mma.py (DSPARK_MOE_MMA=0: never, =1: from 2 tokens). pair_decode: the CUDA-core
     kernels decode both codes of a byte together (_e2m1_pair_times_2pow14; same values, fewer
     integer ops for the issue-bound decode kernels: 1.12-1.17x at 1-64 tokens on an H200, see
-    benchmarks/bench_decode_kernels.py); False decodes code by code (the reference). prefetch:
-    the weight slices into L2 before the loop (None: DSPARK_MOE_PREFETCH=1; never interpreted)."""
+    benchmarks/bench_decode_kernels.py); False decodes code by code (the reference)."""
     if x.dim() != 2 or idx.dim() != 2 or weights.shape != idx.shape or idx.shape[0] != x.shape[0]:
         raise ValueError(f"fp4_moe_grouped: x {tuple(x.shape)}, idx {tuple(idx.shape)}, weights "
                          f"{tuple(weights.shape)}: expected [T, D], [T, k], [T, k]")
@@ -560,9 +550,6 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     pairs = (dt == "bf16" and D % 2 == 0 and I % 2 == 0 and x.stride(0) % 2 == 0
              and x.data_ptr() % 4 == 0)
     full = D % 32 == 0 and I % 32 == 0        # every scale group whole (V4: always)
-    if prefetch is None:
-        prefetch = os.environ.get("DSPARK_MOE_PREFETCH", "0") == "1"
-    prefetch = bool(prefetch) and not _interpreting()
     w13, s13, w2, s2, emap = stack
     up_args = (x, x.stride(0), idx, weights, emap, w13, w13.stride(0), w13.stride(1), s13,
                s13.stride(0), s13.stride(1), h, h.stride(0), k, I, D, float(swiglu_limit),
@@ -581,8 +568,8 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     bn2, bg2 = block or _grouped_blocks(T, D)
     _fp4_moe_gate_up_kernel[(P, triton.cdiv(I, bn1))](*up_args, BLOCK_N=bn1, BLOCK_G=bg1, DT=dt,
                                                       BF16_PAIRS=pairs, PAIR_DECODE=pair_decode,
-                                                      FULL_GROUPS=full, PREFETCH=prefetch)
+                                                      FULL_GROUPS=full)
     _fp4_moe_down_kernel[(T, triton.cdiv(D, bn2))](*down_args, BLOCK_N=bn2, BLOCK_G=bg2, DT=dt,
                                                    BF16_PAIRS=pairs, PAIR_DECODE=pair_decode,
-                                                   FULL_GROUPS=full, PREFETCH=prefetch)
+                                                   FULL_GROUPS=full)
     return out

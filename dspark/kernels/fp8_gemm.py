@@ -100,30 +100,12 @@ def _fp8_linear_kernel(
     tl.store(y, acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
-try:      # grid dependency control (programmatic dependent launch, SM90+; Triton >= 3.4)
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:                                  # pragma: no cover - older Triton
-    gdc_launch_dependents = gdc_wait = None
-
-
-def pdl_supported() -> bool:
-    return gdc_wait is not None and not _interpreting()
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """Ask L2 to fetch the 128-byte lines at `ptrs` (no registers wait for them)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.jit
 def _fp8_skinny_kernel(
     x_ptr, stride_xt, stride_xg, w_ptr, stride_wn, s_ptr, stride_sn, y_ptr, stride_yt, ws_ptr,
     cnt_ptr, T, N, K, K_PER_SPLIT, GROUP_ROWS,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Few tokens (decode, verify): y^T = W x^T with the weight rows as the MMA's M side
     ("swap AB": a [BLOCK_N, 128] weight tile against x^T [128, BLOCK_T], so 64-128 weight rows
@@ -136,11 +118,7 @@ def _fp8_skinny_kernel(
     compile-time constant so that sum unrolls: its SPLIT loads are all issued before the adds
     wait (a runtime loop waited one L2 round trip per partial, at the kernel's tail).
     Grouped weights (attention wo_a): rows g*GROUP_ROWS .. (g+1)*GROUP_ROWS - 1 multiply x's group
-    g (x + g * stride_xg); GROUP_ROWS is a multiple of BLOCK_N, and N for plain linears.
-    PREFETCH: first ask L2 for the program's whole weight slice (fire and forget), so far more
-    bytes are in flight than the pipelined loop keeps. PDL (launched with launch_pdl=True): let
-    the next kernel start right away, and wait for the previous one only after the prefetch:
-    weights never depend on it, x, the workspace and the counters do."""
+    g (x + g * stride_xg); GROUP_ROWS is a multiple of BLOCK_N, and N for plain linears."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_t = tl.program_id(2)
@@ -153,14 +131,6 @@ def _fp8_skinny_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-    if PDL:
-        gdc_launch_dependents()
-    if PREFETCH:
-        rows = w_ptr + tl.minimum(rn, N - 1) * stride_wn
-        for k0 in range(k_lo, k_hi, 128):                  # one 128-byte line per row and step
-            _prefetch_l2(rows + k0)
-    if PDL:
-        gdc_wait()
     x_base = x_ptr + ((pid_n * BLOCK_N) // GROUP_ROWS).to(tl.int64) * stride_xg
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + rk
@@ -226,13 +196,6 @@ def _skinny_blocks(T: int, N: int, K: int, interp: bool):
     return bn, bt, _fill_splits(triton.cdiv(N, bn) * triton.cdiv(T, bt), K)
 
 
-def skinny_prefetch() -> tuple[bool, bool]:
-    """(PREFETCH, PDL) for the skinny kernel's engine launches: DSPARK_FP8_PREFETCH=1 / DSPARK_PDL=1
-    (read per call: CUDA graphs capture whatever the launch used)."""
-    return (os.environ.get("DSPARK_FP8_PREFETCH", "0") == "1",
-            os.environ.get("DSPARK_PDL", "0") == "1")
-
-
 def skinny_enabled() -> bool:
     """The swap-AB few-token kernel is the default for T <= SKINNY_MAX_T (DSPARK_FP8_SKINNY=0
     switches back to the split-K MMA kernel + host-side sum, for A/B runs)."""
@@ -241,14 +204,10 @@ def skinny_enabled() -> bool:
 
 def fp8_skinny_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: int, K: int,
                       out_dtype, precision: str, block=None, groups: int = 1, num_warps: int = 4,
-                      num_stages: int = 3, prefetch: bool = False,
-                      pdl: bool = False) -> torch.Tensor:
+                      num_stages: int = 3) -> torch.Tensor:
     """[T, N] in out_dtype from x2 [T, K] (unit column stride) and the weight / scale bytes.
     groups > 1: x2 is [T, groups, K] and weight rows g*N/groups.. use x2[:, g] ([T, N] is then
-    [T, groups, N/groups]). block = (BLOCK_N, BLOCK_T, K splits), else picked by shape.
-    prefetch / pdl: the kernel's PREFETCH / PDL (pdl only where supported: else ignored)."""
-    pdl = pdl and pdl_supported()
-    extra = {"launch_pdl": True} if pdl else {}
+    [T, groups, N/groups]). block = (BLOCK_N, BLOCK_T, K splits), else picked by shape."""
     T = x2.shape[0]
     BN, BT, split = block or _skinny_blocks(T, N, K, _interpreting())
     assert FP8_BLOCK % BN == 0, BN
@@ -268,8 +227,7 @@ def fp8_skinny_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: i
     _fp8_skinny_kernel[grid](
         x2, x2.stride(0), stride_xg, wu, wu.stride(0), su, su.stride(0), y, y.stride(0), ws, cnt,
         T, N, K, k_per, R, BLOCK_N=BN, BLOCK_T=BT, BLOCK_K=FP8_BLOCK, PRECISION=precision,
-        SPLIT=split, PREFETCH=prefetch, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
-        **extra)
+        SPLIT=split, num_warps=num_warps, num_stages=num_stages)
     return y
 
 
@@ -311,9 +269,8 @@ def fp8_linear_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     if T == 0:
         return x.new_zeros(*lead, N)
     if block is None and T <= SKINNY_MAX_T and skinny_enabled():
-        pf, pdl = skinny_prefetch()
-        return fp8_skinny_triton(x2, wu, su, N, K, x.dtype, _pick_precision(x.dtype, precision),
-                                 prefetch=pf, pdl=pdl).reshape(*lead, N)
+        return fp8_skinny_triton(x2, wu, su, N, K, x.dtype,
+                                 _pick_precision(x.dtype, precision)).reshape(*lead, N)
     BM, BN, split = block or _pick_blocks(T, N, K, _interpreting())
     assert FP8_BLOCK % BN == 0, BN
     nk = triton.cdiv(K, FP8_BLOCK)
@@ -344,9 +301,8 @@ def fp8_linear_grouped(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, gr
             or x.stride(-1) != 1):
         return None
     _, wu, su = flat_operands(x[:, 0], K, w, scale)
-    pf, pdl = skinny_prefetch()
     y = fp8_skinny_triton(x, wu, su, N, K, x.dtype, _pick_precision(x.dtype, None),
-                          groups=groups, prefetch=pf, pdl=pdl)
+                          groups=groups)
     return y.view(T, groups, N // groups)
 
 

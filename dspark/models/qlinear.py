@@ -165,6 +165,49 @@ class QuantMoE(MoE):
         return st
 
 
+def stack_rows(linears) -> "QuantLinear | None":
+    """One FP8 QuantLinear whose rows are those of `linears` in order (same input width, every
+    row count a multiple of 128, so the 128 x 128 scale tiles stack too); each linear's buffers
+    are re-pointed at its views of it (no lasting extra memory, same bytes). None when they do
+    not qualify. Linears that read the same input then run as one GEMM launch (few-token steps
+    are launch- and latency-bound: one launch over their rows instead of one each)."""
+    if not linears or not all(isinstance(m, QuantLinear) and m.kind == "fp8"
+                              and not m.weight.is_meta for m in linears):
+        return None
+    K = linears[0].in_features
+    if any(m.in_features != K or m.out_features % FP8_BLOCK for m in linears):
+        return None
+    with torch.inference_mode(False), torch.no_grad():    # (cat of uint8 views: any device)
+        w = torch.cat([m.weight.view(torch.uint8) for m in linears]).view(linears[0].weight.dtype)
+        s = torch.cat([m.scale.view(torch.uint8) for m in linears]).view(linears[0].scale.dtype)
+    first = linears[0]
+    r = 0
+    for m in linears:
+        n = m.out_features
+        m._buffers["weight"] = w[r:r + n]
+        m._buffers["scale"] = s[r // FP8_BLOCK:(r + n) // FP8_BLOCK]
+        r += n
+    return QuantLinear.from_tensors(w, s, "fp8", first.compute_dtype, first.backend)
+
+
+def fuse_same_input_linears(root: nn.Module) -> int:
+    """Row-stack the FP8 projections that read the same activation: attention wq_a + wkv, and
+    w1 + w3 of every dense SwiGLU expert (the shared experts). The fused module is kept outside
+    the module tree (no state_dict key, no double count in memory_report); Attention.project_q_kv
+    and Expert.forward use it. Returns how many fusions were made."""
+    from dspark.models.deepseek_v4.attention import Attention
+    from dspark.models.deepseek_v4.moe import Expert
+    n = 0
+    for m in root.modules():
+        pair = ((m.wq_a, m.wkv) if isinstance(m, Attention)
+                else (m.w1, m.w3) if isinstance(m, Expert) else None)
+        fused = stack_rows(pair) if pair is not None else None
+        if fused is not None:
+            m.__dict__["_fused_rows"] = fused
+            n += 1
+    return n
+
+
 def quantize_modules(root: nn.Module, kinds: dict, compute_dtype: torch.dtype,
                      backend: str = "auto") -> list[str]:
     """Replace every `nn.Linear` named in `kinds` {module path: "fp8" | "fp4"} under `root` by a
@@ -222,6 +265,9 @@ def build_quantized_models(path: str, cfg, dtype: torch.dtype, device, with_draf
         drafter.load_state_dict({drafter_param_name(k): v for k, v in weights.items()
                                  if k.startswith("mtp.")}, strict=True, assign=True)
     del weights
+    for root in (model, drafter):
+        if root is not None:
+            fuse_same_input_linears(root)
     if torch.device(device).type == "cuda" and QuantMoE.grouped_max_pairs:
         # stacked FP4 experts for the grouped small-batch MoE kernels (views: no lasting extra
         # memory), built now so a first step under CUDA graph capture finds them ready

@@ -43,16 +43,26 @@ class Attention(nn.Module):
     # device->host sync to size its table; ``memo``: the forward's RoPE-row memo (Rope.rows).
     # Norm + RoPE chains go through fused.norm_rope (one kernel on CUDA).
 
-    def project_q(self, x, positions, bound=None, memo=None):
-        cq = self.q_norm(self.wq_a(x))
+    def project_q(self, x, positions, bound=None, memo=None, xq=None):
+        cq = self.q_norm(self.wq_a(x) if xq is None else xq)
         q = self.wq_b(cq).view(-1, self.n_heads, self.head_dim)
         return cq, norm_rope(q, self.rope, positions, "unweighted", self.cfg.rms_norm_eps,
                              bound=bound, memo=memo, dtype=x.dtype)
 
-    def project_kv(self, x, positions, quant, bound=None, memo=None):
-        kv = norm_rope(self.wkv(x), self.rope, positions, self.kv_norm, bound=bound, memo=memo,
-                       dtype=x.dtype)
+    def project_kv(self, x, positions, quant, bound=None, memo=None, xkv=None):
+        kv = norm_rope(self.wkv(x) if xkv is None else xkv, self.rope, positions, self.kv_norm,
+                       bound=bound, memo=memo, dtype=x.dtype)
         return kv if quant is None else quant.kv(kv)
+
+    def project_q_kv(self, x, positions, quant, bound=None, memo=None):
+        """(cq, q, kv): project_q and project_kv of the same x; with quantized weights row-stacked
+        at load (qlinear.fuse_same_input_linears) wq_a and wkv run as one GEMM."""
+        xq = xkv = None
+        fused = self.__dict__.get("_fused_rows")
+        if fused is not None:
+            xq, xkv = fused(x).split((self.wq_a.out_features, self.wkv.out_features), dim=-1)
+        cq, q = self.project_q(x, positions, bound, memo, xq)
+        return cq, q, self.project_kv(x, positions, quant, bound, memo, xkv)
 
     def finish_entries(self, pooled, j0: int, comp: Compressor, dtype, quant, indexer: bool):
         """norm -> RoPE at position j*ratio -> quantisation of freshly pooled entries j0, j0+1..."""
@@ -84,8 +94,7 @@ class Attention(nn.Module):
     def forward(self, x, batch, layer_id: int, quant=None):
         pos = batch.positions
         bound, memo = getattr(batch, "position_bound", None), getattr(batch, "rope_memo", None)
-        cq, q = self.project_q(x, pos, bound, memo)
-        kv = self.project_kv(x, pos, quant, bound, memo)
+        cq, q, kv = self.project_q_kv(x, pos, quant, bound, memo)
         if self.ratio:
             a, z = self.compressor.rows(x, pos)
         if self.ratio == 4:

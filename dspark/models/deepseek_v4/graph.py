@@ -270,9 +270,8 @@ def static_attention(attn, x, kern: _Kernels, sp: StaticPlan, layer: int, quant)
     """Fixed-shape twin of dspark.attention.layer.paged_attention (same math, same order)."""
     cache = kern.cache
     pos, bound, memo = sp.positions, sp.position_bound, sp.rope_memo
-    cq, q = attn.project_q(x, pos, bound, memo)
-    kern.store(cache.swa[layer], cache.capacity, sp.stage_ids,
-               attn.project_kv(x, pos, quant, bound, memo))
+    cq, q, kv = attn.project_q_kv(x, pos, quant, bound, memo)
+    kern.store(cache.swa[layer], cache.capacity, sp.stage_ids, kv)
     selected = None
     if attn.ratio:
         _emit(attn, attn.compressor, kern, sp, layer, "main", x, quant)

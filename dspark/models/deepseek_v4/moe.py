@@ -29,7 +29,11 @@ class Expert(nn.Module):
         self.limit = swiglu_limit
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        g, u = self.w1(x), self.w3(x)
+        fused = self.__dict__.get("_fused_rows")     # w1 + w3 row-stacked at load (quantized)
+        if fused is not None:
+            g, u = fused(x).split((self.w1.out_features, self.w3.out_features), dim=-1)
+        else:
+            g, u = self.w1(x), self.w3(x)
         if weight is None and g.dtype == x.dtype and fused_backend(g, u):
             from dspark.kernels import decode_fused as K      # imports triton: only where it runs
             if K.swiglu_supported(g, u):                      # one launch instead of 7
