@@ -6,7 +6,10 @@
 
 One `step()` is one DSpark round for every running request (architecture.md):
   policy picks ℓ per request -> one flattened target forward (verify blocks + prefill chunks)
-  -> lossless accept/reject -> commit tokens and draft context -> draft the next blocks.
+  -> lossless accept/reject (device part: dspark/spec/accept.py) -> one read back -> commit
+  tokens and draft context (`_commit`) -> draft the next blocks.
+Without a drafter, plain decode steps overlap (dspark/overlap.py): a step launches the next
+round from the device-side tokens of the one before, then commits that one.
 
 Sampled (temperature > 0) verification without top-k / top-p runs as one fused Triton kernel on
 CUDA (`dspark.kernels.sampling.fused_verify`) instead of a few hundred small torch kernels;
@@ -26,7 +29,6 @@ import torch
 
 from .config import ModelConfig
 from .detok import IncrementalDetokenizer
-from .draft_pass import to_device
 from .metrics import SpecMetrics
 from .models.deepseek_v4.model import DeepseekV4Model
 from .models.drafter import DSparkDrafter
@@ -34,11 +36,11 @@ from .models.loader import load_checkpoint
 from .overlap import OverlappedDecode
 from .request import BlockTokens, Request, Status
 from .runner import ModelRunner, QuantSim
-from .sampling import (SamplingParams, argmax_rows, filters_used, fused_sampling_enabled,
-                       probs_from_logits, stack_params)
+from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .spec.policy import make_policy
-from .spec.verify import FinishReason, accept_greedy_host, emit_and_stop_host, verify
+from .spec.accept import decide
+from .spec.verify import FinishReason, accept_greedy_host, emit_and_stop_host
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16}
@@ -57,24 +59,6 @@ class RequestOutput:
     finished: bool = True
     new_token_ids: list = field(default_factory=list)
     text_delta: str = ""
-
-
-@dataclass
-class Decision:
-    """Acceptance results still on the device (Engine._decide): `head` [R, γ+1] target argmaxes
-    (greedy) or [R, 2] = (accepted a, next token y); the drafts [R, γ] that were verified."""
-    head: torch.Tensor
-    drafts: torch.Tensor
-    verified: bool                   # any request verified drafts this round
-    greedy: bool
-
-    def table(self) -> torch.Tensor:
-        """What the host needs, one tensor (one read back): head, then the drafts if verified."""
-        return torch.cat([self.head, self.drafts], 1) if self.verified else self.head
-
-    def next_tokens(self) -> torch.Tensor:
-        """[R] each request's next token when nothing was verified (ℓ = 0: a plain decode step)."""
-        return self.head[:, 0] if self.greedy else self.head[:, 1]
 
 
 def default_model_path() -> str:
@@ -401,59 +385,9 @@ class Engine:
     def _accept(self, reqs, logits, taps, first_rows, lengths, anchor_pos) -> list:
         if not reqs:
             return []
-        dec = self._decide(reqs, logits, first_rows, lengths, anchor_pos)
+        dec = decide(reqs, logits, first_rows, lengths, anchor_pos, self.gamma)
         # every result in ONE read back ([argmax | a, y] and the drafts), the rest on the host
         return self._commit(reqs, dec, dec.table().tolist(), taps, first_rows, lengths, anchor_pos)
-
-    def _decide(self, reqs, logits, first_rows, lengths, anchor_pos) -> "Decision":
-        """The device part of acceptance, nothing read back: per request the target's argmax
-        rows (greedy) or [accepted a, next token y] (sampled verification)."""
-        g = self.drafter.gamma if self.drafter is not None else 1
-        R, V, dev = len(reqs), logits.shape[-1], logits.device
-        # the host integers the device part needs in ONE upload (pinned and asynchronous on
-        # CUDA; a tensor per field costs a synchronous copy each): target rows [R, γ+1] (row i
-        # predicts anchor position + i + 1, padded past ℓ), ℓ, seeds, anchor positions
-        flat = [f + min(i, n) for f, n in zip(first_rows, lengths) for i in range(g + 1)]
-        flat += list(lengths) + [r.seed for r in reqs] + list(anchor_pos)
-        ints = to_device(flat, torch.long, dev)
-        row_idx = ints[:R * (g + 1)].view(R, g + 1)
-        lens, seeds, P = ints[R * (g + 1):R * (g + 4)].view(3, R).unbind(0)
-        verified = any(lengths)
-        if not verified:
-            drafts = torch.zeros(R, g, dtype=torch.long, device=dev)
-        elif all(lengths):
-            drafts = torch.stack([r.draft.tokens for r in reqs])
-        else:
-            none = torch.zeros(g, dtype=torch.long, device=dev)
-            drafts = torch.stack([r.draft.tokens if n else none for r, n in zip(reqs, lengths)])
-        greedy = all(r.params.greedy for r in reqs)
-        if greedy:
-            # greedy fast path: argmaxes only, no softmax over V, no random draws; the compare
-            # runs on the host after the one read back
-            return Decision(argmax_rows(logits[row_idx]), drafts, verified, True)  # [R, γ+1]
-        use_top_k, use_top_p = filters_used([r.params for r in reqs])
-        # q = None: every verified draft is a point mass at its token (greedy drafts, or
-        # nothing verified), which verify and fused_verify build implicitly
-        q = None
-        if all(lengths) and all(r.draft.probs is not None for r in reqs):
-            q = torch.stack([r.draft.probs for r in reqs])
-        elif any(r.draft.probs is not None for r, n in zip(reqs, lengths) if n):
-            q = torch.zeros(R, g, V, device=dev)
-            for i, r in enumerate(reqs):
-                if lengths[i]:       # greedy drafts keep no distribution: a point mass
-                    q[i] = r.draft.probs if r.draft.probs is not None else \
-                        torch.zeros(g, V, device=dev).scatter_(1, r.draft.tokens[:, None], 1.0)
-        if not use_top_k and not use_top_p and fused_sampling_enabled(dev):
-            from .kernels.sampling import fused_verify   # Triton: imported only when used
-            temp = to_device([float(r.params.temperature) for r in reqs], torch.float32, dev)
-            res = fused_verify(drafts, q, logits[row_idx], temp, lens, seeds, P)
-        else:
-            temp, top_k, top_p = stack_params([r.params for r in reqs], dev)
-            rep = lambda t: None if t is None else t.repeat_interleave(g + 1)  # noqa: E731
-            p = probs_from_logits(logits[row_idx.flatten()], rep(temp), rep(top_k),
-                                  rep(top_p)).view(R, g + 1, V)
-            res = verify(drafts, q, p, lens, seeds, P)
-        return Decision(torch.stack([res.accepted, res.next_token], 1), drafts, verified, False)
 
     def _commit(self, reqs, dec, table, taps, first_rows, lengths, anchor_pos,
                 in_flight=frozenset()) -> list:
@@ -461,7 +395,7 @@ class Engine:
         (greedy), emitted tokens, stop tokens and token budgets, then every request's state.
         `in_flight`: ids of requests whose next position a launched forward already writes (the
         overlapped decode loop), so their cache keeps it (no rollback to the committed length)."""
-        g = self.drafter.gamma if self.drafter is not None else 1
+        g = self.gamma
         R, w = len(reqs), dec.head.shape[1]
         host_drafts = [row[w:] for row in table] if dec.verified else [[]] * R
         if dec.greedy:
@@ -503,6 +437,11 @@ class Engine:
                 self.scheduler.finish(req)
             outs.append(self._output(req, new))
         return outs
+
+    @property
+    def gamma(self) -> int:
+        """Drafted tokens per round (1 without a drafter: the width of the acceptance tables)."""
+        return self.drafter.gamma if self.drafter is not None else 1
 
     def _token_limit(self, req: Request) -> int:
         """Most output tokens the request may have: max_tokens, or what the model length allows."""

@@ -27,6 +27,7 @@ import torch
 
 from .kvcache.block_manager import CacheFull
 from .request import BlockTokens, Status
+from .spec.accept import Decision, decide
 
 
 @dataclass
@@ -34,7 +35,7 @@ class InFlight:
     """A launched round: its requests, the device results and their pending copy to the host."""
     reqs: list
     starts: list              # each request's position of the fed token (its anchor position)
-    decision: object          # engine.Decision, on the device
+    decision: Decision        # on the device
     host: torch.Tensor        # the decision's table, copied (or being copied) to the host
     ready: object             # torch.cuda.Event recorded after the copy, or None on CPU
 
@@ -100,7 +101,7 @@ class OverlappedDecode:
         eng.telemetry.append({"batch_tokens": len(reqs), "num_verify": len(reqs),
                               "verify_tokens": [0] * len(reqs), "prefill_tokens": 0})
         R = len(reqs)
-        dec = eng._decide(reqs, logits, list(range(R)), [0] * R, starts)
+        dec = decide(reqs, logits, list(range(R)), [0] * R, starts, eng.gamma)
         table = dec.table()
         host, ready = table, None
         if table.is_cuda:

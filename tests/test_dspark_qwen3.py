@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import dspark.engine as engine_mod
+import dspark.spec.accept as accept_mod
 from dspark import Engine, SamplingParams
 from dspark.models.dspark_qwen3 import load_qwen3_pair
 from dspark.models.qwen3 import CheckpointError, ConfigError
@@ -259,7 +259,7 @@ def test_sampling_distribution_is_exact(vocab8_pairs, monkeypatch):
     law = _target_law(off, prompt, steps, T)
     counts = _sample_counts(spec, prompt, steps, T, n)
     assert _chi2_pvalue(counts, law, n) > 1e-3
-    monkeypatch.setattr(engine_mod, "verify", _broken_verify)   # the test must catch a biased verifier
+    monkeypatch.setattr(accept_mod, "verify", _broken_verify)   # the test must catch a biased verifier
     assert _chi2_pvalue(_sample_counts(spec, prompt, steps, T, n), law, n) < 1e-3
 
 

@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-import dspark.engine as engine_mod
+import dspark.spec.accept as accept_mod
 from dspark import Engine, SamplingParams
 from dspark.spec import verify as verify_mod
 
@@ -135,7 +135,7 @@ def test_sampling_distribution_is_exact(small_vocab_ckpt, monkeypatch):
     counts = _sample_counts(spec, prompt, steps, T, n)
     assert _chi2_pvalue(counts, law, n) > 1e-3
     # the same test must reject a verifier that skips the residual distribution
-    monkeypatch.setattr(engine_mod, "verify", _broken_verify)
+    monkeypatch.setattr(accept_mod, "verify", _broken_verify)
     bad = _sample_counts(spec, prompt, steps, T, n)
     assert _chi2_pvalue(bad, law, n) < 1e-3
 

@@ -1,0 +1,86 @@
+"""Acceptance of a round, the device part: which target rows each request's block is checked
+against, argmaxes (greedy) or the lossless rejection test and next-token draw (sampled), all left
+on the device. The engine reads the result back in one copy and commits on the host
+(`Engine._commit`); the overlapped decode loop (dspark/overlap.py) feeds the next round from it
+before that read."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..draft_pass import to_device
+from ..sampling import (argmax_rows, filters_used, fused_sampling_enabled, probs_from_logits,
+                        stack_params)
+from .verify import verify
+
+
+@dataclass
+class Decision:
+    """Acceptance results still on the device (`decide`): `head` [R, γ+1] target argmaxes
+    (greedy) or [R, 2] = (accepted a, next token y); the drafts [R, γ] that were verified."""
+    head: torch.Tensor
+    drafts: torch.Tensor
+    verified: bool                   # any request verified drafts this round
+    greedy: bool
+
+    def table(self) -> torch.Tensor:
+        """What the host needs, one tensor (one read back): head, then the drafts if verified."""
+        return torch.cat([self.head, self.drafts], 1) if self.verified else self.head
+
+    def next_tokens(self) -> torch.Tensor:
+        """[R] each request's next token when nothing was verified (ℓ = 0: a plain decode step)."""
+        return self.head[:, 0] if self.greedy else self.head[:, 1]
+
+
+def decide(reqs, logits, first_rows, lengths, anchor_pos, gamma: int) -> Decision:
+    """The device part of a round's acceptance, nothing read back: per request the target's
+    argmax rows (greedy) or [accepted a, next token y] (sampled verification, exact law).
+    reqs carry .seed, .params and .draft (tokens, probs); logits [rows, V] of the flat forward;
+    first_rows / lengths (ℓ) / anchor_pos per request; gamma drafted tokens per block."""
+    g = gamma
+    R, V, dev = len(reqs), logits.shape[-1], logits.device
+    # the host integers the device part needs in ONE upload (pinned and asynchronous on
+    # CUDA; a tensor per field costs a synchronous copy each): target rows [R, γ+1] (row i
+    # predicts anchor position + i + 1, padded past ℓ), ℓ, seeds, anchor positions
+    flat = [f + min(i, n) for f, n in zip(first_rows, lengths) for i in range(g + 1)]
+    flat += list(lengths) + [r.seed for r in reqs] + list(anchor_pos)
+    ints = to_device(flat, torch.long, dev)
+    row_idx = ints[:R * (g + 1)].view(R, g + 1)
+    lens, seeds, P = ints[R * (g + 1):R * (g + 4)].view(3, R).unbind(0)
+    verified = any(lengths)
+    if not verified:
+        drafts = torch.zeros(R, g, dtype=torch.long, device=dev)
+    elif all(lengths):
+        drafts = torch.stack([r.draft.tokens for r in reqs])
+    else:
+        none = torch.zeros(g, dtype=torch.long, device=dev)
+        drafts = torch.stack([r.draft.tokens if n else none for r, n in zip(reqs, lengths)])
+    greedy = all(r.params.greedy for r in reqs)
+    if greedy:
+        # greedy fast path: argmaxes only, no softmax over V, no random draws; the compare
+        # runs on the host after the one read back
+        return Decision(argmax_rows(logits[row_idx]), drafts, verified, True)  # [R, γ+1]
+    use_top_k, use_top_p = filters_used([r.params for r in reqs])
+    # q = None: every verified draft is a point mass at its token (greedy drafts, or
+    # nothing verified), which verify and fused_verify build implicitly
+    q = None
+    if all(lengths) and all(r.draft.probs is not None for r in reqs):
+        q = torch.stack([r.draft.probs for r in reqs])
+    elif any(r.draft.probs is not None for r, n in zip(reqs, lengths) if n):
+        q = torch.zeros(R, g, V, device=dev)
+        for i, r in enumerate(reqs):
+            if lengths[i]:       # greedy drafts keep no distribution: a point mass
+                q[i] = r.draft.probs if r.draft.probs is not None else \
+                    torch.zeros(g, V, device=dev).scatter_(1, r.draft.tokens[:, None], 1.0)
+    if not use_top_k and not use_top_p and fused_sampling_enabled(dev):
+        from .kernels.sampling import fused_verify   # Triton: imported only when used
+        temp = to_device([float(r.params.temperature) for r in reqs], torch.float32, dev)
+        res = fused_verify(drafts, q, logits[row_idx], temp, lens, seeds, P)
+    else:
+        temp, top_k, top_p = stack_params([r.params for r in reqs], dev)
+        rep = lambda t: None if t is None else t.repeat_interleave(g + 1)  # noqa: E731
+        p = probs_from_logits(logits[row_idx.flatten()], rep(temp), rep(top_k),
+                              rep(top_p)).view(R, g + 1, V)
+        res = verify(drafts, q, p, lens, seeds, P)
+    return Decision(torch.stack([res.accepted, res.next_token], 1), drafts, verified, False)
