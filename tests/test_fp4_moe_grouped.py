@@ -111,6 +111,21 @@ def test_grouped_matches_per_expert_and_reference(experts, stack, T, k):
 
 
 @triton_ok
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_partial_scale_group(dtype):
+    """An expert width that is not a multiple of 32 (the last FP4 scale group of every w2 row is
+    partial): the kernels' element-wise masks instead of the whole-group ones."""
+    gen = torch.Generator().manual_seed(17)
+    exps = _experts(gen, n=4, inter=80)
+    st = stack_fp4_experts(_mv(exps))
+    x = torch.randn(3, D, generator=gen).to(dtype)
+    idx, w = _routing(gen, 3, 2, n=4)
+    y = fp4_moe_grouped(*_dev(x, idx, w), st, 0.7)
+    loop = fp4_moe(x, idx, w, exps, 0.7, backend="torch", grouped=False)
+    assert rel_err(y.cpu(), loop) < (2e-6 if dtype == torch.float32 else 1e-2)
+
+
+@triton_ok
 def test_grouped_repeated_experts_and_clamp_active(experts, stack):
     """Every token routed to the same few experts; clamp well inside the activation range."""
     gen = torch.Generator().manual_seed(7)

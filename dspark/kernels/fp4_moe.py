@@ -518,7 +518,7 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     GPU, bf16 batches of MMA_MIN_TOKENS tokens or more go to the expert-grouped tensor-core kernels
     of fp4_moe_mma.py (DSPARK_MOE_MMA=0: never, =1: from 2 tokens). pair_decode: the CUDA-core
     kernels decode both codes of a byte together (_e2m1_pair_times_2pow14; same values, fewer
-    integer ops for the issue-bound decode kernels: 1.12-1.17x at 1-64 tokens on an H200, see
+    integer ops for the issue-bound decode kernels: 1.5x at 1 and 6 tokens on an H200, see
     benchmarks/bench_decode_kernels.py); False decodes code by code (the reference)."""
     if x.dim() != 2 or idx.dim() != 2 or weights.shape != idx.shape or idx.shape[0] != x.shape[0]:
         raise ValueError(f"fp4_moe_grouped: x {tuple(x.shape)}, idx {tuple(idx.shape)}, weights "

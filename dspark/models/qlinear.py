@@ -194,7 +194,8 @@ def fuse_same_input_linears(root: nn.Module) -> int:
     """Row-stack the FP8 projections that read the same activation: attention wq_a + wkv, and
     w1 + w3 of every dense SwiGLU expert (the shared experts). The fused module is kept outside
     the module tree (no state_dict key, no double count in memory_report); Attention.project_q_kv
-    and Expert.forward use it. Returns how many fusions were made."""
+    and Expert.forward use it. Call it once the model is on its device and in its dtype (a
+    later .to() would move the linears but not the stacks). Returns how many were stacked."""
     from dspark.models.deepseek_v4.attention import Attention
     from dspark.models.deepseek_v4.moe import Expert
     n = 0

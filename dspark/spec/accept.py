@@ -18,7 +18,8 @@ from .verify import verify
 @dataclass
 class Decision:
     """Acceptance results still on the device (`decide`): `head` [R, γ+1] target argmaxes
-    (greedy) or [R, 2] = (accepted a, next token y); the drafts [R, γ] that were verified."""
+    (greedy; [R, 1] for a plain decode step) or [R, 2] = (accepted a, next token y); the drafts
+    [R, γ] that were verified (not read when nothing was)."""
     head: torch.Tensor
     drafts: torch.Tensor
     verified: bool                   # any request verified drafts this round
@@ -40,6 +41,12 @@ def decide(reqs, logits, first_rows, lengths, anchor_pos, gamma: int) -> Decisio
     first_rows / lengths (ℓ) / anchor_pos per request; gamma drafted tokens per block."""
     g = gamma
     R, V, dev = len(reqs), logits.shape[-1], logits.device
+    greedy = all(r.params.greedy for r in reqs)
+    if greedy and not any(lengths) and list(first_rows) == list(range(logits.shape[0])):
+        # a plain greedy decode step (one logit row per request, nothing verified): the rows'
+        # argmaxes as they are: no row indices to upload, no gather, no drafts
+        head = argmax_rows(logits)[:, None]                                      # [R, 1]
+        return Decision(head, head.new_empty(R, 0), False, True)
     # the host integers the device part needs in ONE upload (pinned and asynchronous on
     # CUDA; a tensor per field costs a synchronous copy each): target rows [R, γ+1] (row i
     # predicts anchor position + i + 1, padded past ℓ), ℓ, seeds, anchor positions
@@ -56,7 +63,6 @@ def decide(reqs, logits, first_rows, lengths, anchor_pos, gamma: int) -> Decisio
     else:
         none = torch.zeros(g, dtype=torch.long, device=dev)
         drafts = torch.stack([r.draft.tokens if n else none for r, n in zip(reqs, lengths)])
-    greedy = all(r.params.greedy for r in reqs)
     if greedy:
         # greedy fast path: argmaxes only, no softmax over V, no random draws; the compare
         # runs on the host after the one read back
@@ -74,7 +80,7 @@ def decide(reqs, logits, first_rows, lengths, anchor_pos, gamma: int) -> Decisio
                 q[i] = r.draft.probs if r.draft.probs is not None else \
                     torch.zeros(g, V, device=dev).scatter_(1, r.draft.tokens[:, None], 1.0)
     if not use_top_k and not use_top_p and fused_sampling_enabled(dev):
-        from .kernels.sampling import fused_verify   # Triton: imported only when used
+        from ..kernels.sampling import fused_verify   # Triton: imported only when used
         temp = to_device([float(r.params.temperature) for r in reqs], torch.float32, dev)
         res = fused_verify(drafts, q, logits[row_idx], temp, lens, seeds, P)
     else:
