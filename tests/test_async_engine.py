@@ -12,14 +12,23 @@ from dspark.async_engine import AsyncEngine, EngineDeadError, EngineError, _find
 MAX_LEN = 48          # small max_model_len makes the "prompt too long" request cheap
 
 
-def _engine(path):
-    return Engine(path, device="cpu", dtype="fp32", kv_cache_dtype="fp32", max_model_len=MAX_LEN)
+def _engine(path, **kw):
+    return Engine(path, device="cpu", dtype="fp32", kv_cache_dtype="fp32", max_model_len=MAX_LEN,
+                  **kw)
 
 
 @pytest.fixture(scope="module")
 def engines(tiny_ckpt):
     """(engine served by the AsyncEngines of this module, separate reference engine)."""
     return _engine(tiny_ckpt), _engine(tiny_ckpt)
+
+
+@pytest.fixture(scope="module")
+def overlap_engines(tiny_ckpt):
+    """Speculation off: the served engine decodes overlapped (the CUDA default), the reference
+    one round at a time."""
+    return (_engine(tiny_ckpt, speculative="none", overlap_decode=True),
+            _engine(tiny_ckpt, speculative="none", overlap_decode=False))
 
 
 def run(coro, timeout=60):
@@ -54,7 +63,18 @@ async def wait_idle(ae: AsyncEngine, eng: Engine, timeout=10.0):
 
 
 def test_concurrent_streams_with_random_aborts(engines):
-    eng, ref = engines
+    _concurrent_streams_with_random_aborts(*engines)
+
+
+def test_concurrent_streams_with_random_aborts_overlapped_decode(overlap_engines):
+    """The same traffic on an engine whose decode steps run one round ahead (streams see each
+    round's tokens one step() later; aborts land while a request's row is in flight)."""
+    eng, _ = overlap_engines
+    _concurrent_streams_with_random_aborts(*overlap_engines)
+    assert eng.overlap.rounds > 0
+
+
+def _concurrent_streams_with_random_aborts(eng, ref):
     rng = random.Random(1234)
     V, N = eng.cfg.vocab_size, 24
     prompts = [[rng.randrange(V) for _ in range(rng.randint(1, 20))] for _ in range(N)]
