@@ -21,6 +21,7 @@ pages running out) drains the round in flight first and takes the ordinary path.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,9 @@ class OverlappedDecode:
         self._turn = 0
         self.rounds = 0                    # rounds launched ahead of their predecessor's read back
         self.refused = 0                   # launches refused for pages (ordinary round instead)
+        # seconds the host waited for read backs: a step's wall time minus its wait is the host's
+        # own work, which must stay below the device's for the overlap to hide it
+        self.wait_s = 0.0
 
     def applies(self) -> bool:
         """Every running request decodes one token, no prompt waits, no drafts to verify."""
@@ -121,7 +125,9 @@ class OverlappedDecode:
         """Read `prev` back and commit it for the requests still running (an abort or a finish
         while it was in flight drops its row); `launched` is the round now running after it."""
         if prev.ready is not None:
+            t0 = time.perf_counter()
             prev.ready.synchronize()           # this round only, not the one launched after it
+            self.wait_s += time.perf_counter() - t0
         table = prev.host.tolist()
         keep = [i for i, r in enumerate(prev.reqs) if r.status == Status.RUNNING]
         if not keep:
