@@ -67,10 +67,10 @@ class OverlappedDecode:
             if self.in_flight is None:
                 return None
         prev = self.in_flight
-        # requests that may emit another token after the one being computed
-        nxt = [r for r in prev.reqs
-               if r.status == Status.RUNNING and len(r.output_ids) + 2 <= eng._token_limit(r)]
-        self.in_flight = self._launch(nxt, prev) if nxt else None
+        # rows of requests that may emit another token after the one being computed
+        rows = [i for i, r in enumerate(prev.reqs)
+                if r.status == Status.RUNNING and len(r.output_ids) + 2 <= eng._token_limit(r)]
+        self.in_flight = self._launch([prev.reqs[i] for i in rows], prev, rows) if rows else None
         if self.in_flight is not None:
             self.rounds += 1
         return self._commit(prev, self.in_flight)
@@ -81,18 +81,18 @@ class OverlappedDecode:
         return self._commit(prev, None) if prev is not None else []
 
     # ---- internals ---------------------------------------------------------------------------
-    def _launch(self, reqs, prev: InFlight | None) -> InFlight | None:
+    def _launch(self, reqs, prev: InFlight | None, rows=None) -> InFlight | None:
         """One decode forward for `reqs`: fed their host anchors (prev None) or the tokens `prev`
-        computes on the device. None (nothing launched) if their pages cannot be reserved."""
+        computes on the device (reqs = prev.reqs[i] for i in rows). None (nothing launched) if
+        their pages cannot be reserved."""
         eng = self.engine
         if prev is None:
             starts = [r.num_committed for r in reqs]
             toks = [[r.anchor] for r in reqs]
         else:
-            row = {id(r): i for i, r in enumerate(prev.reqs)}
             nxt = prev.decision.next_tokens()
             starts = [r.num_committed + 1 for r in reqs]
-            toks = [BlockTokens(nxt[row[id(r)]], nxt[:0]) for r in reqs]
+            toks = [BlockTokens(nxt[i], nxt[:0]) for i in rows]
         if eng.cache is not None:
             try:
                 for r, s in zip(reqs, starts):

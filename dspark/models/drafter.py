@@ -363,8 +363,7 @@ class DSparkDrafter(nn.Module):
 
     def _block_attention(self, attn, x, positions, ctx_kv, mask, quant):
         R = mask.shape[0]
-        _, q = attn.project_q(x, positions)                                     # [R*γ, H, hd]
-        kv = attn.project_kv(x, positions, quant)                               # [R*γ, hd]
+        _, q, kv = attn.project_q_kv(x, positions, quant)            # [R*γ, H, hd], [R*γ, hd]
         keys = torch.cat([ctx_kv.to(kv.dtype), kv.view(R, -1, kv.shape[-1])], 1)
         o = attention_with_sink_batched(q.view(R, -1, *q.shape[1:]), keys, mask, attn.attn_sink,
                                         attn.head_dim ** -0.5)

@@ -105,8 +105,7 @@ def target_attention(attn, x, batch, layer_id, quant=None):
     H, hd = attn.n_heads, attn.head_dim
     pos = batch.positions
     dev = x.device
-    cq, q = attn.project_q(x, pos)                                        # q [T, H, hd]
-    kv = attn.project_kv(x, pos, quant)                                   # [T, hd]
+    cq, q, kv = attn.project_q_kv(x, pos, quant)                          # [T, H, hd], [T, hd]
     qp = torch.arange(L, device=dev)
     mask = (qp[None, :] <= qp[:, None]) & (qp[None, :] > qp[:, None] - attn.window)   # [L, L]
     keys = kv.view(B, L, hd)
@@ -159,8 +158,7 @@ def block_attention(attn, x, batch, layer_id, quant=None):
     B, A, g = batch.B, batch.A, batch.g
     H, hd = attn.n_heads, attn.head_dim
     pos = batch.positions
-    _, q = attn.project_q(x, pos)                                        # [B*A*g, H, hd]
-    kv = attn.project_kv(x, pos, quant)                                   # [B*A*g, hd]
+    _, q, kv = attn.project_q_kv(x, pos, quant)                 # [B*A*g, H, hd], [B*A*g, hd]
     ctx = batch.ctx[batch.stage]                                          # [B, L, hd]
     L = ctx.shape[1]
     cast = (lambda t: t) if torch.is_autocast_enabled() else (lambda t: t.to(q.dtype))
