@@ -56,6 +56,11 @@ ncu)     # issue 7: Nsight Compute sections of the attention and MoE decode kern
       grep -v "^==PROF==\|^    ---\|^ *$" "$R/ncu_${k%%:*}.txt" | grep -i "duration\|throughput\|stall\|warp cycles\|issued\|registers\|occupancy\|eligible\|active warps\|error" | head -30
     done
   fi ;;
+small)   # issue 7: sparse MQA at 1-8 query tokens (the batch-1 decode step): more KV splits
+  step "sweep_attention --grid small"
+  timeout "$(left 150)" python benchmarks/sweep_attention.py --grid small --batches 1 2 4 8 \
+    --tokens-per-req 1 --no-flashmla --budget-s 110 --json "$R/sweep_attention_small.json" \
+    > "$R/sweep_small.txt" 2>&1; grep -v -i warn "$R/sweep_small.txt" | tail -24 ;;
 v3c)     # issue 7: fp16 MMA operands in the sparse-MQA v3 kernel vs the shipped bf16 rows
   step "sweep_attention --grid v3c"
   timeout "$(left 200)" python benchmarks/sweep_attention.py --grid v3c --budget-s 150 \

@@ -26,6 +26,7 @@ dspark/kernels/sparse_mqa.py; writes everything to --json.
     python benchmarks/sweep_attention.py --grid quick                        # 7 configurations
     python benchmarks/sweep_attention.py --grid v3 --json out/sweep_v3.json  # v2 best vs v3
     python benchmarks/sweep_attention.py --grid v3b --batches 64 128 256 --budget-s 90  # v3 knobs
+    python benchmarks/sweep_attention.py --grid small --batches 1 2 4 8 --tokens-per-req 1
 """
 from __future__ import annotations
 
@@ -155,6 +156,19 @@ GRID_V3C = [
     _c("v3", block_k=64, num_stages=3, **_E, **_H), _c("v3", block_k=64, num_stages=2, **_H),
     _c("v3", block_k=32, num_stages=2, kv_splits=4), _c("v3", block_k=32, num_stages=2,
                                                          kv_splits=4, **_H),
+]
+
+# small: the batch-1 decode step (1-8 query tokens: a few programs per token, so more KV splits
+# and shorter tiles keep more of the 132 SMs busy) against the shipped small-T row (k32 kv4).
+GRID_SMALL = [
+    _c("v3", block_k=32, num_stages=2, kv_splits=4, **_H),
+    _c("v3", block_k=32, num_stages=2, kv_splits=8, **_H),
+    _c("v3", block_k=32, num_stages=2, kv_splits=16, **_H),
+    _c("v3", block_k=16, num_stages=2, kv_splits=8, **_H),
+    _c("v3", block_k=16, num_stages=2, kv_splits=16, **_H),
+    _c("v3", block_k=16, num_stages=2, kv_splits=32, **_H),
+    _c("v3", block_k=16, num_stages=2, kv_splits=16, num_warps=4, **_H),
+    _c("v3", block_k=32, num_stages=2, kv_splits=16, num_warps=4, **_H),
 ]
 
 
@@ -388,7 +402,8 @@ def main(argv=None):
     ap.add_argument("--topk", type=int, default=512)
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--ctx-entries", type=int, default=2048)
-    ap.add_argument("--grid", choices=["full", "quick", "v3", "v3b", "v3c"], default="full",
+    ap.add_argument("--grid", choices=["full", "quick", "v3", "v3b", "v3c", "small"],
+                    default="full",
                     help="full / quick: v1 + v2 families; v3: v2's shipped rows vs the v3 "
                          "configs; v3b: v3 k64 s2 vs its candidate knobs (GRID_V3B); v3c: fp16 "
                          "operands (GRID_V3C)")
@@ -409,7 +424,7 @@ def main(argv=None):
         sys.exit("sweep_attention.py needs a CUDA GPU; run tests/test_kernels.py -k mqa on CPU.")
     t_start = time.perf_counter()
     configs = {"full": GRID_FULL, "quick": GRID_QUICK, "v3": GRID_V3,
-               "v3b": GRID_V3B, "v3c": GRID_V3C}[args.grid]
+               "v3b": GRID_V3B, "v3c": GRID_V3C, "small": GRID_SMALL}[args.grid]
     args_dict = vars(args)
     print(f"{len(configs)} configurations x batches {args.batches}", flush=True)
     pre = precompile_all(configs, args_dict, min(args.workers, len(configs)),

@@ -179,6 +179,27 @@ def test_pair_decode_is_bit_identical(experts, stack, dtype):
 
 
 @triton_ok
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_grouped_adds_and_rounds_in_the_down_kernel(experts, stack, dtype):
+    """add= / out_dtype= (QuantMoE's shared expert output and the final cast): the down kernel's
+    result equals out_dtype(fp32 routed + add) of the plain call, bit for bit (same fp32 sum,
+    round to nearest even also under the interpreter)."""
+    gen = torch.Generator().manual_seed(21)
+    T, k = 3, 4
+    x = torch.randn(T, D, generator=gen).to(dtype)
+    idx, w = _routing(gen, T, k)
+    add = torch.randn(T, D, generator=gen).to(dtype)
+    routed = fp4_moe_grouped(*_dev(x, idx, w), stack, 0.7)
+    want = (routed + add.to(routed.device)).to(dtype)
+    got = fp4_moe_grouped(*_dev(x, idx, w), stack, 0.7, add=add.to(routed.device),
+                          out_dtype=dtype)
+    assert got.dtype == dtype and torch.equal(got, want)
+    assert not torch.equal(got, routed.to(dtype))           # the add did something
+    with pytest.raises(ValueError, match="add"):
+        fp4_moe_grouped(*_dev(x, idx, w), stack, 0.7, add=add[:, :-1].to(routed.device))
+
+
+@triton_ok
 def test_grouped_not_held_experts_contribute_zero(experts):
     """Experts this rank does not hold (None) are left out of the stack; pairs routed to them
     add nothing (another rank adds them), the held ones are unchanged."""

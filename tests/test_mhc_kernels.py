@@ -98,6 +98,46 @@ def test_kernels_empty_batch():
     assert kernels.hc_head(X, head_fn, base[:4], scale[:1], HC_EPS, NORM_EPS).shape == (0, 64)
 
 
+def check_post_then_pre(T, n, D, dtype, seed=0):
+    """hc_post(..., next_fn) leaves the next projection's partials on its output: the hc_pre /
+    hc_head that reads it then skips `_mix_partials` and still matches the reference (on the
+    stored output), and equals the same kernels without the hint up to fp32 summation order."""
+    X, fn, base, scale, head_fn, o = make_case(T, n, D, dtype, seed)
+    _, post, comb = mhc.hc_pre_reference(X, fn, base, scale, n, ITERS, HC_EPS, NORM_EPS)
+    plain = kernels.hc_post(o, X, post, comb)
+    for nxt, run, ref in (
+            (fn, lambda Y: kernels.hc_pre(Y, fn, base, scale, n, ITERS, HC_EPS, NORM_EPS),
+             lambda Y: mhc.hc_pre_reference(Y, fn, base, scale, n, ITERS, HC_EPS, NORM_EPS)),
+            (head_fn, lambda Y: (kernels.hc_head(Y, head_fn, base[:n], scale[:1], HC_EPS,
+                                                 NORM_EPS),),
+             lambda Y: (mhc.hc_head_reference(Y, head_fn, base[:n], scale[:1], HC_EPS,
+                                              NORM_EPS),))):
+        Y = kernels.hc_post(o, X, post, comb, next_fn=nxt)
+        assert torch.equal(Y, plain)                          # the streams are unchanged
+        left = getattr(Y, kernels._LEFT, None)
+        assert (left is not None) == (T <= kernels.POST_NEXT_MAX_T)
+        got, want, unhinted = run(Y), ref(Y), run(plain)
+        assert_out_close(got[0], want[0])
+        assert_out_close(got[0], unhinted[0])
+        for g, w in zip(got[1:], want[1:]):
+            assert rel_err(g, w) < 1e-5
+    # partials left for another fn are not used for this one
+    Y = kernels.hc_post(o, X, post, comb, next_fn=fn.clone())
+    assert kernels._partials_left_on(Y, fn) is None
+
+
+@triton_ok
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,D", [(1, 64), (3, 192), (17, 64)])
+def test_post_leaves_partials_for_next_pre(T, D, dtype):
+    check_post_then_pre(T, 4, D, dtype, seed=T)
+
+
+@triton_ok
+def test_post_partials_padded_streams_and_ragged_width():
+    check_post_then_pre(2, 3, 40, torch.float32, seed=5)
+
+
 # ---- dispatch ----------------------------------------------------------------------------------
 
 @pytest.fixture
@@ -158,3 +198,4 @@ def test_model_logits_with_kernels_match_reference(tiny_ckpt, backend):
 def test_gpu_kernels_realistic(T, D):
     check_all(T, 4, D, torch.bfloat16, seed=T)
     check_all(T, 4, D, torch.float32, seed=T + 1)
+    check_post_then_pre(T, 4, D, torch.bfloat16, seed=T + 2)

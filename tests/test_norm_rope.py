@@ -122,3 +122,22 @@ def test_model_forward_with_fused_norms(tiny_ckpt, dtype):
     got, want = both(run)
     err = ((got - want).abs().max() / want.abs().max()).item()
     assert err <= (2e-2 if dtype == "bf16" else 1e-5), err
+
+
+@triton_ok
+@pytest.mark.parametrize("inverse", [False, True])
+def test_kernel_gathers_table_rows_like_rows(inverse):
+    """With a host bound the kernel reads cis[positions[t]] from the whole table itself (no
+    gather launch): bit-identical to passing the gathered rows."""
+    from dspark.kernels import norm_rope as K
+    rope = Rope(64, 160000.0, YARN)
+    pos = torch.tensor([7, 0, 4099, 31], device=DEV)
+    x = (torch.randn(4, 8, 192) * 2).bfloat16().to(DEV)
+    with torch.no_grad():
+        rows = K.norm_rope(x, None, 1e-6, rope.rows(pos, x.device, inverse, 5000), 64)
+        table = K.norm_rope(x, None, 1e-6, rope.table(5000, x.device, inverse), 64,
+                            positions=pos)
+    assert torch.equal(rows, table)
+    other = K.norm_rope(x, None, 1e-6, rope.table(5000, x.device, inverse), 64,
+                        positions=pos + 1)
+    assert not torch.equal(rows, other)

@@ -435,6 +435,7 @@ def _fp4_moe_down_kernel(
     KSLOTS, D, I, NP,                           # NP: programs along axis 0, bucketed (tuning key)
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, DT: tl.constexpr, BF16_PAIRS: tl.constexpr,
     PAIR_DECODE: tl.constexpr = False, FULL_GROUPS: tl.constexpr = False,
+    add_ptr=None, stride_at=0, HAS_ADD: tl.constexpr = False, OUT_DT: tl.constexpr = "fp32",
 ):
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -451,6 +452,10 @@ def _fp4_moe_down_kernel(
                               stride_sn, n_ok, I, 0, 0, BLOCK_N, BLOCK_G, False, BF16_PAIRS,
                               PAIR_DECODE, FULL_GROUPS)
         out += _round_to(y, DT)                             # each expert's output in x.dtype
+    if HAS_ADD:             # the shared expert's output, added in fp32 (QuantMoE's `out += ...`)
+        out += tl.load(add_ptr + t.to(tl.int64) * stride_at + rn, mask=rn < D,
+                       other=0.0).to(tl.float32)
+    out = _round_to(out, OUT_DT)                           # exact in OUT_DT: the store only casts
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + rn, out, mask=rn < D)
 
 
@@ -510,8 +515,11 @@ def _np_bucket(n: int) -> int:
 
 def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                     stack: FP4ExpertStack, swiglu_limit: float, block=None,
-                    pair_decode: bool = True) -> torch.Tensor:
-    """Routed-expert output fp32 [T, D] by the two grouped kernels (module docstring): fixed
+                    pair_decode: bool = True, add: torch.Tensor | None = None,
+                    out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Routed-expert output [T, D] by the two grouped kernels (module docstring): fp32, or with
+    ``add`` ([T, D], e.g. the shared expert's output) and ``out_dtype``: out_dtype(routed + add)
+    with the sum in fp32 (the down kernel does both: no add / cast launch). Fixed
     shapes, no host sync. x [T, D] (bf16 / fp16 / fp32), idx [T, k] global expert ids,
     weights [T, k] routing weights. Expert ids must be < len(stack.emap) (not checked: that would
     sync). block = (BLOCK_N, BLOCK_G) for both FMA kernels (tests), else picked by shape. On the
@@ -535,10 +543,15 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
         from dspark.kernels import fp4_moe_mma as mma      # tokens grouped by expert on tensor
         if (mma.mma_enabled() and T >= mma.mma_min_tokens()   # cores (bf16 x only: exact
                 and mma.mma_applies(D, I)):                  # operands need bf16)
-            return mma.fp4_moe_mma(x, idx, weights, stack, swiglu_limit)
-    out = torch.empty(T, D, dtype=torch.float32, device=x.device)
+            return _finish(mma.fp4_moe_mma(x, idx, weights, stack, swiglu_limit), add,
+                           out_dtype)
     if T == 0 or k == 0:
-        return out.zero_()
+        return _finish(torch.zeros(T, D, dtype=torch.float32, device=x.device), add, out_dtype)
+    if out_dtype not in _DT_NAME or (add is not None and (add.shape != (T, D)
+                                                          or add.stride(-1) != 1)):
+        raise ValueError(f"fp4_moe_grouped: add {None if add is None else tuple(add.shape)} / "
+                         f"out_dtype {out_dtype}: expected [T, D] rows and a 16/32-bit float")
+    out = torch.empty(T, D, dtype=out_dtype, device=x.device)
     if x.stride(-1) != 1:
         x = x.contiguous()
     idx = idx.contiguous()
@@ -556,13 +569,16 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                _np_bucket(P))
     down_args = (h, h.stride(0), idx, emap, w2, w2.stride(0), w2.stride(1), s2, s2.stride(0),
                  s2.stride(1), out, out.stride(0), k, D, I, _np_bucket(T))
+    down_kw = dict(add_ptr=out if add is None else add, stride_at=0 if add is None
+                   else add.stride(0), HAS_ADD=add is not None, OUT_DT=_DT_NAME[out_dtype])
     if block is None and autotune_enabled():
         _tuned(_fp4_moe_gate_up_kernel, ["NP", "KSLOTS", "I", "D"])[
             lambda m: (P, triton.cdiv(I, m["BLOCK_N"]))](*up_args, DT=dt, BF16_PAIRS=pairs,
                                                           PAIR_DECODE=pair_decode, FULL_GROUPS=full)
         _tuned(_fp4_moe_down_kernel, ["NP", "KSLOTS", "D", "I"])[
             lambda m: (T, triton.cdiv(D, m["BLOCK_N"]))](*down_args, DT=dt, BF16_PAIRS=pairs,
-                                                          PAIR_DECODE=pair_decode, FULL_GROUPS=full)
+                                                          PAIR_DECODE=pair_decode, FULL_GROUPS=full,
+                                                          **down_kw)
         return out
     bn1, bg1 = block or _grouped_blocks(P, I)
     bn2, bg2 = block or _grouped_blocks(T, D)
@@ -571,5 +587,12 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                                                       FULL_GROUPS=full)
     _fp4_moe_down_kernel[(T, triton.cdiv(D, bn2))](*down_args, BLOCK_N=bn2, BLOCK_G=bg2, DT=dt,
                                                    BF16_PAIRS=pairs, PAIR_DECODE=pair_decode,
-                                                   FULL_GROUPS=full)
+                                                   FULL_GROUPS=full, **down_kw)
     return out
+
+
+def _finish(routed: torch.Tensor, add, out_dtype) -> torch.Tensor:
+    """out_dtype(routed + add) in fp32, for the paths whose kernels do not add / cast."""
+    if add is not None:
+        routed += add
+    return routed.to(out_dtype)

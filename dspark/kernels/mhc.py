@@ -135,9 +135,14 @@ def _finish_pre(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, c
 
 
 @triton.jit
-def _post(o_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D,
-          N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, OUT_BF16: tl.constexpr):
-    """out[t, k, d] = post[t, k]·o[t, d] + Σ_j comb[t, j, k]·X[t, j, d] for one D block."""
+def _post(o_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, part_ptr, sq_ptr, T, D, R,
+          N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, OUT_BF16: tl.constexpr,
+          NEXT: tl.constexpr, BLOCK_R: tl.constexpr):
+    """out[t, k, d] = post[t, k]·o[t, d] + Σ_j comb[t, j, k]·X[t, j, d] for one D block.
+
+    NEXT: also this block's split-K partials of the next hc_pre / hc_head projection of the
+    output (as stored), laid out as `_mix_partials` leaves them with split s = the D block:
+    part[s, t, r] = Σ_{k, d in block} out[t, k, d]·fn[r, k·D + d], sq[s, t] = Σ out²."""
     t = tl.program_id(0)
     pid_d = tl.program_id(1)
     k = tl.arange(0, BLOCK_N)
@@ -152,8 +157,19 @@ def _post(o_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D,
         cj = tl.load(comb_ptr + (t * N + j) * N + k, mask=k_ok, other=0.0)
         mixed += cj[:, None] * xj[None, :]
     out = post[:, None] * o[None, :] + mixed
-    _store_rounded(out_ptr + (t * N + k[:, None]) * D + d[None, :], out,
-                   k_ok[:, None] & d_ok[None, :], OUT_BF16)
+    ok = k_ok[:, None] & d_ok[None, :]
+    if OUT_BF16:            # exact in bf16 afterwards, so the store's cast only truncates zeros
+        out = _bf16_round(out)
+    tl.store(out_ptr + (t * N + k[:, None]) * D + d[None, :], out, mask=ok)
+    if NEXT:
+        out = tl.where(ok, out, 0.0)
+        r = tl.arange(0, BLOCK_R)
+        w = tl.load(fn_ptr + r[:, None, None] * (N * D) + k[None, :, None] * D + d[None, None, :],
+                    mask=(r < R)[:, None, None] & ok[None, :, :], other=0.0).to(tl.float32)
+        part = tl.sum(tl.sum(w * out[None, :, :], axis=2), axis=1)            # [BLOCK_R]
+        row = pid_d * T + t
+        tl.store(part_ptr + row * BLOCK_R + r, part)
+        tl.store(sq_ptr + row, tl.sum(tl.sum(out * out, axis=1), axis=0))
 
 
 def _mixes(X: torch.Tensor, fn: torch.Tensor):
@@ -177,13 +193,14 @@ def _mixes(X: torch.Tensor, fn: torch.Tensor):
 
 def _collapse(X, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, head: bool):
     T, n, D = X.shape
+    left = _partials_left_on(X, fn)
     X, fn = X.contiguous(), fn.contiguous()
     u = torch.empty(T, D, dtype=X.dtype, device=X.device)
     post = torch.empty(T, n, dtype=torch.float32, device=X.device)
     comb = torch.empty(T, n, n, dtype=torch.float32, device=X.device)
     if T == 0:
         return u, post, comb
-    part, sq, S, BLOCK_R = _mixes(X, fn)
+    part, sq, S, BLOCK_R = left if left is not None else _mixes(X, fn)
     block_d = min(_BLOCK_D, triton.next_power_of_2(D))
     _finish_pre[(T, triton.cdiv(D, block_d))](
         X, part, sq, base.float().contiguous(), scale.float().contiguous(), u, post, comb,
@@ -191,6 +208,59 @@ def _collapse(X, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, head: bool):
         N=n, BLOCK_N=triton.next_power_of_2(n), BLOCK_S=triton.next_power_of_2(S),
         BLOCK_R=BLOCK_R, BLOCK_D=block_d, HEAD=head, OUT_BF16=X.dtype == torch.bfloat16)
     return u, post, comb
+
+
+# hc_post(..., next_fn) computes the next projection's partials in its own launch (saving the
+# `_mix_partials` launch of the next hc_pre / hc_head) up to this many tokens: each of its
+# programs reads its D block of fn once per token, which is cheap for decode / verify steps but
+# re-reads fn T times where `_mix_partials` (token blocks of 16-64 on tensor cores) reads it
+# once per 16-64 tokens.
+POST_NEXT_MAX_T = 16
+_POST_NEXT_BLOCK_D = 64      # 4 streams x 64 columns x 32 rows of fn per program: no spills
+_LEFT = "_dspark_mhc_partials"
+
+
+def _partials_left_on(X, fn):
+    """(part, sq, S, BLOCK_R) that hc_post left on the stream tensor X for this very fn, else
+    None. X is the tensor hc_post returned (streams are never changed in place)."""
+    left = getattr(X, _LEFT, None)
+    if left is None or left[0] is not fn:
+        return None
+    return left[1:]
+
+
+def hc_post(o: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+            next_fn: torch.Tensor | None = None) -> torch.Tensor:
+    """X'[k] = post[k]·o + Σ_j comb[j, k]·X[j]; o [T, D], X [T, n, D] -> [T, n, D] in X.dtype.
+
+    next_fn: the fn [R, n·D] of the hc_pre / hc_head that reads X' next; for few tokens (bf16 /
+    fp32 streams) the same launch leaves that projection's split-K partials on X', and that
+    hc_pre skips its first launch."""
+    T, n, D = X.shape
+    assert o.shape == (T, D), f"o {tuple(o.shape)} does not match X {tuple(X.shape)}"
+    out = torch.empty(T, n, D, dtype=X.dtype, device=X.device)
+    if T == 0:
+        return out
+    nxt = (next_fn is not None and T <= POST_NEXT_MAX_T and next_fn.shape[1] == n * D
+           and X.dtype in (torch.bfloat16, torch.float32) and next_fn.is_contiguous())
+    if nxt:
+        block_d = min(_POST_NEXT_BLOCK_D, triton.next_power_of_2(D))
+        R = next_fn.shape[0]
+        BLOCK_R = max(16, triton.next_power_of_2(R))
+        S = triton.cdiv(D, block_d)
+        part = torch.empty(S, T, BLOCK_R, dtype=torch.float32, device=X.device)
+        sq = torch.empty(S, T, dtype=torch.float32, device=X.device)
+    else:
+        block_d = min(_BLOCK_D, triton.next_power_of_2(D))
+        R, BLOCK_R, S, part, sq = 0, 16, 0, out, out          # part / sq: never touched
+    _post[(T, triton.cdiv(D, block_d))](
+        o.contiguous(), X.contiguous(), post.float().contiguous(), comb.float().contiguous(), out,
+        next_fn if nxt else out, part, sq, T, D, R,
+        N=n, BLOCK_N=triton.next_power_of_2(n), BLOCK_D=block_d,
+        OUT_BF16=X.dtype == torch.bfloat16, NEXT=nxt, BLOCK_R=BLOCK_R)
+    if nxt:
+        setattr(out, _LEFT, (next_fn, part, sq, S, BLOCK_R))
+    return out
 
 
 def hc_pre(X, fn, base, scale, n: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
@@ -204,18 +274,3 @@ def hc_head(X, fn, base, scale, hc_eps: float, norm_eps: float) -> torch.Tensor:
     """Final collapse: sigmoid-gated sum of the streams, [T, n, D] -> [T, D] in X.dtype."""
     assert fn.shape[0] == X.shape[1], f"hc_head fn has {fn.shape[0]} rows for {X.shape[1]} streams"
     return _collapse(X, fn, base, scale, hc_eps, norm_eps, 0, head=True)[0]
-
-
-def hc_post(o: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """X'[k] = post[k]·o + Σ_j comb[j, k]·X[j]; o [T, D], X [T, n, D] -> [T, n, D] in X.dtype."""
-    T, n, D = X.shape
-    assert o.shape == (T, D), f"o {tuple(o.shape)} does not match X {tuple(X.shape)}"
-    out = torch.empty(T, n, D, dtype=X.dtype, device=X.device)
-    if T == 0:
-        return out
-    block_d = min(_BLOCK_D, triton.next_power_of_2(D))
-    _post[(T, triton.cdiv(D, block_d))](
-        o.contiguous(), X.contiguous(), post.float().contiguous(), comb.float().contiguous(), out, D,
-        N=n, BLOCK_N=triton.next_power_of_2(n), BLOCK_D=block_d,
-        OUT_BF16=X.dtype == torch.bfloat16)
-    return out

@@ -40,13 +40,16 @@ def _rnd(v, ROUND: tl.constexpr):
 
 @triton.jit
 def _norm_rope_kernel(x_ptr, w_ptr, cis_ptr, out_ptr, H, D, R_HALF,
-                      stride_xt, stride_xh, stride_ot, stride_oh, eps,
+                      stride_xt, stride_xh, stride_ot, stride_oh, eps, pos_ptr,
                       ROUND_IN: tl.constexpr, NORM: tl.constexpr, HAS_W: tl.constexpr,
                       ROPE: tl.constexpr, ROUND: tl.constexpr,
-                      BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+                      BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, GATHER: tl.constexpr):
     row = tl.program_id(0)
     t = row // H
     h = row % H
+    cis_row = t
+    if GATHER:                                    # cis is the whole table: row = position of t
+        cis_row = tl.load(pos_ptr + t).to(tl.int64)
     src = x_ptr + t * stride_xt + h * stride_xh
     dst = out_ptr + t * stride_ot + h * stride_oh
     d = tl.arange(0, BLOCK_D)
@@ -82,8 +85,8 @@ def _norm_rope_kernel(x_ptr, w_ptr, cis_ptr, out_ptr, H, D, R_HALF,
                 im = im * tl.load(w_ptr + pe + 1, mask=i_ok, other=0.0).to(tl.float32)
             re = _rnd(re, ROUND)
             im = _rnd(im, ROUND)
-        c = tl.load(cis_ptr + t * 2 * R_HALF + 2 * i, mask=i_ok, other=0.0)
-        s = tl.load(cis_ptr + t * 2 * R_HALF + 2 * i + 1, mask=i_ok, other=0.0)
+        c = tl.load(cis_ptr + cis_row * 2 * R_HALF + 2 * i, mask=i_ok, other=0.0)
+        s = tl.load(cis_ptr + cis_row * 2 * R_HALF + 2 * i + 1, mask=i_ok, other=0.0)
         out_re = _rnd(re * c - im * s, ROUND)     # (re + i·im)(c + i·s), as complex64 multiplies
         out_im = _rnd(re * s + im * c, ROUND)
         tl.store(dst + pe, out_re.to(out_ptr.dtype.element_ty), mask=i_ok)
@@ -99,10 +102,14 @@ def supported(x: torch.Tensor, dtype: torch.dtype, out_dtype: torch.dtype) -> bo
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float | None = None,
               cis: torch.Tensor | None = None, rope_dim: int = 0, dtype: torch.dtype | None = None,
-              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+              out_dtype: torch.dtype | None = None,
+              positions: torch.Tensor | None = None) -> torch.Tensor:
     """See the module doc. x [T, D] or [T, H, D] (last dim contiguous); weight [D] or None;
     eps None = no normalisation; cis complex64 [T, rope_dim/2] (already conjugated for the
-    inverse rotation) or None; dtype (rounding, default x.dtype), out_dtype (default dtype)."""
+    inverse rotation) or None; dtype (rounding, default x.dtype), out_dtype (default dtype).
+    positions [T] (integers): cis is then a whole table [>= max position + 1, rope_dim/2] and
+    row t rotates by cis[positions[t]] (the gather happens in the kernel: no launch for it;
+    positions are not bounds-checked: size the table from a host-side bound)."""
     dtype = dtype or x.dtype
     out_dtype = out_dtype or dtype
     assert supported(x, dtype, out_dtype), (x.dtype, x.shape, x.stride(), dtype, out_dtype)
@@ -113,18 +120,23 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float | 
     if T * H == 0:
         return out
     r_half = rope_dim // 2 if cis is not None else 0
+    gather = cis is not None and positions is not None
     if cis is not None:
-        assert cis.shape == (T, r_half) and cis.dtype == torch.complex64, (cis.shape, T, r_half)
+        rows = cis.shape[0] if gather else T
+        assert cis.shape == (rows, r_half) and cis.dtype == torch.complex64, (cis.shape, T, r_half)
         cis = torch.view_as_real(cis.contiguous())
+    if gather:
+        assert positions.shape == (T,), (positions.shape, T)
+        positions = positions.contiguous()
     if weight is not None:
         assert weight.shape == (D,) and weight.is_contiguous(), weight.shape
     block_d = triton.next_power_of_2(D)
     _norm_rope_kernel[(T * H,)](
         x3, weight if weight is not None else x3, cis if cis is not None else x3, o3,
         H, D, r_half, x3.stride(0), x3.stride(1), o3.stride(0), o3.stride(1),
-        float(eps) if eps is not None else 0.0,
+        float(eps) if eps is not None else 0.0, positions if gather else x3,
         ROUND_IN=x.dtype != dtype, NORM=eps is not None, HAS_W=weight is not None,
         ROPE=cis is not None, ROUND=ROUNDINGS[dtype], BLOCK_D=block_d,
-        BLOCK_R=triton.next_power_of_2(max(r_half, 1)),
+        BLOCK_R=triton.next_power_of_2(max(r_half, 1)), GATHER=gather,
         num_warps=4 if block_d <= 1024 else 8)
     return out

@@ -347,19 +347,21 @@ class DSparkDrafter(nn.Module):
         X = X.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         with self.rope_bound(max_position, X.device):
             for s, stage in enumerate(self.stages):
-                X = self._stage_forward(stage, X, ids, positions, ctx_kv[s], mask, quant)
+                nxt = (self.stages[s + 1].hc_attn_fn if s + 1 < len(self.stages)
+                       else self.hc_head_fn)
+                X = self._stage_forward(stage, X, ids, positions, ctx_kv[s], mask, quant, nxt)
         h = hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg.hc_eps,
                     self.cfg.rms_norm_eps)
         return h.view(R, g, -1)
 
-    def _stage_forward(self, stage: Block, X, ids, positions, ctx_kv, mask, quant):
+    def _stage_forward(self, stage: Block, X, ids, positions, ctx_kv, mask, quant, next_fn=None):
         """Block.forward with batched block attention and the sync-free MoE."""
         u, post, comb = stage._pre(X, "attn")
         o = self._block_attention(stage.attn, stage.attn_norm(u), positions, ctx_kv, mask, quant)
-        X = hc_post(o, X, post, comb)
+        X = hc_post(o, X, post, comb, stage.hc_ffn_fn)
         u, post, comb = stage._pre(X, "ffn")
         o = self._moe(stage.ffn, stage.ffn_norm(u), ids)
-        return hc_post(o, X, post, comb)
+        return hc_post(o, X, post, comb, next_fn)
 
     def _block_attention(self, attn, x, positions, ctx_kv, mask, quant):
         R = mask.shape[0]

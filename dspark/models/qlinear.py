@@ -121,11 +121,12 @@ class QuantMoE(MoE):
         limit = self.experts[0].limit
         cap = self.grouped_max_pairs
         if cap and grouped_applies(x, idx, first.backend, cap):
-            out = fp4_moe_grouped(x, idx, w, self.fp4_stack(), limit)
-        else:
-            experts = [((e.w1.weight, e.w1.scale), (e.w3.weight, e.w3.scale),
-                        (e.w2.weight, e.w2.scale)) for e in self.experts]
-            out = fp4_moe(x, idx, w, experts, limit, backend=first.backend, grouped=False)
+            # the down kernel adds the shared expert's output and rounds to x.dtype itself
+            return fp4_moe_grouped(x, idx, w, self.fp4_stack(), limit,
+                                   add=self.shared_experts(x), out_dtype=x.dtype)
+        experts = [((e.w1.weight, e.w1.scale), (e.w3.weight, e.w3.scale),
+                    (e.w2.weight, e.w2.scale)) for e in self.experts]
+        out = fp4_moe(x, idx, w, experts, limit, backend=first.backend, grouped=False)
         out += self.shared_experts(x)        # fp32 += x.dtype: added in fp32, no cast launch
         return out.to(x.dtype)
 

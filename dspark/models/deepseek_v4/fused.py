@@ -25,10 +25,14 @@ def norm_rope(x: torch.Tensor, rope, positions: torch.Tensor, norm=None, eps: fl
     k = fused_kernels(x, dtype, out, *(() if weight is None else (weight,)))
     if k is not None and (rope is None or isinstance(rope, Rope)) and (
             weight is None or weight.is_contiguous()):
-        cis = None if rope is None else rope.rows(positions, x.device, inverse, bound, memo)
+        cis, pos = None, None
+        if rope is not None and bound is not None:     # the kernel gathers the table's rows
+            cis, pos = rope.table(bound, x.device, inverse), positions
+        elif rope is not None:
+            cis = rope.rows(positions, x.device, inverse, bound, memo)
         norm_eps = None if norm is None else (eps if weight is None else norm.eps)
         return k.norm_rope(x, weight, norm_eps, cis, 0 if rope is None else rope.rope_dim,
-                           dtype, out)
+                           dtype, out, positions=pos)
     if norm is None:
         x = x.to(dtype)
     elif weight is None:

@@ -40,10 +40,16 @@ def hc_pre(X, fn, base, scale, n: int, sinkhorn_iters: int, hc_eps: float, norm_
     return impl(X, fn, base, scale, n, sinkhorn_iters, hc_eps, norm_eps)
 
 
-def hc_post(o: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """X'[k] = post[k] * o + sum_j comb[j, k] * X[j]  (column k of comb feeds new stream k)."""
+def hc_post(o: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+            next_fn: torch.Tensor | None = None) -> torch.Tensor:
+    """X'[k] = post[k] * o + sum_j comb[j, k] * X[j]  (column k of comb feeds new stream k).
+
+    next_fn: the fn of the hc_pre / hc_head that reads X' next (a hint: the kernels then start
+    that projection in this launch; the result is the same)."""
     k = _kernels(X, o, post, comb)
-    return (k.hc_post if k is not None else hc_post_reference)(o, X, post, comb)
+    if k is None:
+        return hc_post_reference(o, X, post, comb)
+    return k.hc_post(o, X, post, comb, next_fn)
 
 
 def hc_head(X, fn, base, scale, hc_eps: float, norm_eps: float) -> torch.Tensor:

@@ -70,15 +70,17 @@ class Block(nn.Module):
                       getattr(self, f"hc_{sub}_scale"), c.hc_mult, c.hc_sinkhorn_iters,
                       c.hc_eps, c.rms_norm_eps)
 
-    def forward(self, X, batch, attn_fn=None, quant=None):
-        """X [T, n, D]. `attn_fn(attn_module, x, batch, layer_id)` overrides the attention core."""
+    def forward(self, X, batch, attn_fn=None, quant=None, next_fn=None):
+        """X [T, n, D]. `attn_fn(attn_module, x, batch, layer_id)` overrides the attention core.
+        next_fn: the mHC fn that reads this block's output next (the next block's hc_attn_fn or
+        the model's hc_head_fn), a hint for the fused kernels (mhc.hc_post)."""
         u, post, comb = self._pre(X, "attn")
         x = self.attn_norm(u)
         o = (attn_fn or _dense_attention)(self.attn, x, batch, self.layer_id, quant)
-        X = hc_post(o, X, post, comb)
+        X = hc_post(o, X, post, comb, self.hc_ffn_fn)
         u, post, comb = self._pre(X, "ffn")
         o = self.ffn(self.ffn_norm(u), batch.token_ids)
-        return hc_post(o, X, post, comb)
+        return hc_post(o, X, post, comb, next_fn)
 
 
 def _dense_attention(attn, x, batch, layer_id, quant):
@@ -113,8 +115,9 @@ class DeepseekV4Model(nn.Module):
         h = self.embed(batch.token_ids)
         X = h.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         taps = []
-        for layer in self.layers:
-            X = layer(X, batch, attn_fn, quant)
+        for i, layer in enumerate(self.layers):
+            nxt = self.layers[i + 1].hc_attn_fn if i + 1 < len(self.layers) else self.hc_head_fn
+            X = layer(X, batch, attn_fn, quant, nxt)
             if layer.layer_id in tap_layers:
                 taps.append((layer.layer_id, X.float().mean(1)))
         tap = None

@@ -56,6 +56,12 @@ class Rope:
             self._tables[device] = table
         return table
 
+    def table(self, bound: int, device, inverse: bool = False) -> torch.Tensor:
+        """complex64 [>= bound, r/2]: e^{±i·p·freq} for every position p < bound (a view of the
+        cached table; kernels index it by position themselves)."""
+        cis, conj = self._table(max(bound, 1), device)
+        return conj if inverse else cis
+
     def rows(self, positions: torch.Tensor, device, inverse: bool = False,
              bound: int | None = None, memo: dict | None = None) -> torch.Tensor:
         """complex64 [T, r/2]: e^{±i·p·freq} for each position p (− for the inverse rotation).
