@@ -22,6 +22,10 @@ the sigmoids, and collapses its D block of u. The Sinkhorn normalisation of the 
 registers by the D-block-0 program only (the others need `pre` alone), in the reference's order:
 softmax over rows, + eps, column-normalise, then (iters − 1) × (row-, column-normalise).
 `hc_post` is one launch: program (token, D block) writes all n output streams of its block.
+Given the fn of the hc_pre / hc_head that reads its output next (``next_fn``, up to
+POST_NEXT_MAX_T tokens), that launch also computes the next projection's split-K partials of its
+block (split = D block) and leaves them on the output tensor; that hc_pre then starts at launch
+2. In a decode step every hc_pre but the first follows an hc_post: 8 launches fewer for 4 layers.
 
 bf16 outputs are rounded to nearest even by bit arithmetic (as in cache_write) so the interpreter,
 whose float down-cast does not round correctly, gives the same bytes as the GPU.
