@@ -105,7 +105,7 @@ sweep)   # issue 7: our sparse MQA kernel vs FlashMLA (side by side when flash_m
     > "$R/sweep.txt" 2>&1; grep -v -i warn "$R/sweep.txt" | tail -12 ;;
 mhc)
   step "mhc_bench"
-  timeout "$(left 40)" python -m dspark.kernels.mhc_bench --T 1,2,6,64 > "$R/mhc.txt" 2>&1; tail -6 "$R/mhc.txt" ;;
+  timeout "$(left 60)" python -m dspark.kernels.mhc_bench --T 1,2,6,64 --finish-sweep > "$R/mhc.txt" 2>&1; tail -17 "$R/mhc.txt" ;;
 tp)      # issue 9: tokens/s vs world size (multi-GPU kinds only)
   if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
     step "bench_tp"

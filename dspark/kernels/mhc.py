@@ -205,13 +205,22 @@ def _collapse(X, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, head: bool):
     if T == 0:
         return u, post, comb
     part, sq, S, BLOCK_R = left if left is not None else _mixes(X, fn)
-    block_d = min(_BLOCK_D, triton.next_power_of_2(D))
+    block_d, warps = FINISH_LAUNCH.get(T <= POST_NEXT_MAX_T, (_BLOCK_D, 4))
+    block_d = min(block_d, triton.next_power_of_2(D))
     _finish_pre[(T, triton.cdiv(D, block_d))](
         X, part, sq, base.float().contiguous(), scale.float().contiguous(), u, post, comb,
         T, D, S, n * D, norm_eps, hc_eps, sinkhorn_iters,
         N=n, BLOCK_N=triton.next_power_of_2(n), BLOCK_S=triton.next_power_of_2(S),
-        BLOCK_R=BLOCK_R, BLOCK_D=block_d, HEAD=head, OUT_BF16=X.dtype == torch.bfloat16)
+        BLOCK_R=BLOCK_R, BLOCK_D=block_d, HEAD=head, OUT_BF16=X.dtype == torch.bfloat16,
+        num_warps=warps)
     return u, post, comb
+
+
+# `_finish_pre` launch (BLOCK_D, num_warps) for few tokens (True) / more (False). The Sinkhorn
+# iterations of the D-block-0 program are a serial chain of tiny n x n reductions: with fewer
+# warps they stay inside one warp (shuffles, no shared-memory round trips), which is what a
+# decode step waits for; `python -m dspark.kernels.mhc_bench --finish-sweep` times the choices.
+FINISH_LAUNCH = {True: (_BLOCK_D, 4), False: (_BLOCK_D, 4)}
 
 
 # hc_post(..., next_fn) computes the next projection's partials in its own launch (saving the

@@ -64,10 +64,15 @@ def main(argv=None):
     ap.add_argument("--T", default="1,2,6,64")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--finish-sweep", action="store_true",
+                    help="also time the decode-step post + pre pair per _finish_pre launch choice")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    if args.finish_sweep:
+        with torch.inference_mode():
+            finish_sweep(args.n, args.D, dtype, args.iters)
     n, D, dev = args.n, args.D, "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = (2 + n) * n
@@ -99,6 +104,42 @@ def main(argv=None):
             print(f"{T:>4} | {t[0]:7.1f} {t[1]:7.1f} {t[0] / t[1]:7.1f}x | {t[2]:7.1f} {t[3]:7.1f} | "
                   f"{p[0]:7.1f} {p[1]:7.1f} | {p[2]:7.1f} {p[3]:7.1f} | "
                   + " ".join(f"{e:7.1e}" for e in errs))
+
+def finish_sweep(n: int, D: int, dtype, iters: int) -> None:
+    """A decode step's hc_post (leaving the partials) + hc_pre at T = 1, CUDA-graph µs per pair,
+    for each `_finish_pre` (BLOCK_D, num_warps) choice (kernels.FINISH_LAUNCH[True])."""
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(1)
+    rows = (2 + n) * n
+    fn = torch.randn(rows, n * D, device=dev, generator=gen) / (n * D) ** 0.5
+    base = torch.randn(rows, device=dev, generator=gen) * 0.5
+    scale = torch.rand(3, device=dev, generator=gen) + 0.5
+    X = (torch.randn(1, n, D, device=dev, generator=gen) * 2).to(dtype)
+    o = torch.randn(1, D, device=dev, generator=gen).to(dtype)
+    _, post, comb = reference.hc_pre_reference(X, fn, base, scale, n, ITERS, HC_EPS, NORM_EPS)
+
+    def pair():
+        Y = kernels.hc_post(o, X, post, comb, next_fn=fn)
+        return kernels.hc_pre(Y, fn, base, scale, n, ITERS, HC_EPS, NORM_EPS)
+    saved = kernels.FINISH_LAUNCH[True]
+    want = reference.hc_pre_reference(kernels.hc_post(o, X, post, comb), fn, base, scale, n,
+                                      ITERS, HC_EPS, NORM_EPS)
+    def unfused():
+        Y = kernels.hc_post(o, X, post, comb)
+        return kernels.hc_pre(Y, fn, base, scale, n, ITERS, HC_EPS, NORM_EPS)
+    print(f"hc_post(next_fn) + hc_pre at T=1, n={n} D={D}: graph µs per pair (without next_fn: "
+          f"{graph_us(unfused, iters):.1f})")
+    try:
+        for block_d in (128, 256, 512):
+            for warps in (1, 2, 4):
+                kernels.FINISH_LAUNCH[True] = (block_d, warps)
+                got = pair()
+                err = max(rel_err(g, w) for g, w in zip(got, want))
+                print(f"  finish_pre BLOCK_D {block_d:>4} warps {warps}: "
+                      f"{graph_us(pair, iters):6.1f} µs  (max rel err {err:.1e})")
+    finally:
+        kernels.FINISH_LAUNCH[True] = saved
+
 
 if __name__ == "__main__":
     main()
