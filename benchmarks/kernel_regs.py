@@ -188,13 +188,14 @@ def _decode_fused_cases():
     gp = {"ring_a_ptr": "*fp32", "ring_z_ptr": "*fp32", "a_ptr": "*fp32", "z_ptr": "*fp32",
           "stride_ra": "i32", "stride_rz": "i32", "stride_a": "i32", "stride_z": "i32",
           "from_ring_ptr": "*u8", "ring_rows_ptr": "*i64", "fresh_rows_ptr": "*i64",
-          "before_zero_ptr": "*u8", "valid_ptr": "*u8", "out_ptr": "*fp32", "S": "i32",
+          "before_zero_ptr": "*u8", "valid_ptr": "*u8", "out_ptr": "*fp32", "ape_ptr": "*fp32",
+          "stride_ape": "i32", "pos_ptr": "*i64", "persist_ptr": "*i64", "E": "i32", "S": "i32",
           "M": "i32", "D": "i32"}
     for bs in (8, 16, 128):                     # ratio 4 (overlap: 8 slots), 16, 128
         bd = df._pool_block_d(bs, 512)
         yield ("_gather_pool_kernel", f"BLOCK_S={bs} BLOCK_D={bd} warps=4",
-               df._gather_pool_kernel, gp, {"BLOCK_S": bs, "BLOCK_D": bd, "EXACT": True}, 4, 1,
-               None)
+               df._gather_pool_kernel, gp, {"BLOCK_S": bs, "BLOCK_D": bd, "EXACT": True,
+                                            "APE": True, "C": 2 if bs == 8 else 1}, 4, 1, None)
     hf = {"x_ptr": "*fp32", "out_ptr": "*fp32", "N": "i32", "stride_x": "i32",
           "inv_sqrt": "fp32", "amax_floor": "fp32"}
     rt = {"logits_ptr": "*fp32", "stride_l": "i32", "bias_ptr": "*fp32", "tid_ptr": "*i64",

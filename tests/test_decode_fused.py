@@ -81,6 +81,50 @@ def test_gather_pool(ratio, overlap):
 
 
 @triton_ok
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_gather_pool_ape_and_persist(ratio):
+    """The fused form of graph._emit: z rows without their ape term (Compressor.rows_raw), the
+    kernel adds ape[pos % m] to the rows it reads from this forward and writes every token row
+    into the rings, as `rows` + the pool + two index_copy_ (ring rows read and written are
+    disjoint, as the plan guarantees)."""
+    from dspark.kernels.decode_fused import gather_pool
+    from dspark.models.deepseek_v4.graph import _gather_pool_torch
+    torch.manual_seed(100 + ratio)
+    overlap = ratio == 4
+    d, c = 40, 2 if overlap else 1
+    S, E, T, R = c * ratio, 5, 6, 3 * ratio
+    full = torch.randn(T, 2 * c * d, device=DEV)
+    a, z_raw = full.split(c * d, dim=-1)           # strided views of one GEMM output, as rows_raw
+    ape = torch.randn(ratio, c * d, device=DEV).to(torch.bfloat16).float()
+    positions = torch.tensor([0, 3, ratio - 1, ratio, 5 * ratio + 2, 7], device=DEV)
+    persist_dst = torch.randperm(T, device=DEV) + (R - T)     # the last T ring rows
+    ring_a0 = torch.randn(R, c * d, device=DEV)
+    ring_z0 = torch.randn(R, c * d, device=DEV) * 2
+    rp = SimpleNamespace(
+        from_ring=torch.rand(E, S, device=DEV) < 0.5,
+        ring_rows=torch.randint(0, R - T, (E, S), device=DEV),   # never a persisted row
+        fresh_rows=torch.randint(0, T, (E, S), device=DEV),
+        before_zero=torch.zeros(E, S, dtype=torch.bool, device=DEV),
+        emit_valid=torch.tensor([True, True, False, True, True], device=DEV))
+    rp.before_zero[0, :S // 2] = True              # entry 0's empty A-half
+    rp.before_zero[2, :] = True                    # an unused candidate with nothing before it
+    comp = SimpleNamespace(ratio=ratio, out_dim=d, overlap=overlap)
+    z = z_raw + ape[positions % ratio]             # Compressor.rows
+    want = _gather_pool_torch(comp, ring_a0, ring_z0, a, z, rp)
+    want_a = ring_a0.clone().index_copy_(0, persist_dst, a)
+    want_z = ring_z0.clone().index_copy_(0, persist_dst, z)
+    ring_a, ring_z = ring_a0.clone(), ring_z0.clone()
+    args = (rp.from_ring, rp.ring_rows, rp.fresh_rows, rp.before_zero, rp.emit_valid, ratio, d)
+    got = gather_pool(ring_a, ring_z, a, z_raw, *args, ape=ape, positions=positions,
+                      persist_dst=persist_dst)
+    assert got.shape == want.shape and torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # the in-kernel ape add is the same single fp32 add: bit-identical to pooling rows() output
+    assert torch.equal(got, gather_pool(ring_a0, ring_z0, a, z, *args))
+    assert torch.equal(ring_a, want_a) and torch.equal(ring_z, want_z)
+
+
+@triton_ok
 @pytest.mark.parametrize("n,scale", [(3, 1.0), (37, 1e-3), (20, 300.0),
                                      pytest.param(5001, 1.0, marks=needs_cuda)])  # 4-row blocks
 def test_hadamard_fp4(n, scale):

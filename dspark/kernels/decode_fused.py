@@ -11,8 +11,11 @@ forward is launch-bound: each launch costs ~2-3 us inside a CUDA graph).
   (rows before this forward) or from this forward's rows; slots before position 0 are empty
   (a = 0, z = -inf), unused candidates get z = 0 (kept finite); with the overlap form (ratio 4)
   slot s < m reads the A-half columns and s >= m the B-half; then the gated softmax pool
-  Σ_s softmax_s(z) · a (`compressor.gated_pool`). 4 gathers, 2 where, 3 masked_fill, a not,
-  2 cats, softmax, mul, sum (13-15 launches) -> 1. Same fp32 formula (exp(z - max) / Σ), only
+  Σ_s softmax_s(z) · a (`compressor.gated_pool`). The same launch adds the position term of
+  this forward's z rows (z + ape[pos mod m], as `Compressor.rows`) and writes its rows into the
+  rings (extra programs; race-free, the plan never reads a ring row it rewrites). A remainder,
+  5 gathers, an add, 2 where, 3 masked_fill, a not, 2 cats, softmax, mul, sum, 2 index_copy_
+  (18-20 launches) -> 1. Same fp32 formula (one add for the ape term, exp(z - max) / Σ), only
   the order of the slot sums may differ.
 * `hadamard_fp4` — the indexer's query / key rounding (`RecordQuant.indexer`):
   fp4_roundtrip(hadamard128(x)) over 128-wide fp32 rows (a GEMM, a scale and ~27 elementwise /
@@ -25,7 +28,9 @@ forward is launch-bound: each launch costs ~2-3 us inside a CUDA graph).
   expert ids (top-k of scores + bias, or the hash table row of the token), their scores
   normalised to sum 1, times the route scale: softplus, sqrt, add, topk (or a gather of the
   table), gather, sum, div, mul (7-8 launches) -> 1. Same fp32 formula; top-k by repeated argmax
-  (descending, like torch.topk; exactly equal scores: the lower expert id first).
+  (descending, like torch.topk; exactly equal scores: the lower expert id first). Its body
+  (`_route_rows`) also ends `gate_route` (the gate GEMV and this routing in one launch, used by
+  `moe.Gate` for few tokens and a 16-bit weight; this kernel routes the other gates).
 
 * `copy_records` — `paged.copy_rows` on an fp8_ds_mla record pool with the precomputed split
   (the staged window rows into the rings, once per layer): 2 gathers + 2 scatters -> 1 launch,
@@ -101,40 +106,71 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 @triton.jit
+def _ape_row(pos_ptr, rows, mask, M):
+    """positions[rows] mod M, non-negative like torch's `%` (Triton's is C's remainder)."""
+    r = tl.load(pos_ptr + rows, mask=mask, other=0) % M
+    return tl.where(r < 0, r + M, r)
+
+
+@triton.jit
 def _gather_pool_kernel(ring_a_ptr, ring_z_ptr, a_ptr, z_ptr, stride_ra, stride_rz, stride_a,
                         stride_z, from_ring_ptr, ring_rows_ptr, fresh_rows_ptr, before_zero_ptr,
-                        valid_ptr, out_ptr, S, M, D, EXACT: tl.constexpr,
+                        valid_ptr, out_ptr, ape_ptr, stride_ape, pos_ptr, persist_ptr, E, S, M,
+                        D, APE: tl.constexpr, C: tl.constexpr, EXACT: tl.constexpr,
                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (E [+ T], column blocks of D). Programs e < E pool candidate entry e; programs
+    E + t (only when persisting) write token row t into the rings. Reading ring rows and
+    writing persisted ones in the same launch is race-free: the plan never has a forward read a
+    ring row it rewrites (q <= cache.lookahead + 1, see graph.py's module doc)."""
     e = tl.program_id(0)
-    s = tl.arange(0, BLOCK_S)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    s_ok = s < S
-    k = e.to(tl.int64) * S + s
-    fr = tl.load(from_ring_ptr + k, mask=s_ok, other=0) != 0
-    rr = tl.load(ring_rows_ptr + k, mask=s_ok, other=0).to(tl.int64)
-    fw = tl.load(fresh_rows_ptr + k, mask=s_ok, other=0).to(tl.int64)
-    bz = tl.load(before_zero_ptr + k, mask=s_ok, other=0) != 0
-    col = (s // M) * D                                   # overlap: B-half columns for s >= m
-    cols = col[:, None] + d[None, :]
-    m2 = s_ok[:, None] & (d < D)[None, :]
-    from_r = m2 & fr[:, None]
-    from_f = m2 & (~fr)[:, None]
-    a = tl.where(fr[:, None],
-                 tl.load(ring_a_ptr + rr[:, None] * stride_ra + cols, mask=from_r, other=0.0),
-                 tl.load(a_ptr + fw[:, None] * stride_a + cols, mask=from_f, other=0.0))
-    z = tl.where(fr[:, None],
-                 tl.load(ring_z_ptr + rr[:, None] * stride_rz + cols, mask=from_r, other=0.0),
-                 tl.load(z_ptr + fw[:, None] * stride_z + cols, mask=from_f, other=0.0))
-    a = tl.where(bz[:, None], 0.0, a)
-    z = tl.where(bz[:, None], float("-inf"), z)
-    valid = tl.load(valid_ptr + e) != 0
-    z = tl.where(valid, z, 0.0)
-    z = tl.where(s_ok[:, None], z, float("-inf"))        # padding slots: weight 0
-    mx = tl.max(z, axis=0)
-    p = _exp(z - mx[None, :], EXACT)
-    w = _div(p, tl.sum(p, axis=0)[None, :], EXACT)
-    out = tl.sum(w * a, axis=0)
-    tl.store(out_ptr + e.to(tl.int64) * D + d, out, mask=d < D)
+    if e < E:
+        s = tl.arange(0, BLOCK_S)
+        s_ok = s < S
+        k = e.to(tl.int64) * S + s
+        fr = tl.load(from_ring_ptr + k, mask=s_ok, other=0) != 0
+        rr = tl.load(ring_rows_ptr + k, mask=s_ok, other=0).to(tl.int64)
+        fw = tl.load(fresh_rows_ptr + k, mask=s_ok, other=0).to(tl.int64)
+        bz = tl.load(before_zero_ptr + k, mask=s_ok, other=0) != 0
+        col = (s // M) * D                               # overlap: B-half columns for s >= m
+        cols = col[:, None] + d[None, :]
+        m2 = s_ok[:, None] & (d < D)[None, :]
+        from_r = m2 & fr[:, None]
+        from_f = m2 & (~fr)[:, None]
+        zf = tl.load(z_ptr + fw[:, None] * stride_z + cols, mask=from_f, other=0.0)
+        if APE:          # this forward's z rows still lack their position term (rows_raw)
+            pr = _ape_row(pos_ptr, fw, s_ok & ~fr, M)
+            zf += tl.load(ape_ptr + pr[:, None] * stride_ape + cols, mask=from_f, other=0.0)
+        a = tl.where(fr[:, None],
+                     tl.load(ring_a_ptr + rr[:, None] * stride_ra + cols, mask=from_r, other=0.0),
+                     tl.load(a_ptr + fw[:, None] * stride_a + cols, mask=from_f, other=0.0))
+        z = tl.where(fr[:, None],
+                     tl.load(ring_z_ptr + rr[:, None] * stride_rz + cols, mask=from_r, other=0.0),
+                     zf)
+        a = tl.where(bz[:, None], 0.0, a)
+        z = tl.where(bz[:, None], float("-inf"), z)
+        valid = tl.load(valid_ptr + e) != 0
+        z = tl.where(valid, z, 0.0)
+        z = tl.where(s_ok[:, None], z, float("-inf"))    # padding slots: weight 0
+        mx = tl.max(z, axis=0)
+        p = _exp(z - mx[None, :], EXACT)
+        w = _div(p, tl.sum(p, axis=0)[None, :], EXACT)
+        out = tl.sum(w * a, axis=0)
+        tl.store(out_ptr + e.to(tl.int64) * D + d, out, mask=d < D)
+    else:                # persist token row t (all c·d columns: both halves of the overlap form)
+        t = (e - E).to(tl.int64)
+        dst = tl.load(persist_ptr + t).to(tl.int64)
+        dm = d < D
+        if APE:          # names unlike the pool branch's: one name in both must keep its type
+            ape_t = _ape_row(pos_ptr, t, True, M)
+        for h in tl.static_range(C):
+            row_cols = h * D + d
+            av = tl.load(a_ptr + t * stride_a + row_cols, mask=dm)
+            zv = tl.load(z_ptr + t * stride_z + row_cols, mask=dm)
+            if APE:
+                zv += tl.load(ape_ptr + ape_t * stride_ape + row_cols, mask=dm)
+            tl.store(ring_a_ptr + dst * stride_ra + row_cols, av, mask=dm)
+            tl.store(ring_z_ptr + dst * stride_rz + row_cols, zv, mask=dm)
 
 
 def _pool_block_d(block_s: int, out_dim: int) -> int:
@@ -144,25 +180,43 @@ def _pool_block_d(block_s: int, out_dim: int) -> int:
 
 
 def gather_pool(ring_a, ring_z, a, z, from_ring, ring_rows, fresh_rows, before_zero, valid,
-                ratio: int, out_dim: int) -> torch.Tensor:
+                ratio: int, out_dim: int, ape=None, positions=None,
+                persist_dst=None) -> torch.Tensor:
     """fp32 [E, out_dim]: the pooled candidate entries of `graph._emit` (see the module doc).
 
     ring_a, ring_z [R, c·d] fp32 and a, z [T, c·d] fp32 (rows, last dim contiguous); from_ring,
-    before_zero bool [E, c·m]; ring_rows, fresh_rows int64 [E, c·m]; valid bool [E]."""
+    before_zero bool [E, c·m]; ring_rows, fresh_rows int64 [E, c·m]; valid bool [E].
+
+    ape fp32 [ratio, c·d] (with positions int64 [T]): z are `Compressor.rows_raw` rows, without
+    the position term; the kernel adds ape[positions[t] % ratio] to each z row it reads from
+    this forward (one fp32 add, as `Compressor.rows`). persist_dst int64 [T]: the same launch
+    also writes the rows into the rings, ring_a[persist_dst[t]] = a[t] and ring_z[persist_dst[t]]
+    = z[t] (+ its ape term), as two index_copy_ after the pool would; the caller guarantees that
+    no ring row read here is among them."""
     E, S = ring_rows.shape
+    T = 0 if persist_dst is None else persist_dst.shape[0]
     for t in (ring_a, ring_z, a, z):
         assert t.dtype == torch.float32 and t.stride(-1) == 1
+    C = ring_a.shape[1] // out_dim
+    assert ring_a.shape[1] == C * out_dim and a.shape[1] == ring_a.shape[1]
+    if ape is not None:
+        assert ape.dtype == torch.float32 and ape.stride(-1) == 1 and positions is not None
+        assert ape.shape == (ratio, a.shape[1])
     out = torch.empty(E, out_dim, dtype=torch.float32, device=a.device)
-    if E == 0:
+    if E + T == 0:
         return out
     BLOCK_S = triton.next_power_of_2(S)
     BLOCK_D = _pool_block_d(BLOCK_S, out_dim)
-    _gather_pool_kernel[(E, triton.cdiv(out_dim, BLOCK_D))](
+    idx = ring_rows.contiguous()           # also the stand-in for pointers not given
+    _gather_pool_kernel[(E + T, triton.cdiv(out_dim, BLOCK_D))](
         ring_a, ring_z, a, z, ring_a.stride(0), ring_z.stride(0), a.stride(0), z.stride(0),
-        from_ring.contiguous().view(torch.uint8), ring_rows.contiguous(),
-        fresh_rows.contiguous(), before_zero.contiguous().view(torch.uint8),
-        valid.contiguous().view(torch.uint8), out, S, ratio, out_dim, EXACT=a.is_cuda,
-        BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, num_warps=4)
+        from_ring.contiguous().view(torch.uint8), idx, fresh_rows.contiguous(),
+        before_zero.contiguous().view(torch.uint8), valid.contiguous().view(torch.uint8), out,
+        a if ape is None else ape, 0 if ape is None else ape.stride(0),
+        idx if positions is None else positions.contiguous(),
+        idx if persist_dst is None else persist_dst.contiguous(), E, S, ratio, out_dim,
+        APE=ape is not None, C=C, EXACT=a.is_cuda, BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D,
+        num_warps=4)
     return out
 
 
@@ -245,31 +299,49 @@ def _route_scores(x, EXACT: tl.constexpr):
 
 
 @triton.jit
+def _route_rows(logits_ptr, stride_l, rt, t_ok, bias_ptr, tid_ptr, stride_tid, tok_ptr, idx_ptr,
+                w_ptr, E, route_scale, K: tl.constexpr, HASH: tl.constexpr, EXACT: tl.constexpr,
+                BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                CACHE: tl.constexpr):
+    """The routing of the logits rows rt (int64 [BLOCK_T], rows where t_ok): expert ids and
+    weights stored to rows rt of idx / w ([T, K]). Shared by `_route_kernel` (one row per
+    program) and `gate_route._gate_route_kernel` (all rows in one program, CACHE=".cg" there:
+    the logits were written by other programs of that launch)."""
+    kk = tl.arange(0, BLOCK_K)
+    km = t_ok[:, None] & (kk < K)[None, :]                                  # [BLOCK_T, BLOCK_K]
+    rows = logits_ptr + rt[:, None] * stride_l
+    if HASH:
+        tok = tl.load(tok_ptr + rt, mask=t_ok, other=0).to(tl.int64)
+        idx = tl.load(tid_ptr + tok[:, None] * stride_tid + kk[None, :], mask=km,
+                      other=0).to(tl.int64)
+    else:
+        e = tl.arange(0, BLOCK_E)
+        em = t_ok[:, None] & (e < E)[None, :]                               # [BLOCK_T, BLOCK_E]
+        s = _route_scores(tl.load(rows + e[None, :], mask=em, other=0.0, cache_modifier=CACHE),
+                          EXACT)
+        b = tl.where(em, s + tl.load(bias_ptr + e, mask=e < E, other=0.0)[None, :],
+                     float("-inf"))
+        idx = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int64)
+        for k in tl.static_range(K):
+            j = tl.argmax(b, 1, tie_break_left=True)                        # [BLOCK_T]
+            idx = tl.where(kk[None, :] == k, j.to(tl.int64)[:, None], idx)
+            b = tl.where(e[None, :] == j[:, None], float("-inf"), b)
+    w = _route_scores(tl.load(rows + idx, mask=km, other=0.0, cache_modifier=CACHE), EXACT)
+    w = tl.where(km, w, 0.0)
+    total = tl.where(t_ok, tl.sum(w, axis=1), 1.0)                          # no 0/0 in padding
+    w = _div(w, total[:, None], EXACT) * route_scale
+    out = rt[:, None] * K + kk[None, :]
+    tl.store(idx_ptr + out, idx, mask=km)
+    tl.store(w_ptr + out, w, mask=km)
+
+
+@triton.jit
 def _route_kernel(logits_ptr, stride_l, bias_ptr, tid_ptr, stride_tid, tok_ptr, idx_ptr, w_ptr,
                   E, route_scale, K: tl.constexpr, HASH: tl.constexpr, EXACT: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    kk = tl.arange(0, BLOCK_K)
-    km = kk < K
-    row = logits_ptr + t * stride_l
-    if HASH:
-        tok = tl.load(tok_ptr + t).to(tl.int64)
-        idx = tl.load(tid_ptr + tok * stride_tid + kk, mask=km, other=0).to(tl.int64)
-    else:
-        e = tl.arange(0, BLOCK_E)
-        em = e < E
-        s = _route_scores(tl.load(row + e, mask=em, other=0.0), EXACT)
-        b = tl.where(em, s + tl.load(bias_ptr + e, mask=em, other=0.0), float("-inf"))
-        idx = tl.zeros((BLOCK_K,), dtype=tl.int64)
-        for k in tl.static_range(K):
-            j = tl.argmax(b, 0, tie_break_left=True)
-            idx = tl.where(kk == k, j.to(tl.int64), idx)
-            b = tl.where(e == j, float("-inf"), b)
-    w = _route_scores(tl.load(row + idx, mask=km, other=0.0), EXACT)
-    w = tl.where(km, w, 0.0)
-    w = _div(w, tl.sum(w, axis=0), EXACT) * route_scale
-    tl.store(idx_ptr + t * K + kk, idx, mask=km)
-    tl.store(w_ptr + t * K + kk, w, mask=km)
+    rt = tl.program_id(0).to(tl.int64) + tl.zeros((1,), dtype=tl.int64)   # this program's row
+    _route_rows(logits_ptr, stride_l, rt, rt >= 0, bias_ptr, tid_ptr, stride_tid, tok_ptr,
+                idx_ptr, w_ptr, E, route_scale, K, HASH, EXACT, 1, BLOCK_E, BLOCK_K, "")
 
 
 def route(logits: torch.Tensor, topk: int, route_scale: float, bias: torch.Tensor | None = None,

@@ -35,7 +35,13 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(out_dim, eps)
 
     def rows(self, x: torch.Tensor, positions: torch.Tensor):
-        """Per-token rows (a [T, c*d], z [T, c*d]) in fp32.
+        """Per-token rows (a [T, c*d], z [T, c*d]) in fp32: `rows_raw` plus the position term
+        ape[t mod ratio] on z."""
+        a, z = self.rows_raw(x)
+        return a, z + fp32(self.ape)[positions % self.ratio]
+
+    def rows_raw(self, x: torch.Tensor):
+        """(a, z) rows without the ape term (the fixed-shape step's fused pool adds it).
 
         fp32 x·Wᵀ of both projections in one GEMM over the stacked [wkv; wgate] weight (kept
         while both are unchanged, `derived`); on CUDA that GEMM multiplies the bf16 values with
@@ -49,7 +55,7 @@ class Compressor(nn.Module):
         else:                                   # e.g. sharded / quantized projections
             xf = x.float()
             a, z = F.linear(xf, fp32(wkv)), F.linear(xf, fp32(wgate))
-        return a, z + fp32(self.ape)[positions % self.ratio]
+        return a, z
 
     def pool(self, a: torch.Tensor, z: torch.Tensor, j0: int, j1: int) -> torch.Tensor:
         """Pooled (un-normalised) entries j0..j1-1 from position-indexed rows a, z [>= j1*ratio, c*d]."""

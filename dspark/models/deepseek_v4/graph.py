@@ -50,6 +50,7 @@ from dspark.request import BlockTokens
 from . import host_plan as hp
 from .compressor import gated_pool
 from .indexer import topk_lowest_ties
+from .norm import fp32
 
 SCRATCH_RID = "__v4_graph_scratch__"
 
@@ -299,17 +300,21 @@ def _emit(attn, comp, kern, sp, layer, kind, x, quant):
     the scratch row)."""
     cache = kern.cache
     rp = sp.ratios[attn.ratio]
-    a, z = comp.rows(x, sp.positions)
     ring_a, ring_z = cache.comp_rows[layer, kind]
     m, d = comp.ratio, comp.out_dim
-    if kern.kind == "triton":      # gathers, masks, overlap halves and gated pool: one launch
+    if kern.kind == "triton":
+        # the rows' ape term, gathers, masks, overlap halves, gated pool and the ring writes:
+        # one launch (it reads no ring row it rewrites: see the module doc)
         from dspark.kernels.decode_fused import gather_pool
+        a, z = comp.rows_raw(x)
         pooled = gather_pool(ring_a, ring_z, a, z, rp.from_ring, rp.ring_rows, rp.fresh_rows,
-                             rp.before_zero, rp.emit_valid, m, d)
+                             rp.before_zero, rp.emit_valid, m, d, ape=fp32(comp.ape),
+                             positions=sp.positions, persist_dst=rp.persist_dst)
     else:
+        a, z = comp.rows(x, sp.positions)
         pooled = _gather_pool_torch(comp, ring_a, ring_z, a, z, rp)
-    ring_a.index_copy_(0, rp.persist_dst, a)        # after the ring rows were read
-    ring_z.index_copy_(0, rp.persist_dst, z)
+        ring_a.index_copy_(0, rp.persist_dst, a)    # after the ring rows were read
+        ring_z.index_copy_(0, rp.persist_dst, z)
     e = attn.finish_entries_at(pooled, rp.emit_pos, sp.position_bound, comp, x.dtype, quant,
                                indexer=kind == "indexer")
     pool = cache.entries[layer] if kind == "main" else cache.index_keys[layer]

@@ -68,15 +68,17 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor):
         """Returns (expert ids [T, k] int64, weights [T, k] fp32)."""
+        if fused_backend(x, self.weight):
+            from dspark.kernels import gate_route as G         # few tokens, 16-bit weight:
+            if G.supported(x, self.weight):                    # GEMV + routing, one launch
+                return G.gate_route(x, self.weight, self.topk, self.route_scale,
+                                    **self._route_table(token_ids))[:2]
         # fp32 scores; on CUDA a bf16 GEMM with fp32 accumulation / output (linear_fp32): exact
         # products as in F.linear(x.float(), w.float()), no cast of x or fp32 weight copy
         logits = linear_fp32(x, self.weight)
         if logits.dim() == 2 and logits.stride(-1) == 1 and fused_backend(logits, x):
             from dspark.kernels import decode_fused as K      # scoring .. scaling: one launch
-            if self.hash:
-                return K.route(logits, self.topk, self.route_scale, tid2eid=self.tid2eid,
-                               token_ids=token_ids.reshape(-1))
-            return K.route(logits, self.topk, self.route_scale, bias=fp32(self.bias))
+            return K.route(logits, self.topk, self.route_scale, **self._route_table(token_ids))
         scores = torch.sqrt(F.softplus(logits))
         if self.hash:
             idx = self.tid2eid[token_ids]
@@ -86,6 +88,12 @@ class Gate(nn.Module):
         w = scores.gather(1, idx)
         w = w / w.sum(-1, keepdim=True)
         return idx, w * self.route_scale
+
+    def _route_table(self, token_ids: torch.Tensor) -> dict:
+        """The fused kernels' expert choice: the hash table and the token ids, or the bias."""
+        if self.hash:
+            return dict(tid2eid=self.tid2eid, token_ids=token_ids.reshape(-1))
+        return dict(bias=fp32(self.bias))
 
 
 class MoE(nn.Module):
