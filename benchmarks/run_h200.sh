@@ -9,6 +9,7 @@
 #              GPU-marked tests; the full set needs more than 200 s, so name files to go first)
 #   UNMARKED_TESTS="tests/..." UNMARKED_S=150  the unmarked kernel tests the tests step runs first
 #              on CUDA, and their time box
+#   GPU_S=300  the time box of the GPU-marked tests
 #   KERNEL_ARGS="--skip-moe ..."  extra arguments of the kernels step
 set -uo pipefail
 OUT=${OUT:-out}; R="$OUT/r"; mkdir -p "$R"
@@ -26,7 +27,7 @@ tests)   # correctness first: every kernel / graph against its torch or eager re
     tests/test_fp4_moe_grouped.py} > "$R/gpu_tests_sampling.txt" 2>&1
   tail -3 "$R/gpu_tests_sampling.txt" | cut -c1-300
   grep -A12 "^=== FAILED" "$R/gpu_tests_sampling.txt" | cut -c1-200 | head -40
-  timeout "$(left 300)" python -m pytest -q -m gpu -rfE ${GPU_TESTS:-tests} > "$R/gpu_tests.txt" 2>&1
+  timeout "$(left ${GPU_S:-300})" python -m pytest -q -m gpu -rfE ${GPU_TESTS:-tests} > "$R/gpu_tests.txt" 2>&1
   tail -12 "$R/gpu_tests.txt" | cut -c1-300
   grep -A12 "^=== FAILED" "$R/gpu_tests.txt" | cut -c1-200 | head -40 ;;
 decode)  # issue 7: V4-Flash decode vs HBM roofline and vs HF (grouped FP4 MoE + target graphs: the defaults)
