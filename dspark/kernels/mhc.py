@@ -217,10 +217,12 @@ def _collapse(X, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, head: bool):
 
 
 # `_finish_pre` launch (BLOCK_D, num_warps) for few tokens (True) / more (False). The Sinkhorn
-# iterations of the D-block-0 program are a serial chain of tiny n x n reductions: with fewer
-# warps they stay inside one warp (shuffles, no shared-memory round trips), which is what a
-# decode step waits for; `python -m dspark.kernels.mhc_bench --finish-sweep` times the choices.
-FINISH_LAUNCH = {True: (_BLOCK_D, 4), False: (_BLOCK_D, 4)}
+# iterations of the D-block-0 program are a serial chain of tiny n x n reductions: with one
+# warp they stay inside it (shuffles, no shared-memory round trips), which is what a decode step
+# waits for. H200, `python -m dspark.kernels.mhc_bench --finish-sweep` (T = 1, D = 4096, hc_post
+# leaving the partials + hc_pre, graph µs per pair): 1 warp 7.3, 2 warps 8.5, 4 warps 9.2-10.1
+# at BLOCK_D 128 / 256 / 512 alike (15.3 without the partials).
+FINISH_LAUNCH = {True: (_BLOCK_D, 1), False: (_BLOCK_D, 4)}
 
 
 # hc_post(..., next_fn) computes the next projection's partials in its own launch (saving the
