@@ -51,6 +51,20 @@ def test_expert_module_fused_equals_reference():
     close(got, want, 2.0 ** -6)
 
 
+def _pool_plan(E, S, T, ring_rows_below):
+    """RatioStatic-like pooling fields of E = 5 candidates x S slots: random ring / fresh rows,
+    entry 0's empty A-half, candidate 2 unused with nothing before it."""
+    rp = SimpleNamespace(
+        from_ring=torch.rand(E, S, device=DEV) < 0.5,
+        ring_rows=torch.randint(0, ring_rows_below, (E, S), device=DEV),
+        fresh_rows=torch.randint(0, T, (E, S), device=DEV),
+        before_zero=torch.zeros(E, S, dtype=torch.bool, device=DEV),
+        emit_valid=torch.tensor([True, True, False, True, True], device=DEV))
+    rp.before_zero[0, :S // 2] = True              # entry 0's empty A-half
+    rp.before_zero[2, :] = True                    # an unused candidate with nothing before it
+    return rp
+
+
 @triton_ok
 @pytest.mark.parametrize("ratio,overlap", [(4, True), (16, False), (4, False), (128, False)])
 def test_gather_pool(ratio, overlap):
@@ -64,14 +78,7 @@ def test_gather_pool(ratio, overlap):
     z = torch.randn(T, c * d, device=DEV) * 2
     ring_a = torch.randn(R, c * d, device=DEV)
     ring_z = torch.randn(R, c * d, device=DEV) * 2
-    rp = SimpleNamespace(
-        from_ring=torch.rand(E, S, device=DEV) < 0.5,
-        ring_rows=torch.randint(0, R, (E, S), device=DEV),
-        fresh_rows=torch.randint(0, T, (E, S), device=DEV),
-        before_zero=torch.zeros(E, S, dtype=torch.bool, device=DEV),
-        emit_valid=torch.tensor([True, True, False, True, True], device=DEV))
-    rp.before_zero[0, :S // 2] = True              # entry 0's empty A-half
-    rp.before_zero[2, :] = True                    # an unused candidate with nothing before it
+    rp = _pool_plan(E, S, T, R)
     comp = SimpleNamespace(ratio=ratio, out_dim=d, overlap=overlap)
     want = _gather_pool_torch(comp, ring_a, ring_z, a, z, rp)
     got = gather_pool(ring_a, ring_z, a, z, rp.from_ring, rp.ring_rows, rp.fresh_rows,
@@ -100,14 +107,7 @@ def test_gather_pool_ape_and_persist(ratio):
     persist_dst = torch.randperm(T, device=DEV) + (R - T)     # the last T ring rows
     ring_a0 = torch.randn(R, c * d, device=DEV)
     ring_z0 = torch.randn(R, c * d, device=DEV) * 2
-    rp = SimpleNamespace(
-        from_ring=torch.rand(E, S, device=DEV) < 0.5,
-        ring_rows=torch.randint(0, R - T, (E, S), device=DEV),   # never a persisted row
-        fresh_rows=torch.randint(0, T, (E, S), device=DEV),
-        before_zero=torch.zeros(E, S, dtype=torch.bool, device=DEV),
-        emit_valid=torch.tensor([True, True, False, True, True], device=DEV))
-    rp.before_zero[0, :S // 2] = True              # entry 0's empty A-half
-    rp.before_zero[2, :] = True                    # an unused candidate with nothing before it
+    rp = _pool_plan(E, S, T, R - T)                 # ring rows read: never a persisted row
     comp = SimpleNamespace(ratio=ratio, out_dim=d, overlap=overlap)
     z = z_raw + ape[positions % ratio]             # Compressor.rows
     want = _gather_pool_torch(comp, ring_a0, ring_z0, a, z, rp)
