@@ -76,19 +76,24 @@ def _rel(a, b):
 
 # candidate configs of the skinny FP8 kernel, timed next to the shipped one (BLOCK_N rows per
 # program, K splits re-picked for it, x `split_mult`; pipeline stages; warps)
-SKINNY_VARIANTS = [("stages 4", dict(num_stages=4)), ("stages 6", dict(num_stages=6)),
-                   ("bn 32", dict(bn=32)), ("bn 128 w8", dict(bn=128, num_warps=8)),
-                   ("split x2", dict(split_mult=2)), ("split /2", dict(split_mult=0.5)),
-                   ("bn 32 stages 5", dict(bn=32, num_stages=5))]
+# Session 8 measured stages 4 / 6, BLOCK_N 32 / 128, 2x / 0.5x splits (<= 1 us apart, in
+# bench_decode_kernels_h200.json). Session 9's candidates: one stage (the 8-bit weight tile then
+# comes by 16-byte global loads instead of 8-byte cp.async pieces, offline sm_90 PTX), with the
+# next tile prefetched into registers (150 registers, no spills offline).
+SKINNY_VARIANTS = [("stages 1", dict(num_stages=1)),
+                   ("stages 1 prefetch", dict(num_stages=1, prefetch=True)),
+                   ("stages 2 prefetch", dict(num_stages=2, prefetch=True)),
+                   ("bn 32 stages 1 prefetch", dict(bn=32, num_stages=1, prefetch=True)),
+                   ("split x2 stages 1 prefetch", dict(split_mult=2, num_stages=1, prefetch=True))]
 
 
-def skinny_variant(T, N, K, bn=64, split_mult=1.0, num_warps=4, num_stages=3):
+def skinny_variant(T, N, K, bn=64, split_mult=1.0, num_warps=4, num_stages=3, prefetch=False):
     bt = max(16, fg.triton.next_power_of_2(T))
     split = fg._fill_splits(fg.triton.cdiv(N, bn) * fg.triton.cdiv(T, bt), K)
     split = max(1, min(fg.triton.cdiv(K, 128), round(split * split_mult)))
     return lambda x, w, s: fg.fp8_skinny_triton(x, w, s, N, K, torch.bfloat16, "bf16",
                                                 block=(bn, bt, split), num_warps=num_warps,
-                                                num_stages=num_stages)
+                                                num_stages=num_stages, prefetch=prefetch)
 
 
 def splitk_linear(x2, wu, su, N, K):

@@ -121,7 +121,13 @@ def _fp8_cases():
     for bn, bt, split in ((64, 16, 1), (64, 16, 8), (128, 16, 4), (64, 64, 1)):
         yield ("_fp8_skinny_kernel", f"BLOCK_N={bn} BLOCK_T={bt} SPLIT={split} warps=4",
                fg._fp8_skinny_kernel, ssig, {"BLOCK_N": bn, "BLOCK_T": bt, "BLOCK_K": fg.FP8_BLOCK,
-                                             "PRECISION": "bf16", "SPLIT": split}, 4, 3, None)
+                                             "PRECISION": "bf16", "SPLIT": split,
+                                             "PREFETCH": False}, 4, 3, None)
+    for bn, bt, split in ((64, 16, 1), (64, 16, 8)):       # one stage + register prefetch
+        yield ("_fp8_skinny_kernel", f"BLOCK_N={bn} BLOCK_T={bt} SPLIT={split} warps=4 prefetch",
+               fg._fp8_skinny_kernel, ssig, {"BLOCK_N": bn, "BLOCK_T": bt, "BLOCK_K": fg.FP8_BLOCK,
+                                             "PRECISION": "bf16", "SPLIT": split,
+                                             "PREFETCH": True}, 4, 1, None)
 
 
 def _attention_cases():

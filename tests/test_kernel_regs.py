@@ -20,7 +20,10 @@ def test_fp8_skinny_kernel_does_not_spill(tmp_path):
         pytest.skip("this triton wheel ships no ptxas")
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == 2 and not any("error" in r for r in rows), rows   # unsplit, 8 K splits
+    # unsplit, 8 K splits; each with the cp.async pipeline and with the register prefetch
+    assert len(rows) == 4 and not any("error" in r for r in rows), rows
     # the decode-size FP8 kernel must not spill and must leave room for several resident programs
-    # (the split one with its unrolled reduction of the 8 partials too)
-    assert all(r["regs"] <= 128 and not r["spill_stores"] for r in rows), rows
+    # (the split one with its unrolled reduction of the 8 partials too); the prefetch loop holds
+    # two weight tiles in registers
+    assert all(not r["spill_stores"] for r in rows), rows
+    assert all(r["regs"] <= (168 if "prefetch" in r["config"] else 128) for r in rows), rows

@@ -105,7 +105,7 @@ def _fp8_skinny_kernel(
     x_ptr, stride_xt, stride_xg, w_ptr, stride_wn, s_ptr, stride_sn, y_ptr, stride_yt, ws_ptr,
     cnt_ptr, T, N, K, K_PER_SPLIT, GROUP_ROWS,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr = False,
 ):
     """Few tokens (decode, verify): y^T = W x^T with the weight rows as the MMA's M side
     ("swap AB": a [BLOCK_N, 128] weight tile against x^T [128, BLOCK_T], so 64-128 weight rows
@@ -118,7 +118,10 @@ def _fp8_skinny_kernel(
     compile-time constant so that sum unrolls: its SPLIT loads are all issued before the adds
     wait (a runtime loop waited one L2 round trip per partial, at the kernel's tail).
     Grouped weights (attention wo_a): rows g*GROUP_ROWS .. (g+1)*GROUP_ROWS - 1 multiply x's group
-    g (x + g * stride_xg); GROUP_ROWS is a multiple of BLOCK_N, and N for plain linears."""
+    g (x + g * stride_xg); GROUP_ROWS is a multiple of BLOCK_N, and N for plain linears.
+    PREFETCH (with num_stages=1): the next weight tile is loaded into registers while this one
+    is multiplied (16-byte global loads; the cp.async pipeline of num_stages >= 2 copies the 8-bit
+    tile to shared memory in 8-byte pieces, offline sm_90 PTX)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_t = tl.program_id(2)
@@ -132,13 +135,28 @@ def _fp8_skinny_kernel(
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     x_base = x_ptr + ((pid_n * BLOCK_N) // GROUP_ROWS).to(tl.int64) * stride_xg
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        kk = k0 + rk
-        k_ok = kk < K
-        w, scale = _fp8_tile(w_ptr, stride_wn, rn, n_ok, kk, k_ok, s_ptr, stride_sn, s_row, k0)
-        xt = tl.load(x_base + rt[None, :] * stride_xt + kk[:, None],
-                     mask=t_ok[None, :] & k_ok[:, None], other=0.0)
-        acc += _mma(w, xt, PRECISION) * scale
+    if PREFETCH:
+        w, scale = _fp8_tile(w_ptr, stride_wn, rn, n_ok, k_lo + rk, k_lo + rk < k_hi, s_ptr,
+                             stride_sn, s_row, tl.minimum(k_lo, K - 1))
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            kk = k0 + rk
+            k_ok = kk < k_hi
+            kn = k0 + BLOCK_K                 # the next tile (all masked past this split)
+            w_next, s_next = _fp8_tile(w_ptr, stride_wn, rn, n_ok, kn + rk, kn + rk < k_hi,
+                                       s_ptr, stride_sn, s_row, tl.minimum(kn, K - 1))
+            xt = tl.load(x_base + rt[None, :] * stride_xt + kk[:, None],
+                         mask=t_ok[None, :] & k_ok[:, None], other=0.0)
+            acc += _mma(w, xt, PRECISION) * scale
+            w, scale = w_next, s_next
+    else:
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            kk = k0 + rk
+            k_ok = kk < K
+            w, scale = _fp8_tile(w_ptr, stride_wn, rn, n_ok, kk, k_ok, s_ptr, stride_sn, s_row,
+                                 k0)
+            xt = tl.load(x_base + rt[None, :] * stride_xt + kk[:, None],
+                         mask=t_ok[None, :] & k_ok[:, None], other=0.0)
+            acc += _mma(w, xt, PRECISION) * scale
     out = y_ptr + rt[None, :] * stride_yt + rn[:, None]
     ok = n_ok[:, None] & t_ok[None, :]
     if SPLIT == 1:
@@ -196,6 +214,15 @@ def _skinny_blocks(T: int, N: int, K: int, interp: bool):
     return bn, bt, _fill_splits(triton.cdiv(N, bn) * triton.cdiv(T, bt), K)
 
 
+def skinny_pipeline() -> dict:
+    """The skinny kernel's load pipeline: cp.async stages (default) or, with
+    DSPARK_FP8_SKINNY_PREFETCH=1, one stage + the register prefetch (an A/B switch for the GPU
+    benchmarks until it is measured)."""
+    if os.environ.get("DSPARK_FP8_SKINNY_PREFETCH", "0") == "1":
+        return dict(num_stages=1, prefetch=True)
+    return {}
+
+
 def skinny_enabled() -> bool:
     """The swap-AB few-token kernel is the default for T <= SKINNY_MAX_T (DSPARK_FP8_SKINNY=0
     switches back to the split-K MMA kernel + host-side sum, for A/B runs)."""
@@ -204,10 +231,12 @@ def skinny_enabled() -> bool:
 
 def fp8_skinny_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: int, K: int,
                       out_dtype, precision: str, block=None, groups: int = 1, num_warps: int = 4,
-                      num_stages: int = 3) -> torch.Tensor:
+                      num_stages: int = 3, prefetch: bool = False) -> torch.Tensor:
     """[T, N] in out_dtype from x2 [T, K] (unit column stride) and the weight / scale bytes.
     groups > 1: x2 is [T, groups, K] and weight rows g*N/groups.. use x2[:, g] ([T, N] is then
-    [T, groups, N/groups]). block = (BLOCK_N, BLOCK_T, K splits), else picked by shape."""
+    [T, groups, N/groups]). block = (BLOCK_N, BLOCK_T, K splits), else picked by shape.
+    prefetch: the kernel's register prefetch of the next weight tile (use with num_stages=1; an
+    A/B candidate of benchmarks/bench_decode_kernels.py, not yet measured on a GPU)."""
     T = x2.shape[0]
     BN, BT, split = block or _skinny_blocks(T, N, K, _interpreting())
     assert FP8_BLOCK % BN == 0, BN
@@ -227,7 +256,7 @@ def fp8_skinny_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: i
     _fp8_skinny_kernel[grid](
         x2, x2.stride(0), stride_xg, wu, wu.stride(0), su, su.stride(0), y, y.stride(0), ws, cnt,
         T, N, K, k_per, R, BLOCK_N=BN, BLOCK_T=BT, BLOCK_K=FP8_BLOCK, PRECISION=precision,
-        SPLIT=split, num_warps=num_warps, num_stages=num_stages)
+        SPLIT=split, PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages)
     return y
 
 
@@ -269,8 +298,8 @@ def fp8_linear_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     if T == 0:
         return x.new_zeros(*lead, N)
     if block is None and T <= SKINNY_MAX_T and skinny_enabled():
-        return fp8_skinny_triton(x2, wu, su, N, K, x.dtype,
-                                 _pick_precision(x.dtype, precision)).reshape(*lead, N)
+        return fp8_skinny_triton(x2, wu, su, N, K, x.dtype, _pick_precision(x.dtype, precision),
+                                 **skinny_pipeline()).reshape(*lead, N)
     BM, BN, split = block or _pick_blocks(T, N, K, _interpreting())
     assert FP8_BLOCK % BN == 0, BN
     nk = triton.cdiv(K, FP8_BLOCK)
@@ -302,7 +331,7 @@ def fp8_linear_grouped(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, gr
         return None
     _, wu, su = flat_operands(x[:, 0], K, w, scale)
     y = fp8_skinny_triton(x, wu, su, N, K, x.dtype, _pick_precision(x.dtype, None),
-                          groups=groups)
+                          groups=groups, **skinny_pipeline())
     return y.view(T, groups, N // groups)
 
 
