@@ -83,13 +83,15 @@ def _moe_cases():
           "emap_ptr": "*i32", **common, "h_ptr": "*bf16", "stride_hp": "i32", "KSLOTS": "i32",
           "I": "i32", "D": "i32", "limit": "fp32", "NP": "i32"}
     down = {"h_ptr": "*bf16", "stride_hp": "i32", "idx_ptr": "*i64", "emap_ptr": "*i32", **common,
-            "out_ptr": "*fp32", "stride_ot": "i32", "KSLOTS": "i32", "D": "i32", "I": "i32",
-            "NP": "i32"}
+            "out_ptr": "*bf16", "stride_ot": "i32", "KSLOTS": "i32", "D": "i32", "I": "i32",
+            "NP": "i32", "add_ptr": "*bf16", "stride_at": "i32"}
     for fn, sig in ((fm._fp4_moe_gate_up_kernel, up), (fm._fp4_moe_down_kernel, down)):
+        # the down kernel as QuantMoE runs it: the shared expert added, bf16 out
+        extra = {"HAS_ADD": True, "OUT_DT": "bf16"} if sig is down else {}
         for n, g, w, st in fm._GEMV_CONFIGS:
             yield (fn.__name__, f"BLOCK_N={n} BLOCK_G={g} warps={w} stages={st}", fn, sig,
                    {"BLOCK_N": n, "BLOCK_G": g, "DT": "bf16", "BF16_PAIRS": True,
-                    "PAIR_DECODE": True, "FULL_GROUPS": True}, w, st, None)
+                    "PAIR_DECODE": True, "FULL_GROUPS": True, **extra}, w, st, None)
     import dspark.kernels.fp4_moe_mma as mm       # expert-grouped tensor-core kernels
     mcommon = {"table_ptr": "*i32", "bexp_ptr": "*i32", "emap_ptr": "*i32", "w_ptr": "*u8",
                "stride_we": "i32", "stride_wn": "i32", "s_ptr": "*u8", "stride_se": "i32",
