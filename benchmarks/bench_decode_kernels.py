@@ -140,9 +140,11 @@ def bench_fp8(tokens, iters, rows):
 
 
 # grouped MoE variants: (name, kind, block, num_warps, num_stages); the first is the baseline
-MOE_VARIANTS = [("fma 8x16", "fma", (8, 16), 4, 3), ("fma 16x8", "fma", (16, 8), 4, 3),
-                ("fma 16x16", "fma", (16, 16), 4, 3), ("fma 4x32", "fma", (4, 32), 4, 3),
-                ("fma 4x32 pair decode", "fma-pair", (4, 32), 4, 3),     # shipped
+# (session 8 timed fma 8x16 / 16x8 / 16x16 / 4x32 code-by-code: bench_decode_kernels_h200.json;
+# session 9's candidate: the register prefetch of the next weight tile, "fma-pair-prefetch")
+MOE_VARIANTS = [("fma 4x32 pair decode", "fma-pair", (4, 32), 4, 3),     # shipped
+                ("fma 4x32 pair prefetch-regs", "fma-pair-prefetch", (4, 32), 4, 3),
+                ("fma 8x16 pair prefetch-regs", "fma-pair-prefetch", (8, 16), 4, 3),
                 ("fma 8x32 pair decode", "fma-pair", (8, 32), 4, 3),
                 ("mma 32x256 w4 s3", "mma", (32, 256), 4, 3),
                 ("mma 32x256 w4 s4", "mma", (32, 256), 4, 4),
@@ -169,10 +171,11 @@ def bench_moe(tokens, iters, rows, E=256, k=6, D=4096, I=2048):
         ref = fp4_moe(xs[0], idxs[0], wts[0], experts, 10.0, grouped=False)   # per-expert loop
         base = None
         for name, kind, block, warps, stages in MOE_VARIANTS:
-            if kind in ("fma", "fma-pair"):
+            if kind.startswith("fma"):
                 os.environ["DSPARK_MOE_MMA"] = "0"
-                fn = lambda a, i, w, block=block, pd=kind == "fma-pair": fp4_moe_grouped(  # noqa: E731
-                    a, i, w, stack, 10.0, block=block, pair_decode=pd)
+                fn = lambda a, i, w, block=block, pd=kind != "fma", pf=kind.endswith(  # noqa: E731
+                    "prefetch"): fp4_moe_grouped(a, i, w, stack, 10.0, block=block,
+                                                 pair_decode=pd, prefetch=pf)
             else:
                 fn = lambda a, i, w, block=block, warps=warps, stages=stages: fp4_moe_mma(  # noqa: E731
                     a, i, w, stack, 10.0, block=block, num_warps=warps, num_stages=stages)

@@ -92,6 +92,11 @@ def _moe_cases():
             yield (fn.__name__, f"BLOCK_N={n} BLOCK_G={g} warps={w} stages={st}", fn, sig,
                    {"BLOCK_N": n, "BLOCK_G": g, "DT": "bf16", "BF16_PAIRS": True,
                     "PAIR_DECODE": True, "FULL_GROUPS": True, **extra}, w, st, None)
+        for pf in (False, True):          # the shipped blocks, with the register prefetch or not
+            yield (fn.__name__, f"BLOCK_N=4 BLOCK_G=32 warps=4{' prefetch' if pf else ''}", fn,
+                   sig, {"BLOCK_N": 4, "BLOCK_G": 32, "DT": "bf16", "BF16_PAIRS": True,
+                         "PAIR_DECODE": True, "FULL_GROUPS": True, "PREFETCH": pf, **extra},
+                   4, 3, None)
     import dspark.kernels.fp4_moe_mma as mm       # expert-grouped tensor-core kernels
     mcommon = {"table_ptr": "*i32", "bexp_ptr": "*i32", "emap_ptr": "*i32", "w_ptr": "*u8",
                "stride_we": "i32", "stride_wn": "i32", "s_ptr": "*u8", "stride_se": "i32",
