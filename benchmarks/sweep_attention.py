@@ -158,17 +158,17 @@ GRID_V3C = [
                                                          kv_splits=4, **_H),
 ]
 
-# small: the batch-1 decode step (1-8 query tokens: a few programs per token, so more KV splits
-# and shorter tiles keep more of the 132 SMs busy) against the shipped small-T row (k32 kv4).
+# small: the batch-1 decode step (1-8 query tokens: a few programs per token) against the shipped
+# small-T row (k32 kv4). Session 9 on the H200 (sweep_attention_small_h200.txt): kv8 = kv4 within
+# 1 us, 16 / 32 splits 4-8x slower (a cliff, likely the combine kernel's [splits, 16 heads, 512]
+# tile), k16 slower. Still untimed: no split (no combine launch) and 2 splits.
 GRID_SMALL = [
     _c("v3", block_k=32, num_stages=2, kv_splits=4, **_H),
     _c("v3", block_k=32, num_stages=2, kv_splits=8, **_H),
-    _c("v3", block_k=32, num_stages=2, kv_splits=16, **_H),
+    _c("v3", block_k=64, num_stages=2, kv_splits=1, **_E, **_H),
+    _c("v3", block_k=32, num_stages=2, kv_splits=1, **_H),
+    _c("v3", block_k=32, num_stages=2, kv_splits=2, **_H),
     _c("v3", block_k=16, num_stages=2, kv_splits=8, **_H),
-    _c("v3", block_k=16, num_stages=2, kv_splits=16, **_H),
-    _c("v3", block_k=16, num_stages=2, kv_splits=32, **_H),
-    _c("v3", block_k=16, num_stages=2, kv_splits=16, num_warps=4, **_H),
-    _c("v3", block_k=32, num_stages=2, kv_splits=16, num_warps=4, **_H),
 ]
 
 
