@@ -161,14 +161,18 @@ GRID_V3C = [
 # small: the batch-1 decode step (1-8 query tokens: a few programs per token) against the shipped
 # small-T row (k32 kv4). Session 9 on the H200 (sweep_attention_small_h200.txt): kv8 = kv4 within
 # 1 us, 16 / 32 splits 4-8x slower (a cliff, likely the combine kernel's [splits, 16 heads, 512]
-# tile), k16 slower. Still untimed: no split (no combine launch) and 2 splits.
+# tile), k16 slower. Still untimed: no split (no combine launch), 2 splits, and 16-head blocks
+# (4 head blocks x splits: 4x the programs at 1 token, each key tile decoded per head block;
+# offline sm_90 at 4 warps: k64 no spills, k32 8 B/thread).
 GRID_SMALL = [
     _c("v3", block_k=32, num_stages=2, kv_splits=4, **_H),
     _c("v3", block_k=32, num_stages=2, kv_splits=8, **_H),
     _c("v3", block_k=64, num_stages=2, kv_splits=1, **_E, **_H),
     _c("v3", block_k=32, num_stages=2, kv_splits=1, **_H),
     _c("v3", block_k=32, num_stages=2, kv_splits=2, **_H),
-    _c("v3", block_k=16, num_stages=2, kv_splits=8, **_H),
+    _c("v3", block_h=16, block_k=64, num_warps=4, num_stages=2, kv_splits=4, **_H),
+    _c("v3", block_h=16, block_k=32, num_warps=4, num_stages=2, kv_splits=4, **_H),
+    _c("v3", block_h=16, block_k=64, num_warps=4, num_stages=2, kv_splits=2, **_H),
 ]
 
 
