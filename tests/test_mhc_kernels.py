@@ -183,10 +183,18 @@ def test_model_logits_with_kernels_match_reference(tiny_ckpt, backend):
                  kv_layout="dense")
     ids = [5, 17, 3, 99, 42, 7]
     logits = {}
-    for name in ("reference", "triton"):
-        backend(name)
-        logits[name] = eng.score(ids)
+    calls = []
+    real = kernels._mixes
+    kernels._mixes = lambda *a: calls.append(1) or real(*a)
+    try:
+        for name in ("reference", "triton"):
+            backend(name)
+            logits[name] = eng.score(ids)
+    finally:
+        kernels._mixes = real
     assert rel_err(logits["triton"], logits["reference"]) < 1e-4
+    # every hc_pre / hc_head but the first layer's found the partials its hc_post left
+    assert len(calls) == 1
 
 
 # ---- GPU-sized cases (H200) --------------------------------------------------------------------
