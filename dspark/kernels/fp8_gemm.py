@@ -138,25 +138,21 @@ def _fp8_skinny_kernel(
     if PREFETCH:
         w, scale = _fp8_tile(w_ptr, stride_wn, rn, n_ok, k_lo + rk, k_lo + rk < k_hi, s_ptr,
                              stride_sn, s_row, tl.minimum(k_lo, K - 1))
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            kk = k0 + rk
-            k_ok = kk < k_hi
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + rk
+        k_ok = kk < K
+        if PREFETCH:
             kn = k0 + BLOCK_K                 # the next tile (all masked past this split)
             w_next, s_next = _fp8_tile(w_ptr, stride_wn, rn, n_ok, kn + rk, kn + rk < k_hi,
                                        s_ptr, stride_sn, s_row, tl.minimum(kn, K - 1))
-            xt = tl.load(x_base + rt[None, :] * stride_xt + kk[:, None],
-                         mask=t_ok[None, :] & k_ok[:, None], other=0.0)
-            acc += _mma(w, xt, PRECISION) * scale
-            w, scale = w_next, s_next
-    else:
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            kk = k0 + rk
-            k_ok = kk < K
+        else:
             w, scale = _fp8_tile(w_ptr, stride_wn, rn, n_ok, kk, k_ok, s_ptr, stride_sn, s_row,
                                  k0)
-            xt = tl.load(x_base + rt[None, :] * stride_xt + kk[:, None],
-                         mask=t_ok[None, :] & k_ok[:, None], other=0.0)
-            acc += _mma(w, xt, PRECISION) * scale
+        xt = tl.load(x_base + rt[None, :] * stride_xt + kk[:, None],
+                     mask=t_ok[None, :] & k_ok[:, None], other=0.0)
+        acc += _mma(w, xt, PRECISION) * scale
+        if PREFETCH:
+            w, scale = w_next, s_next
     out = y_ptr + rt[None, :] * stride_yt + rn[:, None]
     ok = n_ok[:, None] & t_ok[None, :]
     if SPLIT == 1:

@@ -205,7 +205,7 @@ def _collapse(X, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, head: bool):
     if T == 0:
         return u, post, comb
     part, sq, S, BLOCK_R = left if left is not None else _mixes(X, fn)
-    block_d, warps = FINISH_LAUNCH.get(T <= POST_NEXT_MAX_T, (_BLOCK_D, 4))
+    block_d, warps = FINISH_LAUNCH[T <= POST_NEXT_MAX_T]
     block_d = min(block_d, triton.next_power_of_2(D))
     _finish_pre[(T, triton.cdiv(D, block_d))](
         X, part, sq, base.float().contiguous(), scale.float().contiguous(), u, post, comb,
