@@ -13,6 +13,7 @@ device run spends time on them.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import re
@@ -48,6 +49,10 @@ def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages:
     prove contiguity / alignment of computed addresses and emits narrower loads than on the GPU
     (and no cp.async pipelining). Empty: pointers, strides and the model widths in
     _MULTIPLES_OF_16."""
+    constexprs = dict(constexprs)
+    for prm in fn.params:         # constexprs left out take their defaults (Triton wants all)
+        if prm.is_constexpr and prm.name not in constexprs and prm.default is not inspect._empty:
+            constexprs[prm.name] = prm.default
     sig = dict(signature)
     sig.update({k: "constexpr" for k in constexprs})
     if not aligned:   # default: what the launcher's specialisation gives at V4 widths
