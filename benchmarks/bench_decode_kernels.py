@@ -84,16 +84,22 @@ SKINNY_VARIANTS = [("stages 1", dict(num_stages=1)),
                    ("stages 1 prefetch", dict(num_stages=1, prefetch=True)),
                    ("stages 2 prefetch", dict(num_stages=2, prefetch=True)),
                    ("bn 32 stages 1 prefetch", dict(bn=32, num_stages=1, prefetch=True)),
-                   ("split x2 stages 1 prefetch", dict(split_mult=2, num_stages=1, prefetch=True))]
+                   ("split x2 stages 1 prefetch", dict(split_mult=2, num_stages=1, prefetch=True)),
+                   # weight tiles by TMA bulk copies (session 10's candidate)
+                   ("tma", dict(tma=True)), ("tma stages 4", dict(tma=True, num_stages=4)),
+                   ("tma bn 128", dict(bn=128, tma=True)),
+                   ("tma split x2", dict(split_mult=2, tma=True))]
 
 
-def skinny_variant(T, N, K, bn=64, split_mult=1.0, num_warps=4, num_stages=3, prefetch=False):
+def skinny_variant(T, N, K, bn=64, split_mult=1.0, num_warps=4, num_stages=3, prefetch=False,
+                   tma=False):
     bt = max(16, fg.triton.next_power_of_2(T))
     split = fg._fill_splits(fg.triton.cdiv(N, bn) * fg.triton.cdiv(T, bt), K)
     split = max(1, min(fg.triton.cdiv(K, 128), round(split * split_mult)))
     return lambda x, w, s: fg.fp8_skinny_triton(x, w, s, N, K, torch.bfloat16, "bf16",
                                                 block=(bn, bt, split), num_warps=num_warps,
-                                                num_stages=num_stages, prefetch=prefetch)
+                                                num_stages=num_stages, prefetch=prefetch,
+                                                tma=tma)
 
 
 def splitk_linear(x2, wu, su, N, K):

@@ -140,6 +140,12 @@ def _fp8_cases():
                fg._fp8_skinny_kernel, ssig, {"BLOCK_N": bn, "BLOCK_T": bt, "BLOCK_K": fg.FP8_BLOCK,
                                              "PRECISION": "bf16", "SPLIT": split,
                                              "PREFETCH": True}, 4, 1, None)
+    tsig = dict(ssig, w_ptr="tensordesc<u8[64,128]>")       # weight tiles by TMA
+    for split, st in ((1, 3), (5, 3), (1, 4)):
+        yield ("_fp8_skinny_kernel", f"BLOCK_N=64 BLOCK_T=16 SPLIT={split} warps=4 tma stages={st}",
+               fg._fp8_skinny_kernel, tsig, {"BLOCK_N": 64, "BLOCK_T": 16, "BLOCK_K": fg.FP8_BLOCK,
+                                             "PRECISION": "bf16", "SPLIT": split, "TMA": True},
+               4, st, None)
 
 
 def _attention_cases():

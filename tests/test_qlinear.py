@@ -73,6 +73,10 @@ def test_fp8_skinny_matches_dequant(T, N, K, block, monkeypatch):
     yp = fp8g.fp8_skinny_triton(x2, wu, su, N, K, torch.float32, "ieee", block=block,
                                 num_stages=1, prefetch=True)
     assert torch.equal(yp, y)
+    if K % 16 == 0:       # weight tiles by TMA (16-byte aligned rows): same tiles, same sums
+        yt = fp8g.fp8_skinny_triton(x2, wu, su, N, K, torch.float32, "ieee", block=block,
+                                    tma=True)
+        assert torch.equal(yt, y)
     y2 = fp8_linear_triton(x.view(1, T, K).to(DEV), w.to(DEV), s.to(DEV))
     assert y2.shape == (1, T, N) and rel_err(y2[0].cpu(), ref) < 1e-5
     yb = fp8_linear_triton(x.to(DEV).bfloat16(), w.to(DEV), s.to(DEV))

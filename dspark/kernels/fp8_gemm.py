@@ -106,6 +106,7 @@ def _fp8_skinny_kernel(
     cnt_ptr, T, N, K, K_PER_SPLIT, GROUP_ROWS,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr = False,
+    TMA: tl.constexpr = False,
 ):
     """Few tokens (decode, verify): y^T = W x^T with the weight rows as the MMA's M side
     ("swap AB": a [BLOCK_N, 128] weight tile against x^T [128, BLOCK_T], so 64-128 weight rows
@@ -121,7 +122,10 @@ def _fp8_skinny_kernel(
     g (x + g * stride_xg); GROUP_ROWS is a multiple of BLOCK_N, and N for plain linears.
     PREFETCH (with num_stages=1): the next weight tile is loaded into registers while this one
     is multiplied (16-byte global loads; the cp.async pipeline of num_stages >= 2 copies the 8-bit
-    tile to shared memory in 8-byte pieces, offline sm_90 PTX)."""
+    tile to shared memory in 8-byte pieces, offline sm_90 PTX).
+    TMA: w_ptr is a tensor descriptor of the [N, K] weight bytes with [BLOCK_N, BLOCK_K] boxes:
+    each tile arrives as one bulk copy (rows / columns past the weight read as zero), pipelined
+    over num_stages by Triton."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_t = tl.program_id(2)
@@ -135,13 +139,16 @@ def _fp8_skinny_kernel(
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     x_base = x_ptr + ((pid_n * BLOCK_N) // GROUP_ROWS).to(tl.int64) * stride_xg
-    if PREFETCH:
+    if PREFETCH and not TMA:
         w, scale = _fp8_tile(w_ptr, stride_wn, rn, n_ok, k_lo + rk, k_lo + rk < k_hi, s_ptr,
                              stride_sn, s_row, tl.minimum(k_lo, K - 1))
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + rk
         k_ok = kk < K
-        if PREFETCH:
+        if TMA:
+            w = w_ptr.load([pid_n * BLOCK_N, k0]).to(tl.float8e4nv, bitcast=True)
+            scale = _e8m0_to_f32(tl.load(s_ptr + s_row * stride_sn + k0 // 128).to(tl.int32))
+        elif PREFETCH:
             kn = k0 + BLOCK_K                 # the next tile (all masked past this split)
             w_next, s_next = _fp8_tile(w_ptr, stride_wn, rn, n_ok, kn + rk, kn + rk < k_hi,
                                        s_ptr, stride_sn, s_row, tl.minimum(kn, K - 1))
@@ -151,7 +158,7 @@ def _fp8_skinny_kernel(
         xt = tl.load(x_base + rt[None, :] * stride_xt + kk[:, None],
                      mask=t_ok[None, :] & k_ok[:, None], other=0.0)
         acc += _mma(w, xt, PRECISION) * scale
-        if PREFETCH:
+        if PREFETCH and not TMA:
             w, scale = w_next, s_next
     out = y_ptr + rt[None, :] * stride_yt + rn[:, None]
     ok = n_ok[:, None] & t_ok[None, :]
@@ -194,6 +201,20 @@ def _unused_workspace(device) -> torch.Tensor:
     return _DEVICE_BUFFERS[key]
 
 
+def _weight_descriptor(wu: torch.Tensor, block_n: int):
+    """TMA descriptor of the weight bytes [N, K] in [block_n, 128] boxes (cached per weight:
+    building one costs host time on every eager launch)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    key = ("tma", wu.data_ptr(), tuple(wu.shape), wu.stride(0), block_n)
+    desc = _DEVICE_BUFFERS.get(key)
+    if desc is None:
+        if wu.data_ptr() % 16 or wu.stride(0) % 16 or wu.stride(1) != 1:
+            raise ValueError("fp8 skinny TMA: weight rows must be 16-byte aligned and contiguous")
+        desc = _DEVICE_BUFFERS[key] = TensorDescriptor(wu, list(wu.shape), [wu.stride(0), 1],
+                                                       [block_n, FP8_BLOCK])
+    return desc
+
+
 def _fill_splits(programs: int, K: int) -> int:
     """K splits that bring `programs` (output tiles) up to ~2 per H200 SM (132), at most one per
     128-column K block."""
@@ -216,6 +237,8 @@ def skinny_pipeline() -> dict:
     benchmarks until it is measured)."""
     if os.environ.get("DSPARK_FP8_SKINNY_PREFETCH", "0") == "1":
         return dict(num_stages=1, prefetch=True)
+    if os.environ.get("DSPARK_FP8_TMA", "0") == "1":
+        return dict(tma=True)
     return {}
 
 
@@ -227,12 +250,14 @@ def skinny_enabled() -> bool:
 
 def fp8_skinny_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: int, K: int,
                       out_dtype, precision: str, block=None, groups: int = 1, num_warps: int = 4,
-                      num_stages: int = 3, prefetch: bool = False) -> torch.Tensor:
+                      num_stages: int = 3, prefetch: bool = False,
+                      tma: bool = False) -> torch.Tensor:
     """[T, N] in out_dtype from x2 [T, K] (unit column stride) and the weight / scale bytes.
     groups > 1: x2 is [T, groups, K] and weight rows g*N/groups.. use x2[:, g] ([T, N] is then
     [T, groups, N/groups]). block = (BLOCK_N, BLOCK_T, K splits), else picked by shape.
     prefetch: the kernel's register prefetch of the next weight tile (use with num_stages=1; an
-    A/B candidate of benchmarks/bench_decode_kernels.py, not yet measured on a GPU)."""
+    A/B candidate of benchmarks/bench_decode_kernels.py, not yet measured on a GPU).
+    tma: the weight tiles by TMA bulk copies (a tensor descriptor of wu; 16-byte aligned rows)."""
     T = x2.shape[0]
     BN, BT, split = block or _skinny_blocks(T, N, K, _interpreting())
     assert FP8_BLOCK % BN == 0, BN
@@ -249,10 +274,11 @@ def fp8_skinny_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: i
     ws = (torch.empty(split, T, N, dtype=torch.float32, device=x2.device) if split > 1
           else _unused_workspace(x2.device))
     cnt = _arrival_counters(x2.device, grid[0] * grid[2])
+    w_arg = _weight_descriptor(wu, BN) if tma else wu
     _fp8_skinny_kernel[grid](
-        x2, x2.stride(0), stride_xg, wu, wu.stride(0), su, su.stride(0), y, y.stride(0), ws, cnt,
+        x2, x2.stride(0), stride_xg, w_arg, wu.stride(0), su, su.stride(0), y, y.stride(0), ws, cnt,
         T, N, K, k_per, R, BLOCK_N=BN, BLOCK_T=BT, BLOCK_K=FP8_BLOCK, PRECISION=precision,
-        SPLIT=split, PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages)
+        SPLIT=split, PREFETCH=prefetch, TMA=tma, num_warps=num_warps, num_stages=num_stages)
     return y
 
 
