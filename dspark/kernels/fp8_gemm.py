@@ -233,8 +233,8 @@ def _skinny_blocks(T: int, N: int, K: int, interp: bool):
 
 def skinny_pipeline() -> dict:
     """The skinny kernel's load pipeline: cp.async stages (default) or, with
-    DSPARK_FP8_SKINNY_PREFETCH=1, one stage + the register prefetch (an A/B switch for the GPU
-    benchmarks until it is measured)."""
+    DSPARK_FP8_SKINNY_PREFETCH=1, one stage + the register prefetch, or with DSPARK_FP8_TMA=1 TMA
+    tile copies (A/B switches; both measured no faster on the H200, see fp8_skinny_triton)."""
     if os.environ.get("DSPARK_FP8_SKINNY_PREFETCH", "0") == "1":
         return dict(num_stages=1, prefetch=True)
     if os.environ.get("DSPARK_FP8_TMA", "0") == "1":
@@ -256,8 +256,11 @@ def fp8_skinny_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: i
     groups > 1: x2 is [T, groups, K] and weight rows g*N/groups.. use x2[:, g] ([T, N] is then
     [T, groups, N/groups]). block = (BLOCK_N, BLOCK_T, K splits), else picked by shape.
     prefetch: the kernel's register prefetch of the next weight tile (use with num_stages=1; an
-    A/B candidate of benchmarks/bench_decode_kernels.py, not yet measured on a GPU).
-    tma: the weight tiles by TMA bulk copies (a tensor descriptor of wu; 16-byte aligned rows)."""
+    A/B candidate of benchmarks/bench_decode_kernels.py; H200, session 10: slower, e.g. wq_b
+    20.0 vs 16.1 us, the decode step's FP8 kernels 360 vs 314 us).
+    tma: the weight tiles by TMA bulk copies (a tensor descriptor of wu; 16-byte aligned rows;
+    H200, session 10: wq_b 15.8 vs 16.1 us, wo_b 19.6 vs 20.0, wkv 6.0 vs 5.5, device time of
+    the decode step unchanged, 1.154 vs 1.152 ms: an opt-in, DSPARK_FP8_TMA=1)."""
     T = x2.shape[0]
     BN, BT, split = block or _skinny_blocks(T, N, K, _interpreting())
     assert FP8_BLOCK % BN == 0, BN
