@@ -255,8 +255,12 @@ def test_gpu_graph_replay_equals_eager(dtype):
     # height may round differently (bf16 visibly), which may move a sampled token
     # fp32: same tokens; values to fp32 GEMM reproducibility (cuBLAS may pick another algorithm
     # for the captured stream's workspace: ~1e-5 relative, seen on the H200)
+    # (a moved token changes every later position's input: padded bf16 rows are compared up to
+    # their first differing token, and most positions must still be compared; session 10's H200
+    # run saw one such flip at R = 3)
     exact = dict(rtol=2e-4, atol=2e-4)
     padded = exact if dtype == "fp32" else dict(rtol=5e-2, atol=2e-2)
+    compared = total = 0
     for R in (1, 3, 4, 7):
         tol = exact if R in (1, 4) else padded
         for _ in range(2):          # a replay after the context changed reads the new rows
@@ -264,15 +268,21 @@ def test_gpu_graph_replay_equals_eager(dtype):
             with torch.inference_mode():        # as the runner runs it (mHC kernels need it)
                 eager_toks, eager_q, eager_conf = eager(reqs[:R], runner.quant)
             for i, b in enumerate(graph_blocks):
+                n = b.tokens.shape[0]
                 if tol is exact:
                     assert torch.equal(b.tokens, eager_toks[i]), (R, i)
-                torch.testing.assert_close(b.conf_logits, eager_conf[i], **tol)
+                else:
+                    diff = (b.tokens != eager_toks[i]).nonzero()
+                    n = int(diff[0]) if diff.numel() else n
+                compared, total = compared + n, total + b.tokens.shape[0]
+                torch.testing.assert_close(b.conf_logits[:n], eager_conf[i][:n], **tol)
                 if b.probs is not None:
-                    torch.testing.assert_close(b.probs, eager_q[i], **tol)
+                    torch.testing.assert_close(b.probs[:n], eager_q[i][:n], **tol)
             for i, r in enumerate(reqs[:R]):     # commit one verified row each, then re-draft
                 runner.commit_context(r.draft_state, _taps(eng, 1, seed=100 + i).to(
                     "cuda", eng.dtype), r.num_committed)
                 r.num_committed += 1
+    assert compared >= 0.8 * total, (compared, total)
     assert runner.draft_pass.cuda_graphs, "a capture failed (see the warning)"
     assert {k[1] for k in runner.draft_pass._graphs if k[0] == "draft"} == {1, 4, 8}
 

@@ -390,7 +390,14 @@ def test_cuda_matches_cpu_bytes():
     assert torch.equal(cpu, gpu.cpu())
     assert torch.equal(L.read_fp8_ds_mla(gpu, n, slots.cuda()).cpu(), L.read_fp8_ds_mla(cpu, n, slots))
     assert torch.equal(L.fp4_roundtrip(k.cuda()).cpu(), L.fp4_roundtrip(k))
-    torch.testing.assert_close(L.hadamard128(k.cuda()).cpu(), L.hadamard128(k))
+    # the transform: fp32 sums in another order on each device (the rows mix magnitudes over
+    # many decades: plain assert_close failed on the H200 at 1e-3 relative, 11.5 absolute); each
+    # side within the fp32 summation bound of the float64 transform
+    h = L._hadamard_matrix("cpu").double()
+    ref = k.double() @ h * 128 ** -0.5
+    bound = 128 * 2.0 ** -23 * (k.double().abs() @ h.abs()) * 128 ** -0.5 + 1e-30
+    for y in (L.hadamard128(k.cuda()).cpu(), L.hadamard128(k)):
+        assert ((y.double() - ref).abs() <= bound).all()
 
 
 def test_hadamard128_gemm_equals_butterflies():

@@ -103,10 +103,11 @@ def test_fp8_grouped_skinny_matches_per_group(T, G, R, K):
     x = torch.randn(T, G, K, generator=gen)
     ref = torch.einsum("tgi,gri->tgr", x.double(), dequant_fp8_blocks(w, s).double().view(G, R, K))
     y = fp8g.fp8_linear_grouped(x.to(DEV), w.to(DEV), s.to(DEV), G, backend="triton")
-    assert y.shape == (T, G, R) and rel_err(y.cpu(), ref) < 1e-5
+    tol = 1e-5 if DEV == "cpu" else 2e-3          # fp32 x: TF32 MMA operands on a GPU
+    assert y.shape == (T, G, R) and rel_err(y.cpu(), ref) < tol
     assert fp8g.fp8_linear_grouped(x, w, s, G, backend="torch") is None      # caller's loop
     ql = QuantLinear.from_tensors(w, s, "fp8", torch.float32, "triton").to(DEV)
-    assert rel_err(ql.grouped(x.to(DEV), G).cpu(), ref) < 1e-5
+    assert rel_err(ql.grouped(x.to(DEV), G).cpu(), ref) < tol
 
 
 def test_fp8_linear_torch_path_bit_identical_and_shapes():
