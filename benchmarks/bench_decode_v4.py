@@ -970,7 +970,10 @@ def main(argv=None):
     parts = []
     if rows:
         parts.append(", ".join(f"decode@{r['context']} {r['step_ms']:.2f} ms = "
-                               f"{r['roofline_pct']:.0f}% roofline" for r in rows))
+                               f"{r['roofline_pct']:.0f}% roofline"
+                               + (f" (device {r['replay_ms']:.3f} ms = "
+                                  f"{r['device_roofline_pct']:.0f}%)" if r.get("replay_ms") else "")
+                               for r in rows))
     parts.append(f"e2e {e2e['ours']['tok_s']:.1f} tok/s")
     if "hf" in e2e:
         parts[-1] += (f" vs HF {e2e['hf']['tok_s']:.1f} = {e2e['speedup']:.1f}x, greedy agree "

@@ -9,6 +9,13 @@ device run spends time on them.
     python benchmarks/kernel_regs.py                     # every kernel, its config table
     python benchmarks/kernel_regs.py --kernel attention  # one kernel
     python benchmarks/kernel_regs.py --json out.json
+    python benchmarks/kernel_regs.py --kernel moe --sass  # + the main loop's SASS instruction mix
+
+--sass disassembles the cubin (cuobjdump from the triton wheel) and counts the instructions of
+the longest backward-branch loop by class: for the weight-streaming decode kernels, whose loop
+is issue-bound on the H200, instructions per iteration is an offline proxy of speed (session 10:
+the grouped FP4 gate/up loop spends ~12.7 instructions per weight byte, 5.8 of them integer
+decode, and 16 barriers per iteration converting the activation pairs through shared memory).
 """
 from __future__ import annotations
 
@@ -40,8 +47,49 @@ def ptxas_path() -> str:
 _MULTIPLES_OF_16 = {"K", "N", "D", "I", "K_PER_SPLIT"}
 
 
+def loop_mix(cubin: bytes) -> dict:
+    """SASS instruction classes of the longest loop (backward branch) of a cubin: {'loop': n,
+    'int', 'fp', 'cvt', 'mem_global', 'mem_shared', 'bar', 'shfl', 'mma', 'other'}."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in
+           re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loop = None
+    for addr, text in ins:
+        m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            lo = int(m.group(1), 16)
+            if loop is None or addr - lo > loop[1] - loop[0]:
+                loop = (lo, addr)
+    if loop is None:
+        return {"loop": 0}
+    classes = {"int": ("LOP3", "IMAD", "IADD3", "SHF", "PRMT", "LEA", "ISETP", "SEL", "IMNMX",
+                       "UIADD3", "ULOP3", "UIMAD", "MOV", "CS2R", "UMOV", "IABS", "POPC"),
+               "fp": ("FFMA", "FMUL", "FADD", "FSETP", "FMNMX", "FSEL", "HFMA2", "HMUL2",
+                      "HADD2"),
+               "cvt": ("F2F", "I2F", "F2I", "F2FP"), "mem_global": ("LDG", "STG", "LDGSTS",
+                                                              "UTMALDG", "ATOMG", "RED"),
+               "mem_shared": ("LDS", "STS", "STSM", "LDSM"), "bar": ("BAR", "SYNCS"),
+               "shfl": ("SHFL",), "mma": ("HMMA", "HGMMA", "WARPGROUP")}
+    out = {"loop": 0, **{k: 0 for k in classes}, "other": 0}
+    for addr, text in ins:
+        if loop[0] <= addr <= loop[1]:
+            op = re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+            out["loop"] += 1
+            # HADD2.F32 is the fp16 -> fp32 conversion
+            kind = "cvt" if text.split()[0 if not text.startswith("@") else 1].startswith(
+                "HADD2.F32") else next((k for k, ops in classes.items() if op in ops), "other")
+            out[kind] += 1
+    return out
+
+
 def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int,
-              maxnreg: int | None = None, arch: int = 90, aligned=()) -> dict:
+              maxnreg: int | None = None, arch: int = 90, aligned=(), sass: bool = False) -> dict:
     """{'regs', 'spill_stores', 'spill_loads', 'smem'} of `fn` compiled for sm_<arch>.
 
     aligned: argument names the JIT would specialise as divisible by 16 at the real shapes
@@ -75,8 +123,11 @@ def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages:
     num = lambda pat: int(m.group(1)) if (m := re.search(pat, txt)) else None  # noqa: E731
     if num(r"Used (\d+) registers") is None:
         raise RuntimeError(f"ptxas: {txt[-400:]}")
-    return {"regs": num(r"Used (\d+) registers"), "spill_stores": num(r"(\d+) bytes spill stores"),
-            "spill_loads": num(r"(\d+) bytes spill loads"), "smem": k.metadata.shared}
+    res = {"regs": num(r"Used (\d+) registers"), "spill_stores": num(r"(\d+) bytes spill stores"),
+           "spill_loads": num(r"(\d+) bytes spill loads"), "smem": k.metadata.shared}
+    if sass:
+        res["sass_loop"] = loop_mix(k.asm["cubin"])
+    return res
 
 
 # ---- the kernels and their config tables --------------------------------------------------------
@@ -248,6 +299,8 @@ def main(argv=None):
     ap.add_argument("--match", default=None,
                     help="only rows whose 'kernel config' text contains this")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sass", action="store_true",
+                    help="also the main loop's SASS instruction mix (see the module doc)")
     a = ap.parse_args(argv)
     rows = []
     print(f"{'kernel':<26} {'config':<58} {'regs':>5} {'spill st':>9} {'spill ld':>9} {'smem KB':>8}")
@@ -257,7 +310,7 @@ def main(argv=None):
                 continue
             try:
                 r = resources(fn, sig, const, warps, stages, maxnreg,
-                              aligned=aligned[0] if aligned else ())
+                              aligned=aligned[0] if aligned else (), sass=a.sass)
             except Exception as e:          # report and go on: one bad config is a finding too
                 r = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
             rows.append({"kernel": kname, "config": label, **r})
@@ -266,6 +319,9 @@ def main(argv=None):
             else:
                 print(f"{kname:<26} {label[:58]:<58} {r['regs']:>5} {r['spill_stores'] or 0:>9} "
                       f"{r['spill_loads'] or 0:>9} {r['smem'] / 1024:>8.1f}", flush=True)
+                if a.sass:
+                    print("    loop: " + ", ".join(f"{k} {v}" for k, v in r["sass_loop"].items()
+                                                 if v), flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"arch": "sm_90a", "triton": triton.__version__, "rows": rows}, f, indent=2)

@@ -15,7 +15,8 @@ def test_fp8_skinny_kernel_does_not_spill(tmp_path):
     out = tmp_path / "regs.json"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "kernel_regs.py"),
                         "--kernel", "fp8", "--match", "_fp8_skinny_kernel BLOCK_N=64 BLOCK_T=16 SPLIT",
-                        "--json", str(out)], env=env, capture_output=True, text=True, timeout=600)
+                        "--sass", "--json", str(out)], env=env, capture_output=True, text=True,
+                       timeout=600)
     if "no ptxas" in r.stdout + r.stderr:
         pytest.skip("this triton wheel ships no ptxas")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -28,3 +29,5 @@ def test_fp8_skinny_kernel_does_not_spill(tmp_path):
     # two weight tiles in registers
     assert all(not r["spill_stores"] for r in rows), rows
     assert all(r["regs"] <= (168 if "prefetch" in r["config"] else 128) for r in rows), rows
+    # --sass: the swap-AB loop streams weight tiles into tensor-core MMAs (HMMA in its SASS)
+    assert all(r["sass_loop"]["loop"] > 0 and r["sass_loop"]["mma"] > 0 for r in rows), rows
