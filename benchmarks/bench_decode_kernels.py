@@ -77,29 +77,22 @@ def _rel(a, b):
 # candidate configs of the skinny FP8 kernel, timed next to the shipped one (BLOCK_N rows per
 # program, K splits re-picked for it, x `split_mult`; pipeline stages; warps)
 # Session 8 measured stages 4 / 6, BLOCK_N 32 / 128, 2x / 0.5x splits (<= 1 us apart, in
-# bench_decode_kernels_h200.json). Session 9's candidates: one stage (the 8-bit weight tile then
-# comes by 16-byte global loads instead of 8-byte cp.async pieces, offline sm_90 PTX), with the
-# next tile prefetched into registers (150 registers, no spills offline).
+# bench_decode_kernels_h200.json). Session 9's register prefetch of the next tile (one stage)
+# measured slower in session 10 (bench_decode_kernels_tma_h200.txt) and is gone.
 SKINNY_VARIANTS = [("stages 1", dict(num_stages=1)),
-                   ("stages 1 prefetch", dict(num_stages=1, prefetch=True)),
-                   ("stages 2 prefetch", dict(num_stages=2, prefetch=True)),
-                   ("bn 32 stages 1 prefetch", dict(bn=32, num_stages=1, prefetch=True)),
-                   ("split x2 stages 1 prefetch", dict(split_mult=2, num_stages=1, prefetch=True)),
-                   # weight tiles by TMA bulk copies (session 10's candidate)
+                   # weight tiles by TMA bulk copies (session 10: neutral, wq_b 15.8 vs 16.1 us)
                    ("tma", dict(tma=True)), ("tma stages 4", dict(tma=True, num_stages=4)),
                    ("tma bn 128", dict(bn=128, tma=True)),
                    ("tma split x2", dict(split_mult=2, tma=True))]
 
 
-def skinny_variant(T, N, K, bn=64, split_mult=1.0, num_warps=4, num_stages=3, prefetch=False,
-                   tma=False):
+def skinny_variant(T, N, K, bn=64, split_mult=1.0, num_warps=4, num_stages=3, tma=False):
     bt = max(16, fg.triton.next_power_of_2(T))
     split = fg._fill_splits(fg.triton.cdiv(N, bn) * fg.triton.cdiv(T, bt), K)
     split = max(1, min(fg.triton.cdiv(K, 128), round(split * split_mult)))
     return lambda x, w, s: fg.fp8_skinny_triton(x, w, s, N, K, torch.bfloat16, "bf16",
                                                 block=(bn, bt, split), num_warps=num_warps,
-                                                num_stages=num_stages, prefetch=prefetch,
-                                                tma=tma)
+                                                num_stages=num_stages, tma=tma)
 
 
 def splitk_linear(x2, wu, su, N, K):
@@ -147,10 +140,12 @@ def bench_fp8(tokens, iters, rows):
 
 # grouped MoE variants: (name, kind, block, num_warps, num_stages); the first is the baseline
 # (session 8 timed fma 8x16 / 16x8 / 16x16 / 4x32 code-by-code: bench_decode_kernels_h200.json;
-# session 9's candidate: the register prefetch of the next weight tile, "fma-pair-prefetch")
+# session 9's register prefetch measured slower in session 10 (256 vs 211 us per step) and is
+# gone; session 10's candidate: the activation pairs loaded per weight row, "fma-pair-rowx")
 MOE_VARIANTS = [("fma 4x32 pair decode", "fma-pair", (4, 32), 4, 3),     # shipped
-                ("fma 4x32 pair prefetch-regs", "fma-pair-prefetch", (4, 32), 4, 3),
-                ("fma 8x16 pair prefetch-regs", "fma-pair-prefetch", (8, 16), 4, 3),
+                ("fma 4x32 pair row-x", "fma-pair-rowx", (4, 32), 4, 3),
+                ("fma 8x32 pair row-x", "fma-pair-rowx", (8, 32), 4, 3),
+                ("fma 8x16 pair row-x", "fma-pair-rowx", (8, 16), 4, 3),
                 ("fma 8x32 pair decode", "fma-pair", (8, 32), 4, 3),
                 ("mma 32x256 w4 s3", "mma", (32, 256), 4, 3),
                 ("mma 32x256 w4 s4", "mma", (32, 256), 4, 4),
@@ -179,9 +174,9 @@ def bench_moe(tokens, iters, rows, E=256, k=6, D=4096, I=2048):
         for name, kind, block, warps, stages in MOE_VARIANTS:
             if kind.startswith("fma"):
                 os.environ["DSPARK_MOE_MMA"] = "0"
-                fn = lambda a, i, w, block=block, pd=kind != "fma", pf=kind.endswith(  # noqa: E731
-                    "prefetch"): fp4_moe_grouped(a, i, w, stack, 10.0, block=block,
-                                                 pair_decode=pd, prefetch=pf)
+                fn = lambda a, i, w, block=block, pd=kind != "fma", rx=kind.endswith(  # noqa: E731
+                    "rowx"): fp4_moe_grouped(a, i, w, stack, 10.0, block=block,
+                                             pair_decode=pd, row_x=rx)
             else:
                 fn = lambda a, i, w, block=block, warps=warps, stages=stages: fp4_moe_mma(  # noqa: E731
                     a, i, w, stack, 10.0, block=block, num_warps=warps, num_stages=stages)

@@ -148,10 +148,10 @@ def _moe_cases():
             yield (fn.__name__, f"BLOCK_N={n} BLOCK_G={g} warps={w} stages={st}", fn, sig,
                    {"BLOCK_N": n, "BLOCK_G": g, "DT": "bf16", "BF16_PAIRS": True,
                     "PAIR_DECODE": True, "FULL_GROUPS": True, **extra}, w, st, None)
-        for pf in (False, True):          # the shipped blocks, with the register prefetch or not
-            yield (fn.__name__, f"BLOCK_N=4 BLOCK_G=32 warps=4{' prefetch' if pf else ''}", fn,
+        for rx in (False, True):          # the shipped blocks, activation pairs per row or not
+            yield (fn.__name__, f"BLOCK_N=4 BLOCK_G=32 warps=4{' row-x' if rx else ''}", fn,
                    sig, {"BLOCK_N": 4, "BLOCK_G": 32, "DT": "bf16", "BF16_PAIRS": True,
-                         "PAIR_DECODE": True, "FULL_GROUPS": True, "PREFETCH": pf, **extra},
+                         "PAIR_DECODE": True, "FULL_GROUPS": True, "ROW_X": rx, **extra},
                    4, 3, None)
     import dspark.kernels.fp4_moe_mma as mm       # expert-grouped tensor-core kernels
     mcommon = {"table_ptr": "*i32", "bexp_ptr": "*i32", "emap_ptr": "*i32", "w_ptr": "*u8",
@@ -184,13 +184,7 @@ def _fp8_cases():
     for bn, bt, split in ((64, 16, 1), (64, 16, 8), (128, 16, 4), (64, 64, 1)):
         yield ("_fp8_skinny_kernel", f"BLOCK_N={bn} BLOCK_T={bt} SPLIT={split} warps=4",
                fg._fp8_skinny_kernel, ssig, {"BLOCK_N": bn, "BLOCK_T": bt, "BLOCK_K": fg.FP8_BLOCK,
-                                             "PRECISION": "bf16", "SPLIT": split,
-                                             "PREFETCH": False}, 4, 3, None)
-    for bn, bt, split in ((64, 16, 1), (64, 16, 8)):       # one stage + register prefetch
-        yield ("_fp8_skinny_kernel", f"BLOCK_N={bn} BLOCK_T={bt} SPLIT={split} warps=4 prefetch",
-               fg._fp8_skinny_kernel, ssig, {"BLOCK_N": bn, "BLOCK_T": bt, "BLOCK_K": fg.FP8_BLOCK,
-                                             "PRECISION": "bf16", "SPLIT": split,
-                                             "PREFETCH": True}, 4, 1, None)
+                                             "PRECISION": "bf16", "SPLIT": split}, 4, 3, None)
     tsig = dict(ssig, w_ptr="tensordesc<u8[64,128]>")       # weight tiles by TMA
     for split, st in ((1, 3), (5, 3), (1, 4)):
         yield ("_fp8_skinny_kernel", f"BLOCK_N=64 BLOCK_T=16 SPLIT={split} warps=4 tma stages={st}",

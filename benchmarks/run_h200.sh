@@ -40,16 +40,10 @@ quick)   # issue 7: the decode step at context 128 only, no HF side (kernel + ho
   timeout "$(left 120)" python benchmarks/bench_decode_v4.py --context 128 --skip-hf \
     --kernel-profile 5 --host-profile 10 --json "$R/bench_decode_quick.json" > "$R/bench_decode_quick.txt" 2>&1
   grep -v -i "warn\|it/s\]" "$R/bench_decode_quick.txt" | grep -A22 "^ context\|^(c)" | cut -c1-200 ;;
-quick_prefetch) # the same with the register prefetch of the FP8 skinny / FP4 MoE kernels (A/B)
-  step "bench_decode_v4 quick, DSPARK_FP8_SKINNY_PREFETCH=1 DSPARK_FP4_PREFETCH=1"
-  DSPARK_FP8_SKINNY_PREFETCH=1 DSPARK_FP4_PREFETCH=1 timeout "$(left 120)" python benchmarks/bench_decode_v4.py --context 128 \
-    --skip-hf --kernel-profile 5 --json "$R/bench_decode_quick_prefetch.json" \
-    > "$R/bench_decode_quick_prefetch.txt" 2>&1
-  grep -v -i "warn\|it/s\]" "$R/bench_decode_quick_prefetch.txt" | grep -A6 "^ context\|_fp8_skinny\|_fp4_moe" | cut -c1-160 ;;
 ab)      # A/B of env switches on the quick decode row (device ms per forward included):
          # AB="DSPARK_FP8_SKINNY=0 ..." (each word one variant; join the switches of one variant
          # with commas)
-  for v in ${AB:-DSPARK_FP8_SKINNY_PREFETCH=1}; do
+  for v in ${AB:-DSPARK_FP4_ROW_X=0 DSPARK_FP4_ROW_X=1}; do
     step "bench_decode_v4 quick with ${v//,/ }"
     env ${v//,/ } timeout "$(left 90)" python benchmarks/bench_decode_v4.py --context 128 --skip-hf \
       --iters 30 --json "$R/ab_${v//[,=]/_}.json" > "$R/ab_${v//[,=]/_}.txt" 2>&1

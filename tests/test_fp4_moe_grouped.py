@@ -123,7 +123,7 @@ def test_grouped_partial_scale_group(dtype):
     y = fp4_moe_grouped(*_dev(x, idx, w), st, 0.7)
     loop = fp4_moe(x, idx, w, exps, 0.7, backend="torch", grouped=False)
     assert rel_err(y.cpu(), loop) < (2e-6 if dtype == torch.float32 else 1e-2)
-    assert torch.equal(fp4_moe_grouped(*_dev(x, idx, w), st, 0.7, prefetch=True), y)
+    assert torch.equal(fp4_moe_grouped(*_dev(x, idx, w), st, 0.7, row_x=True), y)
 
 
 @triton_ok
@@ -177,12 +177,15 @@ def test_pair_decode_is_bit_identical(experts, stack, dtype):
     a = fp4_moe_grouped(*_dev(x, idx, w), stack, 0.7, pair_decode=False)
     b = fp4_moe_grouped(*_dev(x, idx, w), stack, 0.7)                 # the default
     assert torch.equal(a, b)
-    # the register prefetch of the next weight tile: the same loads and sums, in the same order
-    c = fp4_moe_grouped(*_dev(x, idx, w), stack, 0.7, prefetch=True)
+    # the activation pairs loaded per weight row: the same values and sums, in the same order
+    c = fp4_moe_grouped(*_dev(x, idx, w), stack, 0.7, row_x=True)
     assert torch.equal(b, c)
     one = fp4_moe_grouped(*_dev(x, idx, w), stack, 0.7, block=(64, 1))   # 2-3 tiles per row
     assert torch.equal(fp4_moe_grouped(*_dev(x, idx, w), stack, 0.7, block=(64, 1),
-                                       prefetch=True), one)
+                                       row_x=True), one)
+    # and both decodes with per-row pairs (code by code: the reference decode)
+    assert torch.equal(fp4_moe_grouped(*_dev(x, idx, w), stack, 0.7, pair_decode=False,
+                                       row_x=True), a)
 
 
 @triton_ok

@@ -333,14 +333,18 @@ def _x_pairs(x_row_ptr, kb, b_ok, K, BF16_PAIRS: tl.constexpr):
 
 
 @triton.jit
-def _byte_dot(wb, xe, xo, PAIR_DECODE: tl.constexpr):
-    """sum over the 16 bytes of each group of e2m1(lo) * xe + e2m1(hi) * xo (times 2^-14)."""
+def _byte_dot(wb, xe, xo, PAIR_DECODE: tl.constexpr, ROW_X: tl.constexpr = False):
+    """sum over the 16 bytes of each group of e2m1(lo) * xe + e2m1(hi) * xo (times 2^-14); xe /
+    xo [G, 16] (shared by the rows) or [N, G, 16] (ROW_X: one copy per row)."""
     if PAIR_DECODE:
         lo, hi = _e2m1_pair_times_2pow14(wb)
     else:
         lo = _e2m1_times_2pow14(wb & 0xF)
         hi = _e2m1_times_2pow14(wb >> 4)
-    return tl.sum(lo * xe[None, :, :] + hi * xo[None, :, :], axis=2)
+    if not ROW_X:
+        xe = xe[None, :, :]
+        xo = xo[None, :, :]
+    return tl.sum(lo * xe + hi * xo, axis=2)
 
 
 @triton.jit
@@ -376,39 +380,36 @@ def _fp4_gemv_tile(x_row_ptr, w_rows_ptr, stride_wn, s_rows_ptr, stride_sn, n_ok
                    second_w, second_s,
                    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, TWO: tl.constexpr,
                    BF16_PAIRS: tl.constexpr, PAIR_DECODE: tl.constexpr = False,
-                   FULL_GROUPS: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                   FULL_GROUPS: tl.constexpr = False, ROW_X: tl.constexpr = False):
     """fp32 [BLOCK_N]: x[0:K] . W[n, 0:K] for BLOCK_N packed FP4 rows (row n at w_rows_ptr +
     n * stride_wn, its UE8M0 scales at s_rows_ptr + n * stride_sn; n_ok masks rows). Works on
     [BLOCK_N, BLOCK_G groups, 16 bytes] tiles: 32 columns share one scale. TWO: also the rows
     second_w / second_s elements further on (gate and up rows of an expert) in the same loop,
-    sharing the x loads; returns (first, second) (second = zeros when not TWO). PREFETCH: the
-    next tile's bytes are loaded before this tile is decoded (the loop is not software-pipelined
-    by Triton: its loads feed no dot, offline sm_90 PTX), so their latency overlaps the decode;
-    same values, same order."""
+    sharing the x loads; returns (first, second) (second = zeros when not TWO).
+    ROW_X: the activation pairs are loaded in the weight tile's [BLOCK_N, G, 16] shape (each
+    row's threads load their own copy, from L1) instead of once as [G, 16]: the [G, 16] load
+    is spread over the warps while every warp (a row of the tile) needs all of it, which costs a
+    shared-memory exchange with 16 barriers per loop iteration (offline sm_90 SASS, 4 x 32
+    blocks; with ROW_X: none, and 56 / 40 registers instead of 72 / 62). Same values, same
+    order of the sums."""
     NG = (K + 31) // 32
     acc = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
-    if PREFETCH:
-        wb, sb, wb2, sb2, kb, b_ok = _fp4_tile_load(w_rows_ptr, stride_wn, s_rows_ptr, stride_sn,
-                                                    n_ok, K, 0, second_w, second_s, BLOCK_N,
-                                                    BLOCK_G, TWO, FULL_GROUPS)
     for g0 in range(0, NG, BLOCK_G):
-        if PREFETCH:
-            nwb, nsb, nwb2, nsb2, nkb, nb_ok = _fp4_tile_load(
-                w_rows_ptr, stride_wn, s_rows_ptr, stride_sn, n_ok, K, g0 + BLOCK_G, second_w,
-                second_s, BLOCK_N, BLOCK_G, TWO, FULL_GROUPS)
+        wb, sb, wb2, sb2, kb, b_ok = _fp4_tile_load(
+            w_rows_ptr, stride_wn, s_rows_ptr, stride_sn, n_ok, K, g0, second_w, second_s,
+            BLOCK_N, BLOCK_G, TWO, FULL_GROUPS)
+        if ROW_X:
+            rows0 = tl.zeros((BLOCK_N, 1, 1), dtype=tl.int32)
+            xe, xo = _x_pairs(x_row_ptr, kb[None, :, :] + rows0, b_ok[None, :, :] & (rows0 == 0),
+                              K, BF16_PAIRS)
         else:
-            wb, sb, wb2, sb2, kb, b_ok = _fp4_tile_load(
-                w_rows_ptr, stride_wn, s_rows_ptr, stride_sn, n_ok, K, g0, second_w, second_s,
-                BLOCK_N, BLOCK_G, TWO, FULL_GROUPS)
-        xe, xo = _x_pairs(x_row_ptr, kb, b_ok, K, BF16_PAIRS)
-        part = _byte_dot(wb, xe, xo, PAIR_DECODE)                           # [N, G]
+            xe, xo = _x_pairs(x_row_ptr, kb, b_ok, K, BF16_PAIRS)
+        part = _byte_dot(wb, xe, xo, PAIR_DECODE, ROW_X)                    # [N, G]
         acc += part * ((sb + 14) << 23).to(tl.float32, bitcast=True)  # 2^(b-127) * 2^14
         if TWO:
-            part2 = _byte_dot(wb2, xe, xo, PAIR_DECODE)
+            part2 = _byte_dot(wb2, xe, xo, PAIR_DECODE, ROW_X)
             acc2 += part2 * ((sb2 + 14) << 23).to(tl.float32, bitcast=True)
-        if PREFETCH:
-            wb, sb, wb2, sb2, kb, b_ok = nwb, nsb, nwb2, nsb2, nkb, nb_ok
     return tl.sum(acc, axis=1), tl.sum(acc2, axis=1)
 
 
@@ -433,7 +434,7 @@ def _fp4_moe_gate_up_kernel(
     KSLOTS, I, D, limit, NP,                    # NP: programs along axis 0, bucketed (tuning key)
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, DT: tl.constexpr, BF16_PAIRS: tl.constexpr,
     PAIR_DECODE: tl.constexpr = False, FULL_GROUPS: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
+    ROW_X: tl.constexpr = False,
 ):
     p = tl.program_id(0)                                    # (token, slot) pair
     pid_n = tl.program_id(1)
@@ -449,7 +450,7 @@ def _fp4_moe_gate_up_kernel(
     s_base = s_ptr + row * stride_se + (pid_n * BLOCK_N).to(tl.int64) * stride_sn
     g, u = _fp4_gemv_tile(x_row, w_base, stride_wn, s_base, stride_sn, n_ok, D,
                           I * stride_wn, I * stride_sn, BLOCK_N, BLOCK_G, True, BF16_PAIRS,
-                          PAIR_DECODE, FULL_GROUPS, PREFETCH)
+                          PAIR_DECODE, FULL_GROUPS, ROW_X)
     h = _swiglu_h(g, u, limit, tl.load(rw_ptr + p).to(tl.float32), DT)
     tl.store(h_ptr + p.to(tl.int64) * stride_hp + rn, h, mask=rn < I)
 
@@ -462,7 +463,7 @@ def _fp4_moe_down_kernel(
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, DT: tl.constexpr, BF16_PAIRS: tl.constexpr,
     PAIR_DECODE: tl.constexpr = False, FULL_GROUPS: tl.constexpr = False,
     add_ptr=None, stride_at=0, HAS_ADD: tl.constexpr = False, OUT_DT: tl.constexpr = "fp32",
-    PREFETCH: tl.constexpr = False,
+    ROW_X: tl.constexpr = False,
 ):
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -477,7 +478,7 @@ def _fp4_moe_down_kernel(
         s_base = s_ptr + row * stride_se + (pid_n * BLOCK_N).to(tl.int64) * stride_sn
         y, _ = _fp4_gemv_tile(h_ptr + p.to(tl.int64) * stride_hp, w_base, stride_wn, s_base,
                               stride_sn, n_ok, I, 0, 0, BLOCK_N, BLOCK_G, False, BF16_PAIRS,
-                              PAIR_DECODE, FULL_GROUPS, PREFETCH)
+                              PAIR_DECODE, FULL_GROUPS, ROW_X)
         out += _round_to(y, DT)                             # each expert's output in x.dtype
     if HAS_ADD:             # the shared expert's output, added in fp32 (QuantMoE's `out += ...`)
         out += tl.load(add_ptr + t.to(tl.int64) * stride_at + rn, mask=rn < D,
@@ -544,7 +545,7 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                     stack: FP4ExpertStack, swiglu_limit: float, block=None,
                     pair_decode: bool = True, add: torch.Tensor | None = None,
                     out_dtype: torch.dtype = torch.float32,
-                    prefetch: bool | None = None) -> torch.Tensor:
+                    row_x: bool | None = None) -> torch.Tensor:
     """Routed-expert output [T, D] by the two grouped kernels (module docstring): fp32, or with
     ``add`` ([T, D], e.g. the shared expert's output) and ``out_dtype``: out_dtype(routed + add)
     with the sum in fp32 (the down kernel does both: no add / cast launch). Fixed
@@ -555,9 +556,11 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     of fp4_moe_mma.py (DSPARK_MOE_MMA=0: never, =1: from 2 tokens). pair_decode: the CUDA-core
     kernels decode both codes of a byte together (_e2m1_pair_times_2pow14; same values, fewer
     integer ops for the issue-bound decode kernels: 1.5x at 1 and 6 tokens on an H200, see
-    benchmarks/bench_decode_kernels.py); False decodes code by code (the reference). prefetch:
-    the CUDA-core kernels load the next weight tile before decoding this one (same values; None:
-    DSPARK_FP4_PREFETCH=1, an A/B candidate; H200, session 10: slower, 256 vs 211 us per step)."""
+    benchmarks/bench_decode_kernels.py); False decodes code by code (the reference). row_x: the
+    CUDA-core kernels load the activation pairs per weight row (`_fp4_gemv_tile`; same values;
+    None: DSPARK_FP4_ROW_X=1, an A/B candidate from offline SASS, not yet timed on a GPU). (A
+    register prefetch of the next weight tile measured slower on the H200 in session 10, 256 vs
+    211 us per decode step, and was removed.)"""
     if x.dim() != 2 or idx.dim() != 2 or weights.shape != idx.shape or idx.shape[0] != x.shape[0]:
         raise ValueError(f"fp4_moe_grouped: x {tuple(x.shape)}, idx {tuple(idx.shape)}, weights "
                          f"{tuple(weights.shape)}: expected [T, D], [T, k], [T, k]")
@@ -593,8 +596,8 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     pairs = (dt == "bf16" and D % 2 == 0 and I % 2 == 0 and x.stride(0) % 2 == 0
              and x.data_ptr() % 4 == 0)
     full = D % 32 == 0 and I % 32 == 0        # every scale group whole (V4: always)
-    if prefetch is None:
-        prefetch = os.environ.get("DSPARK_FP4_PREFETCH", "0") == "1"
+    if row_x is None:
+        row_x = os.environ.get("DSPARK_FP4_ROW_X", "0") == "1"
     w13, s13, w2, s2, emap = stack
     up_args = (x, x.stride(0), idx, weights, emap, w13, w13.stride(0), w13.stride(1), s13,
                s13.stride(0), s13.stride(1), h, h.stride(0), k, I, D, float(swiglu_limit),
@@ -607,20 +610,20 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
         _tuned(_fp4_moe_gate_up_kernel, ["NP", "KSLOTS", "I", "D"])[
             lambda m: (P, triton.cdiv(I, m["BLOCK_N"]))](*up_args, DT=dt, BF16_PAIRS=pairs,
                                                           PAIR_DECODE=pair_decode, FULL_GROUPS=full,
-                                                          PREFETCH=prefetch)
+                                                          ROW_X=row_x)
         _tuned(_fp4_moe_down_kernel, ["NP", "KSLOTS", "D", "I"])[
             lambda m: (T, triton.cdiv(D, m["BLOCK_N"]))](*down_args, DT=dt, BF16_PAIRS=pairs,
                                                           PAIR_DECODE=pair_decode, FULL_GROUPS=full,
-                                                          PREFETCH=prefetch, **down_kw)
+                                                          ROW_X=row_x, **down_kw)
         return out
     bn1, bg1 = block or _grouped_blocks(P, I)
     bn2, bg2 = block or _grouped_blocks(T, D)
     _fp4_moe_gate_up_kernel[(P, triton.cdiv(I, bn1))](*up_args, BLOCK_N=bn1, BLOCK_G=bg1, DT=dt,
                                                       BF16_PAIRS=pairs, PAIR_DECODE=pair_decode,
-                                                      FULL_GROUPS=full, PREFETCH=prefetch)
+                                                      FULL_GROUPS=full, ROW_X=row_x)
     _fp4_moe_down_kernel[(T, triton.cdiv(D, bn2))](*down_args, BLOCK_N=bn2, BLOCK_G=bg2, DT=dt,
                                                    BF16_PAIRS=pairs, PAIR_DECODE=pair_decode,
-                                                   FULL_GROUPS=full, PREFETCH=prefetch, **down_kw)
+                                                   FULL_GROUPS=full, ROW_X=row_x, **down_kw)
     return out
 
 

@@ -105,8 +105,7 @@ def _fp8_skinny_kernel(
     x_ptr, stride_xt, stride_xg, w_ptr, stride_wn, s_ptr, stride_sn, y_ptr, stride_yt, ws_ptr,
     cnt_ptr, T, N, K, K_PER_SPLIT, GROUP_ROWS,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr = False,
-    TMA: tl.constexpr = False,
+    PRECISION: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr = False,
 ):
     """Few tokens (decode, verify): y^T = W x^T with the weight rows as the MMA's M side
     ("swap AB": a [BLOCK_N, 128] weight tile against x^T [128, BLOCK_T], so 64-128 weight rows
@@ -120,9 +119,6 @@ def _fp8_skinny_kernel(
     wait (a runtime loop waited one L2 round trip per partial, at the kernel's tail).
     Grouped weights (attention wo_a): rows g*GROUP_ROWS .. (g+1)*GROUP_ROWS - 1 multiply x's group
     g (x + g * stride_xg); GROUP_ROWS is a multiple of BLOCK_N, and N for plain linears.
-    PREFETCH (with num_stages=1): the next weight tile is loaded into registers while this one
-    is multiplied (16-byte global loads; the cp.async pipeline of num_stages >= 2 copies the 8-bit
-    tile to shared memory in 8-byte pieces, offline sm_90 PTX).
     TMA: w_ptr is a tensor descriptor of the [N, K] weight bytes with [BLOCK_N, BLOCK_K] boxes:
     each tile arrives as one bulk copy (rows / columns past the weight read as zero), pipelined
     over num_stages by Triton."""
@@ -139,27 +135,18 @@ def _fp8_skinny_kernel(
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     x_base = x_ptr + ((pid_n * BLOCK_N) // GROUP_ROWS).to(tl.int64) * stride_xg
-    if PREFETCH and not TMA:
-        w, scale = _fp8_tile(w_ptr, stride_wn, rn, n_ok, k_lo + rk, k_lo + rk < k_hi, s_ptr,
-                             stride_sn, s_row, tl.minimum(k_lo, K - 1))
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + rk
         k_ok = kk < K
         if TMA:
             w = w_ptr.load([pid_n * BLOCK_N, k0]).to(tl.float8e4nv, bitcast=True)
             scale = _e8m0_to_f32(tl.load(s_ptr + s_row * stride_sn + k0 // 128).to(tl.int32))
-        elif PREFETCH:
-            kn = k0 + BLOCK_K                 # the next tile (all masked past this split)
-            w_next, s_next = _fp8_tile(w_ptr, stride_wn, rn, n_ok, kn + rk, kn + rk < k_hi,
-                                       s_ptr, stride_sn, s_row, tl.minimum(kn, K - 1))
         else:
             w, scale = _fp8_tile(w_ptr, stride_wn, rn, n_ok, kk, k_ok, s_ptr, stride_sn, s_row,
                                  k0)
         xt = tl.load(x_base + rt[None, :] * stride_xt + kk[:, None],
                      mask=t_ok[None, :] & k_ok[:, None], other=0.0)
         acc += _mma(w, xt, PRECISION) * scale
-        if PREFETCH and not TMA:
-            w, scale = w_next, s_next
     out = y_ptr + rt[None, :] * stride_yt + rn[:, None]
     ok = n_ok[:, None] & t_ok[None, :]
     if SPLIT == 1:
@@ -232,11 +219,10 @@ def _skinny_blocks(T: int, N: int, K: int, interp: bool):
 
 
 def skinny_pipeline() -> dict:
-    """The skinny kernel's load pipeline: cp.async stages (default) or, with
-    DSPARK_FP8_SKINNY_PREFETCH=1, one stage + the register prefetch, or with DSPARK_FP8_TMA=1 TMA
-    tile copies (A/B switches; both measured no faster on the H200, see fp8_skinny_triton)."""
-    if os.environ.get("DSPARK_FP8_SKINNY_PREFETCH", "0") == "1":
-        return dict(num_stages=1, prefetch=True)
+    """The skinny kernel's weight-tile loads: the cp.async pipeline (default) or, with
+    DSPARK_FP8_TMA=1, TMA tile copies (an A/B switch, measured no faster on the H200: see
+    fp8_skinny_triton). (A register prefetch of the next tile with one stage measured slower in
+    session 10, 360 vs 314 us per decode step, and was removed.)"""
     if os.environ.get("DSPARK_FP8_TMA", "0") == "1":
         return dict(tma=True)
     return {}
@@ -250,14 +236,10 @@ def skinny_enabled() -> bool:
 
 def fp8_skinny_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: int, K: int,
                       out_dtype, precision: str, block=None, groups: int = 1, num_warps: int = 4,
-                      num_stages: int = 3, prefetch: bool = False,
-                      tma: bool = False) -> torch.Tensor:
+                      num_stages: int = 3, tma: bool = False) -> torch.Tensor:
     """[T, N] in out_dtype from x2 [T, K] (unit column stride) and the weight / scale bytes.
     groups > 1: x2 is [T, groups, K] and weight rows g*N/groups.. use x2[:, g] ([T, N] is then
     [T, groups, N/groups]). block = (BLOCK_N, BLOCK_T, K splits), else picked by shape.
-    prefetch: the kernel's register prefetch of the next weight tile (use with num_stages=1; an
-    A/B candidate of benchmarks/bench_decode_kernels.py; H200, session 10: slower, e.g. wq_b
-    20.0 vs 16.1 us, the decode step's FP8 kernels 360 vs 314 us).
     tma: the weight tiles by TMA bulk copies (a tensor descriptor of wu; 16-byte aligned rows;
     H200, session 10: wq_b 15.8 vs 16.1 us, wo_b 19.6 vs 20.0, wkv 6.0 vs 5.5, device time of
     the decode step unchanged, 1.154 vs 1.152 ms: an opt-in, DSPARK_FP8_TMA=1)."""
@@ -281,7 +263,7 @@ def fp8_skinny_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: i
     _fp8_skinny_kernel[grid](
         x2, x2.stride(0), stride_xg, w_arg, wu.stride(0), su, su.stride(0), y, y.stride(0), ws, cnt,
         T, N, K, k_per, R, BLOCK_N=BN, BLOCK_T=BT, BLOCK_K=FP8_BLOCK, PRECISION=precision,
-        SPLIT=split, PREFETCH=prefetch, TMA=tma, num_warps=num_warps, num_stages=num_stages)
+        SPLIT=split, TMA=tma, num_warps=num_warps, num_stages=num_stages)
     return y
 
 
