@@ -69,20 +69,18 @@ def test_fp8_skinny_matches_dequant(T, N, K, block, monkeypatch):
         y = fp8g.fp8_skinny_triton(x2, wu, su, N, K, torch.float32, "ieee", block=block)
         assert y.shape == (T, N) and rel_err(y.cpu(), ref) < 1e-5
         assert int(fp8g._arrival_counters(y.device, 1).abs().sum()) == 0
-    if K % 16 == 0:       # weight tiles by TMA (16-byte aligned rows): same tiles, same sums
-        yt = fp8g.fp8_skinny_triton(x2, wu, su, N, K, torch.float32, "ieee", block=block,
-                                    tma=True)
-        assert torch.equal(yt, y)
+    # weight tiles by TMA (16-byte aligned rows; K = 300: the cp.async path): same sums
+    yt = fp8g.fp8_skinny_triton(x2, wu, su, N, K, torch.float32, "ieee", block=block, tma=True)
+    assert torch.equal(yt, y)
     y2 = fp8_linear_triton(x.view(1, T, K).to(DEV), w.to(DEV), s.to(DEV))
     # default precision: fp32 x runs as TF32 MMA operands on a GPU (H200: rel 4e-4)
     assert y2.shape == (1, T, N) and rel_err(y2[0].cpu(), ref) < (1e-5 if DEV == "cpu" else 2e-3)
     yb = fp8_linear_triton(x.to(DEV).bfloat16(), w.to(DEV), s.to(DEV))
     assert yb.dtype == torch.bfloat16 and rel_err(yb.float().cpu(), ref) < 1e-2
-    if K % 16 == 0:
-        monkeypatch.setenv("DSPARK_FP8_TMA", "1")          # the A/B switch of the TMA tiles
-        assert fp8g.skinny_pipeline() == dict(tma=True)
-        assert torch.equal(fp8_linear_triton(x.to(DEV).bfloat16(), w.to(DEV), s.to(DEV)), yb)
-        monkeypatch.delenv("DSPARK_FP8_TMA")
+    monkeypatch.setenv("DSPARK_FP8_TMA", "1")              # the A/B switch of the TMA tiles
+    assert fp8g.skinny_pipeline() == dict(tma=True)
+    assert torch.equal(fp8_linear_triton(x.to(DEV).bfloat16(), w.to(DEV), s.to(DEV)), yb)
+    monkeypatch.delenv("DSPARK_FP8_TMA")
     monkeypatch.setenv("DSPARK_FP8_SKINNY", "0")           # the split-K MMA kernel + sum
     assert not fp8g.skinny_enabled()
     y3 = fp8_linear_triton(x.to(DEV), w.to(DEV), s.to(DEV), precision="ieee")

@@ -188,15 +188,19 @@ def _unused_workspace(device) -> torch.Tensor:
     return _DEVICE_BUFFERS[key]
 
 
+def _tma_fits(wu: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned rows (base and row stride) and contiguous columns."""
+    return wu.data_ptr() % 16 == 0 and wu.stride(0) % 16 == 0 and wu.stride(1) == 1
+
+
 def _weight_descriptor(wu: torch.Tensor, block_n: int):
-    """TMA descriptor of the weight bytes [N, K] in [block_n, 128] boxes (cached per weight:
-    building one costs host time on every eager launch)."""
+    """TMA descriptor of the weight bytes [N, K] in [block_n, 128] boxes, cached per weight
+    (building one costs host time on every eager launch; the cache keeps the weight alive, fine
+    for model weights, the only users)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
     key = ("tma", wu.data_ptr(), tuple(wu.shape), wu.stride(0), block_n)
     desc = _DEVICE_BUFFERS.get(key)
     if desc is None:
-        if wu.data_ptr() % 16 or wu.stride(0) % 16 or wu.stride(1) != 1:
-            raise ValueError("fp8 skinny TMA: weight rows must be 16-byte aligned and contiguous")
         desc = _DEVICE_BUFFERS[key] = TensorDescriptor(wu, list(wu.shape), [wu.stride(0), 1],
                                                        [block_n, FP8_BLOCK])
     return desc
@@ -240,9 +244,10 @@ def fp8_skinny_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: i
     """[T, N] in out_dtype from x2 [T, K] (unit column stride) and the weight / scale bytes.
     groups > 1: x2 is [T, groups, K] and weight rows g*N/groups.. use x2[:, g] ([T, N] is then
     [T, groups, N/groups]). block = (BLOCK_N, BLOCK_T, K splits), else picked by shape.
-    tma: the weight tiles by TMA bulk copies (a tensor descriptor of wu; 16-byte aligned rows;
-    H200, session 10: wq_b 15.8 vs 16.1 us, wo_b 19.6 vs 20.0, wkv 6.0 vs 5.5, device time of
-    the decode step unchanged, 1.154 vs 1.152 ms: an opt-in, DSPARK_FP8_TMA=1)."""
+    tma: the weight tiles by TMA bulk copies (a tensor descriptor of wu; weights whose rows are
+    not 16-byte aligned take the cp.async path; H200, session 10: wq_b 15.8 vs 16.1 us, wo_b
+    19.6 vs 20.0, wkv 6.0 vs 5.5, device time of the decode step unchanged, 1.154 vs 1.152 ms:
+    an opt-in, DSPARK_FP8_TMA=1)."""
     T = x2.shape[0]
     BN, BT, split = block or _skinny_blocks(T, N, K, _interpreting())
     assert FP8_BLOCK % BN == 0, BN
@@ -259,9 +264,11 @@ def fp8_skinny_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: i
     ws = (torch.empty(split, T, N, dtype=torch.float32, device=x2.device) if split > 1
           else _unused_workspace(x2.device))
     cnt = _arrival_counters(x2.device, grid[0] * grid[2])
+    tma = tma and _tma_fits(wu)              # else the cp.async path
     w_arg = _weight_descriptor(wu, BN) if tma else wu
     _fp8_skinny_kernel[grid](
-        x2, x2.stride(0), stride_xg, w_arg, wu.stride(0), su, su.stride(0), y, y.stride(0), ws, cnt,
+        x2, x2.stride(0), stride_xg, w_arg, wu.stride(0), su, su.stride(0), y, y.stride(0), ws,
+        cnt,
         T, N, K, k_per, R, BLOCK_N=BN, BLOCK_T=BT, BLOCK_K=FP8_BLOCK, PRECISION=precision,
         SPLIT=split, TMA=tma, num_warps=num_warps, num_stages=num_stages)
     return y
