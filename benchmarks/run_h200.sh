@@ -87,7 +87,7 @@ kernels) # issue 7: the few-token FP8 / grouped FP4 MoE kernels alone (cold L2, 
 bench)   # issue 6: tau and speed-up vs speculation off on the shipped pair, batch 1, engine
          # defaults (on CUDA: target and draft passes as CUDA graphs, fused sampling kernels);
          # run alone: a busy CPU skews it
-  for T in 0 1.0; do
+  for T in 1.0 0; do      # sampled first: session 9 ran greedy first and its rounds were 1.6x slower (cold compile cache?)
     step "bench T=$T"
     timeout "$(left 120)" python -m dspark.bench --num-prompts 16 --max-tokens 128 --temperature $T \
       --concurrency 1 --json "$R/bench_default_T$T.json" \
