@@ -12,10 +12,11 @@ device run spends time on them.
     python benchmarks/kernel_regs.py --kernel moe --sass  # + the main loop's SASS instruction mix
 
 --sass disassembles the cubin (cuobjdump from the triton wheel) and counts the instructions of
-the longest backward-branch loop by class: for the weight-streaming decode kernels, whose loop
-is issue-bound on the H200, instructions per iteration is an offline proxy of speed (session 10:
-the grouped FP4 gate/up loop spends ~12.7 instructions per weight byte, 5.8 of them integer
-decode, and 16 barriers per iteration converting the activation pairs through shared memory).
+the longest backward-branch loop by class: for a weight-streaming decode loop that is
+issue-bound on the H200 (the grouped FP4 MoE kernels), instructions per iteration is an offline
+proxy of speed (session 10: the grouped FP4 gate/up loop spends ~12.7 instructions per weight
+byte, 5.8 of them integer decode, and 16 barriers per iteration converting the activation pairs
+through shared memory).
 """
 from __future__ import annotations
 
@@ -79,11 +80,12 @@ def loop_mix(cubin: bytes) -> dict:
     out = {"loop": 0, **{k: 0 for k in classes}, "other": 0}
     for addr, text in ins:
         if loop[0] <= addr <= loop[1]:
-            op = re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+            opcode = re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]      # predicate dropped
+            op = opcode.split(".")[0]
             out["loop"] += 1
             # HADD2.F32 is the fp16 -> fp32 conversion
-            kind = "cvt" if text.split()[0 if not text.startswith("@") else 1].startswith(
-                "HADD2.F32") else next((k for k, ops in classes.items() if op in ops), "other")
+            kind = "cvt" if opcode.startswith("HADD2.F32") else next(
+                (k for k, ops in classes.items() if op in ops), "other")
             out[kind] += 1
     return out
 
@@ -99,7 +101,7 @@ def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages:
     _MULTIPLES_OF_16."""
     constexprs = dict(constexprs)
     for prm in fn.params:         # constexprs left out take their defaults (Triton wants all)
-        if prm.is_constexpr and prm.name not in constexprs and prm.default is not inspect._empty:
+        if prm.is_constexpr and prm.name not in constexprs and prm.default is not inspect.Parameter.empty:
             constexprs[prm.name] = prm.default
     sig = dict(signature)
     sig.update({k: "constexpr" for k in constexprs})

@@ -44,10 +44,10 @@ ab)      # A/B of env switches on the quick decode row (device ms per forward in
          # AB="DSPARK_FP8_SKINNY=0 ..." (each word one variant; join the switches of one variant
          # with commas)
   for v in ${AB:-DSPARK_FP4_ROW_X=0 DSPARK_FP4_ROW_X=1}; do
-    step "bench_decode_v4 quick with ${v//,/ }"
+    step "bench_decode_v4 quick with ${v//,/ }"; tag="$R/ab_${v//[,=]/_}"
     env ${v//,/ } timeout "$(left 90)" python benchmarks/bench_decode_v4.py --context 128 --skip-hf \
-      --iters 30 --json "$R/ab_${v//[,=]/_}.json" > "$R/ab_${v//[,=]/_}.txt" 2>&1
-    grep -v -i "warn\|it/s\]" "$R/ab_${v//[,=]/_}.txt" | grep -A2 "^ context" | tail -1 | cut -c1-200
+      --iters 30 --json "$tag.json" > "$tag.txt" 2>&1
+    grep -v -i "warn\|it/s\]" "$tag.txt" | grep -A2 "^ context" | tail -1 | cut -c1-200
   done ;;
 quick_serial) # the same with one round at a time (no overlapped decode), for comparison
   step "bench_decode_v4 quick --no-overlap"
