@@ -545,7 +545,7 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                     stack: FP4ExpertStack, swiglu_limit: float, block=None,
                     pair_decode: bool = True, add: torch.Tensor | None = None,
                     out_dtype: torch.dtype = torch.float32,
-                    row_x: bool | None = None) -> torch.Tensor:
+                    row_x: bool | None = None, add_stream=None) -> torch.Tensor:
     """Routed-expert output [T, D] by the two grouped kernels (module docstring): fp32, or with
     ``add`` ([T, D], e.g. the shared expert's output) and ``out_dtype``: out_dtype(routed + add)
     with the sum in fp32 (the down kernel does both: no add / cast launch). Fixed
@@ -558,9 +558,16 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     integer ops for the issue-bound decode kernels: 1.5x at 1 and 6 tokens on an H200, see
     benchmarks/bench_decode_kernels.py); False decodes code by code (the reference). row_x: the
     CUDA-core kernels load the activation pairs per weight row (`_fp4_gemv_tile`; same values;
-    None: DSPARK_FP4_ROW_X=1, an A/B candidate from offline SASS, not yet timed on a GPU). (A
+    None: DSPARK_FP4_ROW_X=1; from offline SASS, measured no faster on the H200 in session 11:
+    decode device time 1.154 vs 1.148 ms, 53.7 vs 52.7 us per layer). (A
     register prefetch of the next weight tile measured slower on the H200 in session 10, 256 vs
-    211 us per decode step, and was removed.)"""
+    211 us per decode step, and was removed.) add_stream: the CUDA stream still producing
+    ``add`` (side_stream.fork): the current stream waits for it right before the first kernel
+    that reads ``add`` (the down kernel), so the gate/up kernel overlaps it."""
+    def add_ready():
+        if add_stream is not None:
+            torch.cuda.current_stream(add_stream.device).wait_stream(add_stream)
+
     if x.dim() != 2 or idx.dim() != 2 or weights.shape != idx.shape or idx.shape[0] != x.shape[0]:
         raise ValueError(f"fp4_moe_grouped: x {tuple(x.shape)}, idx {tuple(idx.shape)}, weights "
                          f"{tuple(weights.shape)}: expected [T, D], [T, k], [T, k]")
@@ -576,9 +583,11 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
         from dspark.kernels import fp4_moe_mma as mma      # tokens grouped by expert on tensor
         if (mma.mma_enabled() and T >= mma.mma_min_tokens()   # cores (bf16 x only: exact
                 and mma.mma_applies(D, I)):                  # operands need bf16)
-            return _finish(mma.fp4_moe_mma(x, idx, weights, stack, swiglu_limit), add,
-                           out_dtype)
+            routed = mma.fp4_moe_mma(x, idx, weights, stack, swiglu_limit)
+            add_ready()
+            return _finish(routed, add, out_dtype)
     if T == 0 or k == 0:
+        add_ready()
         return _finish(torch.zeros(T, D, dtype=torch.float32, device=x.device), add, out_dtype)
     if out_dtype not in _DT_NAME or (add is not None and (add.shape != (T, D)
                                                           or add.stride(-1) != 1)):
@@ -611,6 +620,7 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
             lambda m: (P, triton.cdiv(I, m["BLOCK_N"]))](*up_args, DT=dt, BF16_PAIRS=pairs,
                                                           PAIR_DECODE=pair_decode, FULL_GROUPS=full,
                                                           ROW_X=row_x)
+        add_ready()
         _tuned(_fp4_moe_down_kernel, ["NP", "KSLOTS", "D", "I"])[
             lambda m: (T, triton.cdiv(D, m["BLOCK_N"]))](*down_args, DT=dt, BF16_PAIRS=pairs,
                                                           PAIR_DECODE=pair_decode, FULL_GROUPS=full,
@@ -621,6 +631,7 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     _fp4_moe_gate_up_kernel[(P, triton.cdiv(I, bn1))](*up_args, BLOCK_N=bn1, BLOCK_G=bg1, DT=dt,
                                                       BF16_PAIRS=pairs, PAIR_DECODE=pair_decode,
                                                       FULL_GROUPS=full, ROW_X=row_x)
+    add_ready()
     _fp4_moe_down_kernel[(T, triton.cdiv(D, bn2))](*down_args, BLOCK_N=bn2, BLOCK_G=bg2, DT=dt,
                                                    BF16_PAIRS=pairs, PAIR_DECODE=pair_decode,
                                                    FULL_GROUPS=full, ROW_X=row_x, **down_kw)

@@ -30,6 +30,7 @@ from torch import nn
 from dspark.kernels.fp4_moe import (GROUPED_MAX_PAIRS, FP4ExpertStack, fp4_linear, fp4_moe,
                                     fp4_moe_grouped, grouped_applies, stack_fp4_experts)
 from dspark.kernels.fp8_gemm import fp8_linear, fp8_linear_grouped
+from dspark.models import side_stream
 from dspark.models.deepseek_v4.moe import MoE
 from dspark.models.quant import (FP8_BLOCK, dequant_fp4_experts, dequant_fp8_blocks,
                                  fp4_scale_shape, fp8_scale_shape)
@@ -116,18 +117,24 @@ class QuantMoE(MoE):
     grouped_max_pairs = GROUPED_MAX_PAIRS
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        # the shared expert depends on x alone: on CUDA it runs on a side stream, its FP8 GEMVs
+        # overlapping the router and the routed experts' gate/up kernel (side_stream.py)
+        side = side_stream.fork(x.device)
+        with side_stream.on(side):
+            shared = self.shared_experts(x)
         idx, w = self.gate(x, token_ids)
         first = self.experts[0].w1
         limit = self.experts[0].limit
         cap = self.grouped_max_pairs
         if cap and grouped_applies(x, idx, first.backend, cap):
             # the down kernel adds the shared expert's output and rounds to x.dtype itself
-            return fp4_moe_grouped(x, idx, w, self.fp4_stack(), limit,
-                                   add=self.shared_experts(x), out_dtype=x.dtype)
+            return fp4_moe_grouped(x, idx, w, self.fp4_stack(), limit, add=shared,
+                                   out_dtype=x.dtype, add_stream=side)
         experts = [((e.w1.weight, e.w1.scale), (e.w3.weight, e.w3.scale),
                     (e.w2.weight, e.w2.scale)) for e in self.experts]
         out = fp4_moe(x, idx, w, experts, limit, backend=first.backend, grouped=False)
-        out += self.shared_experts(x)        # fp32 += x.dtype: added in fp32, no cast launch
+        side_stream.join(side)
+        out += shared                        # fp32 += x.dtype: added in fp32, no cast launch
         return out.to(x.dtype)
 
     def fp4_stack(self) -> FP4ExpertStack:

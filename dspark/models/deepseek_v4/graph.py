@@ -45,6 +45,7 @@ import torch
 
 from dspark.graph_capture import capture, pow2_buckets, step_bucket, warm_up
 from dspark.kvcache.paged import copy_rows
+from dspark.models import side_stream
 from dspark.request import BlockTokens
 
 from . import host_plan as hp
@@ -271,15 +272,22 @@ def static_attention(attn, x, kern: _Kernels, sp: StaticPlan, layer: int, quant)
     """Fixed-shape twin of dspark.attention.layer.paged_attention (same math, same order)."""
     cache = kern.cache
     pos, bound, memo = sp.positions, sp.position_bound, sp.rope_memo
+    # the compressors' entries depend on x alone: on CUDA they are made on a side stream while
+    # the query / key projections run (side_stream.py); joined before top-k / attention read them
+    side = side_stream.fork(x.device) if attn.ratio else None
+    with side_stream.on(side):
+        if attn.ratio:
+            _emit(attn, attn.compressor, kern, sp, layer, "main", x, quant)
+        if attn.ratio == 4:
+            _emit(attn, attn.indexer.compressor, kern, sp, layer, "indexer", x, quant)
     cq, q, kv = attn.project_q_kv(x, pos, quant, bound, memo)
     kern.store(cache.swa[layer], cache.capacity, sp.stage_ids, kv)
     selected = None
-    if attn.ratio:
-        _emit(attn, attn.compressor, kern, sp, layer, "main", x, quant)
     if attn.ratio == 4:
-        _emit(attn, attn.indexer.compressor, kern, sp, layer, "indexer", x, quant)
         qi, wi = attn.indexer.queries(x, cq, pos, attn.rope, quant, bound, memo)
+        side_stream.join(side)
         selected = kern.select(sp, layer, qi, wi, attn.indexer.topk)
+    side_stream.join(side)
     entry_pool, N, ids, lens = None, 0, None, None
     if attn.ratio:
         rp = sp.ratios[attn.ratio]
