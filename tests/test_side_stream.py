@@ -87,3 +87,43 @@ def test_quant_moe_side_stream_bitwise(quant_ckpt, monkeypatch):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, ref)
+
+
+def test_scratch_counters_per_lane(monkeypatch):
+    """Kernels that keep arrival counters across launches take one buffer per stream lane."""
+    from dspark.kernels import fp8_gemm, gate_route
+    dev = torch.device(DEV)
+    main = fp8_gemm._arrival_counters(dev, 8)
+    g_main = gate_route._counters(dev, 8)
+    monkeypatch.setattr(side_stream._CURRENT, "lane", 2, raising=False)
+    assert side_stream.lane() == 2
+    side = fp8_gemm._arrival_counters(dev, 8)
+    assert side.data_ptr() != main.data_ptr()
+    assert gate_route._counters(dev, 8).data_ptr() != g_main.data_ptr()
+    monkeypatch.setattr(side_stream._CURRENT, "lane", 0)
+    assert fp8_gemm._arrival_counters(dev, 8).data_ptr() == main.data_ptr()
+
+
+@gpu
+@needs_cuda
+def test_split_fp8_launches_on_two_lanes_at_once():
+    """Split-K skinny FP8 GEMVs (arrival counters) queued on the main stream and on a side lane
+    at the same time, many times over: every result equals the one computed alone."""
+    from dspark.kernels import fp8_gemm as fg
+    from dspark.models.quant import quant_fp8_blocks
+    N, K = 512, 4096                                   # 8 tiles x 32 splits: counters in use
+    w, s = quant_fp8_blocks(torch.randn(N, K, device=DEV) * 0.02)
+    w, s = w.view(torch.uint8), s.view(torch.uint8)
+    xs = [torch.randn(1, K, device=DEV, dtype=torch.bfloat16) for _ in range(2)]
+    ref = [fg.fp8_skinny_triton(x, w, s, N, K, torch.bfloat16, "bf16") for x in xs]
+    outs = []
+    for _ in range(50):
+        side = side_stream.fork(torch.device(DEV), 1)
+        with side_stream.on(side):
+            a = fg.fp8_skinny_triton(xs[0], w, s, N, K, torch.bfloat16, "bf16")
+        b = fg.fp8_skinny_triton(xs[1], w, s, N, K, torch.bfloat16, "bf16")
+        side_stream.join(side)
+        outs.append((a, b))
+    torch.cuda.synchronize()
+    for a, b in outs:
+        assert torch.equal(a, ref[0]) and torch.equal(b, ref[1])

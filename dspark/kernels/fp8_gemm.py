@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from dspark.kernels.sparse_mqa import _mma, _pick_precision
+from dspark.models import side_stream
 from dspark.models.quant import FP8_BLOCK, dequant_fp8_blocks, fp8_scale_shape
 
 
@@ -168,16 +169,18 @@ def _fp8_skinny_kernel(
 
 
 SKINNY_MAX_T = 64       # token counts the swap-AB kernel takes (decode, verify, short prefills)
-_DEVICE_BUFFERS: dict = {}    # (kind, device) -> buffer kept across launches
+_DEVICE_BUFFERS: dict = {}    # (kind, device[, lane]) -> buffer kept across launches
 
 
 def _arrival_counters(device, n: int) -> torch.Tensor:
-    """Zeroed int32 per-tile arrival counters, one buffer per device, reused by every launch on
-    the (single) stream: each launch leaves them at zero again."""
-    buf = _DEVICE_BUFFERS.get(("counters", device))
+    """Zeroed int32 per-tile arrival counters, one buffer per device and stream lane
+    (side_stream.lane(): branches on side streams may run a split launch at the same time),
+    reused by the launches of that lane, one after the other: each leaves them at zero again."""
+    key = ("counters", device, side_stream.lane())
+    buf = _DEVICE_BUFFERS.get(key)
     if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-        _DEVICE_BUFFERS[("counters", device)] = buf
+        buf = _DEVICE_BUFFERS[key] = torch.zeros(max(n, 1 << 16), dtype=torch.int32,
+                                                 device=device)
     return buf
 
 

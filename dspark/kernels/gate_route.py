@@ -24,12 +24,13 @@ import triton.language as tl
 
 from dspark.kernels.decode_fused import _route_rows
 from dspark.kernels.sparse_mqa import _mma, _pick_precision
+from dspark.models import side_stream
 
 MAX_T = 16              # token counts taken (decode, verify); more: GEMM + `route`
 MAX_E = 1024            # experts held by the routing program's [T, E] tile
 BLOCK_D = 128
 BY_BLOCK_ABOVE = 8192   # partial floats above which the expert blocks sum their own (BY_BLOCK)
-_DEVICE_BUFFERS: dict = {}    # device -> zeroed int32 arrival counters
+_DEVICE_BUFFERS: dict = {}    # (device, stream lane) -> zeroed int32 arrival counters
 
 
 def _interpreting() -> bool:
@@ -124,12 +125,12 @@ def _gate_route_kernel(
 
 def _counters(device, n: int) -> torch.Tensor:
     """This device's zeroed int32 arrival counters (cnt[0]: expert blocks done, cnt[1 + n]: the
-    splits of expert block n). Every launch leaves them at zero; launches on one stream run one
-    after the other."""
-    buf = _DEVICE_BUFFERS.get(device)
+    splits of expert block n), one buffer per stream lane (side_stream.lane()). Every launch
+    leaves them at zero; launches of one lane run one after the other."""
+    key = (device, side_stream.lane())
+    buf = _DEVICE_BUFFERS.get(key)
     if buf is None or buf.numel() < n:
-        buf = _DEVICE_BUFFERS[device] = torch.zeros(max(n, 128), dtype=torch.int32,
-                                                    device=device)
+        buf = _DEVICE_BUFFERS[key] = torch.zeros(max(n, 128), dtype=torch.int32, device=device)
     return buf
 
 

@@ -119,7 +119,7 @@ class QuantMoE(MoE):
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         # the shared expert depends on x alone: on CUDA it runs on a side stream, its FP8 GEMVs
         # overlapping the router and the routed experts' gate/up kernel (side_stream.py)
-        side = side_stream.fork(x.device)
+        side = side_stream.fork(x.device, 1)
         with side_stream.on(side):
             shared = self.shared_experts(x)
         idx, w = self.gate(x, token_ids)

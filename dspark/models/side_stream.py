@@ -14,7 +14,12 @@ expert next to the router and the routed experts) can run side by side instead:
     out = routed + shared
 
 Inside a CUDA-graph capture fork / join become edges of the graph (parallel branches; allocations
-of a stream forked from the capturing one go to the graph's pool). Memory: tensors made on the
+of a stream forked from the capturing one go to the graph's pool). `fork(device, lane)` keeps one
+stream per lane (lane 1, 2, ...: branches that should also overlap each other).
+
+Kernels that keep device scratch across launches (the arrival counters of the split-K FP8 and
+gate kernels) take one buffer per `lane()`: two branches may run such kernels at the same time.
+Lazily built state that both branches read (e.g. a RoPE table) must exist before the fork. Memory: tensors made on the
 side stream and read on the current one are read after `join`, and the side stream only runs
 work forked after that read was queued, so the allocator's per-stream reuse cannot hand their
 blocks to a writer too early; inputs of the side work stay alive until after `join` (the caller
@@ -24,10 +29,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 
 import torch
 
-_STREAMS: dict = {}
+_STREAMS: dict = {}          # (device index, lane) -> stream
+_LANE_OF: dict = {}          # stream -> lane
+_CURRENT = threading.local()
+
+
+def lane() -> int:
+    """The lane whose stream `on` made current in this thread (0: the main stream)."""
+    return getattr(_CURRENT, "lane", 0)
 
 
 def enabled() -> bool:
@@ -35,22 +48,35 @@ def enabled() -> bool:
     return os.environ.get("DSPARK_SIDE_STREAM", "1") != "0"
 
 
-def fork(device: torch.device) -> torch.cuda.Stream | None:
-    """The device's side stream, made to wait for the work queued so far on the current stream;
-    None off CUDA or when disabled (then `on(None)` runs inline and `join(None)` is a no-op)."""
+def fork(device: torch.device, lane: int = 1) -> torch.cuda.Stream | None:
+    """The device's stream of side lane `lane` (>= 1), made to wait for the work queued so far on
+    the current stream (forking a lane again adds that wait); None off CUDA or when disabled
+    (then `on(None)` runs inline and `join(None)` is a no-op)."""
     if device.type != "cuda" or not enabled():
         return None
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    side = _STREAMS.get(key)
+    assert lane >= 1, lane
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    side = _STREAMS.get((index, lane))
     if side is None:
-        side = _STREAMS[key] = torch.cuda.Stream(device=key)
-    side.wait_stream(torch.cuda.current_stream(key))
+        side = _STREAMS[index, lane] = torch.cuda.Stream(device=index)
+        _LANE_OF[side] = lane
+    side.wait_stream(torch.cuda.current_stream(index))
     return side
 
 
+@contextlib.contextmanager
 def on(side: torch.cuda.Stream | None):
     """Context that queues its kernels on `side` (inline when None)."""
-    return torch.cuda.stream(side) if side is not None else contextlib.nullcontext()
+    if side is None:
+        yield
+        return
+    before = lane()
+    _CURRENT.lane = _LANE_OF[side]
+    try:
+        with torch.cuda.stream(side):
+            yield
+    finally:
+        _CURRENT.lane = before
 
 
 def join(side: torch.cuda.Stream | None) -> None:

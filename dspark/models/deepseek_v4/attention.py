@@ -43,11 +43,27 @@ class Attention(nn.Module):
     # device->host sync to size its table; ``memo``: the forward's RoPE-row memo (Rope.rows).
     # Norm + RoPE chains go through fused.norm_rope (one kernel on CUDA).
 
-    def project_q(self, x, positions, bound=None, memo=None, xq=None):
-        cq = self.q_norm(self.wq_a(x) if xq is None else xq)
+    def fused_rows(self, x):
+        """(xq, xkv): x's wq_a and wkv rows from one GEMM when quantized weights were row-stacked
+        at load (qlinear.fuse_same_input_linears); (None, None) otherwise."""
+        fused = self.__dict__.get("_fused_rows")
+        if fused is None:
+            return None, None
+        return fused(x).split((self.wq_a.out_features, self.wkv.out_features), dim=-1)
+
+    def query_latent(self, x, xq=None):
+        """cq = q_norm(wq_a x) (xq: wq_a x when already computed)."""
+        return self.q_norm(self.wq_a(x) if xq is None else xq)
+
+    def queries_from_latent(self, cq, positions, dtype, bound=None, memo=None):
+        """Per-head normalised, rotated queries [T, H, hd] in dtype from the latent cq."""
         q = self.wq_b(cq).view(-1, self.n_heads, self.head_dim)
-        return cq, norm_rope(q, self.rope, positions, "unweighted", self.cfg.rms_norm_eps,
-                             bound=bound, memo=memo, dtype=x.dtype)
+        return norm_rope(q, self.rope, positions, "unweighted", self.cfg.rms_norm_eps,
+                         bound=bound, memo=memo, dtype=dtype)
+
+    def project_q(self, x, positions, bound=None, memo=None, xq=None):
+        cq = self.query_latent(x, xq)
+        return cq, self.queries_from_latent(cq, positions, x.dtype, bound, memo)
 
     def project_kv(self, x, positions, quant, bound=None, memo=None, xkv=None):
         kv = norm_rope(self.wkv(x) if xkv is None else xkv, self.rope, positions, self.kv_norm,
@@ -57,10 +73,7 @@ class Attention(nn.Module):
     def project_q_kv(self, x, positions, quant, bound=None, memo=None):
         """(cq, q, kv): project_q and project_kv of the same x; with quantized weights row-stacked
         at load (qlinear.fuse_same_input_linears) wq_a and wkv run as one GEMM."""
-        xq = xkv = None
-        fused = self.__dict__.get("_fused_rows")
-        if fused is not None:
-            xq, xkv = fused(x).split((self.wq_a.out_features, self.wkv.out_features), dim=-1)
+        xq, xkv = self.fused_rows(x)
         cq, q = self.project_q(x, positions, bound, memo, xq)
         return cq, q, self.project_kv(x, positions, quant, bound, memo, xkv)
 

@@ -272,22 +272,34 @@ def static_attention(attn, x, kern: _Kernels, sp: StaticPlan, layer: int, quant)
     """Fixed-shape twin of dspark.attention.layer.paged_attention (same math, same order)."""
     cache = kern.cache
     pos, bound, memo = sp.positions, sp.position_bound, sp.rope_memo
-    # the compressors' entries depend on x alone: on CUDA they are made on a side stream while
-    # the query / key projections run (side_stream.py); joined before top-k / attention read them
-    side = side_stream.fork(x.device) if attn.ratio else None
-    with side_stream.on(side):
+    # On CUDA the branches that do not feed the queries run on side streams (side_stream.py),
+    # next to the query / key projections: the compressor's entries (lane 1) and, in CSA layers,
+    # the indexer compressor's keys, then (from cq on) the index queries and their top-k (lane
+    # 2); both joined before attention. The RoPE table all of them read is grown here first.
+    dev = x.device
+    if attn.ratio:
+        attn.rope.table(bound, dev)
+    entries = side_stream.fork(dev, 1) if attn.ratio else None
+    with side_stream.on(entries):
         if attn.ratio:
             _emit(attn, attn.compressor, kern, sp, layer, "main", x, quant)
+    index = side_stream.fork(dev, 2) if attn.ratio == 4 else None
+    with side_stream.on(index):
         if attn.ratio == 4:
             _emit(attn, attn.indexer.compressor, kern, sp, layer, "indexer", x, quant)
-    cq, q, kv = attn.project_q_kv(x, pos, quant, bound, memo)
-    kern.store(cache.swa[layer], cache.capacity, sp.stage_ids, kv)
+    xq, xkv = attn.fused_rows(x)
+    cq = attn.query_latent(x, xq)
     selected = None
     if attn.ratio == 4:
-        qi, wi = attn.indexer.queries(x, cq, pos, attn.rope, quant, bound, memo)
-        side_stream.join(side)
-        selected = kern.select(sp, layer, qi, wi, attn.indexer.topk)
-    side_stream.join(side)
+        index = side_stream.fork(dev, 2)                    # (again) after cq
+        with side_stream.on(index):
+            qi, wi = attn.indexer.queries(x, cq, pos, attn.rope, quant, bound, memo)
+            selected = kern.select(sp, layer, qi, wi, attn.indexer.topk)
+    q = attn.queries_from_latent(cq, pos, x.dtype, bound, memo)
+    kv = attn.project_kv(x, pos, quant, bound, memo, xkv)
+    kern.store(cache.swa[layer], cache.capacity, sp.stage_ids, kv)
+    side_stream.join(entries)
+    side_stream.join(index)
     entry_pool, N, ids, lens = None, 0, None, None
     if attn.ratio:
         rp = sp.ratios[attn.ratio]
