@@ -7,6 +7,12 @@
 * Grouped FP4 routed MoE of one layer (256 experts, top-6, packed e2m1 + 1x32 UE8M0), T = 1, 6,
   16, 64, 128: `fma` = the CUDA-core per-pair kernels of fp4_moe.py vs `mma` = the expert-grouped
   dot_scaled tensor-core kernels of fp4_moe_mma.py (block configs).
+* Read ceiling (`--read-ceiling`, on by default): one kernel that only streams the same number of
+  bytes (16-byte loads, 264 / 528 / 1056 programs, the fastest kept), timed the same way: what a
+  kernel of that size pays for its weights at best, launch, ramp-up and tail included (session
+  11, H200: 8.9 MB 4.0 us = 2.2 TB/s, 53.5 MB 14.9 us = 3.6 TB/s against the 4.2 TB/s of a 2 GB
+  copy). The per-step sum over the decode step's FP8 / MoE launches is the floor of those
+  kernels under the copy-bandwidth roofline's byte count.
 
 Timing: each variant is captured in one CUDA graph of R back-to-back calls that read R different
 weight copies (FP8) or R different routings over the 256 experts (MoE), so every call starts with
@@ -27,6 +33,8 @@ import sys
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -68,6 +76,57 @@ def graph_time(calls, iters: int) -> float:
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b) * 1e-3 / len(calls))
     return statistics.median(times)
+
+
+@triton.jit
+def _stream_read(p, out, n_words, WPP, BLOCK: tl.constexpr):
+    """Sum of int32 words [pid * WPP, (pid + 1) * WPP): a read-only stream, nothing else."""
+    pid = tl.program_id(0)
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for i in range(0, WPP, BLOCK):
+        offs = pid * WPP + i + tl.arange(0, BLOCK)
+        acc += tl.load(p + offs, mask=offs < n_words, other=0)
+    tl.store(out + pid, tl.sum(acc, 0))
+
+
+def read_ceiling_us(nbytes: int, iters: int) -> tuple[float, int]:
+    """(us, programs): the fastest pure read of nbytes (cold L2, graph replay of R copies)."""
+    words = triton.cdiv(nbytes, 4)
+    R = max(4, min(64, (512 << 20) // max(nbytes, 1)))
+    bufs = [torch.ones(words, dtype=torch.int32, device="cuda") for _ in range(R)]
+    best = None
+    for progs in (264, 528, 1056):
+        wpp = triton.cdiv(triton.cdiv(words, progs), 1024) * 1024
+        out = torch.empty(progs, dtype=torch.int32, device="cuda")
+        t = graph_time([lambda b=b, wpp=wpp, progs=progs, out=out: _stream_read[(progs,)](
+            b, out, words, wpp, BLOCK=1024, num_warps=4) for b in bufs], iters)
+        if best is None or t < best[0]:
+            best = (t, progs)
+    return best[0] * 1e6, best[1]
+
+
+def bench_read(rows, iters):
+    """The read ceiling at the byte counts of the FP8 shapes (T = 1) and the MoE layer rows."""
+    sizes = sorted({(r["kind"] + " " + r["op"], r["bytes"], r["per_step"][1] if r["kind"] == "fp8"
+                     else r["per_step"]) for r in rows if r["T"] == 1 and (
+                         r["kind"] == "fp8" or r["op"] == MOE_VARIANTS[0][0])},
+                   key=lambda s: s[1])
+    print(f"\n{'read ceiling (same bytes)':28s} {'MB':>7s} {'us':>8s} {'TB/s':>5s} {'progs':>6s} "
+          f"{'ours us':>8s} {'% of ceiling':>12s}")
+    step_floor = step_ours = 0.0
+    for name, nbytes, per_step in sizes:
+        us, progs = read_ceiling_us(nbytes, iters)
+        ours = next(r for r in rows if r["T"] == 1 and r["kind"] + " " + r["op"] == name)
+        ours_us = ours["skinny_us"] if ours["kind"] == "fp8" else ours["us"]
+        step_floor += us * per_step
+        step_ours += ours_us * per_step
+        rows.append(dict(kind="read", op=name, T=1, bytes=nbytes, per_step=per_step, us=us,
+                         programs=progs, ours_us=ours_us))
+        print(f"{name:28s} {nbytes / 1e6:7.1f} {us:8.1f} {nbytes / us / 1e6:5.2f} {progs:6d} "
+              f"{ours_us:8.1f} {100 * us / ours_us:11.0f}%", flush=True)
+    print(f"per decode step (these launches): read ceiling {step_floor:.0f} us, ours "
+          f"{step_ours:.0f} us")
+    return step_floor, step_ours
 
 
 def _rel(a, b):
@@ -218,6 +277,8 @@ def main(argv=None):
     ap.add_argument("--skip-moe", action="store_true")
     ap.add_argument("--skip-fp8", action="store_true")
     ap.add_argument("--moe-tokens", type=int, nargs="+", default=MOE_TOKENS)
+    ap.add_argument("--no-read-ceiling", dest="read_ceiling", action="store_false",
+                    help="skip the pure-read kernel at the same byte counts")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -233,13 +294,16 @@ def main(argv=None):
         bench_fp8(args.tokens, args.iters, rows)
     if not args.skip_moe:
         bench_moe(args.moe_tokens, args.iters, rows)
+    ceiling = bench_read(rows, args.iters) if args.read_ceiling else None
     step = {"fp8 old": 0.0, "fp8 new": 0.0}
     for r in rows:
         if r["T"] == 1 and r["kind"] == "fp8":
             step["fp8 old"] += r["splitk_us"] * r["per_step"][0]
             step["fp8 new"] += r["skinny_us"] * r["per_step"][1]
-        elif r["T"] == 1:
+        elif r["T"] == 1 and r["kind"] == "fp4 moe":
             step[f"moe {r['op']}"] = r["us"] * r["per_step"]
+    if ceiling:
+        step["read ceiling of fp8 new + moe (first variant)"] = ceiling[0]
     print("per decode step at T = 1 (4 layers, these kernels only): "
           + ", ".join(f"{k} {v:.0f} us" for k, v in step.items() if v))
     if args.json:

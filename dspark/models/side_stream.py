@@ -44,8 +44,13 @@ def lane() -> int:
 
 
 def enabled() -> bool:
-    """DSPARK_SIDE_STREAM=0 runs every branch inline on the current stream (A/B switch)."""
-    return os.environ.get("DSPARK_SIDE_STREAM", "1") != "0"
+    """DSPARK_SIDE_STREAM=0 runs every branch inline on the current stream (A/B switch). Off in
+    a tensor-parallel process group too: a branch may hold a collective (the TP indexer's
+    all-gather), and collectives stay on the one stream they are ordered on."""
+    if os.environ.get("DSPARK_SIDE_STREAM", "1") == "0":
+        return False
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
 def fork(device: torch.device, lane: int = 1) -> torch.cuda.Stream | None:
