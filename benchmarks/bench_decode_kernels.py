@@ -12,7 +12,8 @@
   kernel of that size pays for its weights at best, launch, ramp-up and tail included (session
   11, H200: 8.9 MB 4.0 us = 2.2 TB/s, 53.5 MB 14.9 us = 3.6 TB/s against the 4.2 TB/s of a 2 GB
   copy). The per-step sum over the decode step's FP8 / MoE launches is the floor of those
-  kernels under the copy-bandwidth roofline's byte count.
+  kernels under the copy-bandwidth roofline's byte count (launch counts of FP8_SHAPES: wq_a / wkv
+  and w1 / w3 as separate launches; the engine row-stacks each pair into one).
 
 Timing: each variant is captured in one CUDA graph of R back-to-back calls that read R different
 weight copies (FP8) or R different routings over the 256 experts (MoE), so every call starts with

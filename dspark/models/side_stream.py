@@ -19,11 +19,12 @@ stream per lane (lane 1, 2, ...: branches that should also overlap each other).
 
 Kernels that keep device scratch across launches (the arrival counters of the split-K FP8 and
 gate kernels) take one buffer per `lane()`: two branches may run such kernels at the same time.
-Lazily built state that both branches read (e.g. a RoPE table) must exist before the fork. Memory: tensors made on the
-side stream and read on the current one are read after `join`, and the side stream only runs
-work forked after that read was queued, so the allocator's per-stream reuse cannot hand their
-blocks to a writer too early; inputs of the side work stay alive until after `join` (the caller
-holds them).
+Lazily built state that both branches read (e.g. a RoPE table) must exist before the fork.
+
+Memory: tensors made on a side stream and read on the current one are read after `join`, and
+the side stream only runs work forked after that read was queued, so the allocator's per-stream
+reuse cannot hand their blocks to a writer too early; inputs of the side work stay alive until
+after `join` (the caller holds them).
 """
 from __future__ import annotations
 
