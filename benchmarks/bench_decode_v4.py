@@ -502,7 +502,8 @@ def print_host_profile(hp: dict) -> None:
 def print_kernel_profile(kp: dict) -> None:
     tot = max(kp["total_us_per_step"], 1e-9)
     print(f"\n(c) where a decode step's time goes — {kp['device']}, {kp['steps']} steps after a "
-          f"{kp['context']}-token prefill: {tot / 1e3:.3f} ms per step")
+          f"{kp['context']}-token prefill: {tot / 1e3:.3f} ms of kernel time per step (durations "
+          f"summed: kernels of side-stream branches overlap, so this can exceed `dev ms`)")
     for cat, us in kp["categories"].items():
         print(f"  {cat:<32} {us:>9.1f} us  {100 * us / tot:5.1f}%")
     hdr = f"  {'kernel':<70} {'category':<22} {'us/step':>8} {'calls':>6}"
