@@ -19,7 +19,8 @@ import warnings
 import torch
 
 from .graph_capture import capture, warm_up
-from .sampling import (Purpose, filters_used, fused_sampling_enabled, probs_from_logits,
+from .sampling import (Purpose, filters_used, fused_filters_enabled,
+                       fused_sampling_enabled, probs_from_logits,
                        sample_from_probs, uniforms)
 
 PAD_INTS = (0, 0, 0, 0, 0)            # slot, anchor, start, seed, top_k: slot 0 = EMPTY_SLOT
@@ -74,10 +75,12 @@ class DraftPass:
 
     def _fused_sampling(self, greedy: bool, use_top_k: bool, use_top_p: bool) -> bool:
         """Whether the Markov steps draw through one Triton launch each (fused_sample) instead of
-        torch ops: sampled requests without top-k / top-p. Part of the graph key, so
-        DSPARK_FUSED_SAMPLING switches a captured pass too."""
-        return (not greedy and not use_top_k and not use_top_p
-                and fused_sampling_enabled(self.device))
+        torch ops: sampled requests, without top-k / top-p or with DSPARK_FUSED_FILTERS=1 (then
+        filter_logits first: two launches per step). Part of the graph key, so
+        DSPARK_FUSED_SAMPLING / DSPARK_FUSED_FILTERS switch a captured pass too."""
+        if greedy or not fused_sampling_enabled(self.device):
+            return False
+        return not (use_top_k or use_top_p) or fused_filters_enabled(self.device)
 
     def _fill(self, buffer: torch.Tensor, rows, dtype):
         buffer.copy_(torch.tensor(rows, dtype=dtype).pin_memory(), non_blocking=True)
@@ -221,10 +224,11 @@ class DraftPass:
         """The sequential part of a draft pass: slot k's logits are base[:, k] plus the head's
         bias given the previous token; `head_step(k, prev)` -> (bias [R, V], confidence [R])."""
         # fused: one Triton launch per Markov step (softmax, q written, inverse-CDF sample) instead
-        # of ~20 small kernels, and the uniforms' hash in one; top-k / top-p need the sort of the
-        # torch path
+        # of ~20 small kernels, and the uniforms' hash in one; with top-k / top-p (only when
+        # DSPARK_FUSED_FILTERS=1) filter_logits first, else the torch path's sort
         if fused:
             from .kernels.sampling import fused_sample, uniforms_triton
+            from .kernels.sampling_filters import filter_logits
         if not greedy:
             # the uniform deciding the token at P+k+1, for all k at once (elementwise the same
             # values as one uniforms() call per step)
@@ -237,6 +241,10 @@ class DraftPass:
                 # what probs_from_logits + sample_from_probs give at temperature 0: the point
                 # mass on the argmax (first index on ties), so that token, without the [R, V] work
                 prev = (base[:, k] + bias).argmax(dim=1)
+            elif fused and (top_k is not None or top_p is not None):
+                y, t_eff = filter_logits(base[:, k] + bias, temperature, top_k, top_p)
+                q, prev = fused_sample(y, t_eff, u[:, k])
+                probs.append(q)
             elif fused:
                 q, prev = fused_sample(base[:, k] + bias, temperature, u[:, k])
                 probs.append(q)

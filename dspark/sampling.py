@@ -118,7 +118,9 @@ def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor,
     greedy = t <= 0
     x = x / torch.where(greedy, torch.ones_like(t), t).unsqueeze(1)
     if top_k is not None or top_p is not None:
-        sorted_x, order = x.sort(dim=1, descending=True)
+        # stable: equal logits rank by token id (lower first), a function of the logits alone
+        # (kernels/sampling_filters.py keeps the same tokens)
+        sorted_x, order = x.sort(dim=1, descending=True, stable=True)
         ranks = torch.arange(v, device=x.device).unsqueeze(0)
         if top_k is not None:
             k = top_k.to(device=x.device, dtype=torch.int64).reshape(n, 1)
@@ -163,9 +165,18 @@ def fused_sampling_enabled(device) -> bool:
     the torch path (debugging, A/B timing); =1 forces the kernels, on CPU too (needs
     TRITON_INTERPRET=1 before triton is imported: slow, for tests). Read on every call (a draft
     pass captured as a CUDA graph keys its graphs by the answer). Requests with top-k / top-p
-    always take the torch path."""
+    take the torch path unless `fused_filters_enabled` too."""
     flag = os.environ.get("DSPARK_FUSED_SAMPLING", "")
     return flag == "1" or (torch.device(device).type == "cuda" and flag != "0")
+
+
+def fused_filters_enabled(device) -> bool:
+    """Whether requests with top-k / top-p take the fused kernels as well, their logits first
+    filtered by `kernels.sampling_filters.filter_logits` (one launch; the same kept tokens as
+    probs_from_logits' top-k, top-p within rounding): DSPARK_FUSED_FILTERS=1 and fused sampling
+    on. Opt-in: its threshold search costs ~16 passes over the vocabulary in one program per row,
+    not yet timed against the torch path's sort on a GPU."""
+    return os.environ.get("DSPARK_FUSED_FILTERS", "") == "1" and fused_sampling_enabled(device)
 
 
 def _mix32(x):

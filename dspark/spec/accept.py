@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from ..draft_pass import to_device
-from ..sampling import (argmax_rows, filters_used, fused_sampling_enabled, probs_from_logits,
+from ..sampling import (argmax_rows, filters_used, fused_filters_enabled,
+                        fused_sampling_enabled, probs_from_logits,
                         stack_params)
 from .verify import verify
 
@@ -79,10 +80,19 @@ def decide(reqs, logits, first_rows, lengths, anchor_pos, gamma: int) -> Decisio
             if lengths[i]:       # greedy drafts keep no distribution: a point mass
                 q[i] = r.draft.probs if r.draft.probs is not None else \
                     torch.zeros(g, V, device=dev).scatter_(1, r.draft.tokens[:, None], 1.0)
-    if not use_top_k and not use_top_p and fused_sampling_enabled(dev):
+    filters = use_top_k or use_top_p
+    if fused_sampling_enabled(dev) and (not filters or fused_filters_enabled(dev)):
         from ..kernels.sampling import fused_verify   # Triton: imported only when used
-        temp = to_device([float(r.params.temperature) for r in reqs], torch.float32, dev)
-        res = fused_verify(drafts, q, logits[row_idx], temp, lens, seeds, P)
+        rows = logits[row_idx]
+        if filters:       # tempered, filtered logits at temperature 1 (greedy rows: 0, as-is)
+            from ..kernels.sampling_filters import filter_logits
+            temp, top_k, top_p = stack_params([r.params for r in reqs], dev)
+            rep = lambda t: None if t is None else t.repeat_interleave(g + 1)  # noqa: E731
+            y, t_eff = filter_logits(rows.flatten(0, 1), rep(temp), rep(top_k), rep(top_p))
+            rows, temp = y.view(R, g + 1, V), t_eff.view(R, g + 1)[:, 0].contiguous()
+        else:
+            temp = to_device([float(r.params.temperature) for r in reqs], torch.float32, dev)
+        res = fused_verify(drafts, q, rows, temp, lens, seeds, P)
     else:
         temp, top_k, top_p = stack_params([r.params for r in reqs], dev)
         rep = lambda t: None if t is None else t.repeat_interleave(g + 1)  # noqa: E731
