@@ -26,17 +26,18 @@ for the fused kernels' own sums).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from dspark.kernels.decode_fused import _div
 
-_MIN_KEY = -2147483648        # int32 min: every key is >= it
+_MIN_KEY = tl.constexpr(-2147483648)      # int32 min: every key is >= it
 
 
 def _interpreting() -> bool:
-    import os
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
