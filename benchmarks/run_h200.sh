@@ -115,6 +115,16 @@ sweep)   # issue 7: our sparse MQA kernel vs FlashMLA (side by side when flash_m
   step "sweep_attention"
   timeout "$(left 90)" python benchmarks/sweep_attention.py --grid quick --json "$R/sweep_attention.json" \
     > "$R/sweep.txt" 2>&1; grep -v -i warn "$R/sweep.txt" | tail -12 ;;
+filters) # DSPARK_FUSED_FILTERS: filter_logits vs the torch top-k / top-p path, then the engine A/B
+  step "bench_sampling_filters"
+  timeout "$(left 120)" python benchmarks/bench_sampling_filters.py --json "$R/bench_sampling_filters.json" \
+    > "$R/bench_sampling_filters.txt" 2>&1; grep -v -i warn "$R/bench_sampling_filters.txt" | tail -11
+  for v in 0 1; do
+    step "bench T=1 top-k 50 top-p 0.9, DSPARK_FUSED_FILTERS=$v"
+    DSPARK_FUSED_FILTERS=$v timeout "$(left 120)" python -m dspark.bench --num-prompts 8 --max-tokens 128 \
+      --temperature 1.0 --top-k 50 --top-p 0.9 --json "$R/bench_filters_$v.json" > "$R/bench_filters_$v.txt" 2>&1
+    tail -c 1500 "$R/bench_filters_$v.txt" | tr '\r' '\n' | grep -v "it/s\]\|req/s\]\|s/req\]" | tail -3
+  done ;;
 mhc)
   step "mhc_bench"
   timeout "$(left 60)" python -m dspark.kernels.mhc_bench --T 1,2,6,64 --finish-sweep > "$R/mhc.txt" 2>&1; tail -17 "$R/mhc.txt" ;;
