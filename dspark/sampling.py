@@ -174,8 +174,9 @@ def fused_filters_enabled(device) -> bool:
     """Whether requests with top-k / top-p take the fused kernels as well, their logits first
     filtered by `kernels.sampling_filters.filter_logits` (one launch; the same kept tokens as
     probs_from_logits' top-k, top-p within rounding): DSPARK_FUSED_FILTERS=1 and fused sampling
-    on. Opt-in: its threshold search costs ~16 passes over the vocabulary in one program per row,
-    not yet timed against the torch path's sort on a GPU."""
+    on. Opt-in until timed against the torch path's sort on a GPU
+    (benchmarks/bench_sampling_filters.py): one program per row reads the row three times with
+    top-k <= 1024, ~20 times with top-p alone."""
     return os.environ.get("DSPARK_FUSED_FILTERS", "") == "1" and fused_sampling_enabled(device)
 
 

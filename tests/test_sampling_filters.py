@@ -127,3 +127,18 @@ def test_engine_with_top_k_top_p_through_the_fused_kernels(monkeypatch):
         outs[mode] = [o.token_ids for o in eng.generate(prompts, params)]
         assert (len(calls) > n) == (mode == "1")
     assert outs["0"] == outs["1"]
+
+
+def test_candidate_list_overflow_falls_back_to_the_row():
+    """More tokens at or above the lane-maximum bound than the list holds (cap 2): the searches
+    walk the whole row and keep the same tokens."""
+    gen = torch.Generator().manual_seed(11)
+    logits, temp, _, top_p = case(gen, 6, 250, True)
+    top_k = torch.tensor([5, 3, 12, 40, 2, 7])
+    ref = probs_from_logits(logits, temp, top_k, top_p)
+    for cap in (2, 4096):
+        y, t = filter_logits(logits.to(DEV), temp.to(DEV), top_k.to(DEV), top_p.to(DEV),
+                             block=BLOCK, cap=cap)
+        got = probs_of(y.cpu(), t.cpu())
+        assert torch.equal(got > 0, ref > 0), cap
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-7)

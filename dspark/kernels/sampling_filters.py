@@ -20,6 +20,11 @@ tempered logit (-0 folded into +0), 4 bits per pass with 16 probes at once (8 pa
 bits): for top-k the largest key with >= k tokens at or above it; for top-p the smallest kept key
 whose mass above it is < p * Z (unnormalised masses exp(y - max), Z their sum over the top-k
 set), then the ties at each threshold are kept in index order (a running count across chunks).
+With top-k (k <= BLOCK) the searches do not walk the row: the first pass keeps each lane's
+largest key, the k-th largest of those (k distinct tokens reach it) bounds the k-th largest key
+from below, and the tokens at or above it (typically ~k to a few k) are compacted in token order
+into a list of up to CANDIDATES ids; the row is read three times (temper, compact, write).
+Offline sm_90 compile: BLOCK 1024 with 8 warps, 178 registers, no spills (4 warps spill).
 Top-k's set equals the torch path's exactly; top-p's boundary sums run in another order than
 torch's cumsum, so a token whose prefix mass is within rounding of p can go the other way (as
 for the fused kernels' own sums).
@@ -35,6 +40,7 @@ import triton.language as tl
 from dspark.kernels.decode_fused import _div
 
 _MIN_KEY = tl.constexpr(-2147483648)      # int32 min: every key is >= it
+CANDIDATES = 4096       # top-k search list per row (token ids); more candidates: the whole row
 
 
 def _interpreting() -> bool:
@@ -50,40 +56,40 @@ def _key(t):
 
 
 @triton.jit
-def _chunk(out_row, c, V, BLOCK: tl.constexpr):
-    """(tempered logits, keys, valid) of chunk c of the row already written to out_row."""
+def _items(out_row, cand_row, c, L, use_c, BLOCK: tl.constexpr):
+    """(tempered logits, keys, valid) of items c .. c + BLOCK of the row's search list: the
+    candidate token ids at cand_row (use_c) or the row itself (ids 0 .. V-1)."""
     offs = c + tl.arange(0, BLOCK)
-    ok = offs < V
-    t = tl.load(out_row + offs, mask=ok, other=float("-inf"))
+    ok = offs < L
+    uc = (offs * 0 + use_c) != 0            # (broadcast first: the interpreter's `&` of a
+    idx = tl.where(uc, tl.load(cand_row + offs, mask=ok & uc, other=0), offs)   # 0-d mask fails)
+    t = tl.load(out_row + idx, mask=ok, other=float("-inf"))
     return t, _key(t), ok
 
 
 @triton.jit
-def _top_k_kept(key, ok, kappa, need_eq, seen_eq):
-    """Top-k membership of one chunk: key > kappa, or key == kappa among the first need_eq such
-    tokens of the row (seen_eq of them in earlier chunks); and the new seen_eq."""
-    eq = ok & (key == kappa)
-    rank = seen_eq + tl.cumsum(eq.to(tl.int64), 0) - 1                # 0-based among the ties
-    kept = ok & ((key > kappa) | (eq & (rank < need_eq)))
-    return kept, seen_eq + tl.sum(eq.to(tl.int64), 0)
-
-
-@triton.jit
 def _filter_kernel(logits_ptr, stride_l, out_ptr, stride_o, temp_ptr, topk_ptr, topp_ptr, teff_ptr,
-                   V, HAS_K: tl.constexpr, HAS_P: tl.constexpr, EXACT: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   cand_ptr, V, CAP, HAS_K: tl.constexpr, HAS_P: tl.constexpr,
+                   EXACT: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     l_row = logits_ptr + row.to(tl.int64) * stride_l
     out_row = out_ptr + row.to(tl.int64) * stride_o
+    cand_row = cand_ptr + row.to(tl.int64) * CAP
     T = tl.load(temp_ptr + row)
     greedy = T <= 0
     tl.store(teff_ptr + row, tl.where(greedy, 0.0, 1.0))
     div = tl.where(greedy, 1.0, T)
-    for c in range(0, V, BLOCK):                       # tempered logits (greedy rows: as-is)
+    # pass 1: tempered logits (greedy rows: as-is), the row max and each lane's largest key
+    best = tl.full([BLOCK], _MIN_KEY, tl.int64)
+    mv = tl.full([BLOCK], float("-inf"), tl.float32)
+    for c in range(0, V, BLOCK):
         offs = c + tl.arange(0, BLOCK)
         ok = offs < V
-        x = tl.load(l_row + offs, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_row + offs, _div(x, div, EXACT), mask=ok)
+        t = _div(tl.load(l_row + offs, mask=ok, other=0.0).to(tl.float32), div, EXACT)
+        tl.store(out_row + offs, t, mask=ok)
+        best = tl.maximum(best, tl.where(ok, _key(t), _MIN_KEY))
+        mv = tl.maximum(mv, tl.where(ok, t, float("-inf")))
+    m = tl.max(mv, 0)
     k = V
     if HAS_K:
         k = tl.load(topk_ptr + row).to(tl.int32)
@@ -93,86 +99,110 @@ def _filter_kernel(logits_ptr, stride_l, out_ptr, stride_o, temp_ptr, topk_ptr, 
         p = tl.load(topp_ptr + row).to(tl.float32)
     j16 = tl.arange(0, 16).to(tl.int64)
     if (T > 0) & ((k < V) | (p < 1.0)):
-        # top-k threshold kappa: the largest key with >= k tokens at or above it
+        # the search list: with top-k (k <= BLOCK), only tokens whose key reaches tau, the k-th
+        # largest lane maximum (k distinct tokens are >= tau, so the k-th largest key is too),
+        # compacted in token order when they fit in CAP; else the whole row
+        L = V
+        use_c = tl.zeros([], dtype=tl.int32)            # 0: the row itself, 1: candidates
+        if (k < V) & (k <= BLOCK):
+            tau = tl.full([], _MIN_KEY, tl.int64)
+            for d in tl.static_range(8):
+                w = tl.full([], 1, tl.int64) << (28 - 4 * d)
+                probes = tau + j16 * w
+                cnt = tl.sum((best[:, None] >= probes[None, :]).to(tl.int64), 0)
+                tau += tl.max(tl.where(cnt >= k, j16, 0), 0) * w
+            n_c = tl.zeros([], dtype=tl.int64)
+            for c in range(0, V, BLOCK):
+                offs = c + tl.arange(0, BLOCK)
+                ok = offs < V
+                sel = ok & (_key(tl.load(out_row + offs, mask=ok, other=0.0)) >= tau)
+                pos = n_c + tl.cumsum(sel.to(tl.int64), 0) - 1
+                tl.store(cand_row + pos, offs, mask=sel & (pos < CAP))
+                n_c += tl.sum(sel.to(tl.int64), 0)
+            if n_c <= CAP:
+                L = n_c.to(tl.int32)
+                use_c = tl.full([], 1, tl.int32)
+        # top-k threshold kappa: the largest key with >= k tokens at or above it; need_eq of the
+        # tokens at kappa are kept (lowest ids first); z = the top-k set's sum of exp(t - m)
         kappa = tl.full([], _MIN_KEY, tl.int64)
         need_eq = tl.full([], V, tl.int64)
+        e_kappa = tl.zeros([], dtype=tl.float32)
+        z = tl.zeros([], dtype=tl.float32)
         if k < V:
             for d in tl.static_range(8):
                 w = tl.full([], 1, tl.int64) << (28 - 4 * d)
                 probes = kappa + j16 * w
                 cnt = tl.zeros([16], dtype=tl.int64)
-                for c in range(0, V, BLOCK):
-                    _, key, ok = _chunk(out_row, c, V, BLOCK)
-                    ge = ok[:, None] & (key[:, None] >= probes[None, :])
-                    cnt += tl.sum(ge.to(tl.int64), 0)
-                jb = tl.max(tl.where(cnt >= k, j16, 0), 0)             # probe 0 always holds
-                kappa += jb * w
+                for c in range(0, L, BLOCK):
+                    _, key, ok = _items(out_row, cand_row, c, L, use_c, BLOCK)
+                    cnt += tl.sum((ok[:, None] & (key[:, None] >= probes[None, :])).to(tl.int64),
+                                  0)
+                kappa += tl.max(tl.where(cnt >= k, j16, 0), 0) * w   # probe 0 always holds
             gt = tl.zeros([], dtype=tl.int64)
-            for c in range(0, V, BLOCK):
-                _, key, ok = _chunk(out_row, c, V, BLOCK)
+            for c in range(0, L, BLOCK):
+                t, key, ok = _items(out_row, cand_row, c, L, use_c, BLOCK)
+                e = tl.exp(t - m)
                 gt += tl.sum((ok & (key > kappa)).to(tl.int64), 0)
+                z += tl.sum(tl.where(ok & (key > kappa), e, 0.0), 0)
+                e_kappa = tl.maximum(e_kappa, tl.max(tl.where(ok & (key == kappa), e, 0.0), 0))
             need_eq = k - gt
-        # softmax statistics of the top-k set (its max is the row max: rank 0 is kept)
-        m = tl.full([], float("-inf"), tl.float32)
-        for c in range(0, V, BLOCK):
-            t, _, ok = _chunk(out_row, c, V, BLOCK)
-            m = tl.maximum(m, tl.max(t, 0))
-        z = tl.zeros([], dtype=tl.float32)
-        seen = tl.zeros([], dtype=tl.int64)
-        for c in range(0, V, BLOCK):
-            t, key, ok = _chunk(out_row, c, V, BLOCK)
-            kept, seen = _top_k_kept(key, ok, kappa, need_eq, seen)
-            z += tl.sum(tl.where(kept, tl.exp(t - m), 0.0), 0)
-        # top-p: kappa_f = the largest key whose mass strictly above is still >= p * z
+            z += need_eq.to(tl.float32) * e_kappa        # the ties at kappa: equal masses
+        else:
+            for c in range(0, L, BLOCK):
+                t, _, ok = _items(out_row, cand_row, c, L, use_c, BLOCK)
+                z += tl.sum(tl.where(ok, tl.exp(t - m), 0.0), 0)
+        # top-p: kf = the largest key whose kept mass strictly above is still >= p * z; the
+        # kept mass above a key q is the list's mass above max(q, kappa), plus the kept ties at
+        # kappa when q < kappa
         pz = p * z
-        star = tl.full([], _MIN_KEY, tl.int64)            # keys >= star: all kept by top-p
+        star = tl.full([], _MIN_KEY, tl.int64)            # keys > star: kept by top-p
         mass_above = tl.zeros([], dtype=tl.float32)
         if p < 1.0:
             kf = tl.full([], _MIN_KEY, tl.int64)          # the mass above MIN_KEY is z >= pz
             for d in tl.static_range(8):
                 w = tl.full([], 1, tl.int64) << (28 - 4 * d)
                 probes = kf + j16 * w
-                a = tl.zeros([16], dtype=tl.float32)
-                seen = tl.zeros([], dtype=tl.int64)
-                for c in range(0, V, BLOCK):
-                    t, key, ok = _chunk(out_row, c, V, BLOCK)
-                    kept, seen = _top_k_kept(key, ok, kappa, need_eq, seen)
-                    e = tl.where(kept, tl.exp(t - m), 0.0)
-                    a += tl.sum(tl.where(key[:, None] > probes[None, :], e[:, None], 0.0), 0)
-                jb = tl.max(tl.where(a >= pz, j16, 0), 0)
-                kf += jb * w
-            # star = the smallest kept key above kappa_f; mass_above = the kept mass above it
+                a = tl.where(probes < kappa, need_eq.to(tl.float32) * e_kappa, 0.0)
+                floor = tl.maximum(probes, kappa)
+                for c in range(0, L, BLOCK):
+                    t, key, ok = _items(out_row, cand_row, c, L, use_c, BLOCK)
+                    e = tl.where(ok, tl.exp(t - m), 0.0)
+                    a += tl.sum(tl.where(key[:, None] > floor[None, :], e[:, None], 0.0), 0)
+                kf += tl.max(tl.where(a >= pz, j16, 0), 0) * w
+            # star = the smallest kept key above kf; mass_above = the kept mass above star
             star = tl.full([], 2147483647, tl.int64)
-            seen = tl.zeros([], dtype=tl.int64)
-            for c in range(0, V, BLOCK):
-                t, key, ok = _chunk(out_row, c, V, BLOCK)
-                kept, seen = _top_k_kept(key, ok, kappa, need_eq, seen)
-                star = tl.minimum(star, tl.min(tl.where(kept & (key > kf), key, 2147483647), 0))
-            seen = tl.zeros([], dtype=tl.int64)
-            for c in range(0, V, BLOCK):
-                t, key, ok = _chunk(out_row, c, V, BLOCK)
-                kept, seen = _top_k_kept(key, ok, kappa, need_eq, seen)
-                mass_above += tl.sum(tl.where(kept & (key > star), tl.exp(t - m), 0.0), 0)
-        # write: dropped tokens -inf; the ties at star kept in index order while the mass
-        # before them stays < p * z
+            for c in range(0, L, BLOCK):
+                t, key, ok = _items(out_row, cand_row, c, L, use_c, BLOCK)
+                star = tl.minimum(star, tl.min(tl.where(ok & (key > kf) & (key >= kappa), key,
+                                                        2147483647), 0))
+            for c in range(0, L, BLOCK):
+                t, key, ok = _items(out_row, cand_row, c, L, use_c, BLOCK)
+                mass_above += tl.sum(tl.where(ok & (key > star), tl.exp(t - m), 0.0), 0)
+        # last pass over the row: dropped tokens -inf; ties at kappa kept in id order up to
+        # need_eq, ties at star while the mass before them stays < p * z
         seen = tl.zeros([], dtype=tl.int64)
         seen_star = tl.zeros([], dtype=tl.int64)
         for c in range(0, V, BLOCK):
             offs = c + tl.arange(0, BLOCK)
-            t, key, ok = _chunk(out_row, c, V, BLOCK)
-            kept, seen = _top_k_kept(key, ok, kappa, need_eq, seen)
+            ok = offs < V
+            t = tl.load(out_row + offs, mask=ok, other=float("-inf"))
+            key = _key(t)
+            eq = ok & (key == kappa)
+            rank = seen + tl.cumsum(eq.to(tl.int64), 0) - 1
+            seen += tl.sum(eq.to(tl.int64), 0)
+            kept = ok & ((key > kappa) | (eq & (rank < need_eq)))
             tie = kept & (key == star)
             r = seen_star + tl.cumsum(tie.to(tl.int64), 0) - 1
             seen_star += tl.sum(tie.to(tl.int64), 0)
-            e = tl.exp(t - m)
-            before = mass_above + r.to(tl.float32) * e           # the mass ranked before a tie
+            before = mass_above + r.to(tl.float32) * tl.exp(t - m)   # mass ranked before a tie
             keep = kept & ((key > star) | (tie & ((r == 0) | (before < pz))))
             tl.store(out_row + offs, tl.where(keep, t, float("-inf")), mask=ok)
 
 
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor,
                   top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
-                  block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  block: int | None = None, cap: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y fp32 [N, V], t fp32 [N]) from logits [N, V] (any float dtype, unit column stride) and
     per-row temperature [N], top_k [N] (<= 0: off) / top_p [N] (>= 1: off), either may be None
     (off for every row): see the module docstring. Rows need at least one finite logit."""
@@ -190,7 +220,9 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor,
     p = vec(top_p, torch.float32) if top_p is not None else temp
     interp = _interpreting()
     BLOCK = block or (256 if interp else 1024)
-    _filter_kernel[(N,)](logits, logits.stride(0), y, y.stride(0), temp, k, p, t_eff, V,
-                         HAS_K=top_k is not None, HAS_P=top_p is not None, EXACT=not interp,
-                         BLOCK=BLOCK, num_warps=4)
+    cap = cap or CANDIDATES
+    cand = torch.empty(N if top_k is not None else 1, cap, dtype=torch.int32, device=dev)
+    _filter_kernel[(N,)](logits, logits.stride(0), y, y.stride(0), temp, k, p, t_eff, cand, V,
+                         cap, HAS_K=top_k is not None, HAS_P=top_p is not None,
+                         EXACT=not interp, BLOCK=BLOCK, num_warps=8 if BLOCK >= 1024 else 4)
     return y, t_eff
