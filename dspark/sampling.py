@@ -176,7 +176,7 @@ def fused_filters_enabled(device) -> bool:
     probs_from_logits' top-k, top-p within rounding): DSPARK_FUSED_FILTERS=1 and fused sampling
     on. Opt-in until timed against the torch path's sort on a GPU
     (benchmarks/bench_sampling_filters.py): one program per row reads the row three times with
-    top-k <= 1024, ~20 times with top-p alone."""
+    top-k <= 512, or with top-p alone when the lane maxima carry p of the mass; else ~20 times."""
     return os.environ.get("DSPARK_FUSED_FILTERS", "") == "1" and fused_sampling_enabled(device)
 
 

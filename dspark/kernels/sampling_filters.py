@@ -24,7 +24,10 @@ With top-k (k <= BLOCK) the searches do not walk the row: the first pass keeps e
 largest key, the k-th largest of those (k distinct tokens reach it) bounds the k-th largest key
 from below, and the tokens at or above it (typically ~k to a few k) are compacted in token order
 into a list of up to CANDIDATES ids; the row is read three times (temper, compact, write).
-Offline sm_90 compile: BLOCK 1024 with 8 warps, 178 registers, no spills (4 warps spill).
+Top-p alone: the largest lane maximum above which the lane maxima already hold p of the row's
+mass (summed online in the first pass) bounds the top-p threshold from below the same way,
+when they hold that much.
+Offline sm_90 compile: BLOCK 512 with 8 warps, 160 registers, no spills (1024 spills).
 Top-k's set equals the torch path's exactly; top-p's boundary sums run in another order than
 torch's cumsum, so a token whose prefix mass is within rounding of p can go the other way (as
 for the fused kernels' own sums).
@@ -79,17 +82,25 @@ def _filter_kernel(logits_ptr, stride_l, out_ptr, stride_o, temp_ptr, topk_ptr, 
     greedy = T <= 0
     tl.store(teff_ptr + row, tl.where(greedy, 0.0, 1.0))
     div = tl.where(greedy, 1.0, T)
-    # pass 1: tempered logits (greedy rows: as-is), the row max and each lane's largest key
+    # pass 1: tempered logits (greedy rows: as-is); per lane its largest key / value and the
+    # sum of exp(t - lane max) (online), giving the row max m and the row's sum z_row
     best = tl.full([BLOCK], _MIN_KEY, tl.int64)
     mv = tl.full([BLOCK], float("-inf"), tl.float32)
+    sl = tl.zeros([BLOCK], dtype=tl.float32)
     for c in range(0, V, BLOCK):
         offs = c + tl.arange(0, BLOCK)
         ok = offs < V
         t = _div(tl.load(l_row + offs, mask=ok, other=0.0).to(tl.float32), div, EXACT)
         tl.store(out_row + offs, t, mask=ok)
         best = tl.maximum(best, tl.where(ok, _key(t), _MIN_KEY))
-        mv = tl.maximum(mv, tl.where(ok, t, float("-inf")))
+        tv = tl.where(ok, t, float("-inf"))
+        new = tl.maximum(mv, tv)
+        base = tl.where(new == float("-inf"), 0.0, new)     # (no -inf - -inf: sl is 0 there)
+        sl = sl * tl.exp(tl.where(new == float("-inf"), 0.0, mv) - base) + tl.exp(tv - base)
+        mv = new
     m = tl.max(mv, 0)
+    e_lane = tl.exp(mv - m)                              # each lane maximum's mass
+    z_row = tl.sum(sl * e_lane, 0)
     k = V
     if HAS_K:
         k = tl.load(topk_ptr + row).to(tl.int32)
@@ -122,6 +133,29 @@ def _filter_kernel(logits_ptr, stride_l, out_ptr, stride_o, temp_ptr, topk_ptr, 
             if n_c <= CAP:
                 L = n_c.to(tl.int32)
                 use_c = tl.full([], 1, tl.int32)
+        if (k >= V) & (p < 1.0):
+            # top-p alone: theta = the largest lane maximum key whose lanes above it already hold
+            # >= p * z_row of mass; then the kept tokens all have keys > theta (their threshold
+            # is >= theta), so only those are searched (when the lanes hold that much at all)
+            pz_row = p * z_row
+            if tl.sum(e_lane, 0) >= pz_row:
+                theta = tl.full([], _MIN_KEY, tl.int64)
+                for d in tl.static_range(8):
+                    w = tl.full([], 1, tl.int64) << (28 - 4 * d)
+                    probes = theta + j16 * w
+                    a = tl.sum(tl.where(best[:, None] > probes[None, :], e_lane[:, None], 0.0), 0)
+                    theta += tl.max(tl.where(a >= pz_row, j16, 0), 0) * w
+                n_c = tl.zeros([], dtype=tl.int64)
+                for c in range(0, V, BLOCK):
+                    offs = c + tl.arange(0, BLOCK)
+                    ok = offs < V
+                    sel = ok & (_key(tl.load(out_row + offs, mask=ok, other=0.0)) > theta)
+                    pos = n_c + tl.cumsum(sel.to(tl.int64), 0) - 1
+                    tl.store(cand_row + pos, offs, mask=sel & (pos < CAP))
+                    n_c += tl.sum(sel.to(tl.int64), 0)
+                if n_c <= CAP:
+                    L = n_c.to(tl.int32)
+                    use_c = tl.full([], 1, tl.int32)
         # top-k threshold kappa: the largest key with >= k tokens at or above it; need_eq of the
         # tokens at kappa are kept (lowest ids first); z = the top-k set's sum of exp(t - m)
         kappa = tl.full([], _MIN_KEY, tl.int64)
@@ -148,9 +182,7 @@ def _filter_kernel(logits_ptr, stride_l, out_ptr, stride_o, temp_ptr, topk_ptr, 
             need_eq = k - gt
             z += need_eq.to(tl.float32) * e_kappa        # the ties at kappa: equal masses
         else:
-            for c in range(0, L, BLOCK):
-                t, _, ok = _items(out_row, cand_row, c, L, use_c, BLOCK)
-                z += tl.sum(tl.where(ok, tl.exp(t - m), 0.0), 0)
+            z = z_row                                   # no top-k: the whole row
         # top-p: kf = the largest key whose kept mass strictly above is still >= p * z; the
         # kept mass above a key q is the list's mass above max(q, kappa), plus the kept ties at
         # kappa when q < kappa
@@ -219,10 +251,10 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor,
     k = vec(top_k, torch.int64) if top_k is not None else temp
     p = vec(top_p, torch.float32) if top_p is not None else temp
     interp = _interpreting()
-    BLOCK = block or (256 if interp else 1024)
+    BLOCK = block or (256 if interp else 512)
     cap = cap or CANDIDATES
-    cand = torch.empty(N if top_k is not None else 1, cap, dtype=torch.int32, device=dev)
+    cand = torch.empty(N, cap, dtype=torch.int32, device=dev)
     _filter_kernel[(N,)](logits, logits.stride(0), y, y.stride(0), temp, k, p, t_eff, cand, V,
                          cap, HAS_K=top_k is not None, HAS_P=top_p is not None,
-                         EXACT=not interp, BLOCK=BLOCK, num_warps=8 if BLOCK >= 1024 else 4)
+                         EXACT=not interp, BLOCK=BLOCK, num_warps=4 if interp else 8)
     return y, t_eff
