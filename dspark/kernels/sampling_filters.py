@@ -27,10 +27,11 @@ into a list of up to CANDIDATES ids; the row is read three times (temper, compac
 Top-p alone: the largest lane maximum above which the lane maxima already hold p of the row's
 mass (summed online in the first pass) bounds the top-p threshold from below the same way,
 when they hold that much.
-Offline sm_90 compile: BLOCK 512 with 8 warps, 160 registers, no spills (1024 spills).
+
 Top-k's set equals the torch path's exactly; top-p's boundary sums run in another order than
 torch's cumsum, so a token whose prefix mass is within rounding of p can go the other way (as
-for the fused kernels' own sums).
+for the fused kernels' own sums). Offline sm_90 compile: BLOCK 512 with 8 warps, 160 registers,
+no spills (1024 spills). Not yet timed on a GPU (benchmarks/bench_sampling_filters.py).
 """
 from __future__ import annotations
 
