@@ -111,52 +111,42 @@ def _filter_kernel(logits_ptr, stride_l, out_ptr, stride_o, temp_ptr, topk_ptr, 
         p = tl.load(topp_ptr + row).to(tl.float32)
     j16 = tl.arange(0, 16).to(tl.int64)
     if (T > 0) & ((k < V) | (p < 1.0)):
-        # the search list: with top-k (k <= BLOCK), only tokens whose key reaches tau, the k-th
-        # largest lane maximum (k distinct tokens are >= tau, so the k-th largest key is too),
-        # compacted in token order when they fit in CAP; else the whole row
+        # the search list: only the tokens with key >= bound, compacted in token order when
+        # they fit in CAP (else the whole row), when a bound is known from the lane maxima:
+        # top-k (k <= BLOCK): tau, the k-th largest lane maximum (k distinct tokens are >= tau,
+        # so the k-th largest key is too); top-p alone: above theta, the largest lane maximum
+        # above which the lane maxima already hold >= p * z_row of mass (the top-p threshold is
+        # then >= theta), when they hold that much at all
         L = V
         use_c = tl.zeros([], dtype=tl.int32)            # 0: the row itself, 1: candidates
+        bound = tl.full([], _MIN_KEY, tl.int64)
         if (k < V) & (k <= BLOCK):
-            tau = tl.full([], _MIN_KEY, tl.int64)
             for d in tl.static_range(8):
                 w = tl.full([], 1, tl.int64) << (28 - 4 * d)
-                probes = tau + j16 * w
+                probes = bound + j16 * w
                 cnt = tl.sum((best[:, None] >= probes[None, :]).to(tl.int64), 0)
-                tau += tl.max(tl.where(cnt >= k, j16, 0), 0) * w
+                bound += tl.max(tl.where(cnt >= k, j16, 0), 0) * w
+        if (k >= V) & (p < 1.0):
+            pz_row = p * z_row
+            if tl.sum(e_lane, 0) >= pz_row:
+                for d in tl.static_range(8):
+                    w = tl.full([], 1, tl.int64) << (28 - 4 * d)
+                    probes = bound + j16 * w
+                    a = tl.sum(tl.where(best[:, None] > probes[None, :], e_lane[:, None], 0.0), 0)
+                    bound += tl.max(tl.where(a >= pz_row, j16, 0), 0) * w
+                bound += 1                                  # keys > theta
+        if bound > _MIN_KEY:
             n_c = tl.zeros([], dtype=tl.int64)
             for c in range(0, V, BLOCK):
                 offs = c + tl.arange(0, BLOCK)
                 ok = offs < V
-                sel = ok & (_key(tl.load(out_row + offs, mask=ok, other=0.0)) >= tau)
+                sel = ok & (_key(tl.load(out_row + offs, mask=ok, other=0.0)) >= bound)
                 pos = n_c + tl.cumsum(sel.to(tl.int64), 0) - 1
                 tl.store(cand_row + pos, offs, mask=sel & (pos < CAP))
                 n_c += tl.sum(sel.to(tl.int64), 0)
             if n_c <= CAP:
                 L = n_c.to(tl.int32)
                 use_c = tl.full([], 1, tl.int32)
-        if (k >= V) & (p < 1.0):
-            # top-p alone: theta = the largest lane maximum key whose lanes above it already hold
-            # >= p * z_row of mass; then the kept tokens all have keys > theta (their threshold
-            # is >= theta), so only those are searched (when the lanes hold that much at all)
-            pz_row = p * z_row
-            if tl.sum(e_lane, 0) >= pz_row:
-                theta = tl.full([], _MIN_KEY, tl.int64)
-                for d in tl.static_range(8):
-                    w = tl.full([], 1, tl.int64) << (28 - 4 * d)
-                    probes = theta + j16 * w
-                    a = tl.sum(tl.where(best[:, None] > probes[None, :], e_lane[:, None], 0.0), 0)
-                    theta += tl.max(tl.where(a >= pz_row, j16, 0), 0) * w
-                n_c = tl.zeros([], dtype=tl.int64)
-                for c in range(0, V, BLOCK):
-                    offs = c + tl.arange(0, BLOCK)
-                    ok = offs < V
-                    sel = ok & (_key(tl.load(out_row + offs, mask=ok, other=0.0)) > theta)
-                    pos = n_c + tl.cumsum(sel.to(tl.int64), 0) - 1
-                    tl.store(cand_row + pos, offs, mask=sel & (pos < CAP))
-                    n_c += tl.sum(sel.to(tl.int64), 0)
-                if n_c <= CAP:
-                    L = n_c.to(tl.int32)
-                    use_c = tl.full([], 1, tl.int32)
         # top-k threshold kappa: the largest key with >= k tokens at or above it; need_eq of the
         # tokens at kappa are kept (lowest ids first); z = the top-k set's sum of exp(t - m)
         kappa = tl.full([], _MIN_KEY, tl.int64)
