@@ -12,8 +12,8 @@
   kernel of that size pays for its weights at best, launch, ramp-up and tail included (session
   11, H200: 8.9 MB 4.0 us = 2.2 TB/s, 53.5 MB 14.9 us = 3.6 TB/s against the 4.2 TB/s of a 2 GB
   copy). The per-step sum over the decode step's FP8 / MoE launches is the floor of those
-  kernels under the copy-bandwidth roofline's byte count (launch counts of FP8_SHAPES: wq_a / wkv
-  and w1 / w3 as separate launches; the engine row-stacks each pair into one).
+  kernels under the copy-bandwidth roofline's byte count (launch counts of FP8_SHAPES: the new
+  path runs wq_a + wkv and the shared w1 + w3 row-stacked, one launch each, as the engine does).
 
 Timing: each variant is captured in one CUDA graph of R back-to-back calls that read R different
 weight copies (FP8) or R different routings over the 256 experts (MoE), so every call starts with
@@ -46,10 +46,12 @@ from dspark.models.quant import dequant_fp8_blocks, quant_fp4, quant_fp8_blocks 
 
 COPY_BW = 4.3e12
 # (name, N, K, (calls per decode step of the 4-layer V4-Flash checkpoint: old path, new path));
-# wo_a: the old path runs one linear per group (32 per step), the new one grouped launch per layer
-FP8_SHAPES = [("wq_a", 1024, 4096, (4, 4)), ("wq_b", 32768, 1024, (4, 4)),
-              ("wkv", 512, 4096, (4, 4)), ("wo_a/group", 1024, 4096, (32, 0)),
-              ("wo_b", 4096, 8192, (4, 4)), ("shared.w1/w3", 2048, 4096, (8, 8)),
+# wo_a: the old path runs one linear per group (32 per step), the new one grouped launch per layer;
+# wq_a / wkv and the shared w1 / w3 share their input: the new path runs each pair row-stacked
+FP8_SHAPES = [("wq_a", 1024, 4096, (4, 0)), ("wq_b", 32768, 1024, (4, 4)),
+              ("wkv", 512, 4096, (4, 0)), ("wq_a+wkv rows", 1536, 4096, (0, 4)),
+              ("wo_a/group", 1024, 4096, (32, 0)), ("wo_b", 4096, 8192, (4, 4)),
+              ("shared.w1/w3", 2048, 4096, (8, 0)), ("shared.w1+w3 rows", 4096, 4096, (0, 4)),
               ("shared.w2", 4096, 2048, (4, 4)), ("wo_a 8 groups", 8192, 4096, (0, 4))]
 
 
