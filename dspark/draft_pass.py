@@ -241,12 +241,11 @@ class DraftPass:
                 # what probs_from_logits + sample_from_probs give at temperature 0: the point
                 # mass on the argmax (first index on ties), so that token, without the [R, V] work
                 prev = (base[:, k] + bias).argmax(dim=1)
-            elif fused and (top_k is not None or top_p is not None):
-                y, t_eff = filter_logits(base[:, k] + bias, temperature, top_k, top_p)
-                q, prev = fused_sample(y, t_eff, u[:, k])
-                probs.append(q)
             elif fused:
-                q, prev = fused_sample(base[:, k] + bias, temperature, u[:, k])
+                x, t = base[:, k] + bias, temperature
+                if top_k is not None or top_p is not None:
+                    x, t = filter_logits(x, t, top_k, top_p)  # tempered + filtered, at t = 1
+                q, prev = fused_sample(x, t, u[:, k])
                 probs.append(q)
             else:
                 q = probs_from_logits(base[:, k] + bias, temperature, top_k, top_p)

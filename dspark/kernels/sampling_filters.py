@@ -35,20 +35,15 @@ no spills (1024 spills). Not yet timed on a GPU (benchmarks/bench_sampling_filte
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from dspark.kernels.decode_fused import _div
+from dspark.kernels.sparse_mqa import _interpreting
 
 _MIN_KEY = tl.constexpr(-2147483648)      # int32 min: every key is >= it
 CANDIDATES = 4096       # top-k search list per row (token ids); more candidates: the whole row
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit

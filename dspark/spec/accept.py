@@ -81,22 +81,22 @@ def decide(reqs, logits, first_rows, lengths, anchor_pos, gamma: int) -> Decisio
                 q[i] = r.draft.probs if r.draft.probs is not None else \
                     torch.zeros(g, V, device=dev).scatter_(1, r.draft.tokens[:, None], 1.0)
     filters = use_top_k or use_top_p
-    if fused_sampling_enabled(dev) and (not filters or fused_filters_enabled(dev)):
+    fused = fused_sampling_enabled(dev) and (not filters or fused_filters_enabled(dev))
+    if fused:
         from ..kernels.sampling import fused_verify   # Triton: imported only when used
-        rows = logits[row_idx]
-        if filters:       # tempered, filtered logits at temperature 1 (greedy rows: 0, as-is)
-            from ..kernels.sampling_filters import filter_logits
-            temp, top_k, top_p = stack_params([r.params for r in reqs], dev)
-            rep = lambda t: None if t is None else t.repeat_interleave(g + 1)  # noqa: E731
-            y, t_eff = filter_logits(rows.flatten(0, 1), rep(temp), rep(top_k), rep(top_p))
-            rows, temp = y.view(R, g + 1, V), t_eff.view(R, g + 1)[:, 0].contiguous()
-        else:
-            temp = to_device([float(r.params.temperature) for r in reqs], torch.float32, dev)
-        res = fused_verify(drafts, q, rows, temp, lens, seeds, P)
+    if fused and not filters:
+        temp = to_device([float(r.params.temperature) for r in reqs], torch.float32, dev)
+        res = fused_verify(drafts, q, logits[row_idx], temp, lens, seeds, P)
+        return Decision(torch.stack([res.accepted, res.next_token], 1), drafts, verified, False)
+    temp, top_k, top_p = stack_params([r.params for r in reqs], dev)
+    rep = lambda t: None if t is None else t.repeat_interleave(g + 1)  # noqa: E731
+    rows = logits[row_idx.flatten()]
+    if fused:             # tempered, filtered logits at temperature 1 (greedy rows: 0, as-is)
+        from ..kernels.sampling_filters import filter_logits
+        y, t_eff = filter_logits(rows, rep(temp), rep(top_k), rep(top_p))
+        res = fused_verify(drafts, q, y.view(R, g + 1, V), t_eff.view(R, g + 1)[:, 0].contiguous(),
+                           lens, seeds, P)
     else:
-        temp, top_k, top_p = stack_params([r.params for r in reqs], dev)
-        rep = lambda t: None if t is None else t.repeat_interleave(g + 1)  # noqa: E731
-        p = probs_from_logits(logits[row_idx.flatten()], rep(temp), rep(top_k),
-                              rep(top_p)).view(R, g + 1, V)
+        p = probs_from_logits(rows, rep(temp), rep(top_k), rep(top_p)).view(R, g + 1, V)
         res = verify(drafts, q, p, lens, seeds, P)
     return Decision(torch.stack([res.accepted, res.next_token], 1), drafts, verified, False)
