@@ -271,7 +271,82 @@ def _replay_device_ms(graphs, n: int):
     return start.elapsed_time(end) / n
 
 
-def decode_steps(eng, context: int, warmup: int, iters: int) -> dict:
+def replay_timeline(graphs, n: int = 5, top: int = 12) -> dict | None:
+    """Where the batch-1 decode graph's device time goes, kernel by kernel: the graph replayed
+    n times back to back under the profiler, each replay's kernels (start, duration, stream) in
+    start order. Per replay: its span, the time some kernel runs (busy), the time none does
+    (idle: launch gaps and dependency waits the side streams do not fill), the kernel time per
+    stream, and the longest idle gaps with the kernels around them, to show which links of the
+    chain cost more than their kernels. None without captured graphs."""
+    from torch.profiler import ProfilerActivity, profile
+    keys = [k for k in getattr(graphs, "graphs", {}) if k[0] == 1 and k[1] == 1]
+    if not keys:
+        return None
+    g = graphs.graphs[keys[-1]]
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            g.replay()
+        torch.cuda.synchronize()
+    ev = [e for e in prof.profiler.kineto_results.events()
+          if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0
+          and "memcpy" not in e.name().lower() and "memset" not in e.name().lower()]
+    ev.sort(key=lambda e: e.start_ns())
+    if not ev or len(ev) % n:
+        return {"error": f"{len(ev)} kernels in {n} replays: not a whole number per replay"}
+    per = len(ev) // n
+    replays = []
+    for r in range(n):
+        ks = ev[r * per:(r + 1) * per]
+        t0 = ks[0].start_ns()
+        busy, idle, gaps, end = 0, 0, [], t0
+        for i, e in enumerate(ks):
+            s, f = e.start_ns(), e.start_ns() + e.duration_ns()
+            if s > end:
+                idle += s - end
+                gaps.append((s - end, i))
+            busy += max(0, f - max(s, end))
+            end = max(end, f)
+        streams: dict = {}
+        for e in ks:
+            streams[e.device_resource_id()] = streams.get(e.device_resource_id(), 0) + e.duration_ns()
+        replays.append({"span_us": (end - t0) / 1e3, "busy_us": busy / 1e3, "idle_us": idle / 1e3,
+                        "kernel_sum_us": sum(e.duration_ns() for e in ks) / 1e3,
+                        "stream_us": {str(k): v / 1e3 for k, v in sorted(streams.items())},
+                        "gaps": sorted(gaps, reverse=True), "kernels": ks, "t0": t0})
+    best = min(replays, key=lambda r: r["span_us"])
+    ks, t0 = best.pop("kernels"), best.pop("t0")
+    short = lambda s: s if len(s) <= 40 else s[:37] + "..."            # noqa: E731
+    best["top_gaps"] = [{"gap_us": gap / 1e3, "after": short(ks[i - 1].name()) if i else "",
+                         "before": short(ks[i].name()), "index": i}
+                        for gap, i in best.pop("gaps")[:top]]
+    for r in replays:
+        r.pop("kernels", None), r.pop("gaps", None), r.pop("t0", None)
+    return {"replays": n, "kernels_per_replay": per,
+            "median_span_us": statistics.median(r["span_us"] for r in replays),
+            "best": best,
+            "sequence": [{"name": short(e.name()), "stream": e.device_resource_id(),
+                          "start_us": round((e.start_ns() - t0) / 1e3, 2),
+                          "dur_us": round(e.duration_ns() / 1e3, 2)} for e in ks]}
+
+
+def print_timeline(tl: dict) -> None:
+    if "error" in tl:
+        print(f"timeline: {tl['error']}")
+        return
+    b = tl["best"]
+    print(f"\n(d) decode graph timeline: {tl['kernels_per_replay']} kernels per replay, span "
+          f"{b['span_us']:.1f} us (median of {tl['replays']}: {tl['median_span_us']:.1f}), busy "
+          f"{b['busy_us']:.1f} us, idle {b['idle_us']:.1f} us, kernel sum {b['kernel_sum_us']:.1f} us")
+    print("    kernel us per stream: " + ", ".join(f"{k}: {v:.1f}" for k, v in b["stream_us"].items()))
+    print(f"    {'idle gap us':>11}  between")
+    for gp in b["top_gaps"]:
+        print(f"    {gp['gap_us']:11.2f}  #{gp['index']} {gp['after']} -> {gp['before']}")
+
+
+def decode_steps(eng, context: int, warmup: int, iters: int, timeline: int = 0) -> dict:
     """Prefill a `context`-token prompt, then time warmup + iters single decode steps (wall time
     of each `Engine.step()` call, no extra device sync: with overlapped decode a call launches
     the next round and commits the one before, so back-to-back calls measure the steady state),
@@ -319,6 +394,7 @@ def decode_steps(eng, context: int, warmup: int, iters: int) -> dict:
             timer.unwrap()
         _sync(dev)
         replay_ms = _replay_device_ms(graphs, iters)
+        tl = replay_timeline(graphs, timeline) if timeline and dev.type == "cuda" else None
     finally:
         eng.abort(rid)
     st = steps[warmup:]
@@ -334,7 +410,8 @@ def decode_steps(eng, context: int, warmup: int, iters: int) -> dict:
             # steps whose host plan was computed during the step before (V4 target graphs)
             "plans_ahead_used": ahead,
             # steps launched before the previous one was read back (overlapped decode)
-            "overlapped_rounds": rounds}
+            "overlapped_rounds": rounds,
+            **({"timeline": tl} if tl else {})}
 
 
 # what a kernel (CUDA) or a leaf op (CPU) belongs to, first match wins
@@ -749,6 +826,9 @@ def main(argv=None):
                     help="(c): profile this many decode steps, time per kernel and per category")
     ap.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
                     help="also cProfile this many decode steps: the host's share of a step")
+    ap.add_argument("--timeline", type=int, default=0, metavar="REPLAYS",
+                    help="CUDA: profile this many back-to-back replays of the decode graph and "
+                         "print where its device time goes (idle gaps, time per stream)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
@@ -836,7 +916,9 @@ def main(argv=None):
     if not args.skip_decode:
         for L in contexts:
             try:
-                r = decode_steps(eng, L, args.warmup, args.iters)
+                r = decode_steps(eng, L, args.warmup, args.iters, args.timeline)
+                if r.get("timeline"):
+                    print_timeline(r["timeline"])
             except Exception as exc:     # keep the other contexts and (b)
                 msg = f"{type(exc).__name__}: {str(exc)[:500]}"
                 print(f"decode at context {L} failed: {msg}")

@@ -38,8 +38,8 @@ decode)  # issue 7: V4-Flash decode vs HBM roofline and vs HF (grouped FP4 MoE +
 quick)   # issue 7: the decode step at context 128 only, no HF side (kernel + host profiles)
   step "bench_decode_v4 quick"
   timeout "$(left 120)" python benchmarks/bench_decode_v4.py --context 128 --skip-hf \
-    --kernel-profile 5 --host-profile 10 --json "$R/bench_decode_quick.json" > "$R/bench_decode_quick.txt" 2>&1
-  grep -v -i "warn\|it/s\]" "$R/bench_decode_quick.txt" | grep -A22 "^ context\|^(c)" | cut -c1-200 ;;
+    --kernel-profile 5 --host-profile 10 --timeline 5 --json "$R/bench_decode_quick.json" > "$R/bench_decode_quick.txt" 2>&1
+  grep -v -i "warn\|it/s\]" "$R/bench_decode_quick.txt" | grep -A22 "^ context\|^(c)\|^(d)" | cut -c1-200 ;;
 ab)      # A/B of env switches on the quick decode row (device ms per forward included):
          # AB="DSPARK_FP8_SKINNY=0 ..." (each word one variant; join the switches of one variant
          # with commas)

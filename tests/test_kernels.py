@@ -562,6 +562,36 @@ def test_indexer_kernel_n_cols_bound():
     check_selection(got.cpu(), want_scores.cpu(), valid.cpu(), 5)
 
 
+@triton_ok
+@pytest.mark.parametrize("T,n,topk", [(3, 40, 16), (2, 100, 128), (2, 20, 300)])
+def test_select_topk_ids_kernel_equals_the_stable_sort(T, n, topk, monkeypatch):
+    """The one-program-per-row top-k: the stable descending sort's columns in its order (exact
+    ties, +0.0 / -0.0 held equal, -inf rows and picks past the row as the -1 tail), its
+    counts, and the global ids mapped through a page table; the torch fallback the same."""
+    gen = torch.Generator().manual_seed(12)
+    s = torch.randn(T, n, generator=gen)
+    s = torch.where(torch.rand(T, n, generator=gen) < 0.4, torch.round(s), s)    # many ties
+    s[:, ::5] = 0.0
+    s[:, 1::7] = -0.0
+    s[0, n // 2:] = float("-inf")
+    want = ix._select_topk(s, topk)
+    N = 8
+    pt = torch.randperm(4 * n, generator=gen)[:2 * ((n + N - 1) // N)].view(2, -1).int()
+    req = torch.randint(0, 2, (T,), generator=gen).int()
+    j = want.long().clamp(min=0)
+    want_global = torch.where(want >= 0, pt.long()[req.long()[:, None], j // N] * N + j % N, -1)
+    for kernel in (True, False):             # the kernel, then the torch fallback
+        dev = DEV if kernel else "cpu"
+        monkeypatch.setattr(ix, "_launchable", lambda t, k=kernel: k)
+        ids, counts = ix.select_topk_ids(s.to(dev), topk)
+        assert torch.equal(ids.cpu(), want)
+        assert torch.equal(counts.cpu(), (want >= 0).sum(1).int())
+        assert all((ids.cpu()[t, counts[t]:] == -1).all() for t in range(T))
+        gids, gcounts = ix.select_topk_ids(s.to(dev), topk, pt.to(dev), req.to(dev), N)
+        assert gids.dtype == torch.int32 and torch.equal(gids.cpu().long(), want_global)
+        assert torch.equal(gcounts.cpu(), counts.cpu())
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU-sized comparisons (run on the H200)
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ are request-local; :func:`dspark.kernels.sparse_mqa.global_indices_from_page_tab
 into global ids for the attention kernel (with the main compressed cache's page table).
 
 Implementation: a Triton kernel writes fp32 scores [T, n_cols] (−inf where not visible), then
-``torch.topk``. One program = one token × BLOCK_J entries: the q block [H_I, 128] is the MMA's
+one sorting program per token picks the top-k (select_topk_ids; the torch stable sort past
+SORT_MAX_COLS columns), optionally mapping them to global ids on the way. One program = one token × BLOCK_J entries: the q block [H_I, 128] is the MMA's
 M×K operand (H_I = 64 → one wgmma tile), keys [BLOCK_J, 128] FP8 are de-quantised exactly to
 bf16 and the per-row scale is applied to the logits afterwards (it is a power of two).
 """
@@ -121,6 +122,87 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor,
     return out
 
 
+# scores rows up to this many columns are selected by one sorting program each (the top-k kernel
+# below); longer rows (contexts past 4 x SORT_MAX_COLS tokens) take the torch sort
+SORT_MAX_COLS = 8192
+_NEG_INF_KEY = tl.constexpr(-2139095041)         # _score_key(-inf): 0xff800000 ^ 0x7fffffff as an int32
+
+
+@triton.jit
+def _score_key(s):
+    """Order-preserving int32 of fp32 scores: a > b (as floats) iff key(a) > key(b); -0.0 is
+    folded into +0.0 first (the torch sort holds them equal)."""
+    bits = tl.where(s == 0.0, 0.0, s).to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _topk_ids_kernel(
+    s_ptr, stride_st, n_cols, req_ptr, pt_ptr, stride_pt, N, out_ptr, stride_ot, len_ptr, K,
+    BLOCK: tl.constexpr, FILL: tl.constexpr, GLOBAL: tl.constexpr,
+):
+    """One token's row: the K best scores' entries in the order of a stable descending sort
+    (ties: lower column first), -1 for -inf / missing picks (always the row's tail), their
+    count in len_ptr[t]. The column rides in the low 32 bits of one int64 sort key under the
+    score's order-preserving high half, so one bitonic sort orders scores and breaks ties.
+    GLOBAL: entry j written as its global id page_table[req_index[t], j // N] * N + j % N."""
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    s = tl.load(s_ptr + t * stride_st + c, mask=c < n_cols, other=float("-inf"))
+    low = 4294967295 - c.to(tl.int64)                        # larger for lower columns
+    comb = tl.sort((_score_key(s).to(tl.int64) << 32) | low, descending=True)
+    col = (4294967295 - (comb & 4294967295)).to(tl.int32)
+    rank = tl.arange(0, BLOCK)
+    take = ((comb >> 32).to(tl.int32) > _NEG_INF_KEY) & (rank < K)
+    ids = col
+    if GLOBAL:
+        req = tl.load(req_ptr + t).to(tl.int64)
+        page = tl.load(pt_ptr + req * stride_pt + col // N, mask=take, other=0)
+        ids = page * N + col % N
+    tl.store(out_ptr + t * stride_ot + rank, tl.where(take, ids, -1), mask=rank < K)
+    for k0 in range(BLOCK, K, FILL):                         # topk past the row: all -1
+        f = k0 + tl.arange(0, FILL)
+        tl.store(out_ptr + t * stride_ot + f, tl.full((FILL,), -1, tl.int32), mask=f < K)
+    tl.store(len_ptr + t, tl.sum(take.to(tl.int32), axis=0))
+
+
+def select_topk_ids(scores: torch.Tensor, topk: int, page_table: torch.Tensor | None = None,
+                    req_index: torch.Tensor | None = None, entries_per_page: int = 0):
+    """(ids int32 [T, topk], counts int32 [T]) of fp32 scores [T, n]: the columns of
+    `_select_topk` in the same order (stable descending sort: equal scores lowest column
+    first), -1 for -inf picks and padding (a tail: `counts` entries lead each row). With
+    page_table / req_index / entries_per_page (N) the columns j come back as global entry ids
+    page_table[req_index[t], j // N] * N + j % N (what the attention kernels read).
+    One Triton launch (one program per row) for rows of at most SORT_MAX_COLS columns on CUDA
+    / the interpreter; torch ops otherwise."""
+    T, n = scores.shape
+    to_global = page_table is not None
+    if _launchable(scores) and 0 < n <= SORT_MAX_COLS and T > 0:
+        ids = torch.empty((T, topk), dtype=torch.int32, device=scores.device)
+        counts = torch.empty(T, dtype=torch.int32, device=scores.device)
+        block = max(16, triton.next_power_of_2(n))
+        pt = page_table if to_global else counts
+        _topk_ids_kernel[(T,)](
+            scores, scores.stride(0), n, req_index if to_global else counts, pt,
+            pt.stride(0) if to_global else 0, max(1, entries_per_page), ids, ids.stride(0),
+            counts, topk, BLOCK=block, FILL=256, GLOBAL=to_global,
+            num_warps=4 if block < 2048 else (8 if block < 8192 else 16))   # <= ~128 regs
+        return ids, counts
+    ids = _select_topk(scores, topk)
+    counts = (ids >= 0).sum(1, dtype=torch.int32)
+    if to_global:
+        j = ids.long().clamp(min=0)
+        N = entries_per_page
+        g = page_table.long()[req_index.long()[:, None], j // N] * N + j % N
+        ids = torch.where(ids >= 0, g, -1).to(torch.int32)
+    return ids, counts
+
+
+def _launchable(t: torch.Tensor) -> bool:
+    from dspark.kernels.fp8_gemm import _interpreting
+    return t.is_cuda or _interpreting()
+
+
 def _select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     """Top-k column ids of fp32 scores [T, n]; −inf picks and padding become −1 (int32)."""
     T, n = scores.shape
@@ -149,11 +231,25 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor,
     topk:         number of entries to select.
     n_cols:       optional bound on the scored entries (default page_table.shape[1]·N; must be
                   ≥ max(valid_counts) — entries at or past it are never selected).
-    Returns int32 [T, topk] request-local entry ids, −1 padded; order unspecified.
+    Returns int32 [T, topk] request-local entry ids, −1 padded (see indexer_select for the
+    order and the global-id form).
     """
+    return indexer_select(q, weights, cache, entries_per_page, req_index, page_table,
+                          valid_counts, topk, n_cols, **tuning)[0]
+
+
+def indexer_select(q, weights, cache, entries_per_page, req_index, page_table, valid_counts,
+                   topk: int, n_cols: int | None = None, global_ids: bool = False, **tuning):
+    """(ids int32 [T, topk], counts int32 [T]): :func:`indexer_topk`'s picks in the order of a
+    stable descending sort of the scores, the -1 padding as each row's tail after its
+    `counts` picks (an attention kernel given them as lengths skips the tail's tiles);
+    global_ids: as global entry ids of the same cache's pages (page_table[req, j // N] * N +
+    j % N) instead of request-local j. Two launches on CUDA (scores, then select_topk_ids)."""
     scores = indexer_scores(q, weights, cache, entries_per_page, req_index, page_table,
                             valid_counts, n_cols, **tuning)
-    return _select_topk(scores, topk)
+    if not global_ids:
+        return select_topk_ids(scores, topk)
+    return select_topk_ids(scores, topk, page_table, req_index, entries_per_page)
 
 
 def indexer_scores_torch(q, weights, cache, entries_per_page, req_index, page_table,
@@ -196,4 +292,5 @@ def indexer_topk_torch(q, weights, cache, entries_per_page, req_index, page_tabl
     return _select_topk(scores, topk)
 
 
-__all__ = ["indexer_topk", "indexer_scores", "indexer_topk_torch", "indexer_scores_torch"]
+__all__ = ["indexer_topk", "indexer_select", "indexer_scores", "select_topk_ids",
+           "indexer_topk_torch", "indexer_scores_torch"]

@@ -217,14 +217,15 @@ class _Kernels:
         else:
             copy_rows(pool, per_page, sp.ring_src, sp.ring_dst, sp.ring_split)
 
-    def select(self, sp: StaticPlan, layer: int, qi, wi, topk: int) -> torch.Tensor:
-        """int64 [T, topk] request-local entry ids (top-k visible scores), -1 padded."""
+    def select(self, sp: StaticPlan, layer: int, qi, wi, topk: int):
+        """(int32 [T, topk] global entry ids of the top-k visible scores, int32 [T] their
+        counts): stable descending score order, -1 padded at each row's tail."""
         rp, pool = sp.ratios[4], self.cache.index_keys[layer]
         N, n_cols = rp.per_page, sp.P * rp.per_page
         if self.kind == "triton" and pool.dtype == torch.uint8:
-            from dspark.kernels.indexer import indexer_topk
-            return indexer_topk(qi, wi, pool, N, sp.req_index_i32, sp.page_table_i32,
-                                rp.n_visible_i32, topk, n_cols=n_cols).long()
+            from dspark.kernels.indexer import indexer_select
+            return indexer_select(qi, wi, pool, N, sp.req_index_i32, sp.page_table_i32,
+                                  rp.n_visible_i32, topk, n_cols=n_cols, global_ids=True)
         from dspark.attention.reference import load_rows
         local = torch.arange(n_cols, device=qi.device)
         ids = sp.page_table[:, local // N] * N + local % N                     # [B, n_cols]
@@ -237,7 +238,8 @@ class _Kernels:
         k = min(topk, n_cols)
         vals, idx = topk_lowest_ties(scores, k)
         out[:, :k] = torch.where(vals == float("-inf"), -1, idx)
-        return out
+        return (_global(out, sp.req_index, sp.page_table, N).int(),
+                (out >= 0).sum(1, dtype=torch.int32))
 
     def attend(self, q, window_pool, capacity, window_ids, entry_pool, per_page, entry_ids,
                entry_lens, sink, scale):
@@ -275,10 +277,12 @@ def static_attention(attn, x, kern: _Kernels, sp: StaticPlan, layer: int, quant)
     # On CUDA the branches that do not feed the queries run on side streams (side_stream.py),
     # next to the query / key projections: the compressor's entries (lane 1) and, in CSA layers,
     # the indexer compressor's keys, then (from cq on) the index queries and their top-k (lane
-    # 2); both joined before attention. The RoPE table all of them read is grown here first.
+    # 2); the window key's norm / RoPE / cache store (lane 3, from the fused wq_a + wkv rows
+    # on), all joined before attention; after attention the staged window rows' copy into the
+    # ring (lane 3 again) runs next to the output projection. The RoPE table all of them read
+    # is grown here first.
     dev = x.device
-    if attn.ratio:
-        attn.rope.table(bound, dev)
+    attn.rope.table(bound, dev)
     entries = side_stream.fork(dev, 1) if attn.ratio else None
     with side_stream.on(entries):
         if attn.ratio:
@@ -288,6 +292,11 @@ def static_attention(attn, x, kern: _Kernels, sp: StaticPlan, layer: int, quant)
         if attn.ratio == 4:
             _emit(attn, attn.indexer.compressor, kern, sp, layer, "indexer", x, quant)
     xq, xkv = attn.fused_rows(x)
+    window = side_stream.fork(dev, 3) if xkv is not None else None
+    with side_stream.on(window):
+        if xkv is not None:
+            kv = attn.project_kv(x, pos, quant, bound, memo, xkv)
+            kern.store(cache.swa[layer], cache.capacity, sp.stage_ids, kv)
     cq = attn.query_latent(x, xq)
     selected = None
     if attn.ratio == 4:
@@ -296,10 +305,12 @@ def static_attention(attn, x, kern: _Kernels, sp: StaticPlan, layer: int, quant)
             qi, wi = attn.indexer.queries(x, cq, pos, attn.rope, quant, bound, memo)
             selected = kern.select(sp, layer, qi, wi, attn.indexer.topk)
     q = attn.queries_from_latent(cq, pos, x.dtype, bound, memo)
-    kv = attn.project_kv(x, pos, quant, bound, memo, xkv)
-    kern.store(cache.swa[layer], cache.capacity, sp.stage_ids, kv)
+    if xkv is None:
+        kv = attn.project_kv(x, pos, quant, bound, memo, xkv)
+        kern.store(cache.swa[layer], cache.capacity, sp.stage_ids, kv)
     side_stream.join(entries)
     side_stream.join(index)
+    side_stream.join(window)
     entry_pool, N, ids, lens = None, 0, None, None
     if attn.ratio:
         rp = sp.ratios[attn.ratio]
@@ -307,11 +318,15 @@ def static_attention(attn, x, kern: _Kernels, sp: StaticPlan, layer: int, quant)
         if selected is None:
             ids, lens = rp.all_visible_ids_i32, rp.n_visible_i32
         else:
-            ids = _global(selected, sp.req_index, sp.page_table, N).int()
+            ids, lens = selected
     o = kern.attend(q, cache.swa[layer], cache.capacity, sp.window_ids_i32, entry_pool, N, ids,
                     lens, attn.attn_sink, attn.head_dim ** -0.5)
-    kern.copy_rows(cache.swa[layer], cache.capacity, sp)
-    return attn.output(o, pos, x.dtype, bound, memo)
+    ring = side_stream.fork(dev, 3)
+    with side_stream.on(ring):
+        kern.copy_rows(cache.swa[layer], cache.capacity, sp)
+    out = attn.output(o, pos, x.dtype, bound, memo)
+    side_stream.join(ring)
+    return out
 
 
 def _emit(attn, comp, kern, sp, layer, kind, x, quant):
