@@ -13,6 +13,9 @@ expert next to the router and the routed experts) can run side by side instead:
     join(side)                               # the current stream waits for the side work
     out = routed + shared
 
+`record(side)` marks what is queued on a lane so far and `wait(other, mark)` makes another lane
+wait for just that part (a branch that needs an early result of a lane, not the whole lane).
+
 Inside a CUDA-graph capture fork / join become edges of the graph (parallel branches; allocations
 of a stream forked from the capturing one go to the graph's pool). `fork(device, lane)` keeps one
 stream per lane (lane 1, 2, ...: branches that should also overlap each other).
@@ -83,6 +86,22 @@ def on(side: torch.cuda.Stream | None):
             yield
     finally:
         _CURRENT.lane = before
+
+
+def record(side: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+    """A point in `side`'s queue (everything queued on it so far) that another lane can `wait`
+    for without waiting for what `side` runs after it; None inline."""
+    if side is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(side)
+    return event
+
+
+def wait(side: torch.cuda.Stream | None, event: torch.cuda.Event | None) -> None:
+    """`side` runs what is queued on it next only after `event` (from `record`) happened."""
+    if side is not None and event is not None:
+        side.wait_event(event)
 
 
 def join(side: torch.cuda.Stream | None) -> None:

@@ -275,22 +275,29 @@ def static_attention(attn, x, kern: _Kernels, sp: StaticPlan, layer: int, quant)
     cache = kern.cache
     pos, bound, memo = sp.positions, sp.position_bound, sp.rope_memo
     # On CUDA the branches that do not feed the queries run on side streams (side_stream.py),
-    # next to the query / key projections: the compressor's entries (lane 1) and, in CSA layers,
-    # the indexer compressor's keys, then (from cq on) the index queries and their top-k (lane
-    # 2); the window key's norm / RoPE / cache store (lane 3, from the fused wq_a + wkv rows
-    # on), all joined before attention; after attention the staged window rows' copy into the
-    # ring (lane 3 again) runs next to the output projection. The RoPE table all of them read
-    # is grown here first.
+    # next to the query / key projections: in CSA layers the indexer's head weights, then (all
+    # layers with a compressor) the compressor's entries (lane 1); the indexer compressor's keys
+    # (lane 4); from cq on the index queries, then, once the head weights and this step's keys
+    # are there, their scores and top-k (lane 2); the window key's norm / RoPE / cache store
+    # (lane 3, from the fused wq_a + wkv rows on). All joined before attention; after it the
+    # staged window rows' copy into the ring (lane 3 again) runs next to the output
+    # projection. The RoPE table all of them read is grown here first.
     dev = x.device
     attn.rope.table(bound, dev)
+    csa = attn.ratio == 4
     entries = side_stream.fork(dev, 1) if attn.ratio else None
+    weights_ready = keys_ready = None
     with side_stream.on(entries):
+        if csa:
+            wi = attn.indexer.head_weights(x)
+            weights_ready = side_stream.record(entries)
         if attn.ratio:
             _emit(attn, attn.compressor, kern, sp, layer, "main", x, quant)
-    index = side_stream.fork(dev, 2) if attn.ratio == 4 else None
-    with side_stream.on(index):
-        if attn.ratio == 4:
+    keys = side_stream.fork(dev, 4) if csa else None
+    with side_stream.on(keys):
+        if csa:
             _emit(attn, attn.indexer.compressor, kern, sp, layer, "indexer", x, quant)
+            keys_ready = side_stream.record(keys)
     xq, xkv = attn.fused_rows(x)
     window = side_stream.fork(dev, 3) if xkv is not None else None
     with side_stream.on(window):
@@ -298,17 +305,20 @@ def static_attention(attn, x, kern: _Kernels, sp: StaticPlan, layer: int, quant)
             kv = attn.project_kv(x, pos, quant, bound, memo, xkv)
             kern.store(cache.swa[layer], cache.capacity, sp.stage_ids, kv)
     cq = attn.query_latent(x, xq)
-    selected = None
-    if attn.ratio == 4:
-        index = side_stream.fork(dev, 2)                    # (again) after cq
+    selected = index = None
+    if csa:
+        index = side_stream.fork(dev, 2)                    # after cq
         with side_stream.on(index):
-            qi, wi = attn.indexer.queries(x, cq, pos, attn.rope, quant, bound, memo)
+            qi = attn.indexer.index_queries(cq, pos, attn.rope, quant, bound, memo)
+            side_stream.wait(index, weights_ready)
+            side_stream.wait(index, keys_ready)
             selected = kern.select(sp, layer, qi, wi, attn.indexer.topk)
     q = attn.queries_from_latent(cq, pos, x.dtype, bound, memo)
     if xkv is None:
         kv = attn.project_kv(x, pos, quant, bound, memo, xkv)
         kern.store(cache.swa[layer], cache.capacity, sp.stage_ids, kv)
     side_stream.join(entries)
+    side_stream.join(keys)
     side_stream.join(index)
     side_stream.join(window)
     entry_pool, N, ids, lens = None, 0, None, None

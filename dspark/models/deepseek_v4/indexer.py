@@ -29,12 +29,18 @@ class Indexer(nn.Module):
     def queries(self, x, cq, positions, rope, quant, bound=None, memo=None):
         """Index queries [T, Hi, d] (fp32) and head weights [T, Hi] (fp32). ``bound``, ``memo``:
         see Rope.rows."""
+        return (self.index_queries(cq, positions, rope, quant, bound, memo),
+                self.head_weights(x))
+
+    def index_queries(self, cq, positions, rope, quant, bound=None, memo=None):
+        """The index queries [T, Hi, d] (fp32) from the query latent cq."""
         q = self.wq_b(cq).view(-1, self.n_heads, self.head_dim)
         q = norm_rope(q, rope, positions, bound=bound, memo=memo, out_dtype=torch.float32)
-        if quant is not None:
-            q = quant.indexer(q)
-        w = F.linear(x, self.weights_proj.weight).float() * (self.head_dim * self.n_heads) ** -0.5
-        return q, w
+        return q if quant is None else quant.indexer(q)
+
+    def head_weights(self, x):
+        """The per-head score weights [T, Hi] (fp32) from the layer input x (no cq needed)."""
+        return F.linear(x, self.weights_proj.weight).float() * (self.head_dim * self.n_heads) ** -0.5
 
     @staticmethod
     def select(q, w, keys, positions, ratio: int, topk: int) -> torch.Tensor:
