@@ -145,14 +145,19 @@ SKINNY_VARIANTS = [("stages 1", dict(num_stages=1)),
                    # weight tiles by TMA bulk copies (session 10: neutral, wq_b 15.8 vs 16.1 us)
                    ("tma", dict(tma=True)), ("tma stages 4", dict(tma=True, num_stages=4)),
                    ("tma bn 128", dict(bn=128, tma=True)),
-                   ("tma split x2", dict(split_mult=2, tma=True))]
+                   ("tma split x2", dict(split_mult=2, tma=True)),
+                   # fp16 MMA operands: e4m3 pairs to f16 pairs in one conversion (the bf16
+                   # path goes through fp32), x rounded to fp16 (exact inside its range)
+                   ("fp16", dict(precision="fp16")),
+                   ("warps 2", dict(num_warps=2)), ("warps 8", dict(num_warps=8))]
 
 
-def skinny_variant(T, N, K, bn=64, split_mult=1.0, num_warps=4, num_stages=3, tma=False):
+def skinny_variant(T, N, K, bn=64, split_mult=1.0, num_warps=4, num_stages=3, tma=False,
+                   precision="bf16"):
     bt = max(16, fg.triton.next_power_of_2(T))
     split = fg._fill_splits(fg.triton.cdiv(N, bn) * fg.triton.cdiv(T, bt), K)
     split = max(1, min(fg.triton.cdiv(K, 128), round(split * split_mult)))
-    return lambda x, w, s: fg.fp8_skinny_triton(x, w, s, N, K, torch.bfloat16, "bf16",
+    return lambda x, w, s: fg.fp8_skinny_triton(x, w, s, N, K, torch.bfloat16, precision,
                                                 block=(bn, bt, split), num_warps=num_warps,
                                                 num_stages=num_stages, tma=tma)
 

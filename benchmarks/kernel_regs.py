@@ -187,6 +187,10 @@ def _fp8_cases():
         yield ("_fp8_skinny_kernel", f"BLOCK_N={bn} BLOCK_T={bt} SPLIT={split} warps=4",
                fg._fp8_skinny_kernel, ssig, {"BLOCK_N": bn, "BLOCK_T": bt, "BLOCK_K": fg.FP8_BLOCK,
                                              "PRECISION": "bf16", "SPLIT": split}, 4, 3, None)
+    for split in (1, 8):      # the default for bf16 x: fp16 operands (+ the unpipelined rescue)
+        yield ("_fp8_skinny_kernel", f"BLOCK_N=64 BLOCK_T=16 SPLIT={split} warps=4 fp16",
+               fg._fp8_skinny_kernel, ssig, {"BLOCK_N": 64, "BLOCK_T": 16, "BLOCK_K": fg.FP8_BLOCK,
+                                             "PRECISION": "fp16", "SPLIT": split}, 4, 3, None)
     tsig = dict(ssig, w_ptr="tensordesc<u8[64,128]>")       # weight tiles by TMA
     for split, st in ((1, 3), (5, 3), (1, 4)):
         yield ("_fp8_skinny_kernel", f"BLOCK_N=64 BLOCK_T=16 SPLIT={split} warps=4 tma stages={st}",

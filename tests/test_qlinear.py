@@ -88,6 +88,29 @@ def test_fp8_skinny_matches_dequant(T, N, K, block, monkeypatch):
 
 
 @triton_ok
+@pytest.mark.parametrize("block", [(32, 16, 1), (32, 16, 3)])
+def test_fp8_skinny_fp16_operands_and_their_overflow_rescue(block):
+    """fp16 MMA operands (the default for bf16 x on CUDA): bf16 x inside fp16's range gives the
+    exact sums (to fp32 order); a token whose x overflows fp16 (> 65504) has its partials redone
+    with the bf16 / exact operands, so it and the other tokens stay right (no inf / nan)."""
+    T, N, K = 3, 96, 384
+    gen = torch.Generator().manual_seed(5)
+    w, s = quant_fp8_blocks(_spread(N, K, gen, 128))
+    x = (torch.randn(T, K, generator=gen) * torch.exp2(torch.randint(-20, 4, (T, K),
+                                                                     generator=gen))).bfloat16()
+    wd = dequant_fp8_blocks(w, s).double()
+    x2, wu, su = fp8g.flat_operands(x.to(DEV), K, w.to(DEV), s.to(DEV))
+    y = fp8g.fp8_skinny_triton(x2, wu, su, N, K, torch.float32, "fp16", block=block)
+    assert rel_err(y.cpu(), F.linear(x.double(), wd)) < 1e-5
+    x[1, 7] = 3.0e5                                       # past fp16's range
+    x2, wu, su = fp8g.flat_operands(x.to(DEV), K, w.to(DEV), s.to(DEV))
+    y = fp8g.fp8_skinny_triton(x2, wu, su, N, K, torch.float32, "fp16", block=block)
+    ref = F.linear(x.double(), wd)
+    assert torch.isfinite(y).all() and rel_err(y.cpu(), ref) < 1e-5
+    assert int(fp8g._arrival_counters(y.device, 1).abs().sum()) == 0
+
+
+@triton_ok
 @pytest.mark.parametrize("T,G,R,K", [(1, 2, 128, 256), (5, 3, 256, 130)])
 def test_fp8_grouped_skinny_matches_per_group(T, G, R, K):
     """Grouped projection (attention wo_a) in one skinny launch: group g's rows times x[:, g]

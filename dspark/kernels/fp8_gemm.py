@@ -102,11 +102,35 @@ def _fp8_linear_kernel(
 
 
 @triton.jit
+def _skinny_tiles(x_base, stride_xt, w_ptr, stride_wn, s_ptr, stride_sn, rn, n_ok, rt, t_ok, rk,
+                  s_row, k_lo, k_hi, K, n0, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+                  PRECISION: tl.constexpr, TMA: tl.constexpr, UNPIPELINED: tl.constexpr = False):
+    """fp32 [BLOCK_N, BLOCK_T]: the weight rows rn times x^T over columns k_lo..k_hi, each
+    128-column tile's scale applied to its partial sum. UNPIPELINED: no cp.async stages (the
+    rare overflow rescue: costs no registers / shared memory next to the main loop)."""
+    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    for k0 in tl.range(k_lo, k_hi, 128, num_stages=1 if UNPIPELINED else None):
+        kk = k0 + rk
+        k_ok = kk < K
+        if TMA:
+            w = w_ptr.load([n0, k0]).to(tl.float8e4nv, bitcast=True)
+            scale = _e8m0_to_f32(tl.load(s_ptr + s_row * stride_sn + k0 // 128).to(tl.int32))
+        else:
+            w, scale = _fp8_tile(w_ptr, stride_wn, rn, n_ok, kk, k_ok, s_ptr, stride_sn, s_row,
+                                 k0)
+        xt = tl.load(x_base + rt[None, :] * stride_xt + kk[:, None],
+                     mask=t_ok[None, :] & k_ok[:, None], other=0.0)
+        acc += _mma(w, xt, PRECISION) * scale
+    return acc
+
+
+@triton.jit
 def _fp8_skinny_kernel(
     x_ptr, stride_xt, stride_xg, w_ptr, stride_wn, s_ptr, stride_sn, y_ptr, stride_yt, ws_ptr,
     cnt_ptr, T, N, K, K_PER_SPLIT, GROUP_ROWS,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr = False,
+    RESCUE: tl.constexpr = "bf16",
 ):
     """Few tokens (decode, verify): y^T = W x^T with the weight rows as the MMA's M side
     ("swap AB": a [BLOCK_N, 128] weight tile against x^T [128, BLOCK_T], so 64-128 weight rows
@@ -132,22 +156,21 @@ def _fp8_skinny_kernel(
     n_ok = rn < N
     t_ok = rt < T
     s_row = (pid_n * BLOCK_N) // 128                       # BLOCK_N divides 128
-    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     x_base = x_ptr + ((pid_n * BLOCK_N) // GROUP_ROWS).to(tl.int64) * stride_xg
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        kk = k0 + rk
-        k_ok = kk < K
-        if TMA:
-            w = w_ptr.load([pid_n * BLOCK_N, k0]).to(tl.float8e4nv, bitcast=True)
-            scale = _e8m0_to_f32(tl.load(s_ptr + s_row * stride_sn + k0 // 128).to(tl.int32))
-        else:
-            w, scale = _fp8_tile(w_ptr, stride_wn, rn, n_ok, kk, k_ok, s_ptr, stride_sn, s_row,
-                                 k0)
-        xt = tl.load(x_base + rt[None, :] * stride_xt + kk[:, None],
-                     mask=t_ok[None, :] & k_ok[:, None], other=0.0)
-        acc += _mma(w, xt, PRECISION) * scale
+    acc = _skinny_tiles(x_base, stride_xt, w_ptr, stride_wn, s_ptr, stride_sn, rn, n_ok, rt, t_ok,
+                        rk, s_row, k_lo, k_hi, K, pid_n * BLOCK_N, BLOCK_N, BLOCK_T, PRECISION, TMA)
+    if PRECISION == "fp16":
+        # x was rounded to fp16: exact for |x| in [2^-14, 65504] (e4m3 weights always are), an
+        # absolute error below 2^-25 under it, inf past it. A partial that is not finite (an
+        # overflowed x, or non-finite input) is redone with RESCUE operands (bf16; exact fp32
+        # under the interpreter).
+        bad = tl.sum(tl.where(tl.abs(acc) < float("inf"), 0, 1), axis=1)
+        if tl.sum(bad, axis=0) > 0:
+            acc = _skinny_tiles(x_base, stride_xt, w_ptr, stride_wn, s_ptr, stride_sn, rn, n_ok,
+                                rt, t_ok, rk, s_row, k_lo, k_hi, K, pid_n * BLOCK_N, BLOCK_N,
+                                BLOCK_T, RESCUE, TMA, True)
     out = y_ptr + rt[None, :] * stride_yt + rn[:, None]
     ok = n_ok[:, None] & t_ok[None, :]
     if SPLIT == 1:
@@ -235,6 +258,19 @@ def skinny_pipeline() -> dict:
     return {}
 
 
+def skinny_precision(x_dtype: torch.dtype, precision: str | None = None) -> str:
+    """The skinny kernel's MMA operands: fp16 for bf16 x (DSPARK_FP8_FP16=0: bf16). e4m3 -> f16
+    is one conversion per value pair (-> bf16 goes through fp32: 96 instead of 48 conversions
+    per thread and tile, 312 vs 225 loop instructions offline on sm_90). H200, session 12
+    (bench_decode_kernels, cold L2, T = 1): wq_b 15.8 -> 12.9 us, wo_b 20.0 -> 15.4, wq_a + wkv
+    7.2 -> 6.1, shared w1 + w3 11.2 -> 9.3. x in fp16 is exact inside its normal range and off by
+    < 2^-25 below it; a tile partial that overflowed is redone in bf16 (see the kernel)."""
+    if precision is None and x_dtype == torch.bfloat16 and not _interpreting() \
+            and os.environ.get("DSPARK_FP8_FP16", "1") != "0":
+        return "fp16"
+    return _pick_precision(x_dtype, precision)
+
+
 def skinny_enabled() -> bool:
     """The swap-AB few-token kernel is the default for T <= SKINNY_MAX_T (DSPARK_FP8_SKINNY=0
     switches back to the split-K MMA kernel + host-side sum, for A/B runs)."""
@@ -273,7 +309,8 @@ def fp8_skinny_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: i
         x2, x2.stride(0), stride_xg, w_arg, wu.stride(0), su, su.stride(0), y, y.stride(0), ws,
         cnt,
         T, N, K, k_per, R, BLOCK_N=BN, BLOCK_T=BT, BLOCK_K=FP8_BLOCK, PRECISION=precision,
-        SPLIT=split, TMA=tma, num_warps=num_warps, num_stages=num_stages)
+        SPLIT=split, TMA=tma, RESCUE=_pick_precision(x2.dtype, None), num_warps=num_warps,
+        num_stages=num_stages)
     return y
 
 
@@ -315,7 +352,7 @@ def fp8_linear_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     if T == 0:
         return x.new_zeros(*lead, N)
     if block is None and T <= SKINNY_MAX_T and skinny_enabled():
-        return fp8_skinny_triton(x2, wu, su, N, K, x.dtype, _pick_precision(x.dtype, precision),
+        return fp8_skinny_triton(x2, wu, su, N, K, x.dtype, skinny_precision(x.dtype, precision),
                                  **skinny_pipeline()).reshape(*lead, N)
     BM, BN, split = block or _pick_blocks(T, N, K, _interpreting())
     assert FP8_BLOCK % BN == 0, BN
@@ -347,7 +384,7 @@ def fp8_linear_grouped(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, gr
             or x.stride(-1) != 1):
         return None
     _, wu, su = flat_operands(x[:, 0], K, w, scale)
-    y = fp8_skinny_triton(x, wu, su, N, K, x.dtype, _pick_precision(x.dtype, None),
+    y = fp8_skinny_triton(x, wu, su, N, K, x.dtype, skinny_precision(x.dtype),
                           groups=groups, **skinny_pipeline())
     return y.view(T, groups, N // groups)
 
