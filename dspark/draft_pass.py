@@ -73,14 +73,16 @@ class DraftPass:
     def to_device(self, rows, dtype) -> torch.Tensor:
         return to_device(rows, dtype, self.device)
 
-    def _fused_sampling(self, greedy: bool, use_top_k: bool, use_top_p: bool) -> bool:
+    def _fused_sampling(self, greedy: bool, use_top_k: bool, use_top_p: bool, rows: int) -> bool:
         """Whether the Markov steps draw through one Triton launch each (fused_sample) instead of
-        torch ops: sampled requests, without top-k / top-p or with DSPARK_FUSED_FILTERS=1 (then
-        filter_logits first: two launches per step). Part of the graph key, so
-        DSPARK_FUSED_SAMPLING / DSPARK_FUSED_FILTERS switch a captured pass too."""
+        torch ops: sampled requests, without top-k / top-p or where fused_filters_enabled says
+        so for `rows` rows of the vocabulary (then filter_logits first: two launches per step).
+        Part of the graph key, so DSPARK_FUSED_SAMPLING / DSPARK_FUSED_FILTERS switch a captured
+        pass too."""
         if greedy or not fused_sampling_enabled(self.device):
             return False
-        return not (use_top_k or use_top_p) or fused_filters_enabled(self.device)
+        return not (use_top_k or use_top_p) or fused_filters_enabled(
+            self.device, rows, self.head.weight.shape[0])
 
     def _fill(self, buffer: torch.Tensor, rows, dtype):
         buffer.copy_(torch.tensor(rows, dtype=dtype).pin_memory(), non_blocking=True)
@@ -106,8 +108,8 @@ class DraftPass:
         bound = self.position_bound(max(r.num_committed for r in reqs) + self.gamma + 1)
         use_top_k, use_top_p = filters_used([r.params for r in reqs])
         greedy = all(r.params.greedy for r in reqs)
-        fused = self._fused_sampling(greedy, use_top_k, use_top_p)
         size = bucket_size(R)
+        fused = self._fused_sampling(greedy, use_top_k, use_top_p, size)
 
         def capture():
             ints, floats = self._host_inputs([], size)

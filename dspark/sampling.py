@@ -170,14 +170,22 @@ def fused_sampling_enabled(device) -> bool:
     return flag == "1" or (torch.device(device).type == "cuda" and flag != "0")
 
 
-def fused_filters_enabled(device) -> bool:
-    """Whether requests with top-k / top-p take the fused kernels as well, their logits first
-    filtered by `kernels.sampling_filters.filter_logits` (one launch; the same kept tokens as
-    probs_from_logits' top-k, top-p within rounding): DSPARK_FUSED_FILTERS=1 and fused sampling
-    on. Opt-in until timed against the torch path's sort on a GPU
-    (benchmarks/bench_sampling_filters.py): one program per row reads the row three times with
-    top-k <= 512, or with top-p alone when the lane maxima carry p of the mass; else ~20 times."""
-    return os.environ.get("DSPARK_FUSED_FILTERS", "") == "1" and fused_sampling_enabled(device)
+def fused_filters_enabled(device, rows: int = 1, vocab: int = 0) -> bool:
+    """Whether `rows` rows of `vocab` logits with top-k / top-p take the fused kernels as well,
+    first filtered by `kernels.sampling_filters.filter_logits` (one launch; the same kept tokens
+    as probs_from_logits' top-k, top-p within rounding), when fused sampling is on.
+    DSPARK_FUSED_FILTERS=1 / =0 force it on / off; by default it is on where it measured faster
+    than the torch path's sort: one program per row streams its row a few times, so it wins on
+    small vocabularies and on many rows, not on one long row. H200, session 12
+    (benchmarks/bench_sampling_filters.py, top-k 50 + top-p 0.9; us torch / fused):
+    V 512: 83 / 39 (1 row), 94 / 37 (48 rows); V 32768: 144 / 191 (1), 214 / 190 (6), 371 / 191
+    (48); V 129280: 252 / 722 (1), 516 / 723 (6), 1168 / 803 (48). Rule: vocab <= 8192 or
+    rows * 4096 >= vocab. Engine, the shipped pair (V 512), batch 1, T = 1, top-k 50, top-p
+    0.9: 505 -> 988 tokens/s."""
+    flag = os.environ.get("DSPARK_FUSED_FILTERS", "")
+    if flag == "0" or not fused_sampling_enabled(device):
+        return False
+    return flag == "1" or vocab <= 8192 or rows * 4096 >= vocab
 
 
 def _mix32(x):

@@ -129,6 +129,24 @@ def test_engine_with_top_k_top_p_through_the_fused_kernels(monkeypatch):
     assert outs["0"] == outs["1"]
 
 
+def test_fused_filters_rule(monkeypatch):
+    """By default the fused filters take small vocabularies and many rows (where they measured
+    faster), not one long row; DSPARK_FUSED_FILTERS=0 / 1 force the choice; never without fused
+    sampling."""
+    from dspark.sampling import fused_filters_enabled
+    monkeypatch.setenv("DSPARK_FUSED_SAMPLING", "1")
+    monkeypatch.delenv("DSPARK_FUSED_FILTERS", raising=False)
+    assert fused_filters_enabled("cpu", 1, 512) and fused_filters_enabled("cpu", 48, 129280)
+    assert not fused_filters_enabled("cpu", 1, 129280) and not fused_filters_enabled("cpu", 6, 129280)
+    monkeypatch.setenv("DSPARK_FUSED_FILTERS", "1")
+    assert fused_filters_enabled("cpu", 1, 129280)
+    monkeypatch.setenv("DSPARK_FUSED_FILTERS", "0")
+    assert not fused_filters_enabled("cpu", 48, 512)
+    monkeypatch.setenv("DSPARK_FUSED_SAMPLING", "0")
+    monkeypatch.delenv("DSPARK_FUSED_FILTERS")
+    assert not fused_filters_enabled("cpu", 48, 512)
+
+
 def test_candidate_list_overflow_falls_back_to_the_row():
     """More tokens at or above the lane-maximum bound than the list holds (cap 2): the searches
     walk the whole row and keep the same tokens."""

@@ -120,7 +120,7 @@ class Qwen3DraftPass(DraftPass):
                                    f"(dspark.md §2.7)")
         use_top_k, use_top_p = filters_used([r.params for r in reqs])
         greedy = all(r.params.greedy for r in reqs)
-        fused = self._fused_sampling(greedy, use_top_k, use_top_p)
+        fused = self._fused_sampling(greedy, use_top_k, use_top_p, bucket_size(R))
         longest = max(r.num_committed for r in reqs)
         if self.cuda_graphs:
             size, ctx = bucket_size(R), context_bucket(longest)

@@ -81,7 +81,8 @@ def decide(reqs, logits, first_rows, lengths, anchor_pos, gamma: int) -> Decisio
                 q[i] = r.draft.probs if r.draft.probs is not None else \
                     torch.zeros(g, V, device=dev).scatter_(1, r.draft.tokens[:, None], 1.0)
     filters = use_top_k or use_top_p
-    fused = fused_sampling_enabled(dev) and (not filters or fused_filters_enabled(dev))
+    fused = fused_sampling_enabled(dev) and (
+        not filters or fused_filters_enabled(dev, R * (g + 1), logits.shape[-1]))
     if fused:
         from ..kernels.sampling import fused_verify   # Triton: imported only when used
     if fused and not filters:
