@@ -19,6 +19,7 @@ from dspark.kvcache import layouts as L
 from dspark.kvcache.paged import PagedKVCache
 from dspark.models.deepseek_v4.graph import SCRATCH_RID, V4DecodeGraphs, reserve_scratch
 from dspark.request import BlockTokens
+from dspark.sampling import argmax_rows
 from dspark.runner import ModelRunner
 from paged_helpers import load_model, rel_err
 from triton_env import DEV, gpu, needs_cuda, triton_ok
@@ -141,6 +142,8 @@ def drive(model, kv_dtype, backend, prefill_lens, n_steps, tol, seed=0, device="
         assert out is not None, items
         lg, tg = out
         assert lg.shape == le.shape and tg.shape == te.shape
+        # the rows' argmax computed in the same forward (decide reads it): argmax_rows' values
+        assert torch.equal(lg.row_argmax.cpu(), argmax_rows(lg, two_pass=True).cpu())
         if log is not None:
             rows = [rel_err(a, b) for a, b in zip(lg.cpu(), le.cpu())]
             log.append((kind, [(r, p, len(t)) for r, p, t in items], rel_err(lg.cpu(), le.cpu()),

@@ -302,3 +302,28 @@ def test_host_twins_match_the_tensor_versions():
                                        mx.tolist())
         assert [len(o) for o in out] == n.tolist() and [int(f) for f in hfin] == fin.tolist()
         assert out == [t[:k] for t, k in zip(toks.tolist(), n.tolist())]
+
+
+def test_decide_reads_the_argmax_a_graph_attached():
+    """Greedy decisions take the rows' argmax the runner's graph computed with the logits
+    (`logits.row_argmax`), plain decode and verify rows alike, and compute it without one."""
+    from types import SimpleNamespace
+
+    from dspark.sampling import SamplingParams
+    from dspark.spec.accept import decide
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 50, generator=gen)
+    reqs = [SimpleNamespace(params=SamplingParams(temperature=0), seed=0,
+                            draft=SimpleNamespace(tokens=torch.tensor([1]), probs=None))
+            for _ in range(2)]
+    plain = decide([SimpleNamespace(params=SamplingParams(temperature=0), seed=0,
+                                                     draft=None) for _ in range(4)],
+                   logits, [0, 1, 2, 3], [0] * 4, [5] * 4, 2)
+    assert torch.equal(plain.head[:, 0], logits.argmax(-1))
+    hint = torch.tensor([7, 8, 9, 10])
+    logits.row_argmax = hint
+    plain = decide([SimpleNamespace(params=SamplingParams(temperature=0), seed=0, draft=None)
+                    for _ in range(4)], logits, [0, 1, 2, 3], [0] * 4, [5] * 4, 2)
+    assert torch.equal(plain.head[:, 0], hint)
+    blocks = decide(reqs, logits, [0, 2], [1, 1], [5, 6], 1)      # rows [0, 1] and [2, 3]
+    assert torch.equal(blocks.head, hint.view(2, 2))

@@ -35,6 +35,13 @@ class Decision:
         return self.head[:, 0] if self.greedy else self.head[:, 1]
 
 
+def _row_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[rows] argmax of each logit row: the one the runner's graph computed with the logits
+    (`logits.row_argmax`, V4DecodeGraphs) when there is one, else argmax_rows (same values)."""
+    got = getattr(logits, "row_argmax", None)
+    return got if got is not None else argmax_rows(logits)
+
+
 def decide(reqs, logits, first_rows, lengths, anchor_pos, gamma: int) -> Decision:
     """The device part of a round's acceptance, nothing read back: per request the target's
     argmax rows (greedy) or [accepted a, next token y] (sampled verification, exact law).
@@ -46,7 +53,7 @@ def decide(reqs, logits, first_rows, lengths, anchor_pos, gamma: int) -> Decisio
     if greedy and not any(lengths) and list(first_rows) == list(range(logits.shape[0])):
         # a plain greedy decode step (one logit row per request, nothing verified): the rows'
         # argmaxes as they are: no row indices to upload, no gather, no drafts
-        head = argmax_rows(logits)[:, None]                                      # [R, 1]
+        head = _row_argmax(logits)[:, None]                                      # [R, 1]
         return Decision(head, head.new_empty(R, 0), False, True)
     # the host integers the device part needs in ONE upload (pinned and asynchronous on
     # CUDA; a tensor per field costs a synchronous copy each): target rows [R, γ+1] (row i
@@ -67,7 +74,7 @@ def decide(reqs, logits, first_rows, lengths, anchor_pos, gamma: int) -> Decisio
     if greedy:
         # greedy fast path: argmaxes only, no softmax over V, no random draws; the compare
         # runs on the host after the one read back
-        return Decision(argmax_rows(logits[row_idx]), drafts, verified, True)  # [R, γ+1]
+        return Decision(_row_argmax(logits)[row_idx], drafts, verified, True)   # [R, γ+1]
     use_top_k, use_top_p = filters_used([r.params for r in reqs])
     # q = None: every verified draft is a point mass at its token (greedy drafts, or
     # nothing verified), which verify and fused_verify build implicitly

@@ -47,6 +47,7 @@ from dspark.graph_capture import capture, pow2_buckets, step_bucket, warm_up
 from dspark.kvcache.paged import copy_rows
 from dspark.models import side_stream
 from dspark.request import BlockTokens
+from dspark.sampling import argmax_rows
 
 from . import host_plan as hp
 from .compressor import gated_pool
@@ -448,6 +449,9 @@ class V4DecodeGraphs:
         self._uploaded = None
         D, V = model.cfg.hidden_size, model.cfg.vocab_size
         self.logits_out = torch.zeros(R, V, dtype=torch.float32, device=dev)
+        # each row's argmax, computed in the graph too: a greedy step's decision then costs the
+        # host no argmax launches (sampling.argmax_rows' ~5 ops: ~0.1 ms of host per step)
+        self.argmax_out = torch.zeros(R, dtype=torch.long, device=dev)
         self.taps_out = (torch.zeros(R, len(self.tap_layers) * D, dtype=torch.float32,
                                      device=dev) if self.tap_layers else None)
         self.graphs: dict = {}
@@ -494,6 +498,7 @@ class V4DecodeGraphs:
                              self.bound)
         X, taps = static_forward(self.model, self.kernels, sp, inp.token_ids, self.tap_layers)
         self.logits_out[:B * q].copy_(self.model.logits(X))
+        self.argmax_out[:B * q].copy_(argmax_rows(self.logits_out[:B * q]))
         if taps is not None:
             self.taps_out[:B * q].copy_(taps)
 
@@ -502,7 +507,10 @@ class V4DecodeGraphs:
     def run(self, items):
         """(logits fp32 [R·q, V], taps [R·q, len(tap_layers)·D] or None) for items =
         [(request id, start, tokens)] in flat (request-major) row order, with the cache checks
-        and bookkeeping of the eager plan; None if the step does not fit (nothing changed)."""
+        and bookkeeping of the eager plan; None if the step does not fit (nothing changed).
+        The logits carry their rows' argmax (sampling.argmax_rows, computed in the same graph)
+        as `logits.row_argmax` (int64 [R·q]), which spec.accept.decide reads instead of
+        launching its own."""
         key = self.bucket(items)
         rids = [rid for rid, _, _ in items]
         if key is None or len(set(rids)) != len(rids) or SCRATCH_RID in rids:
@@ -564,7 +572,9 @@ class V4DecodeGraphs:
         self.num_replays += 1
         T = R * q
         taps = self.taps_out[:T].clone() if self.taps_out is not None else None
-        return self.logits_out[:T].clone(), taps
+        logits = self.logits_out[:T].clone()
+        logits.row_argmax = self.argmax_out[:T].clone()
+        return logits, taps
 
     # ---- the step's plan, and the next decode step's computed ahead ----------------------------
     def _fill_positions(self, items, B, q, P, pos, st, sl, va, pt) -> bool:
