@@ -103,6 +103,19 @@ def views(layout: PlanLayout, words: torch.Tensor) -> dict:
             for name, (first, shape, dt) in layout.fields.items()}
 
 
+_STATIC: dict = {}        # (cache id, what, shape args) -> position-independent arrays
+
+
+def _static(cache, key, make):
+    """Arrays that depend on the bucket and the cache geometry only, built once: a step's plan
+    is ~100 numpy ops on tiny arrays (~1 us each), so the constant ones are not redone."""
+    k = (id(cache),) + key
+    got = _STATIC.get(k)
+    if got is None:
+        got = _STATIC[k] = make()
+    return got
+
+
 def host_plan(cache, B: int, q: int, P: int, pos, req_start, req_slot, req_valid, page_table,
               scratch_page: int) -> dict:
     """Numpy twin of graph.derive_plan: {field: array} for int64 host inputs pos [B*q], req_start
@@ -112,14 +125,18 @@ def host_plan(cache, B: int, q: int, P: int, pos, req_start, req_slot, req_valid
     T = B * q
     pos, pt = np.asarray(pos, np.int64), np.asarray(page_table, np.int64)
     st, sl = np.asarray(req_start, np.int64), np.asarray(req_slot, np.int64)
-    tok = np.arange(T, dtype=np.int64)
-    req = tok // q
+    W, C = cache.window, cache.capacity
+
+    def make():
+        tok = np.arange(T, dtype=np.int64)
+        # the staged rows' ids of window column w: stage_base + tok + qw - pos, qw - pos fixed
+        stage_win = cache.stage_base + tok[:, None] - (W - 1) + np.arange(W)
+        return tok, tok // q, stage_win, np.arange(W) - (W - 1)
+    tok, req, stage_win, offs = _static(cache, ("window", B, q), make)
     valid_r = np.asarray(req_valid) != 0
     valid_t, s_t, slot_t = valid_r[req], st[req], sl[req]
-    W, C = cache.window, cache.capacity
-    qw = pos[:, None] - (W - 1) + np.arange(W)
-    win = np.where(qw >= s_t[:, None], cache.stage_base + tok[:, None] + qw - pos[:, None],
-                   slot_t[:, None] * C + qw % C)
+    qw = pos[:, None] + offs
+    win = np.where(qw >= s_t[:, None], stage_win, slot_t[:, None] * C + qw % C)
     window_ids = np.where((qw >= 0) & valid_t[:, None], win, -1)
     stage = cache.stage_base + tok
     ring_dst = slot_t * C + pos % C
@@ -140,23 +157,35 @@ def _ratio_plan(cache, m, B, q, P, pos, st, sl, valid_r, valid_t, slot_t, req, p
     T, R = B * q, cache.comp_ring(m)
     E, cm, N = _shapes(cache, m, B, q, P)
     c, K = cm // m, E // B
-    e = np.arange(E, dtype=np.int64)
-    i = e // K
-    j = st[i] // m + e % K
-    ok = (j < (st[i] + q) // m) & valid_r[i]
+
+    def make():
+        e = np.arange(E, dtype=np.int64)
+        i = e // K
+        local = np.arange(P * N)
+        return (i, e % K, np.arange(cm) - (c - 1) * m, i[:, None] * q, local, local // N,
+                local % N, [f"{m}.{k}" for k in _RATIO_FIELDS])
+    i, e_mod, offs, fresh_base, local, local_page, local_row, names = _static(
+        cache, ("ratio", m, B, q, P), make)
+    st_i = st[i]
+    j = st_i // m + e_mod
+    ok = (j < (st_i + q) // m) & valid_r[i]
     page = pt[i, np.minimum(j // N, P - 1)]
     dst = np.where(ok, page * N + j % N, scratch_page * N)
-    p = (j - (c - 1))[:, None] * m + np.arange(cm)                        # [E, c*m]
-    s_i = st[i][:, None]
+    p = (j * m)[:, None] + offs                                           # [E, c*m]
+    s_i = st_i[:, None]
     n_vis = np.where(valid_t, (pos + 1) // m, 0)
-    out = {"n_visible": n_vis, "n_visible_i32": n_vis.astype(np.int32), "emit_valid": ok,
-           "emit_dst": dst, "emit_pos": np.where(ok, j, 0) * m, "from_ring": p < s_i,
-           "ring_rows": sl[i][:, None] * R + p % R,
-           "fresh_rows": np.clip(i[:, None] * q + p - s_i, 0, T - 1), "before_zero": p < 0,
-           "persist_dst": slot_t * R + pos % R}
+    fresh = fresh_base + p - s_i
+    np.minimum(np.maximum(fresh, 0, out=fresh), T - 1, out=fresh)
+    values = [n_vis, n_vis.astype(np.int32), ok, dst, np.where(ok, j, 0) * m, p < s_i,
+              sl[i][:, None] * R + p % R, fresh, p < 0, slot_t * R + pos % R]
+    out = dict(zip(names, values))
     if m != 4:
-        local = np.arange(P * N)
-        ids = pt[req[:, None], local // N] * N + local % N
-        out["all_visible_ids"] = np.where(local < n_vis[:, None], ids, -1)
-        out["all_visible_ids_i32"] = out["all_visible_ids"].astype(np.int32)
-    return {f"{m}.{k}": v for k, v in out.items()}
+        ids = pt[req[:, None], local_page] * N + local_row
+        vis = np.where(local < n_vis[:, None], ids, -1)
+        out[f"{m}.all_visible_ids"] = vis
+        out[f"{m}.all_visible_ids_i32"] = vis.astype(np.int32)
+    return out
+
+
+_RATIO_FIELDS = ("n_visible", "n_visible_i32", "emit_valid", "emit_dst", "emit_pos", "from_ring",
+                 "ring_rows", "fresh_rows", "before_zero", "persist_dst")
