@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from dspark.kernels.cache_write import _bf16_round
+from dspark.models import side_stream
 
 # launch 1 aims at ~256 programs (H200: 132 SMs) split between token blocks and K chunks
 _TARGET_PROGRAMS = 256
@@ -84,8 +85,9 @@ def _finish_pre(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, c
                 T, D, S, K, norm_eps, hc_eps, sinkhorn_iters,
                 N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
                 BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HEAD: tl.constexpr,
-                OUT_BF16: tl.constexpr):
-    """Reduce the split-K partials of token t, then u (its D block) and, unless HEAD, post/comb."""
+                OUT_BF16: tl.constexpr, U: tl.constexpr = True):
+    """Reduce the split-K partials of token t, then u (its D block; unless not U) and, unless
+    HEAD, post/comb (by the D-block-0 program)."""
     t = tl.program_id(0)
     pid_d = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -102,12 +104,13 @@ def _finish_pre(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, c
                      + tl.load(base_ptr + i, mask=i_ok, other=0.0)) + hc_eps
     pre = tl.where(i_ok, pre, 0.0)
 
-    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    x = tl.load(x_ptr + (t * N + i[:, None]) * D + d[None, :], mask=i_ok[:, None] & d_ok[None, :],
-                other=0.0).to(tl.float32)
-    u = tl.sum(pre[:, None] * x, axis=0)
-    _store_rounded(u_ptr + t * D + d, u, d_ok, OUT_BF16)
+    if U:
+        d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        x = tl.load(x_ptr + (t * N + i[:, None]) * D + d[None, :],
+                    mask=i_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        u = tl.sum(pre[:, None] * x, axis=0)
+        _store_rounded(u_ptr + t * D + d, u, d_ok, OUT_BF16)
 
     if not HEAD:
         if pid_d == 0:
@@ -195,7 +198,8 @@ def _mixes(X: torch.Tensor, fn: torch.Tensor):
     return part, sq, S, BLOCK_R
 
 
-def _collapse(X, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, head: bool):
+def _collapse(X, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, head: bool,
+              deferred: bool = False):
     T, n, D = X.shape
     left = _partials_left_on(X, fn)
     X, fn = X.contiguous(), fn.contiguous()
@@ -207,13 +211,28 @@ def _collapse(X, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, head: bool):
     part, sq, S, BLOCK_R = left if left is not None else _mixes(X, fn)
     block_d, warps = FINISH_LAUNCH[T <= POST_NEXT_MAX_T]
     block_d = min(block_d, triton.next_power_of_2(D))
-    _finish_pre[(T, triton.cdiv(D, block_d))](
-        X, part, sq, base.float().contiguous(), scale.float().contiguous(), u, post, comb,
-        T, D, S, n * D, norm_eps, hc_eps, sinkhorn_iters,
-        N=n, BLOCK_N=triton.next_power_of_2(n), BLOCK_S=triton.next_power_of_2(S),
-        BLOCK_R=BLOCK_R, BLOCK_D=block_d, HEAD=head, OUT_BF16=X.dtype == torch.bfloat16,
-        num_warps=warps)
+    base, scale = base.float().contiguous(), scale.float().contiguous()
+    args = (X, part, sq, base, scale, u, post, comb, T, D, S, n * D, norm_eps, hc_eps,
+            sinkhorn_iters)
+    meta = dict(N=n, BLOCK_N=triton.next_power_of_2(n), BLOCK_S=triton.next_power_of_2(S),
+                BLOCK_R=BLOCK_R, BLOCK_D=block_d, OUT_BF16=X.dtype == torch.bfloat16,
+                num_warps=warps)
+    # u (what the sub-block needs now) first, alone; post / comb (the Sinkhorn chain, read by
+    # hc_post at the sub-block's end) by one more program per token, `deferred`: on a side
+    # stream that hc_post joins (side_stream.py: inline off CUDA), so the decode step waits
+    # for u only (the Sinkhorn iterations were the launch's long pole).
+    _finish_pre[(T, triton.cdiv(D, block_d))](*args, HEAD=True, **meta)
+    if not head:
+        side = side_stream.fork(X.device, _SINKHORN_LANE) if deferred else None
+        with side_stream.on(side):
+            _finish_pre[(T, 1)](*args, HEAD=False, U=False, **meta)
+        if side is not None:
+            setattr(post, _SIDE, side)
     return u, post, comb
+
+
+_SINKHORN_LANE = 5
+_SIDE = "_dspark_mhc_side"     # the side stream still writing a post / comb pair
 
 
 # `_finish_pre` launch (BLOCK_D, num_warps) for few tokens (True) / more (False). The Sinkhorn
@@ -253,6 +272,7 @@ def hc_post(o: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
     hc_pre skips its first launch."""
     T, n, D = X.shape
     assert o.shape == (T, D), f"o {tuple(o.shape)} does not match X {tuple(X.shape)}"
+    side_stream.join(getattr(post, _SIDE, None))      # post / comb of hc_pre's side launch
     out = torch.empty(T, n, D, dtype=X.dtype, device=X.device)
     if T == 0:
         return out
@@ -278,11 +298,15 @@ def hc_post(o: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
     return out
 
 
-def hc_pre(X, fn, base, scale, n: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
-    """X [T, n, D] -> (u [T, D] in X.dtype, post [T, n] fp32, comb [T, n, n] fp32)."""
+def hc_pre(X, fn, base, scale, n: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
+           deferred: bool = False):
+    """X [T, n, D] -> (u [T, D] in X.dtype, post [T, n] fp32, comb [T, n, n] fp32).
+    deferred: post / comb may still be being written on a side stream when this returns; only
+    for callers that hand them to hc_post alone (it waits for them), e.g. the model's blocks."""
     assert X.dim() == 3 and X.shape[1] == n, f"X {tuple(X.shape)} is not [T, {n}, D]"
     assert fn.shape[0] == (2 + n) * n, f"hc_pre fn has {fn.shape[0]} rows, expected {(2 + n) * n}"
-    return _collapse(X, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, head=False)
+    return _collapse(X, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, head=False,
+                     deferred=deferred)
 
 
 def hc_head(X, fn, base, scale, hc_eps: float, norm_eps: float) -> torch.Tensor:

@@ -118,11 +118,14 @@ class QuantMoE(MoE):
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         # the shared expert depends on x alone: on CUDA it runs on a side stream, its FP8 GEMVs
-        # overlapping the router and the routed experts' gate/up kernel (side_stream.py)
+        # overlapping the router and the routed experts' gate/up kernel (side_stream.py). The
+        # side stream forks here, but its kernels are queued after the router's: a CUDA graph
+        # launches branches in the order they were captured, and the router is on the critical
+        # path (H200 timeline: queued second it started ~7 us late, behind the shared GEMV)
         side = side_stream.fork(x.device, 1)
+        idx, w = self.gate(x, token_ids)
         with side_stream.on(side):
             shared = self.shared_experts(x)
-        idx, w = self.gate(x, token_ids)
         first = self.experts[0].w1
         limit = self.experts[0].limit
         cap = self.grouped_max_pairs

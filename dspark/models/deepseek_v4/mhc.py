@@ -33,11 +33,15 @@ def _kernels(*tensors):
     return mhc
 
 
-def hc_pre(X, fn, base, scale, n: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
-    """Returns (u [T, D] in X.dtype, post [T, n] fp32, comb [T, n, n] fp32)."""
+def hc_pre(X, fn, base, scale, n: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
+           deferred: bool = False):
+    """Returns (u [T, D] in X.dtype, post [T, n] fp32, comb [T, n, n] fp32). deferred (the
+    kernels): post / comb may still be in flight on a side stream, for a caller that only
+    passes them to hc_post (which waits for them)."""
     k = _kernels(X, fn, base, scale)
-    impl = k.hc_pre if k is not None else hc_pre_reference
-    return impl(X, fn, base, scale, n, sinkhorn_iters, hc_eps, norm_eps)
+    if k is None:
+        return hc_pre_reference(X, fn, base, scale, n, sinkhorn_iters, hc_eps, norm_eps)
+    return k.hc_pre(X, fn, base, scale, n, sinkhorn_iters, hc_eps, norm_eps, deferred=deferred)
 
 
 def hc_post(o: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,

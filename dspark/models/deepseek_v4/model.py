@@ -68,7 +68,7 @@ class Block(nn.Module):
         c = self.cfg
         return hc_pre(X, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_base"),
                       getattr(self, f"hc_{sub}_scale"), c.hc_mult, c.hc_sinkhorn_iters,
-                      c.hc_eps, c.rms_norm_eps)
+                      c.hc_eps, c.rms_norm_eps, deferred=True)   # post / comb: hc_post only
 
     def forward(self, X, batch, attn_fn=None, quant=None, next_fn=None):
         """X [T, n, D]. `attn_fn(attn_module, x, batch, layer_id)` overrides the attention core.
