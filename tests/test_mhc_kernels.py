@@ -134,6 +134,28 @@ def test_post_leaves_partials_for_next_pre(T, D, dtype):
 
 
 @triton_ok
+@pytest.mark.parametrize("T,D", [(1, 64), (20, 64)])
+def test_deferred_sinkhorn_launch_gives_the_same_streams(T, D, monkeypatch):
+    """DSPARK_MHC_SIDE=1 and hc_pre(deferred=True): post / comb come from a launch on a side
+    stream (CUDA; inline here) that hc_post joins. The hc_post result is bit-identical to the
+    plain path, also when main-stream allocations right after hc_pre reuse freed memory (T > 16:
+    the partials come from _mix_partials, not from a previous hc_post), and the side record
+    is dropped after the join."""
+    monkeypatch.setenv("DSPARK_MHC_SIDE", "1")
+    assert kernels.defer_enabled()
+    X, fn, base, scale, _, o = make_case(T, 4, D, torch.bfloat16, seed=T)
+    u0, post0, comb0 = kernels.hc_pre(X, fn, base, scale, 4, ITERS, HC_EPS, NORM_EPS)
+    want = kernels.hc_post(o, X, post0, comb0)
+    u, post, comb = kernels.hc_pre(X, fn, base, scale, 4, ITERS, HC_EPS, NORM_EPS, deferred=True)
+    scratch = [torch.full((T, 64), 7.0, device=X.device) for _ in range(8)]   # reuse pressure
+    got = kernels.hc_post(o, X, post, comb)
+    assert torch.equal(u, u0) and torch.equal(got, want) and len(scratch) == 8
+    assert getattr(post, kernels._SIDE, None) is None
+    monkeypatch.setenv("DSPARK_MHC_SIDE", "0")
+    assert not kernels.defer_enabled()
+
+
+@triton_ok
 def test_post_partials_padded_streams_and_ragged_width():
     check_post_then_pre(2, 3, 40, torch.float32, seed=5)
 

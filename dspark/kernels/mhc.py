@@ -32,6 +32,8 @@ whose float down-cast does not round correctly, gives the same bytes as the GPU.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -218,21 +220,36 @@ def _collapse(X, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, head: bool,
                 BLOCK_R=BLOCK_R, BLOCK_D=block_d, OUT_BF16=X.dtype == torch.bfloat16,
                 num_warps=warps)
     # u (what the sub-block needs now) first, alone; post / comb (the Sinkhorn chain, read by
-    # hc_post at the sub-block's end) by one more program per token, `deferred`: on a side
-    # stream that hc_post joins (side_stream.py: inline off CUDA), so the decode step waits
-    # for u only (the Sinkhorn iterations were the launch's long pole).
+    # hc_post at the sub-block's end) by one more program per token; `deferred` (and
+    # DSPARK_MHC_SIDE=1): on a side stream that hc_post joins (side_stream.py: inline off
+    # CUDA), so the decode step waits for u only (the Sinkhorn iterations were the launch's
+    # long pole).
     _finish_pre[(T, triton.cdiv(D, block_d))](*args, HEAD=True, **meta)
     if not head:
-        side = side_stream.fork(X.device, _SINKHORN_LANE) if deferred else None
+        side = (side_stream.fork(X.device, _SINKHORN_LANE) if deferred and defer_enabled()
+                else None)
         with side_stream.on(side):
             _finish_pre[(T, 1)](*args, HEAD=False, U=False, **meta)
         if side is not None:
-            setattr(post, _SIDE, side)
+            # what the side launch reads stays referenced until hc_post has joined it: freed
+            # earlier, the allocator could hand a block to a main-stream tensor while the side
+            # launch still reads it (in a CUDA graph a fixed overlap: the partials _mixes made
+            # for T > POST_NEXT_MAX_T were freed at return, and on the H200 a verify step's
+            # graph replay then differed from eager, rel. error 0.28)
+            setattr(post, _SIDE, (side, (X, part, sq, base, scale, comb)))
     return u, post, comb
 
 
 _SINKHORN_LANE = 5
-_SIDE = "_dspark_mhc_side"     # the side stream still writing a post / comb pair
+_SIDE = "_dspark_mhc_side"     # (side stream still writing post / comb, what it reads)
+
+
+def defer_enabled() -> bool:
+    """DSPARK_MHC_SIDE=1: hc_pre(deferred=True) runs the Sinkhorn launch on a side stream.
+    Opt-in: the H200 decode step measured ~20 us faster with it (session 12, 0.942 vs ~0.966
+    ms device time, together with other changes), but the version measured freed its inputs
+    early (see _collapse) and the fixed one has not run on a GPU yet."""
+    return os.environ.get("DSPARK_MHC_SIDE", "0") == "1"
 
 
 # `_finish_pre` launch (BLOCK_D, num_warps) for few tokens (True) / more (False). The Sinkhorn
@@ -272,7 +289,10 @@ def hc_post(o: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
     hc_pre skips its first launch."""
     T, n, D = X.shape
     assert o.shape == (T, D), f"o {tuple(o.shape)} does not match X {tuple(X.shape)}"
-    side_stream.join(getattr(post, _SIDE, None))      # post / comb of hc_pre's side launch
+    pending = getattr(post, _SIDE, None)                 # hc_pre's side launch, if deferred
+    if pending is not None:
+        side_stream.join(pending[0])
+        delattr(post, _SIDE)
     out = torch.empty(T, n, D, dtype=X.dtype, device=X.device)
     if T == 0:
         return out

@@ -103,16 +103,16 @@ def views(layout: PlanLayout, words: torch.Tensor) -> dict:
             for name, (first, shape, dt) in layout.fields.items()}
 
 
-_STATIC: dict = {}        # (cache id, what, shape args) -> position-independent arrays
+_STATIC: dict = {}        # (what, every number it depends on) -> position-independent arrays
 
 
-def _static(cache, key, make):
-    """Arrays that depend on the bucket and the cache geometry only, built once: a step's plan
-    is ~100 numpy ops on tiny arrays (~1 us each), so the constant ones are not redone."""
-    k = (id(cache),) + key
-    got = _STATIC.get(k)
+def _static(key, make):
+    """Arrays that depend on the bucket and the cache geometry only (`key` holds every number
+    they are made from, not a cache's id, which a later cache may reuse), built once: a step's
+    plan is ~100 numpy ops on tiny arrays (~1 us each), so the constant ones are not redone."""
+    got = _STATIC.get(key)
     if got is None:
-        got = _STATIC[k] = make()
+        got = _STATIC[key] = make()
     return got
 
 
@@ -132,7 +132,7 @@ def host_plan(cache, B: int, q: int, P: int, pos, req_start, req_slot, req_valid
         # the staged rows' ids of window column w: stage_base + tok + qw - pos, qw - pos fixed
         stage_win = cache.stage_base + tok[:, None] - (W - 1) + np.arange(W)
         return tok, tok // q, stage_win, np.arange(W) - (W - 1)
-    tok, req, stage_win, offs = _static(cache, ("window", B, q), make)
+    tok, req, stage_win, offs = _static(("window", B, q, W, cache.stage_base), make)
     valid_r = np.asarray(req_valid) != 0
     valid_t, s_t, slot_t = valid_r[req], st[req], sl[req]
     qw = pos[:, None] + offs
@@ -165,7 +165,7 @@ def _ratio_plan(cache, m, B, q, P, pos, st, sl, valid_r, valid_t, slot_t, req, p
         return (i, e % K, np.arange(cm) - (c - 1) * m, i[:, None] * q, local, local // N,
                 local % N, [f"{m}.{k}" for k in _RATIO_FIELDS])
     i, e_mod, offs, fresh_base, local, local_page, local_row, names = _static(
-        cache, ("ratio", m, B, q, P), make)
+        ("ratio", m, B, q, P, E, cm, N), make)
     st_i = st[i]
     j = st_i // m + e_mod
     ok = (j < (st_i + q) // m) & valid_r[i]
