@@ -125,7 +125,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor,
 # scores rows up to this many columns are selected by one sorting program each (the top-k kernel
 # below); longer rows (contexts past 4 x SORT_MAX_COLS tokens) take the torch sort
 SORT_MAX_COLS = 8192
-_NEG_INF_KEY = tl.constexpr(-2139095041)         # _score_key(-inf): 0xff800000 ^ 0x7fffffff as an int32
+_NEG_INF_KEY = tl.constexpr(-2139095041)   # _score_key(-inf): 0xff800000 ^ 0x7fffffff (int32)
 
 
 @triton.jit
