@@ -555,7 +555,7 @@ class V4DecodeGraphs:
         if self._host_t.is_pinned():
             dst.copy_(src, non_blocking=True)
             self._uploaded = torch.cuda.Event()
-            self._uploaded.record()
+            self._uploaded.record(torch.cuda.current_stream(dst.device.index))   # (see overlap.py)
         else:
             dst.copy_(src)
         ids_dev = self._ints_parts[0]
