@@ -447,8 +447,8 @@ def _f16_halves(r, ASM: tl.constexpr):
 
 @triton.jit
 def _x_eighths(x_row_ptr, grp, g_ok, BLOCK_G: tl.constexpr):
-    """x's columns of groups grp as fp32 [G, 4 words] tensors, one per column of the word:
-    (c0, c1, ..., c7) with c_i[g, w] = x[32 g + 8 w + i], from one [G, 4, 8] load split in
+    """x's columns of groups grp as fp32 [1, G, 4 words] tensors, one per column of the word:
+    (c0, c1, ..., c7) with c_i[0, g, w] = x[32 g + 8 w + i], from one [G, 4, 8] load split in
     registers. (Loading them per row in the words' [N, G, 4] shape, strided or split, or
     joining the decoded codes into [N, G, 4, 8] instead, compiled to more instructions
     offline: 388 / 409 vs 344 per gate/up loop iteration.)"""
@@ -462,25 +462,53 @@ def _x_eighths(x_row_ptr, grp, g_ok, BLOCK_G: tl.constexpr):
     c2, c6 = tl.split(e_hi)
     c1, c5 = tl.split(o_lo)
     c3, c7 = tl.split(o_hi)
+    return (c0[None], c1[None], c2[None], c3[None], c4[None], c5[None], c6[None],
+            c7[None])                                        # [1, G, 4]: broadcast over rows
+
+
+@triton.jit
+def _x_planes(x_planes_ptr, K, grp, g_ok, BLOCK_N: tl.constexpr):
+    """The same eight column tensors from x stored as fp32 planes (plane i, word 4 g + w holds
+    x[32 g + 8 w + i]; `_plane_index`): one contiguous [N, G, 4] load per plane, in the
+    weight words' shape and layout (rows broadcast: each row's threads read their copy from
+    L1), so no layout exchange through shared memory and no bf16 unpacking."""
+    rows0 = tl.zeros((BLOCK_N, 1, 1), dtype=tl.int32)
+    off = rows0 + grp[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+    m = (rows0 == 0) & g_ok[None, :, None]
+    P = K // 8
+    c0 = tl.load(x_planes_ptr + off, mask=m, other=0.0)
+    c1 = tl.load(x_planes_ptr + P + off, mask=m, other=0.0)
+    c2 = tl.load(x_planes_ptr + 2 * P + off, mask=m, other=0.0)
+    c3 = tl.load(x_planes_ptr + 3 * P + off, mask=m, other=0.0)
+    c4 = tl.load(x_planes_ptr + 4 * P + off, mask=m, other=0.0)
+    c5 = tl.load(x_planes_ptr + 5 * P + off, mask=m, other=0.0)
+    c6 = tl.load(x_planes_ptr + 6 * P + off, mask=m, other=0.0)
+    c7 = tl.load(x_planes_ptr + 7 * P + off, mask=m, other=0.0)
     return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
+def _plane_index(c, K):
+    """Where column c (< K, K % 32 == 0) of a vector lives in its fp32 plane layout."""
+    return (c % 8) * (K // 8) + (c // 32) * 4 + (c % 32) // 8
 
 
 @triton.jit
 def _word_dot(wq, c0, c1, c2, c3, c4, c5, c6, c7, ASM: tl.constexpr):
     """[N, G]: sum over the group's 4 words [N, G, 4] of code * x (times 2^-14)."""
     (v0, v4), (v1, v5), (v2, v6), (v3, v7) = _word_nibble_pairs(wq, ASM)
-    s = (v0 * c0[None] + v1 * c1[None] + v2 * c2[None] + v3 * c3[None]
-         + v4 * c4[None] + v5 * c5[None] + v6 * c6[None] + v7 * c7[None])
+    s = v0 * c0 + v1 * c1 + v2 * c2 + v3 * c3 + v4 * c4 + v5 * c5 + v6 * c6 + v7 * c7
     return tl.sum(s, axis=2)
 
 
 @triton.jit
 def _fp4_gemv_tile_words(x_row_ptr, w_rows_ptr, stride_wn, s_rows_ptr, stride_sn, n_ok, K,
                          second_w, second_s, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-                         TWO: tl.constexpr, ASM: tl.constexpr):
+                         TWO: tl.constexpr, ASM: tl.constexpr, PLANES: tl.constexpr = False):
     """_fp4_gemv_tile for whole scale groups (K % 32 == 0) and 4-byte aligned rows, weights
     read as int32 words: _word_nibble_pairs decodes 8 codes per word, x comes as fp32 column
-    tensors matching them (_x_eighths). Same products, another order of the group's sum."""
+    tensors matching them (_x_eighths; PLANES: x stored as fp32 planes, _x_planes). Same
+    products, another order of the group's sum."""
     NG = K // 32
     rn = tl.arange(0, BLOCK_N).to(tl.int64)
     w32 = w_rows_ptr.to(tl.pointer_type(tl.int32))
@@ -495,7 +523,10 @@ def _fp4_gemv_tile_words(x_row_ptr, w_rows_ptr, stride_wn, s_rows_ptr, stride_sn
         w_mask = n_ok[:, None, None] & g_ok[None, :, None]
         s_ptrs = s_rows_ptr + rn[:, None] * stride_sn + grp[None, :]
         s_mask = n_ok[:, None] & g_ok[None, :]
-        c0, c1, c2, c3, c4, c5, c6, c7 = _x_eighths(x_row_ptr, grp, g_ok, BLOCK_G)
+        if PLANES:
+            c0, c1, c2, c3, c4, c5, c6, c7 = _x_planes(x_row_ptr, K, grp, g_ok, BLOCK_N)
+        else:
+            c0, c1, c2, c3, c4, c5, c6, c7 = _x_eighths(x_row_ptr, grp, g_ok, BLOCK_G)
         wq = tl.load(w32 + w_off, mask=w_mask, other=0)
         sb = tl.load(s_ptrs, mask=s_mask, other=0).to(tl.int32)
         part = _word_dot(wq, c0, c1, c2, c3, c4, c5, c6, c7, ASM)
@@ -551,7 +582,10 @@ def _fp4_moe_gate_up_kernel(
                               I * stride_wn, I * stride_sn, BLOCK_N, BLOCK_G, True, BF16_PAIRS,
                               PAIR_DECODE, FULL_GROUPS, ROW_X)
     h = _swiglu_h(g, u, limit, tl.load(rw_ptr + p).to(tl.float32), DT)
-    tl.store(h_ptr + p.to(tl.int64) * stride_hp + rn, h, mask=rn < I)
+    if WORDS:               # fp32 planes: the down kernel's word loop reads them as they lie
+        tl.store(h_ptr + p.to(tl.int64) * stride_hp + _plane_index(rn, I), h, mask=rn < I)
+    else:
+        tl.store(h_ptr + p.to(tl.int64) * stride_hp + rn, h, mask=rn < I)
 
 
 @triton.jit
@@ -578,7 +612,7 @@ def _fp4_moe_down_kernel(
         if WORDS:
             y, _ = _fp4_gemv_tile_words(h_ptr + p.to(tl.int64) * stride_hp, w_base, stride_wn,
                                         s_base, stride_sn, n_ok, I, 0, 0, BLOCK_N, BLOCK_G,
-                                        False, ASM)
+                                        False, ASM, True)
         else:
             y, _ = _fp4_gemv_tile(h_ptr + p.to(tl.int64) * stride_hp, w_base, stride_wn,
                                   s_base, stride_sn, n_ok, I, 0, 0, BLOCK_N, BLOCK_G, False,
@@ -668,9 +702,10 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     register prefetch of the next weight tile measured slower on the H200 in session 10, 256 vs
     211 us per decode step, and was removed.) words: the CUDA-core kernels read whole int32
     weight words and decode their 8 codes together (`_fp4_gemv_tile_words`; same products,
-    another order of each group's sum; None: DSPARK_FP4_WORDS=1; offline sm_90 SASS, 4 x 32
-    blocks: 344 vs 405 instructions per gate/up loop iteration, 246 vs 285 for down; not yet
-    timed on a GPU). add_stream: the CUDA stream still producing
+    another order of each group's sum; the hidden passed as fp32 planes the down kernel reads
+    in the words' layout; None: DSPARK_FP4_WORDS=1; offline sm_90 SASS, 4 x 32 blocks: 344 vs
+    405 instructions per gate/up loop iteration, the down loop as many (288 vs 285) but without
+    its 16 barriers; not yet timed on a GPU). add_stream: the CUDA stream still producing
     ``add`` (side_stream.fork): the current stream waits for it right before the first kernel
     that reads ``add`` (the down kernel), so the gate/up kernel overlaps it."""
     def add_ready():
@@ -715,8 +750,8 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     words = bool(words) and full and all(t.stride(1) % 4 == 0 and t.stride(0) % 4 == 0
                                          and t.data_ptr() % 4 == 0 for t in (stack.w13, stack.w2))
     asm = words and not _interpreting()       # inline PTX: not under the interpreter
-    # the hidden h as fp32 for the word kernels (the same x.dtype-rounded values: no
-    # conversion per read)
+    # the hidden h as fp32 planes for the word kernels (the same x.dtype-rounded values, laid
+    # out as the down kernel reads them: `_x_planes`)
     h = torch.empty(P, I, dtype=torch.float32 if words else x.dtype, device=x.device)
     dt = _DT_NAME[x.dtype]
     # bf16 activations read as int32 pairs: even widths, 4-byte aligned rows (h is ours)
