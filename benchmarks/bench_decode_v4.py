@@ -251,17 +251,25 @@ def _random_prompt(n: int, vocab: int, seed: int) -> list:
     return torch.randint(2, vocab, (n,), generator=g).tolist()   # no BOS (0) / EOS (1)
 
 
-def _replay_device_ms(graphs, n: int):
-    """Device time of one batch-1 decode forward: its captured graph replayed n times back to
-    back between two events (the host enqueues faster than the device runs them, so no host
-    time is in it). Each replay redoes the last step (same token, same position: the same cache
-    rows rewritten with the same values). None without captured graphs."""
+def _warm_decode_graph(graphs):
+    """The captured batch-1 decode graph (last bucket), replayed 3 times; None without one."""
     keys = [k for k in getattr(graphs, "graphs", {}) if k[0] == 1 and k[1] == 1]
     if not keys:
         return None
     g = graphs.graphs[keys[-1]]
     for _ in range(3):
         g.replay()
+    return g
+
+
+def _replay_device_ms(graphs, n: int):
+    """Device time of one batch-1 decode forward: its captured graph replayed n times back to
+    back between two events (the host enqueues faster than the device runs them, so no host
+    time is in it). Each replay redoes the last step (same token, same position: the same cache
+    rows rewritten with the same values). None without captured graphs."""
+    g = _warm_decode_graph(graphs)
+    if g is None:
+        return None
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(n):
@@ -279,12 +287,9 @@ def replay_timeline(graphs, n: int = 5, top: int = 12) -> dict | None:
     stream, and the longest idle gaps with the kernels around them, to show which links of the
     chain cost more than their kernels. None without captured graphs."""
     from torch.profiler import ProfilerActivity, profile
-    keys = [k for k in getattr(graphs, "graphs", {}) if k[0] == 1 and k[1] == 1]
-    if not keys:
+    g = _warm_decode_graph(graphs)
+    if g is None:
         return None
-    g = graphs.graphs[keys[-1]]
-    for _ in range(3):
-        g.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(n):

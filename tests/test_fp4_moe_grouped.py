@@ -162,18 +162,24 @@ def test_grouped_half_precision_rounds_like_per_expert(experts, stack, dtype):
     assert rel_err(y.cpu(), _reference(x.float(), idx, w, experts, 0.7)) < 4 * tol
 
 
+def _every_code_case(stack, dtype, seed: int, T: int = 4, k: int = 3):
+    """(x, idx, w) of T tokens routed to k experts each, with the stack's weights holding every
+    byte value (so every code pair is decoded)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=gen).to(dtype)
+    idx, w = _routing(gen, T, k)
+    codes = torch.cat([stack.w13.flatten(), stack.w2.flatten()]).cpu()
+    assert torch.unique(codes).numel() == 256
+    return x, idx, w
+
+
 @triton_ok
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_pair_decode_is_bit_identical(experts, stack, dtype):
     """Decoding both codes of a byte together (pair_decode) yields the same values in the same
     order: outputs bit-identical to the per-code decode, every byte value included (the spread
     test weights use all 16 codes; the bf16 run takes the int32 activation-pair loads)."""
-    gen = torch.Generator().manual_seed(13)
-    T, k = 4, 3
-    x = torch.randn(T, D, generator=gen).to(dtype)
-    idx, w = _routing(gen, T, k)
-    codes = torch.cat([stack.w13.flatten(), stack.w2.flatten()]).cpu()
-    assert torch.unique(codes).numel() == 256                  # every byte value is decoded
+    x, idx, w = _every_code_case(stack, dtype, seed=13)
     a = fp4_moe_grouped(*_dev(x, idx, w), stack, 0.7, pair_decode=False)
     b = fp4_moe_grouped(*_dev(x, idx, w), stack, 0.7)                 # the default
     assert torch.equal(a, b)
@@ -195,12 +201,8 @@ def test_word_decode_matches_the_byte_decode(experts, stack, dtype, monkeypatch)
     hidden kept in fp32): every code decodes exactly, so the result equals the byte-pair kernels
     up to the order of each scale group's sum (fp32), and the de-quantized reference; with
     add= / out_dtype= too; DSPARK_FP4_WORDS=1 turns it on."""
-    gen = torch.Generator().manual_seed(17)
-    T, k = 4, 3
-    x = torch.randn(T, D, generator=gen).to(dtype)
-    idx, w = _routing(gen, T, k)
-    codes = torch.cat([stack.w13.flatten(), stack.w2.flatten()]).cpu()
-    assert torch.unique(codes).numel() == 256                  # every byte value is decoded
+    x, idx, w = _every_code_case(stack, dtype, seed=17)
+    T = x.shape[0]
     want = fp4_moe_grouped(*_dev(x, idx, w), stack, 0.7)
     got = fp4_moe_grouped(*_dev(x, idx, w), stack, 0.7, words=True)
     tol = 1e-2 if dtype == torch.bfloat16 else 2e-6            # bf16: a rare 1-ulp flip of h
@@ -209,7 +211,7 @@ def test_word_decode_matches_the_byte_decode(experts, stack, dtype, monkeypatch)
     for block in ((64, 1), (4, 2)):                             # several tiles per row / group
         assert rel_err(fp4_moe_grouped(*_dev(x, idx, w), stack, 0.7, block=block,
                                        words=True).cpu(), want.cpu()) < tol
-    add = torch.randn(T, D, generator=gen).to(dtype).to(want.device)
+    add = torch.randn(T, D, generator=torch.Generator().manual_seed(18)).to(dtype).to(want.device)
     added = fp4_moe_grouped(*_dev(x, idx, w), stack, 0.7, add=add, out_dtype=dtype, words=True)
     assert torch.equal(added, (got + add).to(dtype))
     monkeypatch.setenv("DSPARK_FP4_WORDS", "1")
