@@ -219,15 +219,16 @@ def _collapse(X, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, head: bool,
     meta = dict(N=n, BLOCK_N=triton.next_power_of_2(n), BLOCK_S=triton.next_power_of_2(S),
                 BLOCK_R=BLOCK_R, BLOCK_D=block_d, OUT_BF16=X.dtype == torch.bfloat16,
                 num_warps=warps)
-    # u (what the sub-block needs now) first, alone; post / comb (the Sinkhorn chain, read by
-    # hc_post at the sub-block's end) by one more program per token; `deferred` (and
-    # DSPARK_MHC_SIDE=1): on a side stream that hc_post joins (side_stream.py: inline off
-    # CUDA), so the decode step waits for u only (the Sinkhorn iterations were the launch's
-    # long pole).
-    _finish_pre[(T, triton.cdiv(D, block_d))](*args, HEAD=True, **meta)
-    if not head:
-        side = (side_stream.fork(X.device, _SINKHORN_LANE) if deferred and defer_enabled()
-                else None)
+    if head or not (deferred and defer_enabled()):
+        # one launch: u, and (not head) post / comb by each token's D-block-0 program
+        _finish_pre[(T, triton.cdiv(D, block_d))](*args, HEAD=head, **meta)
+    else:
+        # deferred (DSPARK_MHC_SIDE=1): u (what the sub-block needs now) alone, then post /
+        # comb (the Sinkhorn chain, read by hc_post at the sub-block's end) by one more program
+        # per token on a side stream that hc_post joins (side_stream.py: inline off CUDA), so
+        # the decode step waits for u only (the Sinkhorn iterations were the launch's long pole)
+        _finish_pre[(T, triton.cdiv(D, block_d))](*args, HEAD=True, **meta)
+        side = side_stream.fork(X.device, _SINKHORN_LANE)
         with side_stream.on(side):
             _finish_pre[(T, 1)](*args, HEAD=False, U=False, **meta)
         if side is not None:
