@@ -113,6 +113,9 @@ def _static(key, make):
     got = _STATIC.get(key)
     if got is None:
         got = _STATIC[key] = make()
+        for a in got:                     # shared by every plan of the bucket (some are plan
+            if isinstance(a, np.ndarray):   # fields as they are): nobody may write them
+                a.setflags(write=False)
     return got
 
 
@@ -129,21 +132,26 @@ def host_plan(cache, B: int, q: int, P: int, pos, req_start, req_slot, req_valid
 
     def make():
         tok = np.arange(T, dtype=np.int64)
+        req = tok // q
         # the staged rows' ids of window column w: stage_base + tok + qw - pos, qw - pos fixed
         stage_win = cache.stage_base + tok[:, None] - (W - 1) + np.arange(W)
-        return tok, tok // q, stage_win, np.arange(W) - (W - 1)
-    tok, req, stage_win, offs = _static(("window", B, q, W, cache.stage_base), make)
+        stage = cache.stage_base + tok
+        return (req, req.astype(np.int32), stage_win, np.arange(W) - (W - 1), stage,
+                stage // C, stage % C)
+    req, req_i32, stage_win, offs, stage, stage_page, stage_row = _static(
+        ("window", B, q, W, C, cache.stage_base), make)
     valid_r = np.asarray(req_valid) != 0
     valid_t, s_t, slot_t = valid_r[req], st[req], sl[req]
     qw = pos[:, None] + offs
     win = np.where(qw >= s_t[:, None], stage_win, slot_t[:, None] * C + qw % C)
     window_ids = np.where((qw >= 0) & valid_t[:, None], win, -1)
-    stage = cache.stage_base + tok
     ring_dst = slot_t * C + pos % C
-    out = dict(req_index=req, req_index_i32=req.astype(np.int32),
+    split = np.empty((4, T), np.int64)       # (rows assigned: np.stack costs ~5 us here)
+    split[0], split[1], split[2], split[3] = stage_page, stage_row, ring_dst // C, ring_dst % C
+    out = dict(req_index=req, req_index_i32=req_i32,
                page_table_i32=pt.astype(np.int32), window_ids=window_ids,
                window_ids_i32=window_ids.astype(np.int32), stage_ids=stage, ring_dst=ring_dst,
-               ring_split=np.stack([stage // C, stage % C, ring_dst // C, ring_dst % C]))
+               ring_split=split)
     for m in _ratios(cache):
         out.update(_ratio_plan(cache, m, B, q, P, pos, st, sl, valid_r, valid_t, slot_t, req, pt,
                                scratch_page))
