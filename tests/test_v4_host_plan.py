@@ -63,7 +63,9 @@ def _tensors(plan):
 
 
 def assert_same(name, got, want):
-    got = torch.as_tensor(np.array(got))     # (a copy: cached plan arrays are read-only)
+    if isinstance(got, np.ndarray):
+        got = np.array(got)                  # a copy: cached plan arrays are read-only
+    got = torch.as_tensor(got)
     assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape), (
         name, got.dtype, want.dtype, tuple(got.shape), tuple(want.shape))
     assert torch.equal(got, want), (name, got, want)
