@@ -226,8 +226,8 @@ class DraftPass:
         """The sequential part of a draft pass: slot k's logits are base[:, k] plus the head's
         bias given the previous token; `head_step(k, prev)` -> (bias [R, V], confidence [R])."""
         # fused: one Triton launch per Markov step (softmax, q written, inverse-CDF sample) instead
-        # of ~20 small kernels, and the uniforms' hash in one; with top-k / top-p (only when
-        # DSPARK_FUSED_FILTERS=1) filter_logits first, else the torch path's sort
+        # of ~20 small kernels, and the uniforms' hash in one; with top-k / top-p (where
+        # fused_filters_enabled says so) filter_logits first, else the torch path's sort
         if fused:
             from .kernels.sampling import fused_sample, uniforms_triton
             from .kernels.sampling_filters import filter_logits

@@ -15,7 +15,8 @@ into global ids for the attention kernel (with the main compressed cache's page 
 
 Implementation: a Triton kernel writes fp32 scores [T, n_cols] (−inf where not visible), then
 one sorting program per token picks the top-k (select_topk_ids; the torch stable sort past
-SORT_MAX_COLS columns), optionally mapping them to global ids on the way. One program = one token × BLOCK_J entries: the q block [H_I, 128] is the MMA's
+SORT_MAX_COLS columns), optionally mapping them to global ids on the way. Scores: one program
+= one token × BLOCK_J entries: the q block [H_I, 128] is the MMA's
 M×K operand (H_I = 64 → one wgmma tile), keys [BLOCK_J, 128] FP8 are de-quantised exactly to
 bf16 and the per-row scale is applied to the logits afterwards (it is a power of two).
 """
@@ -25,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.kernels.sparse_mqa import _mma, _pick_precision
+from dspark.kernels.sparse_mqa import (_interpreting, _mma, _pick_precision,
+                                       global_indices_from_page_table)
 from dspark.kvcache.layouts import dequantize_indexer_fp8
 from dspark.models.deepseek_v4.indexer import topk_lowest_ties
 
@@ -191,15 +193,11 @@ def select_topk_ids(scores: torch.Tensor, topk: int, page_table: torch.Tensor | 
     ids = _select_topk(scores, topk)
     counts = (ids >= 0).sum(1, dtype=torch.int32)
     if to_global:
-        j = ids.long().clamp(min=0)
-        N = entries_per_page
-        g = page_table.long()[req_index.long()[:, None], j // N] * N + j % N
-        ids = torch.where(ids >= 0, g, -1).to(torch.int32)
+        ids = global_indices_from_page_table(ids, req_index, page_table, entries_per_page)
     return ids, counts
 
 
 def _launchable(t: torch.Tensor) -> bool:
-    from dspark.kernels.fp8_gemm import _interpreting
     return t.is_cuda or _interpreting()
 
 

@@ -239,7 +239,8 @@ class _Kernels:
         k = min(topk, n_cols)
         vals, idx = topk_lowest_ties(scores, k)
         out[:, :k] = torch.where(vals == float("-inf"), -1, idx)
-        return (_global(out, sp.req_index, sp.page_table, N).int(),
+        from dspark.kernels.sparse_mqa import global_indices_from_page_table
+        return (global_indices_from_page_table(out, sp.req_index, sp.page_table, N),
                 (out >= 0).sum(1, dtype=torch.int32))
 
     def attend(self, q, window_pool, capacity, window_ids, entry_pool, per_page, entry_ids,
@@ -263,12 +264,6 @@ class _Kernels:
 def _plan_key(B: int, q: int, P: int, fields) -> tuple:
     """What a step's host plan is a function of: its bucket and the bytes of its inputs."""
     return (B, q, P) + tuple(f.tobytes() for f in fields)
-
-
-def _global(local, req_index, page_table, N):
-    valid = local >= 0
-    j = torch.where(valid, local, 0)
-    return torch.where(valid, page_table[req_index[:, None], j // N] * N + j % N, -1)
 
 
 def static_attention(attn, x, kern: _Kernels, sp: StaticPlan, layer: int, quant):

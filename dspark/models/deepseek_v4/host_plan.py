@@ -171,8 +171,8 @@ def _ratio_plan(cache, m, B, q, P, pos, st, sl, valid_r, valid_t, slot_t, req, p
         i = e // K
         local = np.arange(P * N)
         return (i, e % K, np.arange(cm) - (c - 1) * m, i[:, None] * q, local, local // N,
-                local % N, [f"{m}.{k}" for k in _RATIO_FIELDS])
-    i, e_mod, offs, fresh_base, local, local_page, local_row, names = _static(
+                local % N)
+    i, e_mod, offs, fresh_base, local, local_page, local_row = _static(
         ("ratio", m, B, q, P, E, cm, N), make)
     st_i = st[i]
     j = st_i // m + e_mod
@@ -184,16 +184,15 @@ def _ratio_plan(cache, m, B, q, P, pos, st, sl, valid_r, valid_t, slot_t, req, p
     n_vis = np.where(valid_t, (pos + 1) // m, 0)
     fresh = fresh_base + p - s_i
     np.minimum(np.maximum(fresh, 0, out=fresh), T - 1, out=fresh)
-    values = [n_vis, n_vis.astype(np.int32), ok, dst, np.where(ok, j, 0) * m, p < s_i,
-              sl[i][:, None] * R + p % R, fresh, p < 0, slot_t * R + pos % R]
-    out = dict(zip(names, values))
+    f = f"{m}."
+    out = {f + "n_visible": n_vis, f + "n_visible_i32": n_vis.astype(np.int32),
+           f + "emit_valid": ok, f + "emit_dst": dst, f + "emit_pos": np.where(ok, j, 0) * m,
+           f + "from_ring": p < s_i, f + "ring_rows": sl[i][:, None] * R + p % R,
+           f + "fresh_rows": fresh, f + "before_zero": p < 0,
+           f + "persist_dst": slot_t * R + pos % R}
     if m != 4:
         ids = pt[req[:, None], local_page] * N + local_row
         vis = np.where(local < n_vis[:, None], ids, -1)
-        out[f"{m}.all_visible_ids"] = vis
-        out[f"{m}.all_visible_ids_i32"] = vis.astype(np.int32)
+        out[f + "all_visible_ids"] = vis
+        out[f + "all_visible_ids_i32"] = vis.astype(np.int32)
     return out
-
-
-_RATIO_FIELDS = ("n_visible", "n_visible_i32", "emit_valid", "emit_dst", "emit_pos", "from_ring",
-                 "ring_rows", "fresh_rows", "before_zero", "persist_dst")
