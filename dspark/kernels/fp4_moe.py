@@ -416,8 +416,8 @@ def _fp4_gemv_tile(x_row_ptr, w_rows_ptr, stride_wn, s_rows_ptr, stride_sn, n_ok
 @triton.jit
 def _word_nibble_pairs(wq, ASM: tl.constexpr):
     """The 8 e2m1 codes of int32 words (little endian: code q at bits 4q..4q+3 = column q of
-    the word's 8) as fp32 values * 2^-14, four pairs (columns 0 / 4, 1 / 5, 2 / 6, 3 / 7):
-    each pair's two f16 bit patterns (sign << 15 | magnitude << 9) built in one 32-bit word by
+    the word's 8) as fp32 values * 2^-14, columns 0..7, made as four pairs (0 / 4, 1 / 5, 2 / 6,
+    3 / 7): each pair's two f16 bit patterns (sign << 15 | magnitude << 9) built in one 32-bit word by
     two shifts and masks of the whole word (~15 integer ops for 8 codes, offline sm_90, instead
     of ~24 byte by byte), then each half converted. Exact, as _e2m1_times_2pow14."""
     # -2147450880: the sign bits 0x80008000 as an int32
@@ -425,8 +425,12 @@ def _word_nibble_pairs(wq, ASM: tl.constexpr):
     rb = ((wq << 5) & 0x0E000E00) | ((wq << 8) & -2147450880)     # codes 1, 5
     rc = ((wq << 1) & 0x0E000E00) | ((wq << 4) & -2147450880)     # codes 2, 6
     rd = ((wq >> 3) & 0x0E000E00) | (wq & -2147450880)            # codes 3, 7
-    return (_f16_halves(ra, ASM), _f16_halves(rb, ASM), _f16_halves(rc, ASM),
-            _f16_halves(rd, ASM))
+    # flat, not nested pairs: Triton's dependency hashing rejects nested tuple targets
+    v0, v4 = _f16_halves(ra, ASM)
+    v1, v5 = _f16_halves(rb, ASM)
+    v2, v6 = _f16_halves(rc, ASM)
+    v3, v7 = _f16_halves(rd, ASM)
+    return v0, v1, v2, v3, v4, v5, v6, v7
 
 
 @triton.jit
@@ -496,7 +500,7 @@ def _plane_index(c, K):
 @triton.jit
 def _word_dot(wq, c0, c1, c2, c3, c4, c5, c6, c7, ASM: tl.constexpr):
     """[N, G]: sum over the group's 4 words [N, G, 4] of code * x (times 2^-14)."""
-    (v0, v4), (v1, v5), (v2, v6), (v3, v7) = _word_nibble_pairs(wq, ASM)
+    v0, v1, v2, v3, v4, v5, v6, v7 = _word_nibble_pairs(wq, ASM)
     s = v0 * c0 + v1 * c1 + v2 * c2 + v3 * c3 + v4 * c4 + v5 * c5 + v6 * c6 + v7 * c7
     return tl.sum(s, axis=2)
 
