@@ -149,6 +149,18 @@ next)    # session 12's opt-ins, first checked then timed: the deferred mHC Sink
   grep -A12 "^=== FAILED\|^E  " "$R/next_tests_optin.txt" | cut -c1-200 | head -30
   timeout "$(left 200)" python -m pytest -q -rfE -m gpu tests/test_v4_graph.py tests/test_side_stream.py \
     > "$R/next_tests_default.txt" 2>&1; tail -3 "$R/next_tests_default.txt" | cut -c1-300 ;;
+pdl)     # session 13: PDL launches + weight prefetch, the 16-bit skinny linears, the Triton row
+         # argmax: their tests on CUDA, graph replay == eager, then the decode step and A/Bs
+  step "PDL / linear16 / argmax tests on CUDA"
+  timeout "$(left 150)" python -m pytest -q -rfE tests/test_pdl.py tests/test_argmax.py \
+    tests/test_qlinear.py -k "pdl or argmax or linear16 or skinny" > "$R/pdl_tests.txt" 2>&1
+  tail -3 "$R/pdl_tests.txt" | cut -c1-300; grep -A12 "^=== FAILED\|^E  " "$R/pdl_tests.txt" | cut -c1-200 | head -30
+  timeout "$(left 150)" python -m pytest -q -rfE -m gpu tests/test_pdl.py tests/test_v4_graph.py \
+    -k "pdl or (replay_equals_eager and not bites)" > "$R/pdl_graph_tests.txt" 2>&1
+  tail -3 "$R/pdl_graph_tests.txt" | cut -c1-300; grep -A12 "^=== FAILED\|^E  " "$R/pdl_graph_tests.txt" | cut -c1-200 | head -30
+  DSPARK_MHC_SIDE=1 timeout "$(left 90)" python -m pytest -q -rfE -m gpu tests/test_v4_graph.py \
+    -k "replay_equals_eager and fp8 and not bites" > "$R/mhc_side_graph_tests.txt" 2>&1
+  tail -3 "$R/mhc_side_graph_tests.txt" | cut -c1-300 ;;
 mhc)
   step "mhc_bench"
   timeout "$(left 60)" python -m dspark.kernels.mhc_bench --T 1,2,6,64 --finish-sweep > "$R/mhc.txt" 2>&1; tail -17 "$R/mhc.txt" ;;

@@ -148,7 +148,12 @@ def argmax_rows(x: torch.Tensor, two_pass: bool | None = None) -> torch.Tensor:
     over chunks of the last dim on CUDA: torch's one-pass argmax over a 129k vocabulary row runs
     ~28 us on the H200 (few blocks per row), chunk maxima then the maximum of those ~4 us. The
     first maximal chunk holds the first maximal index, so ties and NaN resolve the same way.
-    two_pass: None = on CUDA only (tests force it on CPU)."""
+    two_pass: None = on CUDA only (tests force it on CPU). On CUDA, rows of a 2-D tensor take
+    the two Triton launches of kernels/argmax.py instead (same result)."""
+    if x.is_cuda and two_pass is None:
+        from dspark.kernels import argmax
+        if argmax.supported(x):
+            return argmax.row_argmax(x)
     V = x.shape[-1]
     chunk = next((c for c in (512, 256, 128) if V % c == 0 and V // c >= 8), 0)
     if not chunk or not (x.is_cuda if two_pass is None else two_pass):

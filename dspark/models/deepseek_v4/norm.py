@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.kernels import fp8_gemm
+
 
 FP32_CACHE_MAX_NUMEL = 1 << 22    # larger weights (e.g. a big vocab head) are cast per call
 NORM_BACKENDS = ("auto", "reference", "triton")
@@ -84,7 +86,11 @@ def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     large bf16 weight per call: on CUDA, when x already has w's 16-bit dtype, cuBLAS multiplies
     the 16-bit values and accumulates / writes fp32 (``torch.mm(out_dtype=float32)``). Same
     products as ``F.linear(x.float(), w.float())`` (16-bit values are exact in fp32), only the
-    summation order may differ. Elsewhere: ``F.linear(x.float(), fp32(w))``."""
+    summation order may differ. Few tokens (decode, verify) take the skinny Triton kernel
+    instead (`fp8_gemm.linear16_skinny`: one launch, same products). Elsewhere:
+    ``F.linear(x.float(), fp32(w))``."""
+    if not torch.is_grad_enabled() and fp8_gemm.linear16_skinny_applies(x, w):
+        return fp8_gemm.linear16_skinny(x, w, torch.float32)
     if (x.is_cuda and w.dtype in (torch.bfloat16, torch.float16) and x.dtype == w.dtype
             and _MM_OUT_DTYPE[0] and not torch.is_grad_enabled()):
         try:

@@ -1,0 +1,94 @@
+"""Programmatic dependent launch (PDL, Hopper+): a kernel starts before the one ahead of it on
+the stream has finished, does the work that needs nothing from it, then waits for it.
+
+A batch-1 decode step is ~130 kernels in a chain; a weight-streaming GEMV pays its ramp-up (the
+first weight bytes arrive ~1-2 us after the kernel starts) after the kernel ahead of it has
+drained. With PDL the GEMV is launched while that kernel (a norm, RoPE, a combine: ~2-4 us) still
+runs, asks L2 for its own weight slice (`prefetch_l2`: weights never change during a step), and
+only then waits (`wait`), so the ramp-up overlaps the kernel ahead.
+
+The rules that keep it exact:
+- a kernel launched with `launch_pdl=True` (`launch_kwargs`) reads nothing another kernel writes
+  and writes nothing before `wait()`, and every one of its programs calls `wait()` (a program
+  that exits early without it could let the grid complete before the kernel ahead did, and the
+  kernel after it would then stop waiting too soon);
+- `launch_dependents()` only lets the next kernel start early: it may come anywhere (the next
+  kernel's `wait()` still waits for this whole grid to finish and its writes to be visible).
+Kernels launched without the attribute (torch's, cuBLAS's) keep full ordering. In a CUDA-graph
+capture the attribute becomes a programmatic edge between the two kernel nodes.
+
+DSPARK_PDL=0 turns it off (A/B switch); off under the interpreter and before SM 9.0.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+try:                                        # Triton >= 3.4; older: no-ops (PDL never enabled)
+    from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
+    from triton.language.extra.cuda import gdc_wait as _gdc_wait
+    _HAS_GDC = True
+except ImportError:                         # pragma: no cover - depends on the Triton version
+    _HAS_GDC = False
+
+    @triton.jit
+    def _gdc_wait():
+        pass
+
+    @triton.jit
+    def _gdc_launch_dependents():
+        pass
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _device_supports(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` are launched with PDL (the kernels' PDL constexpr)."""
+    if device.type != "cuda" or not _HAS_GDC or _interpreting():
+        return False
+    if os.environ.get("DSPARK_PDL", "1") == "0":
+        return False
+    return _device_supports(device.index if device.index is not None
+                            else torch.cuda.current_device())
+
+
+def launch_kwargs(on: bool) -> dict:
+    """Extra launch arguments of a kernel compiled with PDL=on."""
+    return {"launch_pdl": True} if on else {}
+
+
+@triton.jit
+def wait(PDL: tl.constexpr):
+    """Wait until the kernel ahead on the stream has finished and its writes are visible (a
+    no-op without PDL)."""
+    if PDL:
+        _gdc_wait()
+
+
+@triton.jit
+def launch_dependents(PDL: tl.constexpr):
+    """Let the next kernel on the stream (if launched with PDL) start now."""
+    if PDL:
+        _gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs, nbytes, PDL: tl.constexpr):
+    """Ask L2 for the `nbytes` bytes from each of `ptrs` (any shape; 16-byte aligned addresses,
+    nbytes a multiple of 16, inside the tensor), one bulk (TMA-unit) prefetch each: loads that
+    follow hit L2. Nothing is returned and nothing waits for it."""
+    if PDL:
+        tl.inline_asm_elementwise(
+            asm="cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;",
+            constraints="=r,l,r", args=[ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)

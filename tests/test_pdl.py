@@ -1,0 +1,131 @@
+"""Programmatic dependent launch (dspark.kernels.pdl): off where it cannot run, compiled into the
+FP8 skinny kernel with its wait / trigger / weight prefetch (offline sm_90 PTX, no GPU needed),
+and on the GPU a chain norm -> GEMV -> GEMV, eager and inside a CUDA graph, equal to the same
+chain without PDL bit for bit (a kernel that read its input before the wait would see the
+previous replay's values)."""
+from triton_env import DEV, HAS_CUDA, needs_cuda  # noqa: F401 (before triton)
+
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from dspark.kernels import pdl  # noqa: E402
+from dspark.kernels.fp8_gemm import fp8_linear  # noqa: E402
+from dspark.kernels.norm_rope import norm_rope  # noqa: E402
+from dspark.models.quant import quant_fp8_blocks  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_off_on_cpu_and_by_switch(monkeypatch):
+    assert not pdl.enabled(torch.device("cpu"))
+    assert pdl.launch_kwargs(False) == {} and pdl.launch_kwargs(True) == {"launch_pdl": True}
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not pdl.enabled(torch.device("cuda", 0))     # the interpreter has no PDL
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("DSPARK_PDL", "0")
+    assert not pdl.enabled(torch.device("cuda", 0))
+
+
+_PTX = r"""
+import inspect, sys
+sys.path.insert(0, {root!r})
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import dspark.kernels.fp8_gemm as fg
+fn = fg._fp8_skinny_kernel
+sig = {{"x_ptr": "*bf16", "stride_xt": "i32", "stride_xg": "i32", "w_ptr": "*u8",
+        "stride_wn": "i32", "s_ptr": "*u8", "stride_sn": "i32", "y_ptr": "*bf16",
+        "stride_yt": "i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "T": "i32", "N": "i32",
+        "K": "i32", "K_PER_SPLIT": "i32", "GROUP_ROWS": "i32"}}
+for pdl_on in (False, True):
+    ce = {{"BLOCK_N": 64, "BLOCK_T": 16, "BLOCK_K": 128, "PRECISION": "fp16", "SPLIT": 8,
+          "PDL": pdl_on}}
+    for p in fn.params:
+        if p.is_constexpr and p.name not in ce and p.default is not inspect.Parameter.empty:
+            ce[p.name] = p.default
+    s = dict(sig, **{{k: "constexpr" for k in ce}})
+    attrs = {{(fn.arg_names.index(a),): [["tt.divisibility", 16]]
+             for a in sig if sig[a].startswith("*") or a.startswith("stride")}}
+    k = triton.compile(ASTSource(fn=fn, signature=s, constexprs=ce, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options={{"num_warps": 4, "num_stages": 3}})
+    ptx = k.asm["ptx"]
+    print(pdl_on, ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents"),
+          ptx.count("cp.async.bulk.prefetch.L2"))
+"""
+
+
+def test_fp8_skinny_ptx_has_wait_trigger_and_prefetch_only_with_pdl():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _PTX.format(root=ROOT)], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {line.split()[0]: [int(v) for v in line.split()[1:]]
+            for line in r.stdout.splitlines() if line.startswith(("True", "False"))}
+    assert rows["False"] == [0, 0, 0], rows
+    wait, trigger, prefetch = rows["True"]
+    assert wait >= 1 and trigger >= 1 and prefetch >= 1, rows
+
+
+def _chain(x, nw, w1, s1, w2, s2):
+    h = norm_rope(x, nw, 1e-6)                  # triggers the GEMV's early start
+    return fp8_linear(fp8_linear(h, w1, s1), w2, s2)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_pdl_chain_equals_plain_launches_eager_and_in_a_graph(monkeypatch):
+    if not pdl.enabled(torch.device("cuda")):
+        pytest.skip("PDL not available on this GPU / Triton")
+    gen = torch.Generator().manual_seed(3)
+    K, N1, N2 = 4096, 1024, 4096                # the second GEMV splits K (arrival counters)
+    w1, s1 = quant_fp8_blocks(torch.randn(N1, K, generator=gen) * 0.05)
+    w2, s2 = quant_fp8_blocks(torch.randn(N2, N1, generator=gen) * 0.05)
+    w1, s1, w2, s2 = (t.cuda() for t in (w1, s1, w2, s2))
+    nw = (1 + 0.1 * torch.randn(K, generator=gen)).to(torch.bfloat16).cuda()
+    xs = [torch.randn(1, K, generator=gen).to(torch.bfloat16).cuda() * (i + 1) for i in range(4)]
+
+    monkeypatch.setenv("DSPARK_PDL", "0")
+    want = [_chain(x, nw, w1, s1, w2, s2) for x in xs]
+    monkeypatch.setenv("DSPARK_PDL", "1")
+    for x, y in zip(xs, want):
+        assert torch.equal(_chain(x, nw, w1, s1, w2, s2), y)
+    static = xs[0].clone()
+    _chain(static, nw, w1, s1, w2, s2)          # compile outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = _chain(static, nw, w1, s1, w2, s2)
+    for _ in range(3):
+        for x, y in zip(xs, want):
+            static.copy_(x)
+            g.replay()
+            assert torch.equal(out, y)
+
+
+@pytest.fixture(scope="module")
+def quant_ckpt(tmp_path_factory):
+    from dspark.tools.make_checkpoint import make_checkpoint
+    out = str(tmp_path_factory.mktemp("tiny_fp8_fp4_pdl"))
+    make_checkpoint(out, preset="tiny", layers=4, dtype="fp8", fp4_experts=True, progress=False)
+    return out
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_pdl_changes_no_token(quant_ckpt, monkeypatch):
+    """The quantized tiny model (FP8 linears, FP4 experts, every layer kind) through the Engine
+    with its decode / verify CUDA graphs: greedy tokens with PDL == without."""
+    from dspark import Engine, SamplingParams
+    outs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("DSPARK_PDL", flag)
+        eng = Engine(quant_ckpt, device=DEV, speculative="none", target_cuda_graphs=True,
+                     weight_format="quantized", max_num_seqs=3)
+        res = eng.generate([[5, 9, 2, 7] * 5, [11, 3] * 9 + [4], [8] * 33],
+                           SamplingParams(temperature=0, max_tokens=24))
+        outs[flag] = [o.token_ids for o in res]
+    assert outs["1"] == outs["0"]
