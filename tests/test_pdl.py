@@ -21,12 +21,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_off_on_cpu_and_by_switch(monkeypatch):
+    monkeypatch.setenv("DSPARK_PDL", "1")
     assert not pdl.enabled(torch.device("cpu"))
     assert pdl.launch_kwargs(False) == {} and pdl.launch_kwargs(True) == {"launch_pdl": True}
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not pdl.enabled(torch.device("cuda", 0))     # the interpreter has no PDL
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setenv("DSPARK_PDL", "0")
+    monkeypatch.delenv("DSPARK_PDL")                      # opt-in: off by default
     assert not pdl.enabled(torch.device("cuda", 0))
 
 
@@ -79,6 +80,7 @@ def _chain(x, nw, w1, s1, w2, s2):
 @needs_cuda
 @pytest.mark.gpu
 def test_pdl_chain_equals_plain_launches_eager_and_in_a_graph(monkeypatch):
+    monkeypatch.setenv("DSPARK_PDL", "1")
     if not pdl.enabled(torch.device("cuda")):
         pytest.skip("PDL not available on this GPU / Triton")
     gen = torch.Generator().manual_seed(3)

@@ -223,10 +223,11 @@ def _collapse(X, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, head: bool,
         # one launch: u, and (not head) post / comb by each token's D-block-0 program
         _finish_pre[(T, triton.cdiv(D, block_d))](*args, HEAD=head, **meta)
     else:
-        # deferred (DSPARK_MHC_SIDE=1): u (what the sub-block needs now) alone, then post /
-        # comb (the Sinkhorn chain, read by hc_post at the sub-block's end) by one more program
-        # per token on a side stream that hc_post joins (side_stream.py: inline off CUDA), so
-        # the decode step waits for u only (the Sinkhorn iterations were the launch's long pole)
+        # deferred (the default; DSPARK_MHC_SIDE=0: the one launch above): u (what the
+        # sub-block needs now) alone, then post / comb (the Sinkhorn chain, read by hc_post at
+        # the sub-block's end) by one more program per token on a side stream that hc_post
+        # joins (side_stream.py: inline off CUDA), so the decode step waits for u only (the
+        # Sinkhorn iterations were the launch's long pole)
         _finish_pre[(T, triton.cdiv(D, block_d))](*args, HEAD=True, **meta)
         side = side_stream.fork(X.device, _SINKHORN_LANE)
         with side_stream.on(side):
@@ -246,11 +247,11 @@ _SIDE = "_dspark_mhc_side"     # (side stream still writing post / comb, what it
 
 
 def defer_enabled() -> bool:
-    """DSPARK_MHC_SIDE=1: hc_pre(deferred=True) runs the Sinkhorn launch on a side stream.
-    Opt-in: the H200 decode step measured ~20 us faster with it (session 12, 0.942 vs ~0.966
-    ms device time, together with other changes), but the version measured freed its inputs
-    early (see _collapse) and the fixed one has not run on a GPU yet."""
-    return os.environ.get("DSPARK_MHC_SIDE", "0") == "1"
+    """hc_pre(deferred=True) runs the Sinkhorn launch on a side stream (DSPARK_MHC_SIDE=0:
+    inline, for A/B runs). H200, session 13, decode graph device time per step: 0.953 ms
+    without, 0.937 with; the graph replay == eager tests (verify steps of 48 tokens included,
+    where the first version freed its inputs early, see _collapse) pass with it."""
+    return os.environ.get("DSPARK_MHC_SIDE", "1") != "0"
 
 
 # `_finish_pre` launch (BLOCK_D, num_warps) for few tokens (True) / more (False). The Sinkhorn
