@@ -29,6 +29,9 @@ def test_off_on_cpu_and_by_switch(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.delenv("DSPARK_PDL")                      # opt-in: off by default
     assert not pdl.enabled(torch.device("cuda", 0))
+    monkeypatch.setenv("DSPARK_PDL", "yes")
+    with pytest.raises(ValueError, match="DSPARK_PDL"):
+        pdl.mode()
 
 
 _PTX = r"""
@@ -43,9 +46,10 @@ sig = {{"x_ptr": "*bf16", "stride_xt": "i32", "stride_xg": "i32", "w_ptr": "*u8"
         "stride_wn": "i32", "s_ptr": "*u8", "stride_sn": "i32", "y_ptr": "*bf16",
         "stride_yt": "i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "T": "i32", "N": "i32",
         "K": "i32", "K_PER_SPLIT": "i32", "GROUP_ROWS": "i32"}}
-for pdl_on in (False, True):
+for name, pdl_on, prefetch in (("off", False, False), ("on", True, False),
+                               ("prefetch", True, True)):
     ce = {{"BLOCK_N": 64, "BLOCK_T": 16, "BLOCK_K": 128, "PRECISION": "fp16", "SPLIT": 8,
-          "PDL": pdl_on}}
+          "PDL": pdl_on, "PREFETCH": prefetch}}
     for p in fn.params:
         if p.is_constexpr and p.name not in ce and p.default is not inspect.Parameter.empty:
             ce[p.name] = p.default
@@ -55,20 +59,22 @@ for pdl_on in (False, True):
     k = triton.compile(ASTSource(fn=fn, signature=s, constexprs=ce, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options={{"num_warps": 4, "num_stages": 3}})
     ptx = k.asm["ptx"]
-    print(pdl_on, ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents"),
-          ptx.count("cp.async.bulk.prefetch.L2"))
+    print("row", name, ptx.count("griddepcontrol.wait"),
+          ptx.count("griddepcontrol.launch_dependents"), ptx.count("cp.async.bulk.prefetch.L2"))
 """
 
 
-def test_fp8_skinny_ptx_has_wait_trigger_and_prefetch_only_with_pdl():
+def test_fp8_skinny_ptx_has_wait_trigger_and_prefetch_only_when_asked():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", _PTX.format(root=ROOT)], env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
-    rows = {line.split()[0]: [int(v) for v in line.split()[1:]]
-            for line in r.stdout.splitlines() if line.startswith(("True", "False"))}
-    assert rows["False"] == [0, 0, 0], rows
-    wait, trigger, prefetch = rows["True"]
+    rows = {line.split()[1]: [int(v) for v in line.split()[2:]]
+            for line in r.stdout.splitlines() if line.startswith("row ")}
+    assert rows["off"] == [0, 0, 0], rows
+    wait, trigger, prefetch = rows["on"]
+    assert wait >= 1 and trigger >= 1 and prefetch == 0, rows
+    wait, trigger, prefetch = rows["prefetch"]
     assert wait >= 1 and trigger >= 1 and prefetch >= 1, rows
 
 
@@ -79,8 +85,9 @@ def _chain(x, nw, w1, s1, w2, s2):
 
 @needs_cuda
 @pytest.mark.gpu
-def test_pdl_chain_equals_plain_launches_eager_and_in_a_graph(monkeypatch):
-    monkeypatch.setenv("DSPARK_PDL", "1")
+@pytest.mark.parametrize("mode", ["1", "prefetch"])
+def test_pdl_chain_equals_plain_launches_eager_and_in_a_graph(monkeypatch, mode):
+    monkeypatch.setenv("DSPARK_PDL", mode)
     if not pdl.enabled(torch.device("cuda")):
         pytest.skip("PDL not available on this GPU / Triton")
     gen = torch.Generator().manual_seed(3)
@@ -93,7 +100,7 @@ def test_pdl_chain_equals_plain_launches_eager_and_in_a_graph(monkeypatch):
 
     monkeypatch.setenv("DSPARK_PDL", "0")
     want = [_chain(x, nw, w1, s1, w2, s2) for x in xs]
-    monkeypatch.setenv("DSPARK_PDL", "1")
+    monkeypatch.setenv("DSPARK_PDL", mode)
     for x, y in zip(xs, want):
         assert torch.equal(_chain(x, nw, w1, s1, w2, s2), y)
     static = xs[0].clone()
@@ -123,11 +130,11 @@ def test_pdl_changes_no_token(quant_ckpt, monkeypatch):
     with its decode / verify CUDA graphs: greedy tokens with PDL == without."""
     from dspark import Engine, SamplingParams
     outs = {}
-    for flag in ("0", "1"):
+    for flag in ("0", "1", "prefetch"):
         monkeypatch.setenv("DSPARK_PDL", flag)
         eng = Engine(quant_ckpt, device=DEV, speculative="none", target_cuda_graphs=True,
                      weight_format="quantized", max_num_seqs=3)
         res = eng.generate([[5, 9, 2, 7] * 5, [11, 3] * 9 + [4], [8] * 33],
                            SamplingParams(temperature=0, max_tokens=24))
         outs[flag] = [o.token_ids for o in res]
-    assert outs["1"] == outs["0"]
+    assert outs["1"] == outs["0"] and outs["prefetch"] == outs["0"]

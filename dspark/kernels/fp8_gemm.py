@@ -138,6 +138,7 @@ def _fp8_skinny_kernel(
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr = False,
     RESCUE: tl.constexpr = "bf16", PDL: tl.constexpr = False, W16: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     """Few tokens (decode, verify): y^T = W x^T with the weight rows as the MMA's M side
     ("swap AB": a [BLOCK_N, 128] weight tile against x^T [128, BLOCK_T], so 64-128 weight rows
@@ -154,9 +155,9 @@ def _fp8_skinny_kernel(
     TMA: w_ptr is a tensor descriptor of the [N, K] weight bytes with [BLOCK_N, BLOCK_K] boxes:
     each tile arrives as one bulk copy (rows / columns past the weight read as zero), pipelined
     over num_stages by Triton.
-    PDL (dspark.kernels.pdl): launched while the kernel ahead still runs; the program asks L2
-    for its weight slice, waits for that kernel, and lets the next kernel start once its own
-    weight loop is done.
+    PDL (dspark.kernels.pdl): launched while the kernel ahead still runs; the program waits for
+    that kernel (PREFETCH: after asking L2 for its weight slice) and lets the next kernel start
+    once its own weight loop is done.
     W16: 16-bit weights without scales (bf16 / fp16 linears of few tokens, `linear16_skinny`:
     the same kernel, one MMA operand conversion less; s_ptr unused)."""
     pid_n = tl.program_id(0)
@@ -171,7 +172,7 @@ def _fp8_skinny_kernel(
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     x_base = x_ptr + ((pid_n * BLOCK_N) // GROUP_ROWS).to(tl.int64) * stride_xg
-    if PDL and not TMA:         # the weights are constant: fetch them before the wait (each
+    if PDL and PREFETCH and not TMA:    # the weights are constant: fetch before the wait (each
         # row's K_PER_SPLIT bytes in one bulk prefetch; rows / K are 16-byte multiples here)
         pdl.prefetch_l2(w_ptr + tl.minimum(rn, N - 1) * stride_wn + k_lo,
                         (k_hi - k_lo) * (2 if W16 else 1), PDL)
@@ -324,8 +325,9 @@ def fp8_skinny_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: i
     cnt = _arrival_counters(x2.device, grid[0] * grid[2])
     w16 = su is None                         # 16-bit weights (linear16_skinny)
     tma = tma and not w16 and _tma_fits(wu)  # else the cp.async path
-    # PDL with the weight prefetch: its bulk copies need 16-byte aligned rows and splits
-    on = pdl.enabled(x2.device) and _tma_fits(wu) and K % 16 == 0
+    on = pdl.enabled(x2.device)
+    # the weight prefetch's bulk copies need 16-byte aligned rows and splits
+    prefetch = on and pdl.prefetch_enabled(x2.device) and _tma_fits(wu) and K % 16 == 0
     w_arg = _weight_descriptor(wu, BN) if tma else wu
     if w16:
         su = wu                              # (never read)
@@ -334,6 +336,7 @@ def fp8_skinny_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: i
         cnt,
         T, N, K, k_per, R, BLOCK_N=BN, BLOCK_T=BT, BLOCK_K=FP8_BLOCK, PRECISION=precision,
         SPLIT=split, TMA=tma, RESCUE=_pick_precision(x2.dtype, None), PDL=on, W16=w16,
+        PREFETCH=prefetch,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_kwargs(on))
     return y
 

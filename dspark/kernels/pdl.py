@@ -17,13 +17,15 @@ The rules that keep it exact:
 Kernels launched without the attribute (torch's, cuBLAS's) keep full ordering. In a CUDA-graph
 capture the attribute becomes a programmatic edge between the two kernel nodes.
 
-Opt-in (DSPARK_PDL=1); never under the interpreter or before SM 9.0. Measured on the H200
-(session 13, V4-Flash widths, 4 layers, batch-1 decode graph, `bench_decode_v4.py`): device time
-per step 1.027 ms with PDL vs 0.943 ms without. The FP8 kernels' summed durations went 293 ->
-442 us (they now include the time spent waiting) and the MoE router, which runs next to the
-early-started shared expert, 32 -> 60 us: the early, waiting programs and their prefetch burst
-slow the kernels they run beside more than the hidden ramp-up gains. Correct either way
-(tests/test_pdl.py, the graph replay tests with it on, all passed on the H200).
+Opt-in (`mode`: DSPARK_PDL=1 early launch and wait, =prefetch also the L2 prefetch); never
+under the interpreter or before SM 9.0. Measured on the H200 (session 13, V4-Flash widths, 4
+layers, batch-1 decode graph, `bench_decode_v4.py`) with the prefetch: device time per step
+1.027 ms vs 0.943 ms without PDL. The timeline shows the GEMVs themselves slower, not waiting
+(wo_a 13.2 -> 23.3 us, wo_b 15.8 -> 21.4, wq_b 12.6 -> 18.2, each starting ~1 us earlier), and
+the MoE router beside the early shared expert 7.3 -> 15 us: the bulk prefetches compete with the
+kernels' own loads instead of running ahead of them. The variant without the prefetch (=1) has
+not been timed yet. Correct either way (tests/test_pdl.py and the graph replay tests, with the
+prefetch, passed on the H200).
 """
 from __future__ import annotations
 
@@ -59,14 +61,29 @@ def _device_supports(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+MODES = ("0", "1", "prefetch")
+
+
+def mode() -> str:
+    """DSPARK_PDL: "0" (default) off, "1" early launch and wait only, "prefetch" also the L2
+    bulk prefetch of the weight slice before the wait (the variant measured slower)."""
+    m = os.environ.get("DSPARK_PDL", "0")
+    if m not in MODES:
+        raise ValueError(f"DSPARK_PDL={m!r}: use one of {', '.join(MODES)}")
+    return m
+
+
 def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` are launched with PDL (the kernels' PDL constexpr)."""
-    if device.type != "cuda" or not _HAS_GDC or _interpreting():
-        return False
-    if os.environ.get("DSPARK_PDL", "0") != "1":
+    if device.type != "cuda" or not _HAS_GDC or _interpreting() or mode() == "0":
         return False
     return _device_supports(device.index if device.index is not None
                             else torch.cuda.current_device())
+
+
+def prefetch_enabled(device: torch.device) -> bool:
+    """Whether PDL kernels prefetch their weights into L2 before waiting (DSPARK_PDL=prefetch)."""
+    return enabled(device) and mode() == "prefetch"
 
 
 def launch_kwargs(on: bool) -> dict:
