@@ -349,7 +349,8 @@ class Engine:
                                    "waiting; the KV cache is too small for them (raise "
                                    "num_kv_blocks / kv_cache_memory or lower max_num_seqs)")
             return []
-        logits, taps = self.runner.target_forward(items)
+        # read by decide (step 3) before any other forward is queued: no snapshot copy needed
+        logits, taps = self.runner.target_forward(items, snapshot=False)
         self.telemetry.append({"batch_tokens": plan.num_tokens, "num_verify": len(plan.verify),
                                "verify_tokens": [r.verify_len for r in plan.verify],
                                "prefill_tokens": sum(n for _, n in plan.prefill)})

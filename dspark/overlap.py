@@ -101,7 +101,8 @@ class OverlappedDecode:
                 self.refused += 1
                 return None
         items = [(r.target_state, s, t) for r, s, t in zip(reqs, starts, toks)]
-        logits, _ = eng.runner.target_forward(items)
+        # decide queues its reads of the logits right away: no snapshot copy of them needed
+        logits, _ = eng.runner.target_forward(items, snapshot=False)
         eng.telemetry.append({"batch_tokens": len(reqs), "num_verify": len(reqs),
                               "verify_tokens": [0] * len(reqs), "prefill_tokens": 0})
         R = len(reqs)

@@ -101,13 +101,15 @@ class ModelRunner:
         return self.model.new_state(), ds
 
     @torch.inference_mode()
-    def target_forward(self, items, logit_rows=None):
+    def target_forward(self, items, logit_rows=None, snapshot: bool = True):
         """items: list of (target_state, start, token list); with a paged backend the state is
         the request id registered in backend.cache. Returns (logits fp32 [N, V] for the flat
-        rows in `logit_rows` (all rows when None), taps [T, taps*D] or None)."""
+        rows in `logit_rows` (all rows when None), taps [T, taps*D] or None). snapshot=False:
+        the logits may be a view of the V4 graphs' output buffer, valid until the next forward
+        is queued (V4DecodeGraphs.run)."""
         self.flush_context()        # leftovers of a step that drafted nothing
         if self.target_graphs is not None:
-            out = self.target_graphs.run(items)        # None: not a fixed-shape step
+            out = self.target_graphs.run(items, snapshot)  # None: not a fixed-shape step
             if out is not None:
                 logits, taps = out                     # every row, request-major (= flat order)
                 if logit_rows is not None:
