@@ -15,7 +15,7 @@ set -uo pipefail
 OUT=${OUT:-out}; R="$OUT/r"; mkdir -p "$R"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 DSPARK_INSTAFAIL=1
 BUDGET=${BUDGET:-570}; T0=$SECONDS
-STEPS=${STEPS:-"tests decode kernels bench trace draft qwen3 sweep mhc tp"}   # also: next (session 12's opt-ins)
+STEPS=${STEPS:-"tests decode kernels bench trace draft qwen3 sweep mhc tp"}   # also: next, pdl (opt-ins)
 left() { local l=$((BUDGET - SECONDS + T0)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 1 ] && l=1; echo $l; }
 step() { echo "[t=$((SECONDS - T0))s] $1"; }
 for s in $STEPS; do case $s in
@@ -149,13 +149,15 @@ next)    # session 12's opt-ins, first checked then timed: the deferred mHC Sink
   grep -A12 "^=== FAILED\|^E  " "$R/next_tests_optin.txt" | cut -c1-200 | head -30
   timeout "$(left 200)" python -m pytest -q -rfE -m gpu tests/test_v4_graph.py tests/test_side_stream.py \
     > "$R/next_tests_default.txt" 2>&1; tail -3 "$R/next_tests_default.txt" | cut -c1-300 ;;
-pdl)     # session 13: PDL launches + weight prefetch, the 16-bit skinny linears, the Triton row
-         # argmax: their tests on CUDA, graph replay == eager, then the decode step and A/Bs
+pdl)     # session 13: PDL launches (DSPARK_PDL=1 in the graph tests; test_pdl runs both modes),
+         # the 16-bit skinny linears, the Triton row argmax: their tests on CUDA, graph replay ==
+         # eager, then (other steps) the decode step and A/Bs, e.g.
+         # STEPS="pdl quick ab" AB="DSPARK_PDL=1 DSPARK_PDL=0 DSPARK_MHC_SIDE=0"
   step "PDL / linear16 / argmax tests on CUDA"
   timeout "$(left 150)" python -m pytest -q -rfE tests/test_pdl.py tests/test_argmax.py \
     tests/test_qlinear.py -k "pdl or argmax or linear16 or skinny" > "$R/pdl_tests.txt" 2>&1
   tail -3 "$R/pdl_tests.txt" | cut -c1-300; grep -A12 "^=== FAILED\|^E  " "$R/pdl_tests.txt" | cut -c1-200 | head -30
-  timeout "$(left 150)" python -m pytest -q -rfE -m gpu tests/test_pdl.py tests/test_v4_graph.py \
+  DSPARK_PDL=1 timeout "$(left 150)" python -m pytest -q -rfE -m gpu tests/test_pdl.py tests/test_v4_graph.py \
     -k "pdl or (replay_equals_eager and not bites)" > "$R/pdl_graph_tests.txt" 2>&1
   tail -3 "$R/pdl_graph_tests.txt" | cut -c1-300; grep -A12 "^=== FAILED\|^E  " "$R/pdl_graph_tests.txt" | cut -c1-200 | head -30
   DSPARK_MHC_SIDE=1 timeout "$(left 90)" python -m pytest -q -rfE -m gpu tests/test_v4_graph.py \

@@ -16,8 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.kernels import fp8_gemm
-
 
 FP32_CACHE_MAX_NUMEL = 1 << 22    # larger weights (e.g. a big vocab head) are cast per call
 NORM_BACKENDS = ("auto", "reference", "triton")
@@ -89,8 +87,10 @@ def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     summation order may differ. Few tokens (decode, verify) take the skinny Triton kernel
     instead (`fp8_gemm.linear16_skinny`: one launch, same products). Elsewhere:
     ``F.linear(x.float(), fp32(w))``."""
-    if not torch.is_grad_enabled() and fp8_gemm.linear16_skinny_applies(x, w):
-        return fp8_gemm.linear16_skinny(x, w, torch.float32)
+    if x.is_cuda and not torch.is_grad_enabled():
+        from dspark.kernels import fp8_gemm      # (Triton: not imported by the CPU reference)
+        if fp8_gemm.linear16_skinny_applies(x, w):
+            return fp8_gemm.linear16_skinny(x, w, torch.float32)
     if (x.is_cuda and w.dtype in (torch.bfloat16, torch.float16) and x.dtype == w.dtype
             and _MM_OUT_DTYPE[0] and not torch.is_grad_enabled()):
         try:
