@@ -210,10 +210,8 @@ def bench_fp8(tokens, iters, rows):
 # session 9's register prefetch measured slower in session 10 (256 vs 211 us per step) and is
 # gone; session 10's candidate: the activation pairs loaded per weight row, "fma-pair-rowx")
 MOE_VARIANTS = [("fma 4x32 pair decode", "fma-pair", (4, 32), 4, 3),     # shipped
-                # session 12's candidate: int32 weight words, 8 codes per decode (offline sm_90:
-                # 344 vs 405 instructions per gate/up loop iteration; down as many, no barriers)
-                ("fma 4x32 words", "fma-words", (4, 32), 4, 3),
-                ("fma 4x16 words", "fma-words", (4, 16), 4, 3),
+                # (session 12's int32 word decode measured 56.9 vs 53.1 us at 1 token on the
+                # H200 in session 13, bench_decode_s13_ab_h200.json, and is gone)
                 ("fma 4x32 pair row-x", "fma-pair-rowx", (4, 32), 4, 3),
                 ("fma 8x32 pair row-x", "fma-pair-rowx", (8, 32), 4, 3),
                 ("fma 8x16 pair row-x", "fma-pair-rowx", (8, 16), 4, 3),
@@ -246,8 +244,8 @@ def bench_moe(tokens, iters, rows, E=256, k=6, D=4096, I=2048):
             if kind.startswith("fma"):
                 os.environ["DSPARK_MOE_MMA"] = "0"
                 fn = lambda a, i, w, block=block, pd=kind != "fma", rx=kind.endswith(  # noqa: E731
-                    "rowx"), wd=kind.endswith("words"): fp4_moe_grouped(
-                        a, i, w, stack, 10.0, block=block, pair_decode=pd, row_x=rx, words=wd)
+                    "rowx"): fp4_moe_grouped(
+                        a, i, w, stack, 10.0, block=block, pair_decode=pd, row_x=rx)
             else:
                 fn = lambda a, i, w, block=block, warps=warps, stages=stages: fp4_moe_mma(  # noqa: E731
                     a, i, w, stack, 10.0, block=block, num_warps=warps, num_stages=stages)

@@ -155,13 +155,6 @@ def _moe_cases():
                    sig, {"BLOCK_N": 4, "BLOCK_G": 32, "DT": "bf16", "BF16_PAIRS": True,
                          "PAIR_DECODE": True, "FULL_GROUPS": True, "ROW_X": rx, **extra},
                    4, 3, None)
-        # int32 weight words (DSPARK_FP4_WORDS=1); the down kernel then reads an fp32 hidden
-        wsig = dict(sig, h_ptr="*fp32") if sig is down else sig
-        for n, g in ((4, 32), (4, 16), (8, 16)):
-            yield (fn.__name__, f"BLOCK_N={n} BLOCK_G={g} warps=4 words", fn, wsig,
-                   {"BLOCK_N": n, "BLOCK_G": g, "DT": "bf16", "BF16_PAIRS": sig is up,
-                    "PAIR_DECODE": True, "FULL_GROUPS": True, "WORDS": True, "ASM": True,
-                    **extra}, 4, 3, None)
     import dspark.kernels.fp4_moe_mma as mm       # expert-grouped tensor-core kernels
     mcommon = {"table_ptr": "*i32", "bexp_ptr": "*i32", "emap_ptr": "*i32", "w_ptr": "*u8",
                "stride_we": "i32", "stride_wn": "i32", "s_ptr": "*u8", "stride_se": "i32",

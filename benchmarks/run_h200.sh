@@ -15,7 +15,7 @@ set -uo pipefail
 OUT=${OUT:-out}; R="$OUT/r"; mkdir -p "$R"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 DSPARK_INSTAFAIL=1
 BUDGET=${BUDGET:-570}; T0=$SECONDS
-STEPS=${STEPS:-"tests decode kernels bench trace draft qwen3 sweep mhc tp"}   # also: next, pdl (opt-ins)
+STEPS=${STEPS:-"tests decode kernels bench trace draft qwen3 sweep mhc tp"}   # also: pdl (opt-ins)
 left() { local l=$((BUDGET - SECONDS + T0)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 1 ] && l=1; echo $l; }
 step() { echo "[t=$((SECONDS - T0))s] $1"; }
 for s in $STEPS; do case $s in
@@ -125,30 +125,6 @@ filters) # DSPARK_FUSED_FILTERS: filter_logits vs the torch top-k / top-p path, 
       --temperature 1.0 --top-k 50 --top-p 0.9 --json "$R/bench_filters_$v.json" > "$R/bench_filters_$v.txt" 2>&1
     tail -c 1500 "$R/bench_filters_$v.txt" | tr '\r' '\n' | grep -v "it/s\]\|req/s\]\|s/req\]" | tail -3
   done ;;
-next)    # session 12's opt-ins, first checked then timed: the deferred mHC Sinkhorn launch
-         # (DSPARK_MHC_SIDE=1, fixed after the H200 showed its first version freeing inputs early)
-         # and the word-decode FP4 MoE kernels (DSPARK_FP4_WORDS=1, inline PTX: never ran on a GPU)
-  step "the opt-ins' own kernel tests (on CUDA here)"
-  timeout "$(left 120)" python -m pytest -q -rfE tests/test_mhc_kernels.py tests/test_fp4_moe_grouped.py \
-    > "$R/next_tests_kernels.txt" 2>&1; tail -3 "$R/next_tests_kernels.txt" | cut -c1-300
-  grep -A12 "^=== FAILED\|^E  " "$R/next_tests_kernels.txt" | cut -c1-200 | head -30
-  step "grouped FP4 MoE, byte vs word decode"
-  timeout "$(left 100)" python benchmarks/bench_decode_kernels.py --skip-fp8 --no-read-ceiling \
-    --moe-tokens 1 6 --json "$R/bench_moe_words.json" > "$R/bench_moe_words.txt" 2>&1
-  grep -v -i warn "$R/bench_moe_words.txt" | grep "fma\|^grouped" | head -16
-  for v in ${NEXT_AB:-DSPARK_MHC_SIDE=0 DSPARK_MHC_SIDE=1,DSPARK_FP4_WORDS=1 DSPARK_MHC_SIDE=1 DSPARK_FP4_WORDS=1}; do
-    step "bench_decode_v4 quick with ${v//,/ }"; tag="$R/next_${v//[,=]/_}"
-    env ${v//,/ } timeout "$(left 90)" python benchmarks/bench_decode_v4.py --context 128 --skip-hf \
-      --iters 30 --json "$tag.json" > "$tag.txt" 2>&1
-    grep -v -i "warn\|it/s\]" "$tag.txt" | grep -A2 "^ context" | tail -1 | cut -c1-200
-  done
-  step "graph / side-stream GPU tests with both opt-ins, then with the defaults"
-  DSPARK_MHC_SIDE=1 DSPARK_FP4_WORDS=1 timeout "$(left 200)" python -m pytest -q -rfE -m gpu \
-    tests/test_v4_graph.py tests/test_side_stream.py \
-    > "$R/next_tests_optin.txt" 2>&1; tail -3 "$R/next_tests_optin.txt" | cut -c1-300
-  grep -A12 "^=== FAILED\|^E  " "$R/next_tests_optin.txt" | cut -c1-200 | head -30
-  timeout "$(left 200)" python -m pytest -q -rfE -m gpu tests/test_v4_graph.py tests/test_side_stream.py \
-    > "$R/next_tests_default.txt" 2>&1; tail -3 "$R/next_tests_default.txt" | cut -c1-300 ;;
 pdl)     # session 13: PDL launches (DSPARK_PDL=1 in the graph tests; test_pdl runs both modes),
          # the 16-bit skinny linears, the Triton row argmax: their tests on CUDA, graph replay ==
          # eager, then (other steps) the decode step and A/Bs, e.g.

@@ -206,32 +206,6 @@ def test_pair_decode_is_bit_identical(experts, stack, dtype):
 
 @triton_ok
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_word_decode_matches_the_byte_decode(experts, stack, dtype, monkeypatch):
-    """words=True (int32 weight words, 8 codes decoded together, x as fp32 column tensors, the
-    hidden kept in fp32): every code decodes exactly, so the result equals the byte-pair kernels
-    up to the order of each scale group's sum (fp32), and the de-quantized reference; with
-    add= / out_dtype= too; DSPARK_FP4_WORDS=1 turns it on."""
-    x, idx, w = _every_code_case(stack, dtype, seed=17)
-    T = x.shape[0]
-    want = fp4_moe_grouped(*_dev(x, idx, w), stack, 0.7)
-    got = fp4_moe_grouped(*_dev(x, idx, w), stack, 0.7, words=True)
-    tol = 1e-2 if dtype == torch.bfloat16 else 2e-6            # bf16: a rare 1-ulp flip of h
-    assert rel_err(got.cpu(), want.cpu()) < tol
-    assert rel_err(got.cpu(), _reference(x.float(), idx, w, experts, 0.7)) < 4 * tol + 1e-5
-    if dtype != torch.bfloat16:           # (the interpreter is slow: the rest once, in bf16)
-        return
-    # several tiles per row and group, the shared expert's add and the cast, by the switch
-    monkeypatch.setenv("DSPARK_FP4_WORDS", "1")
-    add = torch.randn(T, D, generator=torch.Generator().manual_seed(18)).to(dtype).to(want.device)
-    added = fp4_moe_grouped(*_dev(x, idx, w), stack, 0.7, block=(64, 1), add=add,
-                            out_dtype=dtype)
-    ref = (fp4_moe_grouped(*_dev(x, idx, w), stack, 0.7, block=(64, 1), words=False)
-           + add).to(dtype)
-    assert rel_err(added.float().cpu(), ref.float().cpu()) < tol
-
-
-@triton_ok
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_grouped_adds_and_rounds_in_the_down_kernel(experts, stack, dtype):
     """add= / out_dtype= (QuantMoE's shared expert output and the final cast): the down kernel's
     result equals out_dtype(fp32 routed + add) of the plain call, bit for bit (same fp32 sum,

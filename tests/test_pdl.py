@@ -3,7 +3,7 @@ FP8 skinny kernel with its wait / trigger / weight prefetch (offline sm_90 PTX, 
 and on the GPU a chain norm -> GEMV -> GEMV, eager and inside a CUDA graph, equal to the same
 chain without PDL bit for bit (a kernel that read its input before the wait would see the
 previous replay's values)."""
-from triton_env import DEV, HAS_CUDA, needs_cuda  # noqa: F401 (before triton)
+from triton_env import DEV, needs_cuda  # noqa: F401 (before triton)
 
 import os  # noqa: E402
 import subprocess  # noqa: E402

@@ -414,136 +414,6 @@ def _fp4_gemv_tile(x_row_ptr, w_rows_ptr, stride_wn, s_rows_ptr, stride_sn, n_ok
 
 
 @triton.jit
-def _word_nibble_pairs(wq, ASM: tl.constexpr):
-    """The 8 e2m1 codes of int32 words (little endian: code q at bits 4q..4q+3 = column q of
-    the word's 8) as fp32 values * 2^-14, columns 0..7, made as four pairs (0 / 4, 1 / 5, 2 / 6,
-    3 / 7): each pair's two f16 bit patterns (sign << 15 | magnitude << 9) built in one 32-bit word by
-    two shifts and masks of the whole word (~15 integer ops for 8 codes, offline sm_90, instead
-    of ~24 byte by byte), then each half converted. Exact, as _e2m1_times_2pow14."""
-    # -2147450880: the sign bits 0x80008000 as an int32
-    ra = ((wq << 9) & 0x0E000E00) | ((wq << 12) & -2147450880)    # codes 0, 4
-    rb = ((wq << 5) & 0x0E000E00) | ((wq << 8) & -2147450880)     # codes 1, 5
-    rc = ((wq << 1) & 0x0E000E00) | ((wq << 4) & -2147450880)     # codes 2, 6
-    rd = ((wq >> 3) & 0x0E000E00) | (wq & -2147450880)            # codes 3, 7
-    # flat, not nested pairs: Triton's dependency hashing rejects nested tuple targets
-    v0, v4 = _f16_halves(ra, ASM)
-    v1, v5 = _f16_halves(rb, ASM)
-    v2, v6 = _f16_halves(rc, ASM)
-    v3, v7 = _f16_halves(rd, ASM)
-    return v0, v1, v2, v3, v4, v5, v6, v7
-
-
-@triton.jit
-def _f16_halves(r, ASM: tl.constexpr):
-    """Both f16 halves of int32 words as fp32. ASM (CUDA): one conversion per half straight
-    from the 32-bit register (the high half without a shift / permute first); else (the
-    interpreter) the same values by shift, truncation and bitcast."""
-    if ASM:
-        lo, hi = tl.inline_asm_elementwise(
-            asm="{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h; }",
-            constraints="=f,=f,r", args=[r], dtype=(tl.float32, tl.float32), is_pure=True,
-            pack=1)
-    else:
-        lo = r.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        hi = (r >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return lo, hi
-
-
-@triton.jit
-def _x_eighths(x_row_ptr, grp, g_ok, BLOCK_G: tl.constexpr):
-    """x's columns of groups grp as fp32 [1, G, 4 words] tensors, one per column of the word:
-    (c0, c1, ..., c7) with c_i[0, g, w] = x[32 g + 8 w + i], from one [G, 4, 8] load split in
-    registers. (Loading them per row in the words' [N, G, 4] shape, strided or split, or
-    joining the decoded codes into [N, G, 4, 8] instead, compiled to more instructions
-    offline: 388 / 409 vs 344 per gate/up loop iteration.)"""
-    xv = tl.load(x_row_ptr + grp[:, None, None] * 32 + tl.arange(0, 4)[None, :, None] * 8
-                 + tl.arange(0, 8)[None, None, :], mask=g_ok[:, None, None],
-                 other=0.0).to(tl.float32)
-    ev, od = tl.split(tl.reshape(xv, (BLOCK_G, 4, 4, 2)))     # columns 2k / 2k + 1
-    e_lo, e_hi = tl.split(tl.reshape(ev, (BLOCK_G, 4, 2, 2)))  # k = 0, 2 / 1, 3
-    o_lo, o_hi = tl.split(tl.reshape(od, (BLOCK_G, 4, 2, 2)))
-    c0, c4 = tl.split(e_lo)
-    c2, c6 = tl.split(e_hi)
-    c1, c5 = tl.split(o_lo)
-    c3, c7 = tl.split(o_hi)
-    return (c0[None], c1[None], c2[None], c3[None], c4[None], c5[None], c6[None],
-            c7[None])                                        # [1, G, 4]: broadcast over rows
-
-
-@triton.jit
-def _x_planes(x_planes_ptr, K, grp, g_ok, BLOCK_N: tl.constexpr):
-    """The same eight column tensors from x stored as fp32 planes (plane i, word 4 g + w holds
-    x[32 g + 8 w + i]; `_plane_index`): one contiguous [N, G, 4] load per plane, in the
-    weight words' shape and layout (rows broadcast: each row's threads read their copy from
-    L1), so no layout exchange through shared memory and no bf16 unpacking."""
-    rows0 = tl.zeros((BLOCK_N, 1, 1), dtype=tl.int32)
-    off = rows0 + grp[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
-    m = (rows0 == 0) & g_ok[None, :, None]
-    P = K // 8
-    c0 = tl.load(x_planes_ptr + off, mask=m, other=0.0)
-    c1 = tl.load(x_planes_ptr + P + off, mask=m, other=0.0)
-    c2 = tl.load(x_planes_ptr + 2 * P + off, mask=m, other=0.0)
-    c3 = tl.load(x_planes_ptr + 3 * P + off, mask=m, other=0.0)
-    c4 = tl.load(x_planes_ptr + 4 * P + off, mask=m, other=0.0)
-    c5 = tl.load(x_planes_ptr + 5 * P + off, mask=m, other=0.0)
-    c6 = tl.load(x_planes_ptr + 6 * P + off, mask=m, other=0.0)
-    c7 = tl.load(x_planes_ptr + 7 * P + off, mask=m, other=0.0)
-    return c0, c1, c2, c3, c4, c5, c6, c7
-
-
-@triton.jit
-def _plane_index(c, K):
-    """Where column c (< K, K % 32 == 0) of a vector lives in its fp32 plane layout."""
-    return (c % 8) * (K // 8) + (c // 32) * 4 + (c % 32) // 8
-
-
-@triton.jit
-def _word_dot(wq, c0, c1, c2, c3, c4, c5, c6, c7, ASM: tl.constexpr):
-    """[N, G]: sum over the group's 4 words [N, G, 4] of code * x (times 2^-14)."""
-    v0, v1, v2, v3, v4, v5, v6, v7 = _word_nibble_pairs(wq, ASM)
-    s = v0 * c0 + v1 * c1 + v2 * c2 + v3 * c3 + v4 * c4 + v5 * c5 + v6 * c6 + v7 * c7
-    return tl.sum(s, axis=2)
-
-
-@triton.jit
-def _fp4_gemv_tile_words(x_row_ptr, w_rows_ptr, stride_wn, s_rows_ptr, stride_sn, n_ok, K,
-                         second_w, second_s, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-                         TWO: tl.constexpr, ASM: tl.constexpr, PLANES: tl.constexpr = False):
-    """_fp4_gemv_tile for whole scale groups (K % 32 == 0) and 4-byte aligned rows, weights
-    read as int32 words: _word_nibble_pairs decodes 8 codes per word, x comes as fp32 column
-    tensors matching them (_x_eighths; PLANES: x stored as fp32 planes, _x_planes). Same
-    products, another order of the group's sum."""
-    NG = K // 32
-    rn = tl.arange(0, BLOCK_N).to(tl.int64)
-    w32 = w_rows_ptr.to(tl.pointer_type(tl.int32))
-    row_words = stride_wn // 4
-    acc = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
-    for g0 in range(0, NG, BLOCK_G):
-        grp = g0 + tl.arange(0, BLOCK_G)
-        g_ok = grp < NG
-        w_off = (rn[:, None, None] * row_words + grp[None, :, None] * 4
-                 + tl.arange(0, 4)[None, None, :])
-        w_mask = n_ok[:, None, None] & g_ok[None, :, None]
-        s_ptrs = s_rows_ptr + rn[:, None] * stride_sn + grp[None, :]
-        s_mask = n_ok[:, None] & g_ok[None, :]
-        if PLANES:
-            c0, c1, c2, c3, c4, c5, c6, c7 = _x_planes(x_row_ptr, K, grp, g_ok, BLOCK_N)
-        else:
-            c0, c1, c2, c3, c4, c5, c6, c7 = _x_eighths(x_row_ptr, grp, g_ok, BLOCK_G)
-        wq = tl.load(w32 + w_off, mask=w_mask, other=0)
-        sb = tl.load(s_ptrs, mask=s_mask, other=0).to(tl.int32)
-        part = _word_dot(wq, c0, c1, c2, c3, c4, c5, c6, c7, ASM)
-        acc += part * ((sb + 14) << 23).to(tl.float32, bitcast=True)      # 2^(b-127) * 2^14
-        if TWO:
-            wq2 = tl.load(w32 + w_off + second_w // 4, mask=w_mask, other=0)
-            sb2 = tl.load(s_ptrs + second_s, mask=s_mask, other=0).to(tl.int32)
-            part2 = _word_dot(wq2, c0, c1, c2, c3, c4, c5, c6, c7, ASM)
-            acc2 += part2 * ((sb2 + 14) << 23).to(tl.float32, bitcast=True)
-    return tl.sum(acc, axis=1), tl.sum(acc2, axis=1)
-
-
-@triton.jit
 def _swiglu_h(g, u, limit, rw, DT: tl.constexpr):
     """The expert's hidden h in x.dtype values (fp32 tensor), as `swiglu_expert`: g, u rounded to
     x.dtype (the per-expert GEMMs return it), u clamped to [-limit, limit] and g <= limit when
@@ -564,7 +434,7 @@ def _fp4_moe_gate_up_kernel(
     KSLOTS, I, D, limit, NP,                    # NP: programs along axis 0, bucketed (tuning key)
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, DT: tl.constexpr, BF16_PAIRS: tl.constexpr,
     PAIR_DECODE: tl.constexpr = False, FULL_GROUPS: tl.constexpr = False,
-    ROW_X: tl.constexpr = False, WORDS: tl.constexpr = False, ASM: tl.constexpr = False,
+    ROW_X: tl.constexpr = False,
 ):
     p = tl.program_id(0)                                    # (token, slot) pair
     pid_n = tl.program_id(1)
@@ -578,18 +448,11 @@ def _fp4_moe_gate_up_kernel(
     x_row = x_ptr + t.to(tl.int64) * stride_xt
     w_base = w_ptr + row * stride_we + (pid_n * BLOCK_N).to(tl.int64) * stride_wn
     s_base = s_ptr + row * stride_se + (pid_n * BLOCK_N).to(tl.int64) * stride_sn
-    if WORDS:
-        g, u = _fp4_gemv_tile_words(x_row, w_base, stride_wn, s_base, stride_sn, n_ok, D,
-                                    I * stride_wn, I * stride_sn, BLOCK_N, BLOCK_G, True, ASM)
-    else:
-        g, u = _fp4_gemv_tile(x_row, w_base, stride_wn, s_base, stride_sn, n_ok, D,
-                              I * stride_wn, I * stride_sn, BLOCK_N, BLOCK_G, True, BF16_PAIRS,
-                              PAIR_DECODE, FULL_GROUPS, ROW_X)
+    g, u = _fp4_gemv_tile(x_row, w_base, stride_wn, s_base, stride_sn, n_ok, D,
+                          I * stride_wn, I * stride_sn, BLOCK_N, BLOCK_G, True, BF16_PAIRS,
+                          PAIR_DECODE, FULL_GROUPS, ROW_X)
     h = _swiglu_h(g, u, limit, tl.load(rw_ptr + p).to(tl.float32), DT)
-    if WORDS:               # fp32 planes: the down kernel's word loop reads them as they lie
-        tl.store(h_ptr + p.to(tl.int64) * stride_hp + _plane_index(rn, I), h, mask=rn < I)
-    else:
-        tl.store(h_ptr + p.to(tl.int64) * stride_hp + rn, h, mask=rn < I)
+    tl.store(h_ptr + p.to(tl.int64) * stride_hp + rn, h, mask=rn < I)
 
 
 @triton.jit
@@ -600,7 +463,7 @@ def _fp4_moe_down_kernel(
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, DT: tl.constexpr, BF16_PAIRS: tl.constexpr,
     PAIR_DECODE: tl.constexpr = False, FULL_GROUPS: tl.constexpr = False,
     add_ptr=None, stride_at=0, HAS_ADD: tl.constexpr = False, OUT_DT: tl.constexpr = "fp32",
-    ROW_X: tl.constexpr = False, WORDS: tl.constexpr = False, ASM: tl.constexpr = False,
+    ROW_X: tl.constexpr = False,
 ):
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -613,14 +476,9 @@ def _fp4_moe_down_kernel(
         row = tl.maximum(row, 0).to(tl.int64)
         w_base = w_ptr + row * stride_we + (pid_n * BLOCK_N).to(tl.int64) * stride_wn
         s_base = s_ptr + row * stride_se + (pid_n * BLOCK_N).to(tl.int64) * stride_sn
-        if WORDS:
-            y, _ = _fp4_gemv_tile_words(h_ptr + p.to(tl.int64) * stride_hp, w_base, stride_wn,
-                                        s_base, stride_sn, n_ok, I, 0, 0, BLOCK_N, BLOCK_G,
-                                        False, ASM, True)
-        else:
-            y, _ = _fp4_gemv_tile(h_ptr + p.to(tl.int64) * stride_hp, w_base, stride_wn,
-                                  s_base, stride_sn, n_ok, I, 0, 0, BLOCK_N, BLOCK_G, False,
-                                  BF16_PAIRS, PAIR_DECODE, FULL_GROUPS, ROW_X)
+        y, _ = _fp4_gemv_tile(h_ptr + p.to(tl.int64) * stride_hp, w_base, stride_wn,
+                              s_base, stride_sn, n_ok, I, 0, 0, BLOCK_N, BLOCK_G, False,
+                              BF16_PAIRS, PAIR_DECODE, FULL_GROUPS, ROW_X)
         out += _round_to(y, DT)                             # each expert's output in x.dtype
     if HAS_ADD:             # the shared expert's output, added in fp32 (QuantMoE's `out += ...`)
         out += tl.load(add_ptr + t.to(tl.int64) * stride_at + rn, mask=rn < D,
@@ -687,8 +545,7 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                     stack: FP4ExpertStack, swiglu_limit: float, block=None,
                     pair_decode: bool = True, add: torch.Tensor | None = None,
                     out_dtype: torch.dtype = torch.float32,
-                    row_x: bool | None = None, add_stream=None,
-                    words: bool | None = None) -> torch.Tensor:
+                    row_x: bool | None = None, add_stream=None) -> torch.Tensor:
     """Routed-expert output [T, D] by the two grouped kernels (module docstring): fp32, or with
     ``add`` ([T, D], e.g. the shared expert's output) and ``out_dtype``: out_dtype(routed + add)
     with the sum in fp32 (the down kernel does both: no add / cast launch). Fixed
@@ -704,12 +561,10 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     None: DSPARK_FP4_ROW_X=1; from offline SASS, measured no faster on the H200 in session 11:
     decode device time 1.154 vs 1.148 ms, 53.7 vs 52.7 us per layer). (A
     register prefetch of the next weight tile measured slower on the H200 in session 10, 256 vs
-    211 us per decode step, and was removed.) words: the CUDA-core kernels read whole int32
-    weight words and decode their 8 codes together (`_fp4_gemv_tile_words`; same products,
-    another order of each group's sum; the hidden passed as fp32 planes the down kernel reads
-    in the words' layout; None: DSPARK_FP4_WORDS=1; offline sm_90 SASS, 4 x 32 blocks: 344 vs
-    405 instructions per gate/up loop iteration, the down loop as many (288 vs 285) but without
-    its 16 barriers; not yet timed on a GPU). add_stream: the CUDA stream still producing
+    211 us per decode step, and was removed. So was, in session 13, a decode of whole int32
+    weight words, 8 codes at a time with inline-PTX f16 conversions: fewer instructions offline,
+    but 56.9 vs 53.1 us per layer at 1 token and 0.968 vs 0.953 ms per decode step on the
+    H200.) add_stream: the CUDA stream still producing
     ``add`` (side_stream.fork): the current stream waits for it right before the first kernel
     that reads ``add`` (the down kernel), so the gate/up kernel overlaps it."""
     def add_ready():
@@ -748,15 +603,7 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     weights = weights.contiguous()
     P = T * k
     full = D % 32 == 0 and I % 32 == 0        # every scale group whole (V4: always)
-    if words is None:
-        words = os.environ.get("DSPARK_FP4_WORDS", "0") == "1"
-    # int32 weight words: whole groups, 4-byte aligned rows of both stacks
-    words = bool(words) and full and all(t.stride(1) % 4 == 0 and t.stride(0) % 4 == 0
-                                         and t.data_ptr() % 4 == 0 for t in (stack.w13, stack.w2))
-    asm = words and not _interpreting()       # inline PTX: not under the interpreter
-    # the hidden h as fp32 planes for the word kernels (the same x.dtype-rounded values, laid
-    # out as the down kernel reads them: `_x_planes`)
-    h = torch.empty(P, I, dtype=torch.float32 if words else x.dtype, device=x.device)
+    h = torch.empty(P, I, dtype=x.dtype, device=x.device)
     dt = _DT_NAME[x.dtype]
     # bf16 activations read as int32 pairs: even widths, 4-byte aligned rows (h is ours)
     pairs = (dt == "bf16" and D % 2 == 0 and I % 2 == 0 and x.stride(0) % 2 == 0
@@ -775,26 +622,23 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
         _tuned(_fp4_moe_gate_up_kernel, ["NP", "KSLOTS", "I", "D"])[
             lambda m: (P, triton.cdiv(I, m["BLOCK_N"]))](*up_args, DT=dt, BF16_PAIRS=pairs,
                                                           PAIR_DECODE=pair_decode, FULL_GROUPS=full,
-                                                          ROW_X=row_x, WORDS=words, ASM=asm)
+                                                          ROW_X=row_x)
         add_ready()
         _tuned(_fp4_moe_down_kernel, ["NP", "KSLOTS", "D", "I"])[
             lambda m: (T, triton.cdiv(D, m["BLOCK_N"]))](*down_args, DT=dt,
-                                                          BF16_PAIRS=pairs and not words,
+                                                          BF16_PAIRS=pairs,
                                                           PAIR_DECODE=pair_decode, FULL_GROUPS=full,
-                                                          ROW_X=row_x, WORDS=words, ASM=asm,
-                                                          **down_kw)
+                                                          ROW_X=row_x, **down_kw)
         return out
     bn1, bg1 = block or _grouped_blocks(P, I)
     bn2, bg2 = block or _grouped_blocks(T, D)
     _fp4_moe_gate_up_kernel[(P, triton.cdiv(I, bn1))](*up_args, BLOCK_N=bn1, BLOCK_G=bg1, DT=dt,
                                                       BF16_PAIRS=pairs, PAIR_DECODE=pair_decode,
-                                                      FULL_GROUPS=full, ROW_X=row_x, WORDS=words,
-                                                      ASM=asm)
+                                                      FULL_GROUPS=full, ROW_X=row_x)
     add_ready()
     _fp4_moe_down_kernel[(T, triton.cdiv(D, bn2))](*down_args, BLOCK_N=bn2, BLOCK_G=bg2, DT=dt,
-                                                   BF16_PAIRS=pairs and not words,
-                                                   PAIR_DECODE=pair_decode, FULL_GROUPS=full,
-                                                   ROW_X=row_x, WORDS=words, ASM=asm, **down_kw)
+                                                   BF16_PAIRS=pairs, PAIR_DECODE=pair_decode,
+                                                   FULL_GROUPS=full, ROW_X=row_x, **down_kw)
     return out
 
 
