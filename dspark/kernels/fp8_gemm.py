@@ -358,9 +358,12 @@ def linear16_skinny_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def linear16_skinny(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """x [..., K] @ w [N, K]^T in out_dtype for 16-bit x and w of few tokens: the skinny kernel
-    (swap AB, split K summed in the same launch, PDL) with the 16-bit weights as they are. The
+    (swap AB, split K summed in the same launch) with the 16-bit weights as they are. The
     products are exact, the fp32 sum differs from cuBLAS's only in order. (cuBLAS at T = 1 runs
-    a split-K GEMV and a separate reduce kernel: two launches per compressor projection.)"""
+    a split-K GEMV and a separate reduce kernel: two launches per compressor projection; H200,
+    the V4-Flash decode step with the three compressor projections here: 1.027 vs 1.026 ms
+    device with PDL on, and 0.943 ms together with the Triton row argmax without PDL, against
+    0.953 before both.)"""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:

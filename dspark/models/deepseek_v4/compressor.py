@@ -51,7 +51,7 @@ class Compressor(nn.Module):
         wkv, wgate = self.wkv.weight, self.wgate.weight
         if type(self.wkv) is nn.Linear and type(self.wgate) is nn.Linear:
             w = derived(self, "_wcat", (wkv, wgate), lambda: torch.cat([wkv, wgate]))
-            a, z = linear_fp32(x, w).split(wkv.shape[0], dim=-1)
+            a, z = linear_fp32(x, w, skinny=True).split(wkv.shape[0], dim=-1)
         else:                                   # e.g. sharded / quantized projections
             xf = x.float()
             a, z = F.linear(xf, fp32(wkv)), F.linear(xf, fp32(wgate))
