@@ -425,12 +425,13 @@ class DistributedRunner(ModelRunner):
                 weakref.finalize(obj, self._freed.append, (key, which)).atexit = False
         return t, d
 
-    def target_forward(self, items, logit_rows=None):
+    def target_forward(self, items, logit_rows=None, snapshot: bool = True):
         items = list(items)
         msg = [(self._ref(st, "t"), int(start), [int(t) for t in toks]) for st, start, toks in items]
         rows = None if logit_rows is None else [int(r) for r in logit_rows]
         logits, taps = self._run([("fwd", msg, rows)],
-                                 lambda: ModelRunner.target_forward(self, items, logit_rows))
+                                 lambda: ModelRunner.target_forward(self, items, logit_rows,
+                                                                    snapshot))
         self._last_taps = taps
         return logits, taps
 

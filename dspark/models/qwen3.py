@@ -475,11 +475,13 @@ class Qwen3Runner(ModelRunner):
                                              cuda_graphs)
 
     @torch.inference_mode()
-    def target_forward(self, items, logit_rows=None):
+    def target_forward(self, items, logit_rows=None, snapshot: bool = True):
+        """ModelRunner.target_forward; the Qwen3 graphs always return a copy of their logits
+        (snapshot has no effect on them)."""
         self.flush_context()        # leftovers of a step that drafted nothing
         out = self.graphs.run(items) if self.graphs is not None else None
         if out is None:
-            return super().target_forward(items, logit_rows)
+            return super().target_forward(items, logit_rows, snapshot)
         logits, taps = out
         if logit_rows is not None:
             logits = logits[torch.as_tensor(logit_rows, dtype=torch.long, device=logits.device)]
