@@ -110,16 +110,27 @@ def test_batched_draft_equals_per_request_loop(tiny_ckpt, kv_cache_dtype):
     assert runner.draft_pool.num_slots >= 9          # grew from 4 (plus the reused slot)
     greedy_reqs = [SimpleNamespace(**{**vars(r), "params": PARAMS[0]}) for r in reqs]
     greedy = runner.draft(greedy_reqs)               # all greedy: the argmax-only pass
+    conf_err = []
     with torch.inference_mode(), model_rope(eng.drafter):
         for batch, blocks in ((reqs, mixed), (greedy_reqs, greedy)):
             for r, t, block in zip(batch, taps, blocks):
                 toks, q, conf = reference_draft(eng, t, r.anchor, r.params, r.seed)
                 assert torch.equal(block.tokens, toks), r.num_committed
-                torch.testing.assert_close(block.conf_logits, conf, rtol=1e-4, atol=1e-4)
+                conf_err.append((block.conf_logits - conf).abs().max().item())
                 if r.params.greedy:
                     assert block.probs is None
                 else:
                     torch.testing.assert_close(block.probs, q, rtol=1e-4, atol=1e-5)
+    if kv_cache_dtype == "fp32":
+        assert max(conf_err) < 1e-4, conf_err
+    else:
+        # the batched context projection rounds differently in the last fp32 bit than the
+        # per-request one (other GEMM shapes; CPUs with AMX / AVX-512 differ here), which now and
+        # then moves a cached value across an e4m3 rounding boundary: one fp8 step (1/8
+        # relative) of one cached element, ~2-4e-3 in the confidence logits of that request.
+        # A wrong row or slot would show in every request.
+        assert max(conf_err) < 1e-2, conf_err
+        assert sum(e < 1e-4 for e in conf_err) >= 0.75 * len(conf_err), conf_err
 
 
 def test_reused_slot_forgets_previous_rows(tiny_ckpt):
