@@ -330,9 +330,9 @@ def test_adapter_matches_reference_backend_on_cpu(model, monkeypatch):
         want, _ = ref.target_forward(_items(step))
         got, _ = fla.target_forward(_items(step))
         # summation-order differences re-round a few FP8 entry / key bytes, and those carry over
-        # to later steps (Triton vs reference: 2e-3 for one forward); a wrong id or length
-        # would show up as O(0.1 - 1) errors
-        assert row_rel_err(got, want).max() <= 5e-3, step
+        # to later steps (Triton vs reference: 2e-3 for one forward; 5.1e-3 at the third step
+        # on a CPU with AMX / AVX-512); a wrong id or length would show up as O(0.1 - 1) errors
+        assert row_rel_err(got, want).max() <= 1e-2, step
     n_layers = model.cfg.num_hidden_layers
     assert fake.calls == len(STEPS) * n_layers
     # one scheduler metadata per kind of layer per forward (SWA, CSA, HCA-16), not per layer

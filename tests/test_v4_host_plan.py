@@ -113,3 +113,23 @@ def test_layout_fits_the_largest_bucket():
                 lay = hp.plan_layout(cache, B, q, P, base=100)
                 firsts = sorted(f for f, _, _ in lay.fields.values())
                 assert firsts[0] == 100 and lay.end <= top
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_decode_fast_path_equals_general_formulas(name):
+    """One request decoding one token (the batch-1 decode step) takes `_decode_plan`: every
+    field, dtype and shape equal to the general path's, at every position of P pages (entry
+    boundaries, window and ring wraps included)."""
+    ratios, bs = SCHEDULES[name]
+    cache, scratch_slot, scratch_page = make_cache(ratios, bs)
+    P = 2
+    pt = np.array([[5, 11]], np.int64)
+    sl, va = np.array([3], np.int64), np.array([1], np.int64)
+    for n in range(P * bs):
+        args = (cache, 1, 1, P, np.array([n]), np.array([n]), sl, va, pt, scratch_page)
+        fast, general = hp.host_plan(*args), hp.host_plan(*args, fast=False)
+        assert fast.keys() == general.keys()
+        for k, want in general.items():
+            got = fast[k]
+            assert got.dtype == want.dtype and got.shape == want.shape, (n, k)
+            assert np.array_equal(got, want), (n, k, got, want)

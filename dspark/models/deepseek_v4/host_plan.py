@@ -120,14 +120,17 @@ def _static(key, make):
 
 
 def host_plan(cache, B: int, q: int, P: int, pos, req_start, req_slot, req_valid, page_table,
-              scratch_page: int) -> dict:
+              scratch_page: int, fast: bool = True) -> dict:
     """Numpy twin of graph.derive_plan: {field: array} for int64 host inputs pos [B*q], req_start
     / req_slot / req_valid [B], page_table [B, P] (also the int64 window_ids and
     all_visible_ids, for tests). Same formulas in the same order; numpy's // and % floor like
-    torch's."""
+    torch's. fast: one request decoding one token takes `_decode_plan` (same result; False:
+    the general formulas, for tests)."""
     T = B * q
     pos, pt = np.asarray(pos, np.int64), np.asarray(page_table, np.int64)
     st, sl = np.asarray(req_start, np.int64), np.asarray(req_slot, np.int64)
+    if fast and B == 1 and q == 1 and req_valid[0] and st[0] == pos[0]:
+        return _decode_plan(cache, P, int(pos[0]), int(sl[0]), pt, scratch_page)
     W, C = cache.window, cache.capacity
 
     def make():
@@ -196,3 +199,72 @@ def _ratio_plan(cache, m, B, q, P, pos, st, sl, valid_r, valid_t, slot_t, req, p
         out[f + "all_visible_ids"] = vis
         out[f + "all_visible_ids_i32"] = vis.astype(np.int32)
     return out
+
+
+def _decode_plan(cache, P: int, n: int, slot: int, pt, scratch_page) -> dict:
+    """host_plan of one request decoding one token at position n (its start; batch bucket 1):
+    the same fields, values and dtypes (tests/test_v4_host_plan.py compares the two), computed
+    with Python integers where the general formulas work on one-element arrays (a batch-1 decode
+    step's plan costs about half the host time then: every numpy op on a tiny array is ~1 us)."""
+    W, C = cache.window, cache.capacity
+
+    def make():          # (the general path's constants, for T = 1)
+        stage = cache.stage_base
+        return (np.zeros(1, np.int64), np.zeros(1, np.int32),
+                stage - (W - 1) + np.arange(W), np.arange(W) - (W - 1),
+                np.array([stage]), np.array([stage // C]), np.array([stage % C]))
+    req, req_i32, stage_win, offs, stage, stage_page, stage_row = _static(
+        ("decode window", W, C, cache.stage_base), make)
+    qw = offs + n                                              # [W] window positions
+    win = np.where(qw >= n, stage_win, qw % C + slot * C)
+    window_ids = np.where(qw >= 0, win, -1)[None]
+    ring = slot * C + n % C
+    split = np.array([[stage_page[0]], [stage_row[0]], [ring // C], [ring % C]])
+    out = dict(req_index=req, req_index_i32=req_i32, page_table_i32=pt.astype(np.int32),
+               window_ids=window_ids, window_ids_i32=window_ids.astype(np.int32),
+               stage_ids=stage, ring_dst=np.array([ring]), ring_split=split)
+    for m in _ratios(cache):
+        out.update(_decode_ratio_plan(cache, m, P, n, slot, pt, scratch_page))
+    return out
+
+
+def _decode_ratio_plan(cache, m, P, n, slot, pt, scratch_page) -> dict:
+    """_ratio_plan for _decode_plan's step (B = q = 1: one candidate entry j = n // m)."""
+    R = cache.comp_ring(m)
+    E, cm, N = _shapes(cache, m, 1, 1, P)
+    c = cm // m
+
+    def make():
+        local = np.arange(P * N)
+        # fresh rows: clip(p - n, 0, T - 1) with T = 1, always row 0
+        return (np.arange(cm) - (c - 1) * m, local, local // N, local % N,
+                np.zeros((1, cm), np.int64))
+    offs, local, local_page, local_row, fresh = _static(("decode ratio", m, P, cm, N), make)
+    j = n // m
+    ok = j < (n + 1) // m                                      # the entry completes here
+    dst = int(pt[0, min(j // N, P - 1)]) * N + j % N if ok else scratch_page * N
+    p = offs + j * m                                           # [c*m] pooled positions
+    n_vis = (n + 1) // m
+    f = f"{m}."
+    out = {f + "n_visible": np.array([n_vis]), f + "n_visible_i32": np.array([n_vis], np.int32),
+           f + "emit_valid": np.array([ok]), f + "emit_dst": np.array([dst]),
+           f + "emit_pos": np.array([j * m if ok else 0]), f + "from_ring": (p < n)[None],
+           f + "ring_rows": (p % R + slot * R)[None], f + "fresh_rows": fresh,
+           f + "before_zero": (p < 0)[None], f + "persist_dst": np.array([slot * R + n % R])}
+    if m != 4:
+        # the visible entries change once per m steps: the last answer per ratio is kept
+        # (read-only, as the _static arrays)
+        key = (m, P, N, n_vis, pt[0].tobytes())
+        last = _LAST_VISIBLE.get(m)
+        if last is None or last[0] != key:
+            ids = pt[0, local_page] * N + local_row
+            vis = np.where(local < n_vis, ids, -1)[None]
+            vis32 = vis.astype(np.int32)
+            vis.setflags(write=False)
+            vis32.setflags(write=False)
+            last = _LAST_VISIBLE[m] = (key, vis, vis32)
+        out[f + "all_visible_ids"], out[f + "all_visible_ids_i32"] = last[1], last[2]
+    return out
+
+
+_LAST_VISIBLE: dict = {}      # ratio -> (inputs, all_visible_ids, its int32 twin)
