@@ -4,8 +4,9 @@ the stream has finished, does the work that needs nothing from it, then waits fo
 A batch-1 decode step is ~130 kernels in a chain; a weight-streaming GEMV pays its ramp-up (the
 first weight bytes arrive ~1-2 us after the kernel starts) after the kernel ahead of it has
 drained. With PDL the GEMV is launched while that kernel (a norm, RoPE, a combine: ~2-4 us) still
-runs, asks L2 for its own weight slice (`prefetch_l2`: weights never change during a step), and
-only then waits (`wait`), so the ramp-up overlaps the kernel ahead.
+runs and waits for it on the GPU (`wait`) instead of being launched after it; with
+DSPARK_PDL=prefetch it first asks L2 for its own weight slice (`prefetch_l2`: weights never
+change during a step), so that its ramp-up would overlap the kernel ahead.
 
 The rules that keep it exact:
 - a kernel launched with `launch_pdl=True` (`launch_kwargs`) reads nothing another kernel writes
@@ -36,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-try:                                        # Triton >= 3.4; older: no-ops (PDL never enabled)
+try:                            # (Triton 3.6 on the H200, 3.9 here); without: no-ops, PDL off
     from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
     from triton.language.extra.cuda import gdc_wait as _gdc_wait
     _HAS_GDC = True
