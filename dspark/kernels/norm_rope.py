@@ -46,8 +46,8 @@ def _norm_rope_kernel(x_ptr, w_ptr, cis_ptr, out_ptr, H, D, R_HALF,
                       ROPE: tl.constexpr, ROUND: tl.constexpr,
                       BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, GATHER: tl.constexpr,
                       PDL: tl.constexpr = False):
-    # PDL: the next kernel (a weight-streaming GEMV, dspark.kernels.pdl) may start now and
-    # fetch its weights while this one runs; it waits for this grid before reading anything
+    # PDL (opt-in, dspark.kernels.pdl): the next kernel (a weight-streaming GEMV) may start now;
+    # it waits for this grid before reading anything this one writes
     pdl.launch_dependents(PDL)
     row = tl.program_id(0)
     t = row // H
