@@ -143,17 +143,24 @@ def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor,
     return probs.scatter_(1, top, torch.where(greedy.unsqueeze(1), 1.0, probs.gather(1, top)))
 
 
-def argmax_rows(x: torch.Tensor, two_pass: bool | None = None) -> torch.Tensor:
+def argmax_rows(x: torch.Tensor, two_pass: bool | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """x.argmax(-1) (first index on ties, NaN counts as the maximum, as torch's), in two passes
     over chunks of the last dim on CUDA: torch's one-pass argmax over a 129k vocabulary row runs
     ~28 us on the H200 (few blocks per row), chunk maxima then the maximum of those ~4 us. The
     first maximal chunk holds the first maximal index, so ties and NaN resolve the same way.
     two_pass: None = on CUDA only (tests force it on CPU). On CUDA, rows of a 2-D tensor take
-    the two Triton launches of kernels/argmax.py instead (same result)."""
+    the two Triton launches of kernels/argmax.py instead (same result), written straight into
+    `out` when given (else `out` gets a copy)."""
     if x.is_cuda and two_pass is None:
         from dspark.kernels import argmax
         if argmax.supported(x):
-            return argmax.row_argmax(x)
+            return argmax.row_argmax(x, out)
+    got = _argmax_torch(x, two_pass)
+    return got if out is None else out.copy_(got)
+
+
+def _argmax_torch(x: torch.Tensor, two_pass: bool | None) -> torch.Tensor:
     V = x.shape[-1]
     chunk = next((c for c in (512, 256, 128) if V % c == 0 and V // c >= 8), 0)
     if not chunk or not (x.is_cuda if two_pass is None else two_pass):

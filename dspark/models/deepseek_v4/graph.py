@@ -44,7 +44,6 @@ import numpy as np
 import torch
 
 from dspark.graph_capture import capture, pow2_buckets, step_bucket, warm_up
-from dspark.kernels import argmax
 from dspark.kvcache.paged import copy_rows
 from dspark.models import side_stream
 from dspark.request import BlockTokens
@@ -496,11 +495,7 @@ class V4DecodeGraphs:
                              self.bound)
         X, taps = static_forward(self.model, self.kernels, sp, inp.token_ids, self.tap_layers)
         self.logits_out[:B * q].copy_(self.model.logits(X))
-        rows = self.logits_out[:B * q]
-        if rows.is_cuda and argmax.supported(rows):     # 2 launches, written in place
-            argmax.row_argmax(rows, out=self.argmax_out[:B * q])
-        else:
-            self.argmax_out[:B * q].copy_(argmax_rows(rows))
+        argmax_rows(self.logits_out[:B * q], out=self.argmax_out[:B * q])
         if taps is not None:
             self.taps_out[:B * q].copy_(taps)
 

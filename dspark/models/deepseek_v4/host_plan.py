@@ -131,18 +131,8 @@ def host_plan(cache, B: int, q: int, P: int, pos, req_start, req_slot, req_valid
     st, sl = np.asarray(req_start, np.int64), np.asarray(req_slot, np.int64)
     if fast and B == 1 and q == 1 and req_valid[0] and st[0] == pos[0]:
         return _decode_plan(cache, P, int(pos[0]), int(sl[0]), pt, scratch_page)
-    W, C = cache.window, cache.capacity
-
-    def make():
-        tok = np.arange(T, dtype=np.int64)
-        req = tok // q
-        # the staged rows' ids of window column w: stage_base + tok + qw - pos, qw - pos fixed
-        stage_win = cache.stage_base + tok[:, None] - (W - 1) + np.arange(W)
-        stage = cache.stage_base + tok
-        return (req, req.astype(np.int32), stage_win, np.arange(W) - (W - 1), stage,
-                stage // C, stage % C)
-    req, req_i32, stage_win, offs, stage, stage_page, stage_row = _static(
-        ("window", B, q, W, C, cache.stage_base), make)
+    C = cache.capacity
+    req, req_i32, stage_win, offs, stage, stage_page, stage_row = _window_static(cache, B, q)
     valid_r = np.asarray(req_valid) != 0
     valid_t, s_t, slot_t = valid_r[req], st[req], sl[req]
     qw = pos[:, None] + offs
@@ -161,11 +151,25 @@ def host_plan(cache, B: int, q: int, P: int, pos, req_start, req_slot, req_valid
     return out
 
 
-def _ratio_plan(cache, m, B, q, P, pos, st, sl, valid_r, valid_t, slot_t, req, pt,
-                scratch_page) -> dict:
-    """The ratio-m fields (RatioStatic's): candidate entries e (request e // K, entry
-    j = start // m + e % K), their pooling rows, the ring rows this forward persists."""
-    T, R = B * q, cache.comp_ring(m)
+def _window_static(cache, B: int, q: int):
+    """(req, req int32, staged window ids [T, W], window offsets [W], stage ids, their pages,
+    their rows) of bucket (B, q): position-independent, built once."""
+    T, W, C = B * q, cache.window, cache.capacity
+
+    def make():
+        tok = np.arange(T, dtype=np.int64)
+        req = tok // q
+        # the staged rows' ids of window column w: stage_base + tok + qw - pos, qw - pos fixed
+        stage_win = cache.stage_base + tok[:, None] - (W - 1) + np.arange(W)
+        stage = cache.stage_base + tok
+        return (req, req.astype(np.int32), stage_win, np.arange(W) - (W - 1), stage,
+                stage // C, stage % C)
+    return _static(("window", B, q, W, C, cache.stage_base), make)
+
+
+def _ratio_static(cache, m, B, q, P):
+    """(entry request i, entry index within the request, pooling offsets [c*m], fresh row base
+    [E, 1], local visible entry [P*N], its page, its row) of ratio m and bucket (B, q, P)."""
     E, cm, N = _shapes(cache, m, B, q, P)
     c, K = cm // m, E // B
 
@@ -175,8 +179,16 @@ def _ratio_plan(cache, m, B, q, P, pos, st, sl, valid_r, valid_t, slot_t, req, p
         local = np.arange(P * N)
         return (i, e % K, np.arange(cm) - (c - 1) * m, i[:, None] * q, local, local // N,
                 local % N)
-    i, e_mod, offs, fresh_base, local, local_page, local_row = _static(
-        ("ratio", m, B, q, P, E, cm, N), make)
+    return _static(("ratio", m, B, q, P, E, cm, N), make)
+
+
+def _ratio_plan(cache, m, B, q, P, pos, st, sl, valid_r, valid_t, slot_t, req, pt,
+                scratch_page) -> dict:
+    """The ratio-m fields (RatioStatic's): candidate entries e (request e // K, entry
+    j = start // m + e % K), their pooling rows, the ring rows this forward persists."""
+    T, R = B * q, cache.comp_ring(m)
+    N = cache.entries_per_page(m)
+    i, e_mod, offs, fresh_base, local, local_page, local_row = _ratio_static(cache, m, B, q, P)
     st_i = st[i]
     j = st_i // m + e_mod
     ok = (j < (st_i + q) // m) & valid_r[i]
@@ -206,17 +218,10 @@ def _decode_plan(cache, P: int, n: int, slot: int, pt, scratch_page) -> dict:
     the same fields, values and dtypes (tests/test_v4_host_plan.py compares the two), computed
     with Python integers where the general formulas work on one-element arrays (a batch-1 decode
     step's plan costs about half the host time then: every numpy op on a tiny array is ~1 us)."""
-    W, C = cache.window, cache.capacity
-
-    def make():          # (the general path's constants, for T = 1)
-        stage = cache.stage_base
-        return (np.zeros(1, np.int64), np.zeros(1, np.int32),
-                stage - (W - 1) + np.arange(W), np.arange(W) - (W - 1),
-                np.array([stage]), np.array([stage // C]), np.array([stage % C]))
-    req, req_i32, stage_win, offs, stage, stage_page, stage_row = _static(
-        ("decode window", W, C, cache.stage_base), make)
+    C = cache.capacity
+    req, req_i32, stage_win, offs, stage, stage_page, stage_row = _window_static(cache, 1, 1)
     qw = offs + n                                              # [W] window positions
-    win = np.where(qw >= n, stage_win, qw % C + slot * C)
+    win = np.where(qw >= n, stage_win[0], qw % C + slot * C)
     window_ids = np.where(qw >= 0, win, -1)[None]
     ring = slot * C + n % C
     split = np.array([[stage_page[0]], [stage_row[0]], [ring // C], [ring % C]])
@@ -230,16 +235,11 @@ def _decode_plan(cache, P: int, n: int, slot: int, pt, scratch_page) -> dict:
 
 def _decode_ratio_plan(cache, m, P, n, slot, pt, scratch_page) -> dict:
     """_ratio_plan for _decode_plan's step (B = q = 1: one candidate entry j = n // m)."""
-    R = cache.comp_ring(m)
-    E, cm, N = _shapes(cache, m, 1, 1, P)
-    c = cm // m
-
-    def make():
-        local = np.arange(P * N)
-        # fresh rows: clip(p - n, 0, T - 1) with T = 1, always row 0
-        return (np.arange(cm) - (c - 1) * m, local, local // N, local % N,
-                np.zeros((1, cm), np.int64))
-    offs, local, local_page, local_row, fresh = _static(("decode ratio", m, P, cm, N), make)
+    R, N = cache.comp_ring(m), cache.entries_per_page(m)
+    _, _, offs, _, local, local_page, local_row = _ratio_static(cache, m, 1, 1, P)
+    # fresh rows: clip(base + p - n, 0, T - 1) with T = 1: always row 0
+    fresh = _static(("decode fresh", offs.shape[0]),
+                    lambda: (np.zeros((1, offs.shape[0]), np.int64),))[0]
     j = n // m
     ok = j < (n + 1) // m                                      # the entry completes here
     dst = int(pt[0, min(j // N, P - 1)]) * N + j % N if ok else scratch_page * N
