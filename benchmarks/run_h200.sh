@@ -42,11 +42,11 @@ quick)   # issue 7: the decode step at context 128 only, no HF side (kernel + ho
   grep -v -i "warn\|it/s\]" "$R/bench_decode_quick.txt" | grep -A22 "^ context\|^(c)\|^(d)" | cut -c1-200 ;;
 ab)      # A/B of env switches on the quick decode row (device ms per forward included):
          # AB="DSPARK_FP8_SKINNY=0 ..." (each word one variant; join the switches of one variant
-         # with commas)
+         # with commas); AB_ARGS="--timeline 3": extra bench arguments of every variant
   for v in ${AB:-DSPARK_FP4_ROW_X=0 DSPARK_FP4_ROW_X=1}; do
     step "bench_decode_v4 quick with ${v//,/ }"; tag="$R/ab_${v//[,=]/_}"
     env ${v//,/ } timeout "$(left 90)" python benchmarks/bench_decode_v4.py --context 128 --skip-hf \
-      --iters 30 --json "$tag.json" > "$tag.txt" 2>&1
+      --iters 30 ${AB_ARGS:-} --json "$tag.json" > "$tag.txt" 2>&1
     grep -v -i "warn\|it/s\]" "$tag.txt" | grep -A2 "^ context" | tail -1 | cut -c1-200
   done ;;
 quick_serial) # the same with one round at a time (no overlapped decode), for comparison

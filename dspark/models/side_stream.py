@@ -57,6 +57,18 @@ def enabled() -> bool:
     return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
+def high_priority() -> bool:
+    """DSPARK_SIDE_PRIORITY=1: the side lanes' streams are created with a higher priority than
+    the main stream's, so the block scheduler hands SMs to their (small, latency-bound) kernels
+    before the remaining programs of a big main-stream kernel. In a CUDA graph the priority is
+    each kernel node's (PyTorch instantiates graphs with cudaGraphInstantiateFlagUseNodePriority).
+    Motivation (H200 timeline, batch-1 decode): the shared expert's SwiGLU and down GEMV waited
+    ~20 us behind the routed experts' 3072-program gate/up kernel, and the routed down kernel,
+    which adds the shared output, then waited 4-7 us for them. Read once, when a lane's stream is
+    created."""
+    return os.environ.get("DSPARK_SIDE_PRIORITY", "0") == "1"
+
+
 def fork(device: torch.device, lane: int = 1) -> torch.cuda.Stream | None:
     """The device's stream of side lane `lane` (>= 1), made to wait for the work queued so far on
     the current stream (forking a lane again adds that wait); None off CUDA or when disabled
@@ -67,7 +79,8 @@ def fork(device: torch.device, lane: int = 1) -> torch.cuda.Stream | None:
     index = device.index if device.index is not None else torch.cuda.current_device()
     side = _STREAMS.get((index, lane))
     if side is None:
-        side = _STREAMS[index, lane] = torch.cuda.Stream(device=index)
+        side = _STREAMS[index, lane] = torch.cuda.Stream(
+            device=index, priority=-1 if high_priority() else 0)
         _LANE_OF[side] = lane
     side.wait_stream(torch.cuda.current_stream(index))
     return side
