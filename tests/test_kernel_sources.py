@@ -34,3 +34,19 @@ def test_no_nested_tuple_assignment_in_jit_code():
                         isinstance(e, (ast.Tuple, ast.List)) for e in t.elts):
                     bad.append(f"{path}:{node.lineno} in {fn.name}")
     assert not bad, "nested tuple targets in jit code (unpack flat instead): " + ", ".join(bad)
+
+
+def test_no_string_defaults_on_jit_helpers():
+    """A jit helper (called from jit code, not launched) whose constexpr parameter has a string
+    default fails to compile under Triton 3.6 when a caller leaves it out ("'str' object has no
+    attribute 'type'": the default is passed as a plain str). Kernels (launched from the host)
+    may have them: the launcher wraps them. Helpers take such parameters explicitly."""
+    bad = []
+    for path, fn in _jit_functions():
+        if fn.name.endswith("_kernel"):
+            continue
+        args = fn.args.args[len(fn.args.args) - len(fn.args.defaults):]
+        for a, d in zip(args, fn.args.defaults):
+            if isinstance(d, ast.Constant) and isinstance(d.value, str):
+                bad.append(f"{path}:{fn.lineno} {fn.name}({a.arg}={d.value!r})")
+    assert not bad, "string defaults on jit helpers (pass them explicitly): " + ", ".join(bad)

@@ -351,7 +351,7 @@ def _byte_dot(wb, xe, xo, PAIR_DECODE: tl.constexpr, ROW_X: tl.constexpr = False
 @triton.jit
 def _fp4_tile_load(w_rows_ptr, stride_wn, s_rows_ptr, stride_sn, n_ok, K, g0, second_w,
                    second_s, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, TWO: tl.constexpr,
-                   FULL_GROUPS: tl.constexpr, EVICT: tl.constexpr = ""):
+                   FULL_GROUPS: tl.constexpr, EVICT: tl.constexpr):
     """The weight bytes (int32 0..255) and scale bytes of groups g0.. of the BLOCK_N rows (and of
     the second rows when TWO), byte columns kb [G, 16] and their mask (all masked past K)."""
     rn = tl.arange(0, BLOCK_N).to(tl.int64)
@@ -381,9 +381,8 @@ def _fp4_tile_load(w_rows_ptr, stride_wn, s_rows_ptr, stride_sn, n_ok, K, g0, se
 def _fp4_gemv_tile(x_row_ptr, w_rows_ptr, stride_wn, s_rows_ptr, stride_sn, n_ok, K,
                    second_w, second_s,
                    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, TWO: tl.constexpr,
-                   BF16_PAIRS: tl.constexpr, PAIR_DECODE: tl.constexpr = False,
-                   FULL_GROUPS: tl.constexpr = False, ROW_X: tl.constexpr = False,
-                   EVICT: tl.constexpr = ""):
+                   BF16_PAIRS: tl.constexpr, PAIR_DECODE: tl.constexpr,
+                   FULL_GROUPS: tl.constexpr, ROW_X: tl.constexpr, EVICT: tl.constexpr):
     """fp32 [BLOCK_N]: x[0:K] . W[n, 0:K] for BLOCK_N packed FP4 rows (row n at w_rows_ptr +
     n * stride_wn, its UE8M0 scales at s_rows_ptr + n * stride_sn; n_ok masks rows). Works on
     [BLOCK_N, BLOCK_G groups, 16 bytes] tiles: 32 columns share one scale. TWO: also the rows

@@ -66,7 +66,7 @@ def _e8m0_to_f32(b):
 
 @triton.jit
 def _fp8_tile(w_ptr, stride_wn, rn, n_ok, kk, k_ok, s_ptr, stride_sn, s_row, k0,
-              EVICT: tl.constexpr = ""):
+              EVICT: tl.constexpr):
     """Weight rows rn x columns kk as e4m3 (exact -> bf16 / fp32 in _mma) and the fp32 power of
     two of their 128 x 128 scale tile (applied to the tile's partial sum: exact scaling). EVICT:
     the weight loads' L2 eviction policy ("" or "evict_first", l2_prefetch.weight_eviction)."""
@@ -81,6 +81,7 @@ def _fp8_linear_kernel(
     x_ptr, stride_xt, w_ptr, stride_wn, s_ptr, stride_sn, y_ptr, stride_ys, stride_yt,
     T, N, K, K_PER_SPLIT,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    EVICT: tl.constexpr = "",
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -99,7 +100,8 @@ def _fp8_linear_kernel(
         k_ok = kk < K
         x = tl.load(x_ptr + rm[:, None] * stride_xt + kk[None, :],
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w, scale = _fp8_tile(w_ptr, stride_wn, rn, n_ok, kk, k_ok, s_ptr, stride_sn, s_row, k0)
+        w, scale = _fp8_tile(w_ptr, stride_wn, rn, n_ok, kk, k_ok, s_ptr, stride_sn, s_row, k0,
+                             EVICT)
         acc += _mma(x, tl.trans(w), PRECISION) * scale
     y = y_ptr + pid_k * stride_ys + rm[:, None] * stride_yt + rn[None, :]
     tl.store(y, acc, mask=m_ok[:, None] & n_ok[None, :])
@@ -108,8 +110,8 @@ def _fp8_linear_kernel(
 @triton.jit
 def _skinny_tiles(x_base, stride_xt, w_ptr, stride_wn, s_ptr, stride_sn, rn, n_ok, rt, t_ok, rk,
                   s_row, k_lo, k_hi, K, n0, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
-                  PRECISION: tl.constexpr, TMA: tl.constexpr, UNPIPELINED: tl.constexpr = False,
-                  W16: tl.constexpr = False, EVICT: tl.constexpr = ""):
+                  PRECISION: tl.constexpr, TMA: tl.constexpr, UNPIPELINED: tl.constexpr,
+                  W16: tl.constexpr, EVICT: tl.constexpr):
     """fp32 [BLOCK_N, BLOCK_T]: the weight rows rn times x^T over columns k_lo..k_hi, each
     128-column tile's scale applied to its partial sum. UNPIPELINED: no cp.async stages (the
     rare overflow rescue: costs no registers / shared memory next to the main loop). W16: the
@@ -193,7 +195,7 @@ def _fp8_skinny_kernel(
         if tl.sum(bad, axis=0) > 0:
             acc = _skinny_tiles(x_base, stride_xt, w_ptr, stride_wn, s_ptr, stride_sn, rn, n_ok,
                                 rt, t_ok, rk, s_row, k_lo, k_hi, K, pid_n * BLOCK_N, BLOCK_N,
-                                BLOCK_T, RESCUE, TMA, True)
+                                BLOCK_T, RESCUE, TMA, True, W16, EVICT)
     out = y_ptr + rt[None, :] * stride_yt + rn[:, None]
     ok = n_ok[:, None] & t_ok[None, :]
     if SPLIT == 1:
