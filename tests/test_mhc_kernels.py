@@ -156,6 +156,39 @@ def test_deferred_sinkhorn_launch_gives_the_same_streams(T, D, monkeypatch):
 
 
 @triton_ok
+@pytest.mark.parametrize("T,D,dtype", [(1, 64, torch.bfloat16), (3, 200, torch.float32),
+                                       (20, 64, torch.bfloat16)])
+def test_norm_in_the_u_launch(T, D, dtype, monkeypatch):
+    """hc_pre(deferred) / hc_head given the RMSNorm that reads u: for few tokens the u launch
+    applies it (DSPARK_MHC_NORM, on by default), within one rounding step of norm(u) (only the
+    sum-of-squares order differs); DSPARK_MHC_NORM=0 and many tokens give norm(u) exactly."""
+    from dspark.models.deepseek_v4.norm import RMSNorm
+    X, fn, base, scale, head_fn, o = make_case(T, 4, D, dtype, seed=D)
+    norm = RMSNorm(D, 1e-6).to(X.device)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.2 * torch.randn(D, generator=torch.Generator().manual_seed(1)))
+        monkeypatch.setenv("DSPARK_MHC_SIDE", "1")
+        u, post0, comb0 = kernels.hc_pre(X, fn, base, scale, 4, ITERS, HC_EPS, NORM_EPS)
+        h = kernels.hc_head(X, head_fn, base[:4], scale[:1], HC_EPS, NORM_EPS)
+        want, want_h = norm(u), norm(h)
+        outs = {}
+        for flag in ("1", "0"):
+            monkeypatch.setenv("DSPARK_MHC_NORM", flag)
+            assert kernels.norm_fusable(X, norm) == (flag == "1" and T <= kernels.POST_NEXT_MAX_T)
+            x, post, comb = kernels.hc_pre(X, fn, base, scale, 4, ITERS, HC_EPS, NORM_EPS,
+                                           deferred=True, norm=norm)
+            assert torch.equal(kernels.hc_post(o, X, post, comb), kernels.hc_post(o, X, post0,
+                                                                                   comb0))
+            outs[flag] = x, kernels.hc_head(X, head_fn, base[:4], scale[:1], HC_EPS, NORM_EPS,
+                                            norm=norm)
+    assert torch.equal(outs["0"][0], want) and torch.equal(outs["0"][1], want_h)
+    assert_out_close(outs["1"][0], want)
+    assert_out_close(outs["1"][1], want_h)
+    if T > kernels.POST_NEXT_MAX_T:                       # not fused: the same launches
+        assert torch.equal(outs["1"][0], want) and torch.equal(outs["1"][1], want_h)
+
+
+@triton_ok
 def test_post_partials_padded_streams_and_ragged_width():
     check_post_then_pre(2, 3, 40, torch.float32, seed=5)
 

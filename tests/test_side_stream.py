@@ -54,10 +54,12 @@ def _generate(ckpt, graphs: bool):
 @pytest.mark.parametrize("graphs", [False, True])
 def test_side_streams_change_no_token(quant_ckpt, graphs, monkeypatch):
     outs = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("DSPARK_SIDE_STREAM", flag)
+    for flag in ("0", "1", "priority"):
+        monkeypatch.setenv("DSPARK_SIDE_STREAM", "0" if flag == "0" else "1")
+        monkeypatch.setenv("DSPARK_SIDE_PRIORITY", "1" if flag == "priority" else "0")
+        monkeypatch.setattr(side_stream, "_STREAMS", {})   # lanes made anew (their priority)
         outs[flag] = _generate(quant_ckpt, graphs)
-    assert outs["1"] == outs["0"]
+    assert outs["1"] == outs["0"] and outs["priority"] == outs["0"]
 
 
 @gpu
@@ -76,6 +78,11 @@ def test_quant_moe_side_stream_bitwise(quant_ckpt, monkeypatch):
     ref = moe(x, tok)
     monkeypatch.setenv("DSPARK_SIDE_STREAM", "1")
     assert torch.equal(moe(x, tok), ref)
+    monkeypatch.setenv("DSPARK_SIDE_PRIORITY", "1")       # high-priority lanes, router on one
+    monkeypatch.setattr(side_stream, "_STREAMS", {})       # (lanes made anew)
+    assert torch.equal(moe(x, tok), ref)
+    assert {6, 1} <= {lane for _, lane in side_stream._STREAMS}
+    assert all(s.priority < 0 for s in side_stream._STREAMS.values())
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):

@@ -57,7 +57,6 @@ import triton
 import triton.language as tl
 
 from dspark.kernels.fp8_gemm import _interpreting, flat_operands
-from dspark.kernels.l2_prefetch import weight_eviction
 from dspark.kernels.sparse_mqa import _mma, _pick_precision
 from dspark.models.quant import FP4_GROUP, dequant_fp4_experts, fp4_scale_shape
 
@@ -351,7 +350,7 @@ def _byte_dot(wb, xe, xo, PAIR_DECODE: tl.constexpr, ROW_X: tl.constexpr = False
 @triton.jit
 def _fp4_tile_load(w_rows_ptr, stride_wn, s_rows_ptr, stride_sn, n_ok, K, g0, second_w,
                    second_s, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, TWO: tl.constexpr,
-                   FULL_GROUPS: tl.constexpr, EVICT: tl.constexpr):
+                   FULL_GROUPS: tl.constexpr):
     """The weight bytes (int32 0..255) and scale bytes of groups g0.. of the BLOCK_N rows (and of
     the second rows when TWO), byte columns kb [G, 16] and their mask (all masked past K)."""
     rn = tl.arange(0, BLOCK_N).to(tl.int64)
@@ -367,12 +366,11 @@ def _fp4_tile_load(w_rows_ptr, stride_wn, s_rows_ptr, stride_sn, n_ok, K, g0, se
     w_mask = n_ok[:, None, None] & b_ok[None, :, :]
     s_ptrs = s_rows_ptr + rn[:, None] * stride_sn + grp[None, :]
     s_mask = n_ok[:, None] & (grp < NG)[None, :]
-    wb = tl.load(w_ptrs, mask=w_mask, other=0, eviction_policy=EVICT).to(tl.int32) & 0xFF
+    wb = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.int32) & 0xFF
     sb = tl.load(s_ptrs, mask=s_mask, other=0).to(tl.int32)
     wb2, sb2 = wb, sb
     if TWO:
-        wb2 = tl.load(w_ptrs + second_w, mask=w_mask, other=0,
-                      eviction_policy=EVICT).to(tl.int32) & 0xFF
+        wb2 = tl.load(w_ptrs + second_w, mask=w_mask, other=0).to(tl.int32) & 0xFF
         sb2 = tl.load(s_ptrs + second_s, mask=s_mask, other=0).to(tl.int32)
     return wb, sb, wb2, sb2, kb, b_ok
 
@@ -381,8 +379,8 @@ def _fp4_tile_load(w_rows_ptr, stride_wn, s_rows_ptr, stride_sn, n_ok, K, g0, se
 def _fp4_gemv_tile(x_row_ptr, w_rows_ptr, stride_wn, s_rows_ptr, stride_sn, n_ok, K,
                    second_w, second_s,
                    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, TWO: tl.constexpr,
-                   BF16_PAIRS: tl.constexpr, PAIR_DECODE: tl.constexpr,
-                   FULL_GROUPS: tl.constexpr, ROW_X: tl.constexpr, EVICT: tl.constexpr):
+                   BF16_PAIRS: tl.constexpr, PAIR_DECODE: tl.constexpr = False,
+                   FULL_GROUPS: tl.constexpr = False, ROW_X: tl.constexpr = False):
     """fp32 [BLOCK_N]: x[0:K] . W[n, 0:K] for BLOCK_N packed FP4 rows (row n at w_rows_ptr +
     n * stride_wn, its UE8M0 scales at s_rows_ptr + n * stride_sn; n_ok masks rows). Works on
     [BLOCK_N, BLOCK_G groups, 16 bytes] tiles: 32 columns share one scale. TWO: also the rows
@@ -400,7 +398,7 @@ def _fp4_gemv_tile(x_row_ptr, w_rows_ptr, stride_wn, s_rows_ptr, stride_sn, n_ok
     for g0 in range(0, NG, BLOCK_G):
         wb, sb, wb2, sb2, kb, b_ok = _fp4_tile_load(
             w_rows_ptr, stride_wn, s_rows_ptr, stride_sn, n_ok, K, g0, second_w, second_s,
-            BLOCK_N, BLOCK_G, TWO, FULL_GROUPS, EVICT)
+            BLOCK_N, BLOCK_G, TWO, FULL_GROUPS)
         if ROW_X:
             rows0 = tl.zeros((BLOCK_N, 1, 1), dtype=tl.int32)
             xe, xo = _x_pairs(x_row_ptr, kb[None, :, :] + rows0, b_ok[None, :, :] & (rows0 == 0),
@@ -436,7 +434,7 @@ def _fp4_moe_gate_up_kernel(
     KSLOTS, I, D, limit, NP,                    # NP: programs along axis 0, bucketed (tuning key)
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, DT: tl.constexpr, BF16_PAIRS: tl.constexpr,
     PAIR_DECODE: tl.constexpr = False, FULL_GROUPS: tl.constexpr = False,
-    ROW_X: tl.constexpr = False, EVICT: tl.constexpr = "",
+    ROW_X: tl.constexpr = False,
 ):
     p = tl.program_id(0)                                    # (token, slot) pair
     pid_n = tl.program_id(1)
@@ -452,7 +450,7 @@ def _fp4_moe_gate_up_kernel(
     s_base = s_ptr + row * stride_se + (pid_n * BLOCK_N).to(tl.int64) * stride_sn
     g, u = _fp4_gemv_tile(x_row, w_base, stride_wn, s_base, stride_sn, n_ok, D,
                           I * stride_wn, I * stride_sn, BLOCK_N, BLOCK_G, True, BF16_PAIRS,
-                          PAIR_DECODE, FULL_GROUPS, ROW_X, EVICT)
+                          PAIR_DECODE, FULL_GROUPS, ROW_X)
     h = _swiglu_h(g, u, limit, tl.load(rw_ptr + p).to(tl.float32), DT)
     tl.store(h_ptr + p.to(tl.int64) * stride_hp + rn, h, mask=rn < I)
 
@@ -465,7 +463,7 @@ def _fp4_moe_down_kernel(
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, DT: tl.constexpr, BF16_PAIRS: tl.constexpr,
     PAIR_DECODE: tl.constexpr = False, FULL_GROUPS: tl.constexpr = False,
     add_ptr=None, stride_at=0, HAS_ADD: tl.constexpr = False, OUT_DT: tl.constexpr = "fp32",
-    ROW_X: tl.constexpr = False, EVICT: tl.constexpr = "",
+    ROW_X: tl.constexpr = False,
 ):
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -480,7 +478,7 @@ def _fp4_moe_down_kernel(
         s_base = s_ptr + row * stride_se + (pid_n * BLOCK_N).to(tl.int64) * stride_sn
         y, _ = _fp4_gemv_tile(h_ptr + p.to(tl.int64) * stride_hp, w_base, stride_wn,
                               s_base, stride_sn, n_ok, I, 0, 0, BLOCK_N, BLOCK_G, False,
-                              BF16_PAIRS, PAIR_DECODE, FULL_GROUPS, ROW_X, EVICT)
+                              BF16_PAIRS, PAIR_DECODE, FULL_GROUPS, ROW_X)
         out += _round_to(y, DT)                             # each expert's output in x.dtype
     if HAS_ADD:             # the shared expert's output, added in fp32 (QuantMoE's `out += ...`)
         out += tl.load(add_ptr + t.to(tl.int64) * stride_at + rn, mask=rn < D,
@@ -634,15 +632,13 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
         return out
     bn1, bg1 = block or _grouped_blocks(P, I)
     bn2, bg2 = block or _grouped_blocks(T, D)
-    evict = weight_eviction()
     _fp4_moe_gate_up_kernel[(P, triton.cdiv(I, bn1))](*up_args, BLOCK_N=bn1, BLOCK_G=bg1, DT=dt,
                                                       BF16_PAIRS=pairs, PAIR_DECODE=pair_decode,
-                                                      FULL_GROUPS=full, ROW_X=row_x, EVICT=evict)
+                                                      FULL_GROUPS=full, ROW_X=row_x)
     add_ready()
     _fp4_moe_down_kernel[(T, triton.cdiv(D, bn2))](*down_args, BLOCK_N=bn2, BLOCK_G=bg2, DT=dt,
                                                    BF16_PAIRS=pairs, PAIR_DECODE=pair_decode,
-                                                   FULL_GROUPS=full, ROW_X=row_x, EVICT=evict,
-                                                   **down_kw)
+                                                   FULL_GROUPS=full, ROW_X=row_x, **down_kw)
     return out
 
 

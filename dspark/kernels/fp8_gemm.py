@@ -37,7 +37,6 @@ import triton
 import triton.language as tl
 
 from dspark.kernels import pdl
-from dspark.kernels.l2_prefetch import weight_eviction
 from dspark.kernels.sparse_mqa import _mma, _pick_precision
 from dspark.models import side_stream
 from dspark.models.quant import FP8_BLOCK, dequant_fp8_blocks, fp8_scale_shape
@@ -65,13 +64,11 @@ def _e8m0_to_f32(b):
 
 
 @triton.jit
-def _fp8_tile(w_ptr, stride_wn, rn, n_ok, kk, k_ok, s_ptr, stride_sn, s_row, k0,
-              EVICT: tl.constexpr):
+def _fp8_tile(w_ptr, stride_wn, rn, n_ok, kk, k_ok, s_ptr, stride_sn, s_row, k0):
     """Weight rows rn x columns kk as e4m3 (exact -> bf16 / fp32 in _mma) and the fp32 power of
-    two of their 128 x 128 scale tile (applied to the tile's partial sum: exact scaling). EVICT:
-    the weight loads' L2 eviction policy ("" or "evict_first", l2_prefetch.weight_eviction)."""
+    two of their 128 x 128 scale tile (applied to the tile's partial sum: exact scaling)."""
     wb = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :],
-                 mask=n_ok[:, None] & k_ok[None, :], other=0, eviction_policy=EVICT)
+                 mask=n_ok[:, None] & k_ok[None, :], other=0)
     sb = tl.load(s_ptr + s_row * stride_sn + k0 // 128).to(tl.int32)
     return wb.to(tl.float8e4nv, bitcast=True), _e8m0_to_f32(sb)
 
@@ -81,7 +78,6 @@ def _fp8_linear_kernel(
     x_ptr, stride_xt, w_ptr, stride_wn, s_ptr, stride_sn, y_ptr, stride_ys, stride_yt,
     T, N, K, K_PER_SPLIT,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    EVICT: tl.constexpr = "",
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -100,8 +96,7 @@ def _fp8_linear_kernel(
         k_ok = kk < K
         x = tl.load(x_ptr + rm[:, None] * stride_xt + kk[None, :],
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w, scale = _fp8_tile(w_ptr, stride_wn, rn, n_ok, kk, k_ok, s_ptr, stride_sn, s_row, k0,
-                             EVICT)
+        w, scale = _fp8_tile(w_ptr, stride_wn, rn, n_ok, kk, k_ok, s_ptr, stride_sn, s_row, k0)
         acc += _mma(x, tl.trans(w), PRECISION) * scale
     y = y_ptr + pid_k * stride_ys + rm[:, None] * stride_yt + rn[None, :]
     tl.store(y, acc, mask=m_ok[:, None] & n_ok[None, :])
@@ -110,8 +105,8 @@ def _fp8_linear_kernel(
 @triton.jit
 def _skinny_tiles(x_base, stride_xt, w_ptr, stride_wn, s_ptr, stride_sn, rn, n_ok, rt, t_ok, rk,
                   s_row, k_lo, k_hi, K, n0, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
-                  PRECISION: tl.constexpr, TMA: tl.constexpr, UNPIPELINED: tl.constexpr,
-                  W16: tl.constexpr, EVICT: tl.constexpr):
+                  PRECISION: tl.constexpr, TMA: tl.constexpr, UNPIPELINED: tl.constexpr = False,
+                  W16: tl.constexpr = False):
     """fp32 [BLOCK_N, BLOCK_T]: the weight rows rn times x^T over columns k_lo..k_hi, each
     128-column tile's scale applied to its partial sum. UNPIPELINED: no cp.async stages (the
     rare overflow rescue: costs no registers / shared memory next to the main loop). W16: the
@@ -122,14 +117,14 @@ def _skinny_tiles(x_base, stride_xt, w_ptr, stride_wn, s_ptr, stride_sn, rn, n_o
         k_ok = kk < K
         if W16:
             w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :],
-                        mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy=EVICT)
+                        mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             scale = 1.0
         elif TMA:
             w = w_ptr.load([n0, k0]).to(tl.float8e4nv, bitcast=True)
             scale = _e8m0_to_f32(tl.load(s_ptr + s_row * stride_sn + k0 // 128).to(tl.int32))
         else:
             w, scale = _fp8_tile(w_ptr, stride_wn, rn, n_ok, kk, k_ok, s_ptr, stride_sn, s_row,
-                                 k0, EVICT)
+                                 k0)
         xt = tl.load(x_base + rt[None, :] * stride_xt + kk[:, None],
                      mask=t_ok[None, :] & k_ok[:, None], other=0.0)
         acc += _mma(w, xt, PRECISION) * scale
@@ -143,7 +138,7 @@ def _fp8_skinny_kernel(
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr = False,
     RESCUE: tl.constexpr = "bf16", PDL: tl.constexpr = False, W16: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False, EVICT: tl.constexpr = "",
+    PREFETCH: tl.constexpr = False,
 ):
     """Few tokens (decode, verify): y^T = W x^T with the weight rows as the MMA's M side
     ("swap AB": a [BLOCK_N, 128] weight tile against x^T [128, BLOCK_T], so 64-128 weight rows
@@ -184,7 +179,7 @@ def _fp8_skinny_kernel(
     pdl.wait(PDL)
     acc = _skinny_tiles(x_base, stride_xt, w_ptr, stride_wn, s_ptr, stride_sn, rn, n_ok, rt, t_ok,
                         rk, s_row, k_lo, k_hi, K, pid_n * BLOCK_N, BLOCK_N, BLOCK_T, PRECISION, TMA,
-                        False, W16, EVICT)
+                        False, W16)
     pdl.launch_dependents(PDL)
     if PRECISION == "fp16" and not W16:
         # x was rounded to fp16: exact for |x| in [2^-14, 65504] (e4m3 weights always are), an
@@ -195,7 +190,7 @@ def _fp8_skinny_kernel(
         if tl.sum(bad, axis=0) > 0:
             acc = _skinny_tiles(x_base, stride_xt, w_ptr, stride_wn, s_ptr, stride_sn, rn, n_ok,
                                 rt, t_ok, rk, s_row, k_lo, k_hi, K, pid_n * BLOCK_N, BLOCK_N,
-                                BLOCK_T, RESCUE, TMA, True, W16, EVICT)
+                                BLOCK_T, RESCUE, TMA, True)
     out = y_ptr + rt[None, :] * stride_yt + rn[:, None]
     ok = n_ok[:, None] & t_ok[None, :]
     if SPLIT == 1:
@@ -341,7 +336,7 @@ def fp8_skinny_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: i
         cnt,
         T, N, K, k_per, R, BLOCK_N=BN, BLOCK_T=BT, BLOCK_K=FP8_BLOCK, PRECISION=precision,
         SPLIT=split, TMA=tma, RESCUE=_pick_precision(x2.dtype, None), PDL=on, W16=w16,
-        PREFETCH=prefetch, EVICT=weight_eviction(),
+        PREFETCH=prefetch,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_kwargs(on))
     return y
 

@@ -84,12 +84,14 @@ def _mix_partials(x_ptr, fn_ptr, part_ptr, sq_ptr, T, K, R, CHUNK,
 
 @triton.jit
 def _finish_pre(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, comb_ptr,
-                T, D, S, K, norm_eps, hc_eps, sinkhorn_iters,
+                T, D, S, K, norm_eps, hc_eps, sinkhorn_iters, nw_ptr, rms_eps,
                 N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
                 BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HEAD: tl.constexpr,
-                OUT_BF16: tl.constexpr, U: tl.constexpr = True):
+                OUT_BF16: tl.constexpr, U: tl.constexpr = True, NORM: tl.constexpr = False):
     """Reduce the split-K partials of token t, then u (its D block; unless not U) and, unless
-    HEAD, post/comb (by the D-block-0 program)."""
+    HEAD, post/comb (by the D-block-0 program). NORM (one program per token, BLOCK_D >= D):
+    store RMSNorm(u) with the weight at nw_ptr instead of u, as the model's RMSNorm computes it
+    from the rounded u (norm_rope's op order: v · rsqrt(mean(v²) + eps) · w, rounded once)."""
     t = tl.program_id(0)
     pid_d = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -112,6 +114,11 @@ def _finish_pre(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, c
         x = tl.load(x_ptr + (t * N + i[:, None]) * D + d[None, :],
                     mask=i_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         u = tl.sum(pre[:, None] * x, axis=0)
+        if NORM:
+            if OUT_BF16:
+                u = _bf16_round(u)                  # the u the RMSNorm would read
+            u = u * tl.math.rsqrt(tl.sum(u * u, axis=0) / D + rms_eps)   # (masked columns: 0)
+            u = u * tl.load(nw_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
         _store_rounded(u_ptr + t * D + d, u, d_ok, OUT_BF16)
 
     if not HEAD:
@@ -200,9 +207,22 @@ def _mixes(X: torch.Tensor, fn: torch.Tensor):
     return part, sq, S, BLOCK_R
 
 
+def norm_fusable(X: torch.Tensor, norm) -> bool:
+    """Whether the u launch also applies the RMSNorm `norm` that reads u next (DSPARK_MHC_NORM,
+    on by default; few tokens, D up to 8192: one program holds a token's whole row)."""
+    return (norm is not None and os.environ.get("DSPARK_MHC_NORM", "1") != "0"
+            and X.shape[0] <= POST_NEXT_MAX_T and X.shape[2] <= 8192
+            and norm.weight.shape == (X.shape[2],) and norm.weight.is_contiguous()
+            and norm.weight.device == X.device)
+
+
 def _collapse(X, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, head: bool,
-              deferred: bool = False):
+              deferred: bool = False, norm=None):
+    """(u, post, comb); with `norm` (an RMSNorm module): (norm(u), post, comb), the norm in the
+    u launch when `norm_fusable`. Not deferred (and not head) the one launch stays as tuned for
+    the Sinkhorn chain, and the norm runs after it."""
     T, n, D = X.shape
+    fuse = norm_fusable(X, norm) and (head or (deferred and defer_enabled()))
     left = _partials_left_on(X, fn)
     X, fn = X.contiguous(), fn.contiguous()
     u = torch.empty(T, D, dtype=X.dtype, device=X.device)
@@ -215,10 +235,16 @@ def _collapse(X, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, head: bool,
     block_d = min(block_d, triton.next_power_of_2(D))
     base, scale = base.float().contiguous(), scale.float().contiguous()
     args = (X, part, sq, base, scale, u, post, comb, T, D, S, n * D, norm_eps, hc_eps,
-            sinkhorn_iters)
+            sinkhorn_iters, norm.weight if fuse else base, float(norm.eps) if fuse else 0.0)
     meta = dict(N=n, BLOCK_N=triton.next_power_of_2(n), BLOCK_S=triton.next_power_of_2(S),
                 BLOCK_R=BLOCK_R, BLOCK_D=block_d, OUT_BF16=X.dtype == torch.bfloat16,
                 num_warps=warps)
+    if fuse:        # u and its RMSNorm: one program per token over the whole row
+        _finish_pre[(T, 1)](*args, HEAD=True, NORM=True,
+                            **dict(meta, BLOCK_D=triton.next_power_of_2(D), num_warps=NORM_WARPS))
+        if not head:                    # post / comb on the side lane, as below
+            _sinkhorn_aside(X, args, meta, post, part, sq, base, scale, comb)
+        return u, post, comb
     if head or not (deferred and defer_enabled()):
         # one launch: u, and (not head) post / comb by each token's D-block-0 program
         _finish_pre[(T, triton.cdiv(D, block_d))](*args, HEAD=head, **meta)
@@ -229,17 +255,26 @@ def _collapse(X, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, head: bool,
         # joins (side_stream.py: inline off CUDA), so the decode step waits for u only (the
         # Sinkhorn iterations were the launch's long pole)
         _finish_pre[(T, triton.cdiv(D, block_d))](*args, HEAD=True, **meta)
-        side = side_stream.fork(X.device, _SINKHORN_LANE)
-        with side_stream.on(side):
-            _finish_pre[(T, 1)](*args, HEAD=False, U=False, **meta)
-        if side is not None:
-            # what the side launch reads stays referenced until hc_post has joined it: freed
-            # earlier, the allocator could hand a block to a main-stream tensor while the side
-            # launch still reads it (in a CUDA graph a fixed overlap: the partials _mixes made
-            # for T > POST_NEXT_MAX_T were freed at return, and on the H200 a verify step's
-            # graph replay then differed from eager, rel. error 0.28)
-            setattr(post, _SIDE, (side, (X, part, sq, base, scale, comb)))
-    return u, post, comb
+        _sinkhorn_aside(X, args, meta, post, part, sq, base, scale, comb)
+    return (u if norm is None else norm(u)), post, comb
+
+
+def _sinkhorn_aside(X, args, meta, post, part, sq, base, scale, comb):
+    """post / comb by one program per token on the Sinkhorn side lane, which hc_post joins."""
+    T = X.shape[0]
+    side = side_stream.fork(X.device, _SINKHORN_LANE)
+    with side_stream.on(side):
+        _finish_pre[(T, 1)](*args, HEAD=False, U=False, **meta)
+    if side is not None:
+        # what the side launch reads stays referenced until hc_post has joined it: freed
+        # earlier, the allocator could hand a block to a main-stream tensor while the side
+        # launch still reads it (in a CUDA graph a fixed overlap: the partials _mixes made
+        # for T > POST_NEXT_MAX_T were freed at return, and on the H200 a verify step's
+        # graph replay then differed from eager, rel. error 0.28)
+        setattr(post, _SIDE, (side, (X, part, sq, base, scale, comb)))
+
+
+NORM_WARPS = 8      # the fused u + RMSNorm launch: one program holds a token's n x D streams
 
 
 _SINKHORN_LANE = 5
@@ -321,17 +356,19 @@ def hc_post(o: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
 
 
 def hc_pre(X, fn, base, scale, n: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
-           deferred: bool = False):
+           deferred: bool = False, norm=None):
     """X [T, n, D] -> (u [T, D] in X.dtype, post [T, n] fp32, comb [T, n, n] fp32).
     deferred: post / comb may still be being written on a side stream when this returns; only
-    for callers that hand them to hc_post alone (it waits for them), e.g. the model's blocks."""
+    for callers that hand them to hc_post alone (it waits for them), e.g. the model's blocks.
+    norm: the RMSNorm module that reads u next: norm(u) is returned instead of u (`_collapse`)."""
     assert X.dim() == 3 and X.shape[1] == n, f"X {tuple(X.shape)} is not [T, {n}, D]"
     assert fn.shape[0] == (2 + n) * n, f"hc_pre fn has {fn.shape[0]} rows, expected {(2 + n) * n}"
     return _collapse(X, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, head=False,
-                     deferred=deferred)
+                     deferred=deferred, norm=norm)
 
 
-def hc_head(X, fn, base, scale, hc_eps: float, norm_eps: float) -> torch.Tensor:
-    """Final collapse: sigmoid-gated sum of the streams, [T, n, D] -> [T, D] in X.dtype."""
+def hc_head(X, fn, base, scale, hc_eps: float, norm_eps: float, norm=None) -> torch.Tensor:
+    """Final collapse: sigmoid-gated sum of the streams, [T, n, D] -> [T, D] in X.dtype (with
+    `norm`, an RMSNorm module: its output)."""
     assert fn.shape[0] == X.shape[1], f"hc_head fn has {fn.shape[0]} rows for {X.shape[1]} streams"
-    return _collapse(X, fn, base, scale, hc_eps, norm_eps, 0, head=True)[0]
+    return _collapse(X, fn, base, scale, hc_eps, norm_eps, 0, head=True, norm=norm)[0]

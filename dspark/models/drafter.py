@@ -356,11 +356,11 @@ class DSparkDrafter(nn.Module):
 
     def _stage_forward(self, stage: Block, X, ids, positions, ctx_kv, mask, quant, next_fn=None):
         """Block.forward with batched block attention and the sync-free MoE."""
-        u, post, comb = stage._pre(X, "attn")
-        o = self._block_attention(stage.attn, stage.attn_norm(u), positions, ctx_kv, mask, quant)
+        x, post, comb = stage._pre(X, "attn")       # (x: attn_norm of the collapsed streams)
+        o = self._block_attention(stage.attn, x, positions, ctx_kv, mask, quant)
         X = hc_post(o, X, post, comb, stage.hc_ffn_fn)
-        u, post, comb = stage._pre(X, "ffn")
-        o = self._moe(stage.ffn, stage.ffn_norm(u), ids)
+        x, post, comb = stage._pre(X, "ffn")
+        o = self._moe(stage.ffn, x, ids)
         return hc_post(o, X, post, comb, next_fn)
 
     def _block_attention(self, attn, x, positions, ctx_kv, mask, quant):

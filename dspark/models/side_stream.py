@@ -64,8 +64,9 @@ def high_priority() -> bool:
     each kernel node's (PyTorch instantiates graphs with cudaGraphInstantiateFlagUseNodePriority).
     Motivation (H200 timeline, batch-1 decode): the shared expert's SwiGLU and down GEMV waited
     ~20 us behind the routed experts' 3072-program gate/up kernel, and the routed down kernel,
-    which adds the shared output, then waited 4-7 us for them. Read once, when a lane's stream is
-    created."""
+    which adds the shared output, then waited 4-7 us for them (with this switch alone the router
+    beside the shared GEMV took 15 instead of 7 us: QuantMoE puts it on a high-priority lane as
+    well). Read when a lane's stream is created."""
     return os.environ.get("DSPARK_SIDE_PRIORITY", "0") == "1"
 
 

@@ -51,12 +51,6 @@ class Attention(nn.Module):
             return None, None
         return fused(x).split((self.wq_a.out_features, self.wkv.out_features), dim=-1)
 
-    def input_linears(self) -> tuple:
-        """The linear layers this attention reads first, in order: the x projections (fused rows
-        when stacked), then wq_b (what an L2 prefetch ahead of the layer covers first)."""
-        fused = self.__dict__.get("_fused_rows")
-        return ((fused,) if fused is not None else (self.wq_a, self.wkv)) + (self.wq_b,)
-
     def query_latent(self, x, xq=None):
         """cq = q_norm(wq_a x) (xq: wq_a x when already computed)."""
         return self.q_norm(self.wq_a(x) if xq is None else xq)

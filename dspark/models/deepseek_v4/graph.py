@@ -52,7 +52,6 @@ from dspark.sampling import argmax_rows
 from . import host_plan as hp
 from .compressor import gated_pool
 from .indexer import topk_lowest_ties
-from .model import join_prefetch, prefetch_linears
 from .norm import fp32
 
 SCRATCH_RID = "__v4_graph_scratch__"
@@ -328,8 +327,6 @@ def static_attention(attn, x, kern: _Kernels, sp: StaticPlan, layer: int, quant)
             ids, lens = rp.all_visible_ids_i32, rp.n_visible_i32
         else:
             ids, lens = selected
-    # the output projections' weights into L2 while the attention core reads little (opt-in)
-    ahead = prefetch_linears((attn.wo_a, attn.wo_b), dev)
     o = kern.attend(q, cache.swa[layer], cache.capacity, sp.window_ids_i32, entry_pool, N, ids,
                     lens, attn.attn_sink, attn.head_dim ** -0.5)
     ring = side_stream.fork(dev, 3)
@@ -337,7 +334,6 @@ def static_attention(attn, x, kern: _Kernels, sp: StaticPlan, layer: int, quant)
         kern.copy_rows(cache.swa[layer], cache.capacity, sp)
     out = attn.output(o, pos, x.dtype, bound, memo)
     side_stream.join(ring)
-    join_prefetch(ahead)
     return out
 
 

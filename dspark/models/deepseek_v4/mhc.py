@@ -34,14 +34,17 @@ def _kernels(*tensors):
 
 
 def hc_pre(X, fn, base, scale, n: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
-           deferred: bool = False):
+           deferred: bool = False, norm=None):
     """Returns (u [T, D] in X.dtype, post [T, n] fp32, comb [T, n, n] fp32). deferred (the
     kernels): post / comb may still be in flight on a side stream, for a caller that only
-    passes them to hc_post (which waits for them)."""
-    k = _kernels(X, fn, base, scale)
+    passes them to hc_post (which waits for them). norm: the RMSNorm module that reads u next;
+    norm(u) is returned in u's place (the kernels apply it in the launch that makes u)."""
+    k = _kernels(X, fn, base, scale, *(() if norm is None else (norm.weight,)))
     if k is None:
-        return hc_pre_reference(X, fn, base, scale, n, sinkhorn_iters, hc_eps, norm_eps)
-    return k.hc_pre(X, fn, base, scale, n, sinkhorn_iters, hc_eps, norm_eps, deferred=deferred)
+        u, post, comb = hc_pre_reference(X, fn, base, scale, n, sinkhorn_iters, hc_eps, norm_eps)
+        return (u if norm is None else norm(u)), post, comb
+    return k.hc_pre(X, fn, base, scale, n, sinkhorn_iters, hc_eps, norm_eps, deferred=deferred,
+                    norm=norm)
 
 
 def hc_post(o: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
@@ -56,10 +59,14 @@ def hc_post(o: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
     return k.hc_post(o, X, post, comb, next_fn)
 
 
-def hc_head(X, fn, base, scale, hc_eps: float, norm_eps: float) -> torch.Tensor:
-    """Final collapse of the streams: sigmoid-gated sum, no post/comb. Returns [T, D]."""
-    k = _kernels(X, fn, base, scale)
-    return (k.hc_head if k is not None else hc_head_reference)(X, fn, base, scale, hc_eps, norm_eps)
+def hc_head(X, fn, base, scale, hc_eps: float, norm_eps: float, norm=None) -> torch.Tensor:
+    """Final collapse of the streams: sigmoid-gated sum, no post/comb. Returns [T, D] (with
+    `norm`, an RMSNorm module: its output, as hc_pre)."""
+    k = _kernels(X, fn, base, scale, *(() if norm is None else (norm.weight,)))
+    if k is None:
+        u = hc_head_reference(X, fn, base, scale, hc_eps, norm_eps)
+        return u if norm is None else norm(u)
+    return k.hc_head(X, fn, base, scale, hc_eps, norm_eps, norm=norm)
 
 
 # ---- torch reference ------------------------------------------------------------------------

@@ -5,7 +5,6 @@ of new tokens at any absolute positions (a prefill chunk, one decode token, or a
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -66,46 +65,27 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{sub}_scale", nn.Parameter(torch.ones(3)))
 
     def _pre(self, X, sub):
+        """(sub-block input: the sub-block's RMSNorm of the collapsed streams, post, comb)."""
         c = self.cfg
         return hc_pre(X, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_base"),
                       getattr(self, f"hc_{sub}_scale"), c.hc_mult, c.hc_sinkhorn_iters,
-                      c.hc_eps, c.rms_norm_eps, deferred=True)   # post / comb: hc_post only
+                      c.hc_eps, c.rms_norm_eps, deferred=True,   # post / comb: hc_post only
+                      norm=getattr(self, f"{sub}_norm"))
 
-    def forward(self, X, batch, attn_fn=None, quant=None, next_fn=None, ahead=()):
+    def forward(self, X, batch, attn_fn=None, quant=None, next_fn=None):
         """X [T, n, D]. `attn_fn(attn_module, x, batch, layer_id)` overrides the attention core.
         next_fn: the mHC fn that reads this block's output next (the next block's hc_attn_fn or
-        the model's hc_head_fn), a hint for the fused kernels (mhc.hc_post). ahead: the linear
-        layers read right after this block (L2 prefetch during the MoE, `prefetch_linears`)."""
-        u, post, comb = self._pre(X, "attn")
-        x = self.attn_norm(u)
+        the model's hc_head_fn), a hint for the fused kernels (mhc.hc_post)."""
+        x, post, comb = self._pre(X, "attn")
         o = (attn_fn or _dense_attention)(self.attn, x, batch, self.layer_id, quant)
         X = hc_post(o, X, post, comb, self.hc_ffn_fn)
-        u, post, comb = self._pre(X, "ffn")
-        x = self.ffn_norm(u)
-        lane = prefetch_linears(ahead, x.device)
+        x, post, comb = self._pre(X, "ffn")
         o = self.ffn(x, batch.token_ids)
-        join_prefetch(lane)
         return hc_post(o, X, post, comb, next_fn)
 
 
 def _dense_attention(attn, x, batch, layer_id, quant):
     return attn(x, batch, layer_id, quant)
-
-
-def prefetch_linears(linears, device):
-    """Queue the L2 prefetch of these linear layers' weights next to the work queued after it
-    (dspark/kernels/l2_prefetch.py; DSPARK_L2_PREFETCH, off by default); returns what
-    `join_prefetch` takes."""
-    if device.type != "cuda" or not linears or os.environ.get("DSPARK_L2_PREFETCH", "0") == "0":
-        return None
-    from dspark.kernels import l2_prefetch                 # imports triton: only where it runs
-    return l2_prefetch.prefetch_during(l2_prefetch.linear_tensors(*linears), device)
-
-
-def join_prefetch(lane) -> None:
-    if lane is not None:
-        from dspark.models import side_stream
-        side_stream.join(lane)
 
 
 class DeepseekV4Model(nn.Module):
@@ -137,10 +117,8 @@ class DeepseekV4Model(nn.Module):
         X = h.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         taps = []
         for i, layer in enumerate(self.layers):
-            last = i + 1 == len(self.layers)
-            nxt = self.hc_head_fn if last else self.layers[i + 1].hc_attn_fn
-            ahead = (self.head,) if last else self.layers[i + 1].attn.input_linears()
-            X = layer(X, batch, attn_fn, quant, nxt, ahead)
+            nxt = self.layers[i + 1].hc_attn_fn if i + 1 < len(self.layers) else self.hc_head_fn
+            X = layer(X, batch, attn_fn, quant, nxt)
             if layer.layer_id in tap_layers:
                 taps.append((layer.layer_id, X.float().mean(1)))
         tap = None
@@ -156,7 +134,9 @@ class DeepseekV4Model(nn.Module):
 
     def logits(self, X) -> torch.Tensor:
         """fp32 logits from final streams X [T, n, D]."""
-        y = self.norm(self.head_hidden(X))
+        c = self.cfg
+        y = hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps,
+                    c.rms_norm_eps, norm=self.norm)
         return linear_fp32(y, self.head.weight)
 
     def forward(self, batch: Batch, attn_fn=None, quant=None) -> torch.Tensor:
