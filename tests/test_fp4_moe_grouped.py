@@ -206,28 +206,6 @@ def test_pair_decode_is_bit_identical(experts, stack, dtype):
 
 @triton_ok
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_unrolled_slots_and_block_overrides(experts, stack, dtype, monkeypatch):
-    """The down kernel with its slot loop unrolled at compile time (DSPARK_FP4_UNROLL_SLOTS=1)
-    adds the same values in the same order: bit-identical. Block overrides (DSPARK_FP4_BLOCK /
-    DSPARK_FP4_DOWN_BLOCK, "NxG", A/B runs) change only how the scale groups' partial sums are
-    grouped (fp32 order: within 1e-6), the group count capped at K's; a bad value fails."""
-    x, idx, w = _every_code_case(stack, dtype, seed=17, k=4)
-    args = (*_dev(x, idx, w), stack, 0.7)
-    base = fp4_moe_grouped(*args)
-    monkeypatch.setenv("DSPARK_FP4_UNROLL_SLOTS", "1")
-    assert torch.equal(fp4_moe_grouped(*args), base)
-    monkeypatch.setenv("DSPARK_FP4_BLOCK", "32x128")           # capped at D / 32 = 2 groups
-    monkeypatch.setenv("DSPARK_FP4_DOWN_BLOCK", "16x1")
-    from dspark.kernels.fp4_moe import _block_override
-    assert _block_override("DSPARK_FP4_BLOCK", D) == (32, 2)
-    assert rel_err(fp4_moe_grouped(*args), base) < 1e-6
-    monkeypatch.setenv("DSPARK_FP4_BLOCK", "big")
-    with pytest.raises(ValueError):
-        fp4_moe_grouped(*args)
-
-
-@triton_ok
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_grouped_adds_and_rounds_in_the_down_kernel(experts, stack, dtype):
     """add= / out_dtype= (QuantMoE's shared expert output and the final cast): the down kernel's
     result equals out_dtype(fp32 routed + add) of the plain call, bit for bit (same fp32 sum,

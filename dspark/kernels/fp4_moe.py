@@ -456,23 +456,6 @@ def _fp4_moe_gate_up_kernel(
 
 
 @triton.jit
-def _fp4_down_slot(h_ptr, stride_hp, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn,
-                   p, row, rn, pid_n, D, I, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-                   DT: tl.constexpr, BF16_PAIRS: tl.constexpr, PAIR_DECODE: tl.constexpr,
-                   FULL_GROUPS: tl.constexpr, ROW_X: tl.constexpr):
-    """Pair p's expert output (its stack row `row`, -1: not held -> 0) on the rows rn, rounded
-    to x.dtype (as the per-expert path's GEMM output), fp32 [BLOCK_N]."""
-    n_ok = rn < tl.where(row >= 0, D, 0)
-    row = tl.maximum(row, 0).to(tl.int64)
-    w_base = w_ptr + row * stride_we + (pid_n * BLOCK_N).to(tl.int64) * stride_wn
-    s_base = s_ptr + row * stride_se + (pid_n * BLOCK_N).to(tl.int64) * stride_sn
-    y, _ = _fp4_gemv_tile(h_ptr + p.to(tl.int64) * stride_hp, w_base, stride_wn,
-                          s_base, stride_sn, n_ok, I, 0, 0, BLOCK_N, BLOCK_G, False,
-                          BF16_PAIRS, PAIR_DECODE, FULL_GROUPS, ROW_X)
-    return _round_to(y, DT)
-
-
-@triton.jit
 def _fp4_moe_down_kernel(
     h_ptr, stride_hp, idx_ptr, emap_ptr,
     w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, out_ptr, stride_ot,
@@ -480,33 +463,23 @@ def _fp4_moe_down_kernel(
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, DT: tl.constexpr, BF16_PAIRS: tl.constexpr,
     PAIR_DECODE: tl.constexpr = False, FULL_GROUPS: tl.constexpr = False,
     add_ptr=None, stride_at=0, HAS_ADD: tl.constexpr = False, OUT_DT: tl.constexpr = "fp32",
-    ROW_X: tl.constexpr = False, BLOCK_K: tl.constexpr = 8, KS: tl.constexpr = 0,
+    ROW_X: tl.constexpr = False,
 ):
-    """KS > 0 (== KSLOTS): the slot loop is unrolled at compile time. Either way the k slots'
-    stack rows are looked up once, up front (BLOCK_K >= KSLOTS lanes), not one pair of
-    dependent loads (idx, then emap) at the head of every slot's iteration."""
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    js = tl.arange(0, BLOCK_K)
-    js_ok = js < KSLOTS
-    rows = tl.load(emap_ptr + tl.load(idx_ptr + t * KSLOTS + js, mask=js_ok, other=0),
-                   mask=js_ok, other=-1)
-    if KS > 0:
-        for j in tl.static_range(KS):
-            out += _fp4_down_slot(h_ptr, stride_hp, w_ptr, stride_we, stride_wn, s_ptr,
-                                  stride_se, stride_sn, t * KS + j,
-                                  tl.sum(tl.where(js == j, rows, 0), axis=0), rn, pid_n, D, I,
-                                  BLOCK_N, BLOCK_G, DT, BF16_PAIRS, PAIR_DECODE, FULL_GROUPS,
-                                  ROW_X)
-    else:
-        for j in range(KSLOTS):
-            out += _fp4_down_slot(h_ptr, stride_hp, w_ptr, stride_we, stride_wn, s_ptr,
-                                  stride_se, stride_sn, t * KSLOTS + j,
-                                  tl.sum(tl.where(js == j, rows, 0), axis=0), rn, pid_n, D, I,
-                                  BLOCK_N, BLOCK_G, DT, BF16_PAIRS, PAIR_DECODE, FULL_GROUPS,
-                                  ROW_X)
+    for j in range(KSLOTS):
+        p = t * KSLOTS + j
+        row = tl.load(emap_ptr + tl.load(idx_ptr + p))
+        n_ok = rn < tl.where(row >= 0, D, 0)
+        row = tl.maximum(row, 0).to(tl.int64)
+        w_base = w_ptr + row * stride_we + (pid_n * BLOCK_N).to(tl.int64) * stride_wn
+        s_base = s_ptr + row * stride_se + (pid_n * BLOCK_N).to(tl.int64) * stride_sn
+        y, _ = _fp4_gemv_tile(h_ptr + p.to(tl.int64) * stride_hp, w_base, stride_wn,
+                              s_base, stride_sn, n_ok, I, 0, 0, BLOCK_N, BLOCK_G, False,
+                              BF16_PAIRS, PAIR_DECODE, FULL_GROUPS, ROW_X)
+        out += _round_to(y, DT)                             # each expert's output in x.dtype
     if HAS_ADD:             # the shared expert's output, added in fp32 (QuantMoE's `out += ...`)
         out += tl.load(add_ptr + t.to(tl.int64) * stride_at + rn, mask=rn < D,
                        other=0.0).to(tl.float32)
@@ -517,27 +490,17 @@ def _fp4_moe_down_kernel(
 _DT_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-def _block_override(var: str, K: int):
-    """(BLOCK_N, BLOCK_G) from the environment variable `var` ("NxG", A/B runs; G capped at the
-    groups of K), else None."""
-    v = os.environ.get(var, "")
-    if not v:
-        return None
-    n, g = (int(s) for s in v.lower().split("x"))
-    return n, min(g, triton.next_power_of_2(triton.cdiv(K, 32)))
-
-
-def unroll_slots() -> bool:
-    """DSPARK_FP4_UNROLL_SLOTS=1: the down kernel's slot loop unrolled at compile time (A/B)."""
-    return os.environ.get("DSPARK_FP4_UNROLL_SLOTS", "0") == "1"
-
-
 def _grouped_blocks(programs_per_col: int, n: int) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_G): 4 rows x 32 scale groups (1024 columns, 512 bytes per row) per K step.
     H200 at V4-Flash widths (benchmarks/bench_decode_kernels.py, cold L2, graph replay; gate_up
     + down per layer): 8 x 16 (the earlier DSPARK_AUTOTUNE pick) 100.4 / 553 / 1449 us at 1 / 6
     / 16 tokens, 4 x 32 94.4 / 485 / 1273, 16 x 8 and 16 x 16 twice as slow (the kernels are
-    latency-bound: more, smaller programs keep more loads in flight)."""
+    latency-bound: more, smaller programs keep more loads in flight).
+    Session 14 (decode graph timeline, per layer at 1 token, gate/up | down): 4 x 32 35 | 21 us;
+    whole rows per step, gate/up 4 x 128 (128 registers, 40 KB of loads in flight per program)
+    48 us, 2 x 128 with row-x pairs 39 us; down 4 x 64 with the slot loop unrolled at compile
+    time 21 us, 4 x 32 unrolled 25 us, and the k slots' stack rows looked up once up front
+    instead of per slot 25 us (all bit-identical or fp32-order equal; not kept)."""
     if _interpreting():
         return 64, 2          # few programs (the interpreter's cost is per program)
     return 4, 32
@@ -659,9 +622,7 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     down_args = (h, h.stride(0), idx, emap, w2, w2.stride(0), w2.stride(1), s2, s2.stride(0),
                  s2.stride(1), out, out.stride(0), k, D, I, _np_bucket(T))
     down_kw = dict(add_ptr=out if add is None else add, stride_at=0 if add is None
-                   else add.stride(0), HAS_ADD=add is not None, OUT_DT=_DT_NAME[out_dtype],
-                   BLOCK_K=max(2, triton.next_power_of_2(k)),
-                   KS=k if unroll_slots() else 0)
+                   else add.stride(0), HAS_ADD=add is not None, OUT_DT=_DT_NAME[out_dtype])
     if block is None and autotune_enabled():
         _tuned(_fp4_moe_gate_up_kernel, ["NP", "KSLOTS", "I", "D"])[
             lambda m: (P, triton.cdiv(I, m["BLOCK_N"]))](*up_args, DT=dt, BF16_PAIRS=pairs,
@@ -674,8 +635,8 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                                                           PAIR_DECODE=pair_decode, FULL_GROUPS=full,
                                                           ROW_X=row_x, **down_kw)
         return out
-    bn1, bg1 = block or _block_override("DSPARK_FP4_BLOCK", D) or _grouped_blocks(P, I)
-    bn2, bg2 = block or _block_override("DSPARK_FP4_DOWN_BLOCK", I) or _grouped_blocks(T, D)
+    bn1, bg1 = block or _grouped_blocks(P, I)
+    bn2, bg2 = block or _grouped_blocks(T, D)
     _fp4_moe_gate_up_kernel[(P, triton.cdiv(I, bn1))](*up_args, BLOCK_N=bn1, BLOCK_G=bg1, DT=dt,
                                                       BF16_PAIRS=pairs, PAIR_DECODE=pair_decode,
                                                       FULL_GROUPS=full, ROW_X=row_x)
