@@ -21,6 +21,9 @@ Launch 2 (`_finish_pre`): program (token, D block) reduces the partials, applies
 the sigmoids, and collapses its D block of u. The Sinkhorn normalisation of the n×n comb runs in
 registers by the D-block-0 program only (the others need `pre` alone), in the reference's order:
 softmax over rows, + eps, column-normalise, then (iters − 1) × (row-, column-normalise).
+Given the RMSNorm that reads u next (the model's attn_norm / ffn_norm / final norm) and few
+tokens, one program per token makes u and normalises it (`norm_fusable`): one launch fewer per
+sub-block.
 `hc_post` is one launch: program (token, D block) writes all n output streams of its block.
 Given the fn of the hc_pre / hc_head that reads its output next (``next_fn``, up to
 POST_NEXT_MAX_T tokens), that launch also computes the next projection's split-K partials of its
@@ -274,10 +277,11 @@ def _sinkhorn_aside(X, args, meta, post, part, sq, base, scale, comb):
         setattr(post, _SIDE, (side, (X, part, sq, base, scale, comb)))
 
 
-# the fused u + RMSNorm launch: one program holds a token's n x D streams (DSPARK_MHC_NORM_WARPS:
-# A/B runs). H200, session 14 (8 warps): 3.3 us where the u launch (1.7 us) and the RMSNorm
-# launch (2.9 us) ran one after the other; 0.924 vs 0.926 ms device time per decode step.
-NORM_WARPS = int(os.environ.get("DSPARK_MHC_NORM_WARPS", "8"))
+# the fused u + RMSNorm launch: one program holds a token's n x D streams. H200, session 14
+# (8 warps): 3.3 us where the u launch (1.7 us) and the RMSNorm launch (2.9 us) ran one after
+# the other; 0.924 vs 0.926 ms device time per decode step (16 warps 0.914, 4 warps 0.920 ms
+# against 0.913 in the same call: noise).
+NORM_WARPS = 8
 
 
 _SINKHORN_LANE = 5

@@ -28,8 +28,8 @@ kernels' own loads instead of running ahead of them. Without the prefetch (=1, s
 0.923 vs 0.923 ms, no gain. (Session 14 also tried an L2 prefetch of the next projections'
 weights by a side-lane kernel during the MoE and the attention core, where the HBM is mostly
 idle, with evict-first weight loads: the GEMVs that read the prefetched weights took the same
-time, 12.4 vs 12.5 us for wq_b, and the step was 0.942 vs 0.923 ms; removed.) Correct either way (tests/test_pdl.py and the graph replay tests, with the
-prefetch, passed on the H200).
+time, 12.4 vs 12.5 us for wq_b, and the step was 0.942 vs 0.923 ms; removed.) Correct either
+way (tests/test_pdl.py and the graph replay tests, with the prefetch, passed on the H200).
 """
 from __future__ import annotations
 

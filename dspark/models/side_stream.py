@@ -59,8 +59,9 @@ def enabled() -> bool:
 
 def high_priority() -> bool:
     """DSPARK_SIDE_PRIORITY (default 1; 0: off, for A/B runs): the side lanes' streams are
-    created with a higher priority than the main stream's, so the block scheduler hands SMs to their (small, latency-bound) kernels
-    before the remaining programs of a big main-stream kernel. In a CUDA graph the priority is
+    created with a higher priority than the main stream's, so the block scheduler hands SMs to
+    their (small, latency-bound) kernels before the remaining programs of a big main-stream
+    kernel. In a CUDA graph the priority is
     each kernel node's (PyTorch instantiates graphs with cudaGraphInstantiateFlagUseNodePriority).
     Motivation (H200 timeline, batch-1 decode): the shared expert's SwiGLU and down GEMV waited
     ~20 us behind the routed experts' 3072-program gate/up kernel, and the routed down kernel,

@@ -127,17 +127,15 @@ class DeepseekV4Model(nn.Module):
             tap = torch.cat([by_id[i] for i in tap_layers], dim=-1)
         return X, tap
 
-    def head_hidden(self, X) -> torch.Tensor:
+    def head_hidden(self, X, norm=None) -> torch.Tensor:
+        """The final streams X [T, n, D] collapsed to [T, D] (with `norm`: its RMSNorm)."""
         c = self.cfg
         return hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps,
-                       c.rms_norm_eps)
+                       c.rms_norm_eps, norm=norm)
 
     def logits(self, X) -> torch.Tensor:
         """fp32 logits from final streams X [T, n, D]."""
-        c = self.cfg
-        y = hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps,
-                    c.rms_norm_eps, norm=self.norm)
-        return linear_fp32(y, self.head.weight)
+        return linear_fp32(self.head_hidden(X, norm=self.norm), self.head.weight)
 
     def forward(self, batch: Batch, attn_fn=None, quant=None) -> torch.Tensor:
         X, _ = self.forward_hidden(batch, attn_fn, quant)
