@@ -206,6 +206,33 @@ def test_pair_decode_is_bit_identical(experts, stack, dtype):
 
 @triton_ok
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_down_kernel_split_over_slots_is_bit_identical(experts, stack, dtype, monkeypatch):
+    """DSPARK_FP4_DOWN_SPLIT=1: one program per slot, the last to arrive sums the slots in slot
+    order: bit-identical to the slot loop, with the shared expert's add and the cast, twice in a
+    row (the arrival counters re-arm), and with pairs routed to experts this rank does not hold
+    (emap -1: zero)."""
+    gen = torch.Generator().manual_seed(23)
+    T, k = 3, 4
+    x = torch.randn(T, D, generator=gen).to(dtype)
+    idx, w = _routing(gen, T, k)
+    add = torch.randn(T, D, generator=gen).to(dtype)
+    args = _dev(x, idx, w)
+    kw = dict(add=add.to(args[0].device), out_dtype=dtype)
+    monkeypatch.setenv("DSPARK_FP4_DOWN_SPLIT", "0")
+    want = [fp4_moe_grouped(*args, stack, 0.7), fp4_moe_grouped(*args, stack, 0.7, **kw)]
+    monkeypatch.setenv("DSPARK_FP4_DOWN_SPLIT", "1")
+    for _ in range(2):
+        assert torch.equal(fp4_moe_grouped(*args, stack, 0.7), want[0])
+        assert torch.equal(fp4_moe_grouped(*args, stack, 0.7, **kw), want[1])
+    part = stack._replace(emap=torch.where(stack.emap % 2 == 0, stack.emap, -1))
+    got = fp4_moe_grouped(*args, part, 0.7)
+    monkeypatch.setenv("DSPARK_FP4_DOWN_SPLIT", "0")
+    assert torch.equal(got, fp4_moe_grouped(*args, part, 0.7))
+    assert not torch.equal(got, want[0])                 # the missing experts were left out
+
+
+@triton_ok
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_grouped_adds_and_rounds_in_the_down_kernel(experts, stack, dtype):
     """add= / out_dtype= (QuantMoE's shared expert output and the final cast): the down kernel's
     result equals out_dtype(fp32 routed + add) of the plain call, bit for bit (same fp32 sum,

@@ -463,23 +463,64 @@ def _fp4_moe_down_kernel(
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, DT: tl.constexpr, BF16_PAIRS: tl.constexpr,
     PAIR_DECODE: tl.constexpr = False, FULL_GROUPS: tl.constexpr = False,
     add_ptr=None, stride_at=0, HAS_ADD: tl.constexpr = False, OUT_DT: tl.constexpr = "fp32",
-    ROW_X: tl.constexpr = False,
+    ROW_X: tl.constexpr = False, SLOT_SPLIT: tl.constexpr = False, KS: tl.constexpr = 1,
+    ws_ptr=None, cnt_ptr=None,
 ):
+    """SLOT_SPLIT (grid axis 2 = slot; KS == KSLOTS): program (t, n-tile, j) computes slot j's
+    rounded output alone and stores it to the workspace ws [T * KS, D] fp32; the program that
+    arrives last for its (t, n-tile) (a per-tile counter, as in fp8_gemm's split-K skinny
+    kernel) sums the KS slots in slot order, adds, rounds and stores, then re-arms the counter:
+    the same values and order as the slot loop, k times the programs."""
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in range(KSLOTS):
-        p = t * KSLOTS + j
-        row = tl.load(emap_ptr + tl.load(idx_ptr + p))
-        n_ok = rn < tl.where(row >= 0, D, 0)
-        row = tl.maximum(row, 0).to(tl.int64)
-        w_base = w_ptr + row * stride_we + (pid_n * BLOCK_N).to(tl.int64) * stride_wn
-        s_base = s_ptr + row * stride_se + (pid_n * BLOCK_N).to(tl.int64) * stride_sn
-        y, _ = _fp4_gemv_tile(h_ptr + p.to(tl.int64) * stride_hp, w_base, stride_wn,
-                              s_base, stride_sn, n_ok, I, 0, 0, BLOCK_N, BLOCK_G, False,
-                              BF16_PAIRS, PAIR_DECODE, FULL_GROUPS, ROW_X)
-        out += _round_to(y, DT)                             # each expert's output in x.dtype
+    if SLOT_SPLIT:
+        j = tl.program_id(2)
+        y = _fp4_down_slot(h_ptr, stride_hp, idx_ptr, emap_ptr, w_ptr, stride_we, stride_wn,
+                           s_ptr, stride_se, stride_sn, t * KSLOTS + j, rn, pid_n, D, I,
+                           BLOCK_N, BLOCK_G, DT, BF16_PAIRS, PAIR_DECODE, FULL_GROUPS, ROW_X)
+        slot_rows = ws_ptr + (t * KSLOTS).to(tl.int64) * D + rn
+        tl.store(slot_rows + j * D, y, mask=rn < D)
+        tl.debug_barrier()                                  # all of this program's stores first
+        tile = cnt_ptr + t * tl.num_programs(1) + pid_n
+        if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == KS - 1:    # the last slot
+            for jj in tl.static_range(KS):
+                out += tl.load(slot_rows + jj * D, mask=rn < D, other=0.0, cache_modifier=".cg")
+            _fp4_down_finish(out, add_ptr, stride_at, out_ptr, stride_ot, t, rn, D, HAS_ADD,
+                             OUT_DT)
+            tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")              # re-arm
+    else:
+        for j in range(KSLOTS):
+            out += _fp4_down_slot(h_ptr, stride_hp, idx_ptr, emap_ptr, w_ptr, stride_we,
+                                  stride_wn, s_ptr, stride_se, stride_sn, t * KSLOTS + j, rn,
+                                  pid_n, D, I, BLOCK_N, BLOCK_G, DT, BF16_PAIRS, PAIR_DECODE,
+                                  FULL_GROUPS, ROW_X)
+        _fp4_down_finish(out, add_ptr, stride_at, out_ptr, stride_ot, t, rn, D, HAS_ADD, OUT_DT)
+
+
+@triton.jit
+def _fp4_down_slot(h_ptr, stride_hp, idx_ptr, emap_ptr, w_ptr, stride_we, stride_wn, s_ptr,
+                   stride_se, stride_sn, p, rn, pid_n, D, I, BLOCK_N: tl.constexpr,
+                   BLOCK_G: tl.constexpr, DT: tl.constexpr, BF16_PAIRS: tl.constexpr,
+                   PAIR_DECODE: tl.constexpr, FULL_GROUPS: tl.constexpr, ROW_X: tl.constexpr):
+    """Pair p's expert output on the rows rn (0 for an expert not held), rounded to x.dtype (as
+    the per-expert path's GEMM output), fp32 [BLOCK_N]."""
+    row = tl.load(emap_ptr + tl.load(idx_ptr + p))
+    n_ok = rn < tl.where(row >= 0, D, 0)
+    row = tl.maximum(row, 0).to(tl.int64)
+    w_base = w_ptr + row * stride_we + (pid_n * BLOCK_N).to(tl.int64) * stride_wn
+    s_base = s_ptr + row * stride_se + (pid_n * BLOCK_N).to(tl.int64) * stride_sn
+    y, _ = _fp4_gemv_tile(h_ptr + p.to(tl.int64) * stride_hp, w_base, stride_wn,
+                          s_base, stride_sn, n_ok, I, 0, 0, BLOCK_N, BLOCK_G, False,
+                          BF16_PAIRS, PAIR_DECODE, FULL_GROUPS, ROW_X)
+    return _round_to(y, DT)
+
+
+@triton.jit
+def _fp4_down_finish(out, add_ptr, stride_at, out_ptr, stride_ot, t, rn, D,
+                     HAS_ADD: tl.constexpr, OUT_DT: tl.constexpr):
+    """out (the slots' fp32 sum) + the shared expert's output, rounded to OUT_DT, stored."""
     if HAS_ADD:             # the shared expert's output, added in fp32 (QuantMoE's `out += ...`)
         out += tl.load(add_ptr + t.to(tl.int64) * stride_at + rn, mask=rn < D,
                        other=0.0).to(tl.float32)
@@ -641,10 +682,26 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                                                       BF16_PAIRS=pairs, PAIR_DECODE=pair_decode,
                                                       FULL_GROUPS=full, ROW_X=row_x)
     add_ready()
-    _fp4_moe_down_kernel[(T, triton.cdiv(D, bn2))](*down_args, BLOCK_N=bn2, BLOCK_G=bg2, DT=dt,
-                                                   BF16_PAIRS=pairs, PAIR_DECODE=pair_decode,
-                                                   FULL_GROUPS=full, ROW_X=row_x, **down_kw)
+    grid = (T, triton.cdiv(D, bn2))
+    if down_split_enabled() and k > 1:        # one program per slot, the last one sums
+        from dspark.kernels.fp8_gemm import _arrival_counters
+        down_kw.update(SLOT_SPLIT=True, KS=k, ws_ptr=torch.empty(P, D, dtype=torch.float32,
+                                                                 device=x.device),
+                       cnt_ptr=_arrival_counters(x.device, grid[0] * grid[1]))
+        grid = grid + (k,)
+    _fp4_moe_down_kernel[grid](*down_args, BLOCK_N=bn2, BLOCK_G=bg2, DT=dt, BF16_PAIRS=pairs,
+                               PAIR_DECODE=pair_decode, FULL_GROUPS=full, ROW_X=row_x,
+                               **down_kw)
     return out
+
+
+def down_split_enabled() -> bool:
+    """DSPARK_FP4_DOWN_SPLIT=1: the down kernel runs one program per (token, row tile, slot)
+    and the last slot of a tile to arrive sums them (`_fp4_moe_down_kernel` SLOT_SPLIT; the
+    same output bit for bit). An opt-in staged for an H200 A/B: the slot loop of 1024 programs
+    takes 21 us per layer at 1 token, and more, smaller programs have measured faster for these
+    latency-bound kernels (see _grouped_blocks); not timed yet."""
+    return os.environ.get("DSPARK_FP4_DOWN_SPLIT", "0") == "1"
 
 
 def _finish(routed: torch.Tensor, add, out_dtype) -> torch.Tensor:
