@@ -56,7 +56,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from dspark.kernels.fp8_gemm import _interpreting, flat_operands
+from dspark.kernels.fp8_gemm import _arrival_counters, _interpreting, flat_operands
 from dspark.kernels.sparse_mqa import _mma, _pick_precision
 from dspark.models.quant import FP4_GROUP, dequant_fp4_experts, fp4_scale_shape
 
@@ -684,7 +684,6 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     add_ready()
     grid = (T, triton.cdiv(D, bn2))
     if down_split_enabled() and k > 1:        # one program per slot, the last one sums
-        from dspark.kernels.fp8_gemm import _arrival_counters
         down_kw.update(SLOT_SPLIT=True, KS=k, ws_ptr=torch.empty(P, D, dtype=torch.float32,
                                                                  device=x.device),
                        cnt_ptr=_arrival_counters(x.device, grid[0] * grid[1]))
