@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from dspark.kernels import fp8_gemm as fg  # noqa: E402
 from dspark.kernels.fp4_moe import (fp4_moe, fp4_moe_grouped, stack_fp4_experts)  # noqa: E402
 from dspark.kernels.fp4_moe_mma import fp4_moe_mma  # noqa: E402
+from dspark.kernels.fp4_moe_tc import fp4_moe_tc  # noqa: E402
 from dspark.models.quant import dequant_fp8_blocks, quant_fp4, quant_fp8_blocks  # noqa: E402
 
 COPY_BW = 4.3e12
@@ -216,13 +217,24 @@ MOE_VARIANTS = [("fma 4x32 pair decode", "fma-pair", (4, 32), 4, 3),     # shipp
                 ("fma 8x32 pair row-x", "fma-pair-rowx", (8, 32), 4, 3),
                 ("fma 8x16 pair row-x", "fma-pair-rowx", (8, 16), 4, 3),
                 ("fma 8x32 pair decode", "fma-pair", (8, 32), 4, 3),
+                # tensor-core decode (fp4_moe_tc: K splits of gate/up and down, warps, steps per
+                # asm block); session 15, H200: 39.6 / 37.2 us per layer at 1 token for split
+                # 4/2 unrolled 1 / 2 vs 51.4 for the CUDA-core kernels above
+                ("tc split 4/2 w1", "tc", None, 1, 0, {"up_split": 4, "down_split": 2,
+                                                       "unroll": 1}),
+                ("tc split 4/2 w1 unroll 2", "tc", None, 1, 0, {"up_split": 4, "down_split": 2,
+                                                                "unroll": 2}),
+                ("tc split 4/2 w1 unroll 4", "tc", None, 1, 0, {"up_split": 4, "down_split": 2,
+                                                                "unroll": 4}),
+                ("tc split 8/4 w1 unroll 2", "tc", None, 1, 0, {"up_split": 8, "down_split": 4,
+                                                                "unroll": 2}),
                 ("mma 32x256 w4 s3", "mma", (32, 256), 4, 3),
                 ("mma 32x256 w4 s4", "mma", (32, 256), 4, 4),
                 ("mma 64x256 w4 s3", "mma", (64, 256), 4, 3)]
 MOE_TOKENS = [1, 6, 16, 64, 128]      # decode, verify, short prefills
 
 
-def bench_moe(tokens, iters, rows, E=256, k=6, D=4096, I=2048):
+def bench_moe(tokens, iters, rows, E=256, k=6, D=4096, I=2048, only=()):
     gen = torch.Generator(device="cuda").manual_seed(0)
     experts = [tuple(quant_fp4(torch.randn(*shape, device="cuda", generator=gen) * 0.02)
                      for shape in ((I, D), (I, D), (D, I))) for _ in range(E)]
@@ -240,8 +252,13 @@ def bench_moe(tokens, iters, rows, E=256, k=6, D=4096, I=2048):
         nbytes = int(used * per_expert)
         ref = fp4_moe(xs[0], idxs[0], wts[0], experts, 10.0, grouped=False)   # per-expert loop
         base = None
-        for name, kind, block, warps, stages in MOE_VARIANTS:
-            if kind.startswith("fma"):
+        for name, kind, block, warps, stages, *opt in MOE_VARIANTS:
+            if only and not any(s in name for s in only):
+                continue
+            if kind == "tc":
+                fn = lambda a, i, w, warps=warps, opt=opt[0]: fp4_moe_tc(  # noqa: E731
+                    a, i, w, stack, 10.0, warps=warps, **opt)
+            elif kind.startswith("fma"):
                 os.environ["DSPARK_MOE_MMA"] = "0"
                 fn = lambda a, i, w, block=block, pd=kind != "fma", rx=kind.endswith(  # noqa: E731
                     "rowx"): fp4_moe_grouped(
@@ -287,6 +304,8 @@ def main(argv=None):
     ap.add_argument("--skip-moe", action="store_true")
     ap.add_argument("--skip-fp8", action="store_true")
     ap.add_argument("--moe-tokens", type=int, nargs="+", default=MOE_TOKENS)
+    ap.add_argument("--moe-only", nargs="+", default=(),
+                    help="MoE variants whose names contain one of these strings")
     ap.add_argument("--no-read-ceiling", dest="read_ceiling", action="store_false",
                     help="skip the pure-read kernel at the same byte counts")
     ap.add_argument("--json", help="write the results here")
@@ -303,7 +322,7 @@ def main(argv=None):
     if not args.skip_fp8:
         bench_fp8(args.tokens, args.iters, rows)
     if not args.skip_moe:
-        bench_moe(args.moe_tokens, args.iters, rows)
+        bench_moe(args.moe_tokens, args.iters, rows, only=args.moe_only)
     ceiling = bench_read(rows, args.iters) if args.read_ceiling else None
     step = {"fp8 old": 0.0, "fp8 new": 0.0}
     for r in rows:

@@ -100,10 +100,14 @@ def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages:
     (and no cp.async pipelining). Empty: pointers, strides and the model widths in
     _MULTIPLES_OF_16."""
     constexprs = dict(constexprs)
-    for prm in fn.params:         # constexprs left out take their defaults (Triton wants all)
-        if prm.is_constexpr and prm.name not in constexprs and prm.default is not inspect.Parameter.empty:
-            constexprs[prm.name] = prm.default
     sig = dict(signature)
+    for prm in fn.params:         # constexprs left out take their defaults (Triton wants all)
+        if prm.name in constexprs or prm.name in sig or prm.default is inspect.Parameter.empty:
+            continue
+        if prm.is_constexpr or prm.default is None:   # None: the launcher specialises it away
+            constexprs[prm.name] = prm.default
+        elif isinstance(prm.default, int):            # an optional runtime integer
+            sig[prm.name] = "i32"
     sig.update({k: "constexpr" for k in constexprs})
     if not aligned:   # default: what the launcher's specialisation gives at V4 widths
         aligned = [n for n, t in signature.items() if t.startswith("*") or n.startswith("stride")

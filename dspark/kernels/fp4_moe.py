@@ -298,6 +298,9 @@ def stack_fp4_experts(experts) -> FP4ExpertStack:
         st.w2[row].copy_(_u8(w2))
         st.s2[row].copy_(_u8(s2))
     st.emap[torch.tensor(held, device=dev)] = torch.arange(E2, dtype=torch.int32, device=dev)
+    # fp4_moe_tc scales its bf16 weights by 2^(s - 1): every UE8M0 byte must be in [1, 128]
+    # (checked here, at build time: a host sync; `fp4_moe_tc.tc_scales_ok` reads the record)
+    st.emap._dspark_tc_ok = bool(all(((s >= 1) & (s <= 128)).all() for s in (st.s13, st.s2)))
     return st
 
 
@@ -638,6 +641,15 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     if T == 0 or k == 0:
         add_ready()
         return _finish(torch.zeros(T, D, dtype=torch.float32, device=x.device), add, out_dtype)
+    if block is None and x.is_cuda and not _interpreting():
+        from dspark.kernels import fp4_moe_tc as tc       # tensor-core decode (DSPARK_FP4_TC)
+        if tc.tc_applies(x, stack, k) and out_dtype in _DT_NAME and (
+                add is None or (add.shape == (T, D) and add.stride(-1) == 1)):
+            if x.stride(-1) != 1:
+                x = x.contiguous()
+            h = tc.fp4_moe_tc_gate_up(x, idx, weights, stack, swiglu_limit)
+            add_ready()
+            return tc.fp4_moe_tc_down(h, idx, stack, x.dtype, add, out_dtype)
     if out_dtype not in _DT_NAME or (add is not None and (add.shape != (T, D)
                                                           or add.stride(-1) != 1)):
         raise ValueError(f"fp4_moe_grouped: add {None if add is None else tuple(add.shape)} / "
