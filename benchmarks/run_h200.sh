@@ -58,12 +58,17 @@ ncu)     # issue 7: Nsight Compute sections of the attention and MoE decode kern
   step "ncu"
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   if [ -z "$NCU" ]; then echo "no ncu on this machine"; else
+    # stall reasons: % of active warps' cycles stalled on each (long_scoreboard = global memory)
+    STALLS=$(for s in long_scoreboard short_scoreboard wait math_pipe_throttle lg_throttle \
+      mio_throttle not_selected selected barrier dispatch_stall no_instruction tex_throttle; do
+      printf "smsp__warp_issue_stalled_%s_per_warp_active.pct," $s; done)
     for k in ${NCU_KERNELS:-attention:sparse_mqa_v3 moe:fp4_moe_gate_up fp8:fp8_skinny}; do
+      f="$R/ncu_${k%%:*}_${k#*:}.txt"
       timeout "$(left 150)" "$NCU" --kernel-name "regex:${k#*:}" --launch-skip 2 --launch-count 1 \
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
         --section LaunchStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
-        python benchmarks/ncu_targets.py --only "${k%%:*}" > "$R/ncu_${k%%:*}.txt" 2>&1
-      grep -v "^==PROF==\|^    ---\|^ *$" "$R/ncu_${k%%:*}.txt" | grep -i "duration\|throughput\|stall\|warp cycles\|issued\|registers\|occupancy\|eligible\|active warps\|error" | head -30
+        --metrics "${STALLS%,}" python benchmarks/ncu_targets.py --only "${k%%:*}" > "$f" 2>&1
+      grep -v "^==PROF==\|^    ---\|^ *$" "$f" | grep -i "duration\|throughput\|stall\|warp cycles\|issued\|registers\|occupancy\|eligible\|active warps\|error" | head -40
     done
   fi ;;
 small)   # issue 7: sparse MQA at 1-8 query tokens (the batch-1 decode step): more KV splits
