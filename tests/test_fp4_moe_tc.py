@@ -34,6 +34,26 @@ def test_decode_ptx_covers_each_pair_once():
     assert tc._unroll(1280, 4) == 2 and tc._step_asm(False, 4).count("mma.sync") == 32
 
 
+def test_ptx_operands_match_constraints():
+    """Every inline-PTX block names exactly the operands its constraint string declares (pack 2:
+    two registers per tensor; each scalar's second copy goes unread), and the prefetching step
+    issues the next step's weight loads before its first MMA."""
+    import re
+    cases = [(tc._step_asm(True), tc._STEP_UP_C), (tc._step_asm(False), tc._STEP_DOWN_C),
+             (tc._pf_step_asm(True), tc._PF_STEP_UP_C), (tc._pf_step_asm(False), tc._PF_STEP_DOWN_C),
+             (tc._pf_load_asm(True), tc._PF_LOAD_UP_C), (tc._pf_load_asm(False), tc._PF_LOAD_DOWN_C)]
+    for asm, cons in cases:
+        cons = getattr(cons, "value", cons)
+        used = {int(i) for i in re.findall(r"\$(\d+)", asm)}
+        assert max(used) + 2 == len(cons.split(",")), (max(used), cons)
+    import inspect
+    src = inspect.getsource(tc._rows_gemv.fn)
+    assert src.count(f'"{tc._STEP_UP_C.value}"') == 3 and src.count(f'"{tc._STEP_DOWN_C.value}"') == 3
+    step = tc._pf_step_asm(True)
+    assert step.count("mma.sync") == 16 and step.index("ld.global.nc.v4") < step.index("mma.sync")
+    assert step.count("ld.global") == 12 and tc._pf_load_asm(True).count("ld.global") == 8
+
+
 def test_stack_records_scale_range():
     gen = torch.Generator().manual_seed(0)
     st = stack_fp4_experts(_experts(gen, 2, 64, 96, scale=0.02))
@@ -74,19 +94,21 @@ def case():
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("T,k", [(1, 6), (3, 2), (8, 6)])
-@pytest.mark.parametrize("split,warps,unroll", [((1, 1), 1, 1), ((4, 2), 1, 1), ((3, 4), 2, 2),
-                                                ((8, 1), 4, 1), ((4, 2), 1, 2), ((2, 1), 1, 4)])
-def test_tc_gate_up_and_down_gpu(case, T, k, split, warps, unroll):
+@pytest.mark.parametrize("split,warps,unroll,prefetch", [
+    ((1, 1), 1, 1, False), ((4, 2), 1, 1, False), ((3, 4), 2, 2, False), ((8, 1), 4, 1, False),
+    ((4, 2), 1, 2, False), ((2, 1), 1, 4, False), ((1, 1), 1, 1, True), ((4, 2), 1, 1, True),
+    ((3, 4), 2, 1, True)])
+def test_tc_gate_up_and_down_gpu(case, T, k, split, warps, unroll, prefetch):
     exps, st = case
     gen = torch.Generator().manual_seed(T * 10 + k)
     x = torch.randn(T, D, generator=gen).to(torch.bfloat16)
     idx = torch.stack([torch.randperm(N, generator=gen)[:k] for _ in range(T)])
     w = torch.rand(T, k, generator=gen) + 0.1
     h = tc.fp4_moe_tc_gate_up(x.cuda(), idx.cuda(), w.cuda(), st, 0.7, up_split=split[0],
-                              warps=warps, unroll=unroll)
+                              warps=warps, unroll=unroll, prefetch=prefetch)
     assert _bf16_close(h, _h_reference(x, idx, w, exps, 0.7))
     y = tc.fp4_moe_tc_down(h, idx.cuda(), st, torch.bfloat16, down_split=split[1], warps=warps,
-                           unroll=unroll)
+                           unroll=unroll, prefetch=prefetch)
     want = torch.zeros(T, D, dtype=torch.float64)
     for t in range(T):
         for j in range(k):
