@@ -300,7 +300,7 @@ def stack_fp4_experts(experts) -> FP4ExpertStack:
     st.emap[torch.tensor(held, device=dev)] = torch.arange(E2, dtype=torch.int32, device=dev)
     # fp4_moe_tc scales its bf16 weights by 2^(s - 1): every UE8M0 byte must be in [1, 128]
     # (checked here, at build time: a host sync; `fp4_moe_tc.tc_scales_ok` reads the record)
-    st.emap._dspark_tc_ok = bool(all(((s >= 1) & (s <= 128)).all() for s in (st.s13, st.s2)))
+    st.emap._dspark_tc_ok = all(int(s.min()) >= 1 and int(s.max()) <= 128 for s in (st.s13, st.s2))
     return st
 
 
@@ -602,7 +602,9 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     weights [T, k] routing weights. Expert ids must be < len(stack.emap) (not checked: that would
     sync). block = (BLOCK_N, BLOCK_G) for both FMA kernels (tests), else picked by shape. On the
     GPU, bf16 batches of MMA_MIN_TOKENS tokens or more go to the expert-grouped tensor-core kernels
-    of fp4_moe_mma.py (DSPARK_MOE_MMA=0: never, =1: from 2 tokens). pair_decode: the CUDA-core
+    of fp4_moe_mma.py (DSPARK_MOE_MMA=0: never, =1: from 2 tokens), smaller bf16 batches on sm_90+
+    to the per-pair tensor-core kernels of fp4_moe_tc.py (DSPARK_FP4_TC=0: never), the rest to
+    the CUDA-core kernels below. pair_decode: the CUDA-core
     kernels decode both codes of a byte together (_e2m1_pair_times_2pow14; same values, fewer
     integer ops for the issue-bound decode kernels: 1.5x at 1 and 6 tokens on an H200, see
     benchmarks/bench_decode_kernels.py); False decodes code by code (the reference). row_x: the

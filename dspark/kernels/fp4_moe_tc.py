@@ -5,16 +5,19 @@ sm_90+, bf16 activations; DSPARK_FP4_TC=0 falls back to the CUDA-core kernels).
 H200, session 15 (benchmarks/results/bench_decode_s15_tc_h200.json): the grouped MoE of one
 V4-Flash layer at 1 token takes 38.0 us (K split 4 / 2, 2 steps per asm block) vs 51.4 us for
 the CUDA-core kernels; the 4-layer decode step's device time 0.883 vs 0.909 ms. Still below the
-HBM's rate (~2.1 TB/s): each warp waits on its loads once per asm block (2 steps; 4 measured no
-better), so the next lever is deeper software pipelining across blocks.
+HBM's rate (~2.1 TB/s): ncu's top stall is global-memory latency (long scoreboard 34-39% of
+warp cycles, benchmarks/results/ncu_s15_h200.txt), each warp waiting on its loads once per asm
+block (2 steps; 4 steps, more K splits, more warps per program or 4 independent MMA chains
+measured no better). Staged next: DSPARK_FP4_TC_PREFETCH=1, the next step's loads issued before
+this step's MMAs (`_rows_gemv_pf`), not yet run on a GPU.
 
     out = fp4_moe_tc(x, idx, weights, stack, swiglu_limit, add=None, out_dtype=torch.float32)
 
 Why: the CUDA-core kernels of fp4_moe.py decode every e2m1 code to fp32 and FMA it (~12.6 SASS
 instructions per weight byte); ncu on the H200 shows them issue-bound (75% issue slots, ALU pipe
-70%) at ~1.5 TB/s. Here each lane decodes its codes straight into bf16 pairs (~2 instructions
-per byte, no fp32 conversion), scales them with one packed bf16 multiply and feeds
-`mma.sync.m16n8k16` (bf16 x bf16 -> fp32), a few instructions per byte in all.
+70%) at ~1.5 TB/s. Here each lane decodes its codes straight into bf16 pairs (2 shifts and 2
+logic ops per pair, no fp32 conversion), scales them with one packed bf16 multiply and feeds
+`mma.sync.m16n8k16` (bf16 x bf16 -> fp32): ~6 SASS instructions per weight byte (offline).
 
 How one warp computes 16 rows of W x (the GEMV of one token), per 128 columns:
 * lane (g = lane / 4, c = lane % 4) loads 16 bytes (32 codes) of rows g and g + 8: columns
@@ -495,7 +498,7 @@ def tc_scales_ok(stack: FP4ExpertStack) -> bool:
     if ok is None:
         if torch.cuda.is_current_stream_capturing():
             return False
-        ok = bool(all(((s >= 1) & (s <= 128)).all() for s in (stack.s13, stack.s2)))
+        ok = all(int(s.min()) >= 1 and int(s.max()) <= 128 for s in (stack.s13, stack.s2))
         stack.emap._dspark_tc_ok = ok
     return ok
 
