@@ -228,11 +228,6 @@ MOE_VARIANTS = [("fma 4x32 pair decode", "fma-pair", (4, 32), 4, 3),     # shipp
                                                                 "unroll": 4}),
                 ("tc split 8/4 w1 unroll 2", "tc", None, 1, 0, {"up_split": 8, "down_split": 4,
                                                                 "unroll": 2}),
-                # staged, not yet timed: the next step's weight loads issued before the MMAs
-                ("tc split 4/2 w1 prefetch", "tc", None, 1, 0, {"up_split": 4, "down_split": 2,
-                                                                "prefetch": True}),
-                ("tc split 8/4 w1 prefetch", "tc", None, 1, 0, {"up_split": 8, "down_split": 4,
-                                                                "prefetch": True}),
                 ("mma 32x256 w4 s3", "mma", (32, 256), 4, 3),
                 ("mma 32x256 w4 s4", "mma", (32, 256), 4, 4),
                 ("mma 64x256 w4 s3", "mma", (64, 256), 4, 3)]

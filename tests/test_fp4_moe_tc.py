@@ -36,12 +36,9 @@ def test_decode_ptx_covers_each_pair_once():
 
 def test_ptx_operands_match_constraints():
     """Every inline-PTX block names exactly the operands its constraint string declares (pack 2:
-    two registers per tensor; each scalar's second copy goes unread), and the prefetching step
-    issues the next step's weight loads before its first MMA."""
+    two registers per tensor; each scalar's second copy goes unread)."""
     import re
-    cases = [(tc._step_asm(True), tc._STEP_UP_C), (tc._step_asm(False), tc._STEP_DOWN_C),
-             (tc._pf_step_asm(True), tc._PF_STEP_UP_C), (tc._pf_step_asm(False), tc._PF_STEP_DOWN_C),
-             (tc._pf_load_asm(True), tc._PF_LOAD_UP_C), (tc._pf_load_asm(False), tc._PF_LOAD_DOWN_C)]
+    cases = [(tc._step_asm(True), tc._STEP_UP_C), (tc._step_asm(False), tc._STEP_DOWN_C)]
     for asm, cons in cases:
         cons = getattr(cons, "value", cons)
         used = {int(i) for i in re.findall(r"\$(\d+)", asm)}
@@ -49,9 +46,6 @@ def test_ptx_operands_match_constraints():
     import inspect
     src = inspect.getsource(tc._rows_gemv.fn)
     assert src.count(f'"{tc._STEP_UP_C.value}"') == 3 and src.count(f'"{tc._STEP_DOWN_C.value}"') == 3
-    step = tc._pf_step_asm(True)
-    assert step.count("mma.sync") == 16 and step.index("ld.global.nc.v4") < step.index("mma.sync")
-    assert step.count("ld.global") == 12 and tc._pf_load_asm(True).count("ld.global") == 8
 
 
 def test_stack_records_scale_range():
@@ -94,21 +88,19 @@ def case():
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("T,k", [(1, 6), (3, 2), (8, 6)])
-@pytest.mark.parametrize("split,warps,unroll,prefetch", [
-    ((1, 1), 1, 1, False), ((4, 2), 1, 1, False), ((3, 4), 2, 2, False), ((8, 1), 4, 1, False),
-    ((4, 2), 1, 2, False), ((2, 1), 1, 4, False), ((1, 1), 1, 1, True), ((4, 2), 1, 1, True),
-    ((3, 4), 2, 1, True)])
-def test_tc_gate_up_and_down_gpu(case, T, k, split, warps, unroll, prefetch):
+@pytest.mark.parametrize("split,warps,unroll", [
+    ((1, 1), 1, 1), ((4, 2), 1, 1), ((3, 4), 2, 2), ((8, 1), 4, 1), ((4, 2), 1, 2), ((2, 1), 1, 4)])
+def test_tc_gate_up_and_down_gpu(case, T, k, split, warps, unroll):
     exps, st = case
     gen = torch.Generator().manual_seed(T * 10 + k)
     x = torch.randn(T, D, generator=gen).to(torch.bfloat16)
     idx = torch.stack([torch.randperm(N, generator=gen)[:k] for _ in range(T)])
     w = torch.rand(T, k, generator=gen) + 0.1
     h = tc.fp4_moe_tc_gate_up(x.cuda(), idx.cuda(), w.cuda(), st, 0.7, up_split=split[0],
-                              warps=warps, unroll=unroll, prefetch=prefetch)
+                              warps=warps, unroll=unroll)
     assert _bf16_close(h, _h_reference(x, idx, w, exps, 0.7))
     y = tc.fp4_moe_tc_down(h, idx.cuda(), st, torch.bfloat16, down_split=split[1], warps=warps,
-                           unroll=unroll, prefetch=prefetch)
+                           unroll=unroll)
     want = torch.zeros(T, D, dtype=torch.float64)
     for t in range(T):
         for j in range(k):

@@ -8,8 +8,8 @@ the CUDA-core kernels; the 4-layer decode step's device time 0.883 vs 0.909 ms. 
 HBM's rate (~2.1 TB/s): ncu's top stall is global-memory latency (long scoreboard 34-39% of
 warp cycles, benchmarks/results/ncu_s15_h200.txt), each warp waiting on its loads once per asm
 block (2 steps; 4 steps, more K splits, more warps per program or 4 independent MMA chains
-measured no better). Staged next: DSPARK_FP4_TC_PREFETCH=1, the next step's loads issued before
-this step's MMAs (`_rows_gemv_pf`), not yet run on a GPU.
+measured no better; session 16: the next step's weight words loaded one asm block ahead and
+carried in registers, was slower, 39.2 vs 37.5 us, and its first version wrong: removed).
 
     out = fp4_moe_tc(x, idx, weights, stack, swiglu_limit, add=None, out_dtype=torch.float32)
 
@@ -162,116 +162,6 @@ def _step_asm(two: bool, unroll: int = 1) -> str:
     return "\n".join(L)
 
 
-def _pf_regs(two: bool):
-    """Register names of the prefetch state (operands in this order, pack 2): accumulators
-    (2 per matrix), weight words (rows g then g + 8; gate then up), scale bytes (g, g + 8 per
-    matrix): 12 per matrix."""
-    n = 2 if two else 1
-    return n, 2 * n, 8 * n, 2 * n
-
-
-def _pf_addr(op: dict, k: str, two: bool) -> list[str]:
-    """PTX: %pw / %pw8 [/ %pv / %pv8] weight and %ps / %ps8 [/ %pu / %pu8] scale addresses of
-    the lane's rows at column k (as `_step_asm`)."""
-    L = [f"mul.wide.u32 %q, %row, {op['wstride']};", f"add.u64 %pw, {op['wbase']}, %q;",
-         f"shr.u32 %t, {k}, 1;", "mad.lo.u32 %t, %c, 16, %t;", "cvt.u64.u32 %q, %t;",
-         "add.u64 %pw, %pw, %q;", f"mul.wide.u32 %r, {op['wstride']}, 8;",
-         "add.u64 %pw8, %pw, %r;",
-         f"mul.wide.u32 %q, %row, {op['sstride']};", f"add.u64 %ps, {op['sbase']}, %q;",
-         f"shr.u32 %t, {k}, 5;", "add.u32 %t, %t, %c;", "cvt.u64.u32 %q, %t;",
-         "add.u64 %ps, %ps, %q;", f"mul.wide.u32 %r, {op['sstride']}, 8;",
-         "add.u64 %ps8, %ps, %r;"]
-    if two:
-        L += [f"cvt.u64.u32 %q, {op['upw']};", "add.u64 %pv, %pw, %q;", "add.u64 %pv8, %pw8, %q;",
-              f"cvt.u64.u32 %q, {op['ups']};", "add.u64 %pu, %ps, %q;", "add.u64 %pu8, %ps8, %q;"]
-    return L
-
-
-def _pf_loads(w: list[str], s: list[str], two: bool) -> list[str]:
-    """PTX: the step's weight words into w (8 per matrix) and scale bytes into s (2 per
-    matrix) from the addresses of `_pf_addr`."""
-    L = [f"ld.global.nc.v4.u32 {{{', '.join(w[0:4])}}}, [%pw];",
-         f"ld.global.nc.v4.u32 {{{', '.join(w[4:8])}}}, [%pw8];",
-         f"ld.global.nc.u8 {s[0]}, [%ps];", f"ld.global.nc.u8 {s[1]}, [%ps8];"]
-    if two:
-        L += [f"ld.global.nc.v4.u32 {{{', '.join(w[8:12])}}}, [%pv];",
-              f"ld.global.nc.v4.u32 {{{', '.join(w[12:16])}}}, [%pv8];",
-              f"ld.global.nc.u8 {s[2]}, [%pu];", f"ld.global.nc.u8 {s[3]}, [%pu8];"]
-    return L
-
-
-_PF_HEAD = ["{", ".reg .u32 %lane, %g, %c, %t, %t1, %t2, %row;",
-            ".reg .u64 %pw, %pw8, %pv, %pv8, %px, %ps, %ps8, %pu, %pu8, %q, %r;",
-            ".reg .b32 %a<4>, %p<4>, %b<4>, %x<16>, %sc<4>;", ".reg .f32 %dm<4>;",
-            "mov.u32 %lane, %laneid;", "shr.u32 %g, %lane, 2;", "and.b32 %c, %lane, 3;",
-            "mov.u32 %t, %tid.x;", "shr.u32 %t, %t, 5;"]
-
-
-def _pf_load_asm(two: bool) -> str:
-    """Prologue of the prefetching loop: the first step's weight words and scale bytes.
-    Operands (pack 2): outputs W (8 per matrix), S (2 per matrix); inputs: a dummy (the
-    accumulator, for the shape), wbase, sbase (u64), k, rowblk, wstride, sstride [, upw, ups]."""
-    n, na, nw, ns = _pf_regs(two)
-    w = [f"${i}" for i in range(nw)]
-    s = [f"${nw + i}" for i in range(ns)]
-    i0 = nw + ns + 2
-    names = ["wbase", "sbase", "k", "rowblk", "wstride", "sstride"] + (
-        ["upw", "ups"] if two else [])
-    op = {nm: f"${i0 + 2 * j}" for j, nm in enumerate(names)}
-    L = _PF_HEAD + [f"add.u32 %t, %t, {op['rowblk']};", "shl.b32 %t, %t, 4;",
-                    "add.u32 %row, %t, %g;"]
-    L += _pf_addr(op, op["k"], two) + _pf_loads(w, s, two) + ["}"]
-    return "\n".join(L)
-
-
-def _pf_step_asm(two: bool) -> str:
-    """One 128-column step that first issues the loads of the next step (column knext) into
-    its outputs, then decodes the weights its inputs carry (loaded by the previous step or the
-    prologue) against the activations of column koff: the weight loads of step i + 1 are in
-    flight while step i computes. Operands (pack 2): outputs G [, U], W', S'; inputs G [, U],
-    W, S, then wbase, xrow, sbase (u64), koff, knext, rowblk, wstride, sstride [, upw, ups]."""
-    n, na, nw, ns = _pf_regs(two)
-    st = na + nw + ns
-    o = [f"${i}" for i in range(na)]
-    w_out = [f"${na + i}" for i in range(nw)]
-    s_out = [f"${na + nw + i}" for i in range(ns)]
-    a_in = [f"${st + i}" for i in range(na)]
-    w_in = [f"${st + na + i}" for i in range(nw)]
-    s_in = [f"${st + na + nw + i}" for i in range(ns)]
-    i0 = 2 * st
-    names = ["wbase", "xrow", "sbase", "koff", "knext", "rowblk", "wstride", "sstride"] + (
-        ["upw", "ups"] if two else [])
-    op = {nm: f"${i0 + 2 * j}" for j, nm in enumerate(names)}
-    L = _PF_HEAD + [f"add.u32 %t, %t, {op['rowblk']};", "shl.b32 %t, %t, 4;",
-                    "add.u32 %row, %t, %g;"]
-    L += [f"mov.f32 {o[k]}, {a_in[k]};" for k in range(na)]
-    for k in range(n):
-        L += [f"mov.f32 %dm{2 * k}, {o[2 * k]};", f"mov.f32 %dm{2 * k + 1}, {o[2 * k + 1]};"]
-    L += _pf_addr(op, op["knext"], two) + _pf_loads(w_out, s_out, two)   # next step first
-    L += [f"mad.lo.u32 %t, %c, 32, {op['koff']};", "mul.wide.u32 %q, %t, 2;",
-          f"add.u64 %px, {op['xrow']}, %q;"]
-    for k in range(4):
-        X = ", ".join(f"%x{4 * k + q}" for q in range(4))
-        L.append(f"ld.global.nc.v4.u32 {{{X}}}, [%px+{16 * k}];")
-    for k in range(ns):               # 2^(s - 1) as a bf16 pair: (s + 126) << 7 in both halves
-        L.append(f"mad.lo.u32 %sc{k}, {s_in[k]}, 0x00800080, 0x3F003F00;")
-    mats = [(w_in[0:8], "%sc0", "%sc1", o[0], o[1], "%dm0", "%dm1")]
-    if two:
-        mats.append((w_in[8:16], "%sc2", "%sc3", o[2], o[3], "%dm2", "%dm3"))
-    for j in range(4):
-        x = [f"%x{4 * j + q}" for q in range(4)]
-        L += [f"prmt.b32 %b0, {x[0]}, {x[2]}, 0x5410;", f"prmt.b32 %b1, {x[0]}, {x[2]}, 0x7632;",
-              f"prmt.b32 %b2, {x[1]}, {x[3]}, 0x5410;", f"prmt.b32 %b3, {x[1]}, {x[3]}, 0x7632;"]
-        for w, sg, sg8, d0, d1, e0, e1 in mats:
-            L += _decode(w[j], "%a", sg) + _decode(w[j + 4], "%p", sg8)
-            for lo, hi, b0, b1 in (("0", "1", "%b0", "%b1"), ("2", "3", "%b2", "%b3")):
-                L.append("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                         f"{{{d0}, {e0}, {d1}, {e1}}}, {{%a{lo}, %p{lo}, %a{hi}, %p{hi}}}, "
-                         f"{{{b0}, {b1}}}, {{{d0}, {e0}, {d1}, {e1}}};")
-    L.append("}")
-    return "\n".join(L)
-
-
 def _store_asm(two: bool) -> str:
     """Lanes with c == 0 store their rows' sums at ws + warp * (32 or 16 floats): [g], [g + 8]
     (and up: [16 + g], [24 + g]). Operands (pack 2): dummy output; inputs G [, U], ws (u64)."""
@@ -295,15 +185,6 @@ _STEP_DOWN_C = tl.constexpr("=f,=f,f,f,l,l,l,l,l,l,r,r,r,r,r,r,r,r")
 _STEP_UP2, _STEP_DOWN2 = tl.constexpr(_step_asm(True, 2)), tl.constexpr(_step_asm(False, 2))
 _STEP_UP4, _STEP_DOWN4 = tl.constexpr(_step_asm(True, 4)), tl.constexpr(_step_asm(False, 4))
 _STORE_UP, _STORE_DOWN = tl.constexpr(_store_asm(True)), tl.constexpr(_store_asm(False))
-_PF_LOAD_UP, _PF_LOAD_DOWN = tl.constexpr(_pf_load_asm(True)), tl.constexpr(_pf_load_asm(False))
-_PF_STEP_UP, _PF_STEP_DOWN = tl.constexpr(_pf_step_asm(True)), tl.constexpr(_pf_step_asm(False))
-# their constraint strings (pack 2: two registers per operand tensor)
-_PF_LOAD_UP_C = tl.constexpr(",".join(["=r"] * 20 + ["f"] * 2 + ["l"] * 4 + ["r"] * 12))
-_PF_STEP_UP_C = tl.constexpr(",".join(["=f"] * 4 + ["=r"] * 20 + ["f"] * 4 + ["r"] * 20
-                                      + ["l"] * 6 + ["r"] * 14))
-_PF_LOAD_DOWN_C = tl.constexpr(",".join(["=r"] * 10 + ["f"] * 2 + ["l"] * 4 + ["r"] * 8))
-_PF_STEP_DOWN_C = tl.constexpr(",".join(["=f"] * 2 + ["=r"] * 10 + ["f"] * 2 + ["r"] * 10
-                                        + ["l"] * 6 + ["r"] * 10))
 
 
 @triton.jit
@@ -346,40 +227,6 @@ def _rows_gemv(acc_g, acc_u, wbase, xrow, sbase, k_lo, k_hi, rowblk, wstride, ss
 
 
 @triton.jit
-def _rows_gemv_pf(acc_g, acc_u, wbase, xrow, sbase, k_lo, k_hi, rowblk, wstride, sstride, upw,
-                  ups, TWO: tl.constexpr):
-    """`_rows_gemv` with the weight loads one step ahead (`_pf_step_asm`): the prologue loads
-    step k_lo, each step issues the next one's loads before it computes (the last step reloads
-    its own columns, unused). The state (weight words and scale bytes) stays in each lane's
-    registers between the asm blocks, as the accumulators do."""
-    if TWO:
-        w0, w1, w2, w3, w4, w5, w6, w7, s0, s1 = tl.inline_asm_elementwise(
-            _PF_LOAD_UP, _PF_LOAD_UP_C,
-            [acc_g, wbase, sbase, k_lo, rowblk, wstride, sstride, upw, ups],
-            dtype=(tl.int32,) * 10, is_pure=False, pack=2)
-        for koff in range(k_lo, k_hi, 128):
-            knext = tl.minimum(koff + 128, k_hi - 128)
-            acc_g, acc_u, w0, w1, w2, w3, w4, w5, w6, w7, s0, s1 = tl.inline_asm_elementwise(
-                _PF_STEP_UP, _PF_STEP_UP_C,
-                [acc_g, acc_u, w0, w1, w2, w3, w4, w5, w6, w7, s0, s1, wbase, xrow, sbase, koff,
-                 knext, rowblk, wstride, sstride, upw, ups],
-                dtype=(tl.float32,) * 2 + (tl.int32,) * 10, is_pure=False, pack=2)
-    else:
-        w0, w1, w2, w3, s0 = tl.inline_asm_elementwise(
-            _PF_LOAD_DOWN, _PF_LOAD_DOWN_C,
-            [acc_g, wbase, sbase, k_lo, rowblk, wstride, sstride],
-            dtype=(tl.int32,) * 5, is_pure=False, pack=2)
-        for koff in range(k_lo, k_hi, 128):
-            knext = tl.minimum(koff + 128, k_hi - 128)
-            acc_g, w0, w1, w2, w3, s0 = tl.inline_asm_elementwise(
-                _PF_STEP_DOWN, _PF_STEP_DOWN_C,
-                [acc_g, w0, w1, w2, w3, s0, wbase, xrow, sbase, koff, knext, rowblk, wstride,
-                 sstride],
-                dtype=(tl.float32,) + (tl.int32,) * 5, is_pure=False, pack=2)
-    return acc_g, acc_u
-
-
-@triton.jit
 def _store_partial(ws, acc_g, acc_u, TWO: tl.constexpr):
     """ws: the (tile, chunk) base address (int64)."""
     if TWO:
@@ -395,7 +242,7 @@ def _tc_gate_up_kernel(x_ptr, stride_xt, idx_ptr, rw_ptr, emap_ptr, w_ptr, strid
                        s_ptr, stride_se, stride_sn, h_ptr, stride_hp, ws_ptr, cnt_ptr,
                        KSLOTS, I, D, limit, KCH,
                        KSPLIT: tl.constexpr, WARPS: tl.constexpr, DT: tl.constexpr,
-                       UNROLL: tl.constexpr = 1, PREFETCH: tl.constexpr = False):
+                       UNROLL: tl.constexpr = 1):
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
     ch = tl.program_id(2)
@@ -408,14 +255,9 @@ def _tc_gate_up_kernel(x_ptr, stride_xt, idx_ptr, rw_ptr, emap_ptr, w_ptr, strid
         wbase = (w_ptr + row.to(tl.int64) * stride_we).to(tl.int64, bitcast=True)
         sbase = (s_ptr + row.to(tl.int64) * stride_se).to(tl.int64, bitcast=True)
         xrow = (x_ptr + (p // KSLOTS).to(tl.int64) * stride_xt).to(tl.int64, bitcast=True)
-        if PREFETCH:
-            g, u = _rows_gemv_pf(acc, acc, wbase, xrow, sbase, ch * KCH,
-                                 tl.minimum(ch * KCH + KCH, D), pid_n * WARPS, stride_wn,
-                                 stride_sn, I * stride_wn, I * stride_sn, True)
-        else:
-            g, u = _rows_gemv(acc, acc, wbase, xrow, sbase, ch * KCH,
-                              tl.minimum(ch * KCH + KCH, D), pid_n * WARPS, stride_wn, stride_sn,
-                              I * stride_wn, I * stride_sn, True, UNROLL)
+        g, u = _rows_gemv(acc, acc, wbase, xrow, sbase, ch * KCH, tl.minimum(ch * KCH + KCH, D),
+                          pid_n * WARPS, stride_wn, stride_sn, I * stride_wn, I * stride_sn, True,
+                          UNROLL)
     _store_partial((tile_ws + ch * WARPS * 32).to(tl.int64, bitcast=True), g, u, True)
     tl.debug_barrier()
     last = True
@@ -441,8 +283,7 @@ def _tc_down_kernel(h_ptr, stride_hp, idx_ptr, emap_ptr, w_ptr, stride_we, strid
                     stride_se, stride_sn, out_ptr, stride_ot, add_ptr, stride_at, ws_ptr, cnt_ptr,
                     KSLOTS, D, I, KCH,
                     NCH: tl.constexpr, KS: tl.constexpr, WARPS: tl.constexpr, DT: tl.constexpr,
-                    HAS_ADD: tl.constexpr, OUT_DT: tl.constexpr, UNROLL: tl.constexpr = 1,
-                    PREFETCH: tl.constexpr = False):
+                    HAS_ADD: tl.constexpr, OUT_DT: tl.constexpr, UNROLL: tl.constexpr = 1):
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     jc = tl.program_id(2)                                      # slot * NCH + chunk
@@ -458,14 +299,8 @@ def _tc_down_kernel(h_ptr, stride_hp, idx_ptr, emap_ptr, w_ptr, stride_we, strid
         wbase = (w_ptr + row.to(tl.int64) * stride_we).to(tl.int64, bitcast=True)
         sbase = (s_ptr + row.to(tl.int64) * stride_se).to(tl.int64, bitcast=True)
         xrow = (h_ptr + p.to(tl.int64) * stride_hp).to(tl.int64, bitcast=True)
-        if PREFETCH:
-            y, _ = _rows_gemv_pf(acc, acc, wbase, xrow, sbase, ch * KCH,
-                                 tl.minimum(ch * KCH + KCH, I), pid_n * WARPS, stride_wn,
-                                 stride_sn, 0, 0, False)
-        else:
-            y, _ = _rows_gemv(acc, acc, wbase, xrow, sbase, ch * KCH,
-                              tl.minimum(ch * KCH + KCH, I), pid_n * WARPS, stride_wn, stride_sn,
-                              0, 0, False, UNROLL)
+        y, _ = _rows_gemv(acc, acc, wbase, xrow, sbase, ch * KCH, tl.minimum(ch * KCH + KCH, I),
+                          pid_n * WARPS, stride_wn, stride_sn, 0, 0, False, UNROLL)
     _store_partial((tile_ws + jc * WARPS * 16).to(tl.int64, bitcast=True), y, y, False)
     tl.debug_barrier()
     if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == KS * NCH - 1:
@@ -526,15 +361,6 @@ def _split(K: int, n: int, unroll: int = 1) -> tuple[int, int]:
     return triton.cdiv(units, per), per * STEP * unroll
 
 
-def prefetch_enabled(prefetch: bool | None = None) -> bool:
-    """DSPARK_FP4_TC_PREFETCH=1: the weight loads one step ahead (`_rows_gemv_pf`, one step per
-    asm block). Staged in session 15 for the next H200 run: compiled offline for sm_90 (64 / 58
-    registers, no spills, the next step's loads issued first), not yet run on a GPU."""
-    if prefetch is None:
-        prefetch = os.environ.get("DSPARK_FP4_TC_PREFETCH", "0") == "1"
-    return bool(prefetch)
-
-
 def _unroll(K: int, unroll: int | None) -> int:
     """Steps per asm block (DSPARK_FP4_TC_UNROLL: 1, 2 (default) or 4), the largest of those
     <= the request that divides K's steps."""
@@ -553,24 +379,21 @@ def fp4_moe_tc(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, stack:
                swiglu_limit: float, add: torch.Tensor | None = None,
                out_dtype: torch.dtype = torch.float32, up_split: int | None = None,
                down_split: int | None = None, warps: int | None = None,
-               unroll: int | None = None, prefetch: bool | None = None) -> torch.Tensor:
+               unroll: int | None = None) -> torch.Tensor:
     """Routed-expert output [T, D] (`fp4_moe_grouped`'s contract; `tc_applies` must hold)."""
-    h = fp4_moe_tc_gate_up(x, idx, weights, stack, swiglu_limit, up_split, warps, unroll,
-                           prefetch)
-    return fp4_moe_tc_down(h, idx, stack, x.dtype, add, out_dtype, down_split, warps, unroll,
-                           prefetch)
+    h = fp4_moe_tc_gate_up(x, idx, weights, stack, swiglu_limit, up_split, warps, unroll)
+    return fp4_moe_tc_down(h, idx, stack, x.dtype, add, out_dtype, down_split, warps, unroll)
 
 
 def fp4_moe_tc_gate_up(x, idx, weights, stack: FP4ExpertStack, swiglu_limit: float,
                        up_split: int | None = None, warps: int | None = None,
-                       unroll: int | None = None, prefetch: bool | None = None) -> torch.Tensor:
+                       unroll: int | None = None) -> torch.Tensor:
     """h [T * k, I] x.dtype: the clamped SwiGLU of every (token, slot) pair, times its weight."""
     T, D = x.shape
     k = idx.shape[1]
     I = stack.w13.shape[1] // 2
     W = _warps(warps, I)
-    pf = prefetch_enabled(prefetch)
-    un = 1 if pf else _unroll(D, unroll)
+    un = _unroll(D, unroll)
     ks_up, kch_up = _split(D, up_split or int(os.environ.get("DSPARK_FP4_TC_UP_SPLIT", "4")), un)
     idx = idx.contiguous()
     weights = weights.contiguous()
@@ -584,7 +407,6 @@ def fp4_moe_tc_gate_up(x, idx, weights, stack: FP4ExpertStack, swiglu_limit: flo
         x, x.stride(0), idx, weights, emap, w13, w13.stride(0), w13.stride(1), s13, s13.stride(0),
         s13.stride(1), h, h.stride(0), ws_up, _arrival_counters(dev, P * up_grid[1]), k, I, D,
         float(swiglu_limit), kch_up, KSPLIT=ks_up, WARPS=W, DT=_DT_NAME[x.dtype], UNROLL=un,
-        PREFETCH=pf,
         num_warps=W)
     return h
 
@@ -592,15 +414,14 @@ def fp4_moe_tc_gate_up(x, idx, weights, stack: FP4ExpertStack, swiglu_limit: flo
 def fp4_moe_tc_down(h: torch.Tensor, idx, stack: FP4ExpertStack, x_dtype,
                     add: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
                     down_split: int | None = None, warps: int | None = None,
-                    unroll: int | None = None, prefetch: bool | None = None) -> torch.Tensor:
+                    unroll: int | None = None) -> torch.Tensor:
     """out_dtype(sum over slots of x_dtype(h W2^T) [+ add]) [T, D]."""
     T, k = idx.shape
     I = stack.w13.shape[1] // 2
     w13, s13, w2, s2, emap = stack
     D = w2.shape[1]
     W = _warps(warps, D)
-    pf = prefetch_enabled(prefetch)
-    un = 1 if pf else _unroll(I, unroll)
+    un = _unroll(I, unroll)
     nch, kch_dn = _split(I, down_split or int(os.environ.get("DSPARK_FP4_TC_DOWN_SPLIT", "2")), un)
     idx = idx.contiguous()
     dev = h.device
@@ -612,6 +433,5 @@ def fp4_moe_tc_down(h: torch.Tensor, idx, stack: FP4ExpertStack, x_dtype,
         out, out.stride(0), out if add is None else add, 0 if add is None else add.stride(0),
         ws_dn, _arrival_counters(dev, T * dn_grid[1]), k, D, I, kch_dn, NCH=nch, KS=k, WARPS=W,
         DT=_DT_NAME[x_dtype], HAS_ADD=add is not None, OUT_DT=_DT_NAME[out_dtype], UNROLL=un,
-        PREFETCH=pf,
         num_warps=W)
     return out
