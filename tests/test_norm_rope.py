@@ -106,14 +106,32 @@ def test_strided_rows_and_grad_fallback():
     assert y.requires_grad
 
 
+@pytest.fixture(scope="module")
+def tiny3_ckpt(tmp_path_factory):
+    """The tiny config cut to its first 3 layers, compress ratios (0, 4, 16): one layer of each
+    type (SWA, CSA + indexer, HCA), hash and routed MoE. Layers 4-6 of the full tiny model
+    repeat these types, so they would only run the same norm / RoPE call sites again; in the
+    interpreter every (token, head) row is one program, so the cost is ~ layers x tokens."""
+    from dspark.tools.make_checkpoint import make_checkpoint
+    out = str(tmp_path_factory.mktemp("tiny3"))
+    make_checkpoint(out, preset="tiny", layers=3, seed=0, progress=False)
+    return out
+
+
 @triton_ok
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_model_forward_with_fused_norms(tiny_ckpt, dtype):
+def test_model_forward_with_fused_norms(tiny3_ckpt, dtype):
     """The tiny model's dense forward (every layer type) with the fused kernel for every norm /
     RoPE == the torch composition. (Without the fp8 / fp4 quantisation simulation: on these
-    random weights a last-bit difference that flips one fp8 rounding moves the logits by ~10%.)"""
+    random weights a last-bit difference that flips one fp8 rounding moves the logits by ~10%.)
+    The first 3 layers run every call site of the kernel that all 6 do (RMSNorm, q head norm +
+    RoPE, kv norm + RoPE, entry + indexer key norm + RoPE, indexer query RoPE, inverse output
+    RoPE). 40 tokens: 10 ratio-4 entries, so the top-k selection (index_topk 4) bites for most
+    queries; an indexer query RoPE one position off shows only through that selection, and with
+    ~20 tokens it went unnoticed."""
     from paged_helpers import dense_runner, load_model
-    model = load_model(tiny_ckpt, dtype, device=DEV)     # (CUDA: the compiled kernel needs
+    model = load_model(tiny3_ckpt, dtype, device=DEV)    # (CUDA: the compiled kernel needs
+    assert set(model.cfg.compress_ratios) == {0, 4, 16}
     toks = [(11 * i + 5) % model.cfg.vocab_size for i in range(40)]   # device tensors)
 
     def run():

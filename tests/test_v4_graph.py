@@ -354,11 +354,13 @@ def test_engine_through_the_fixed_shape_path_on_cpu():
     Triton backend (interpreted) and the fixed-shape V4 step run eagerly (capture=False), drafts
     handed over as device tensors (BlockTokens), the scratch request, rollback; greedy tokens ==
     the same engine without the fixed-shape path, and with max_num_seqs 2 < 3 prompts the
-    batch changes between steps."""
+    batch changes between steps. (Short prompts and 6 tokens: every step costs ~0.3 s per token
+    in the interpreter, and these already give verify blocks of two requests with a rejected
+    draft (rollback), clipped blocks, and a step after the third request came in.)"""
     from dspark import Engine, SamplingParams
     from dspark.engine import default_model_path
-    prompts = ["def fibonacci(n):\n", "import os\n\n", "class Stack:\n    def "]
-    sp = SamplingParams(temperature=0, max_tokens=10)
+    prompts = ["def f(n):\n", "import os\n", "class A:\n"]
+    sp = SamplingParams(temperature=0, max_tokens=6)
     outs = {}
     for fixed in (False, True):
         # one cache slot and page more than the scheduler hands out: the scratch request's
@@ -373,8 +375,22 @@ def test_engine_through_the_fixed_shape_path_on_cpu():
                                              q_lens=range(1, r.drafter.gamma + 2), max_batch=2,
                                              tap_layers=r.tap_layers, capture=False)
             assert r.takes_device_tokens
-        outs[fixed] = [o.token_ids for o in eng.generate(prompts, sp)]
+            replayed, run = [], r.target_graphs.run
+
+            def run_and_log(items, *a, **kw):
+                out = run(items, *a, **kw)
+                if out is not None:
+                    replayed.append(([rid for rid, _, _ in items], len(items[0][2])))
+                return out
+            r.target_graphs.run = run_and_log
+        res = eng.generate(prompts, sp)
+        outs[fixed] = [o.token_ids for o in res]
+        assert any(o.metrics.accepted < o.metrics.verified for o in res)   # a draft rejected
         if fixed:
             assert r.target_graphs.num_replays > 0
             assert max(t["num_verify"] for t in eng.telemetry) == 2     # two requests per step
+            # verify blocks (q > 1) of two requests went through the fixed-shape path, and so
+            # did steps of all three requests (the third admitted when one of the first finished)
+            assert any(len(rids) == 2 and q > 1 for rids, q in replayed), replayed
+            assert len({rid for rids, _ in replayed for rid in rids}) == 3, replayed
     assert outs[True] == outs[False]
