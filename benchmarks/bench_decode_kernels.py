@@ -1,9 +1,8 @@
 """Few-token (decode / verify) weight-streaming kernels at V4-Flash shapes, old vs new, on CUDA.
 
-* FP8 linears (e4m3 + 128x128 UE8M0, bf16 activations), T = 1, 2, 6 tokens:
-  `splitk` = `_fp8_linear_kernel` (tokens on the MMA's M side, K split, then a torch `sum` and a
-  bf16 cast: 3 launches) vs `skinny` = `_fp8_skinny_kernel` (weight rows on M, split K reduced in
-  the same launch, bf16 out: 1 launch).
+* FP8 linears (e4m3 + 128x128 UE8M0, bf16 activations) of the decode step, T = 1, 2, 6 tokens:
+  `skinny` = `_fp8_skinny_kernel` (weight tiles through shared memory, fp16 MMA operands) vs
+  `tc` = `fp8_gemv_tc` (fragments loaded per lane, no shared memory) and its plan variants.
 * Grouped FP4 routed MoE of one layer (256 experts, top-6, packed e2m1 + 1x32 UE8M0), T = 1, 6,
   16, 64, 128: `fma` = the CUDA-core per-pair kernels of fp4_moe.py vs `mma` = the expert-grouped
   dot_scaled tensor-core kernels of fp4_moe_mma.py (block configs).
@@ -121,7 +120,7 @@ def bench_read(rows, iters):
     for name, nbytes, per_step in sizes:
         us, progs = read_ceiling_us(nbytes, iters)
         ours = next(r for r in rows if r["T"] == 1 and r["kind"] + " " + r["op"] == name)
-        ours_us = ours["skinny_us"] if ours["kind"] == "fp8" else ours["us"]
+        ours_us = ours["tc_us"] if ours["kind"] == "fp8" else ours["us"]
         step_floor += us * per_step
         step_ours += ours_us * per_step
         rows.append(dict(kind="read", op=name, T=1, bytes=nbytes, per_step=per_step, us=us,
@@ -137,67 +136,40 @@ def _rel(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
 
 
-# candidate configs of the skinny FP8 kernel, timed next to the shipped one (BLOCK_N rows per
-# program, K splits re-picked for it, x `split_mult`; pipeline stages; warps)
-# Session 8 measured stages 4 / 6, BLOCK_N 32 / 128, 2x / 0.5x splits (<= 1 us apart, in
-# bench_decode_kernels_h200.json). Session 9's register prefetch of the next tile (one stage)
-# measured slower in session 10 (bench_decode_kernels_tma_h200.txt) and is gone.
-SKINNY_VARIANTS = [("stages 1", dict(num_stages=1)),
-                   # weight tiles by TMA bulk copies (session 10: neutral, wq_b 15.8 vs 16.1 us)
-                   ("tma", dict(tma=True)), ("tma stages 4", dict(tma=True, num_stages=4)),
-                   ("tma bn 128", dict(bn=128, tma=True)),
-                   ("tma split x2", dict(split_mult=2, tma=True)),
-                   # fp16 MMA operands: e4m3 pairs to f16 pairs in one conversion (the bf16
-                   # path goes through fp32), x rounded to fp16 (exact inside its range)
-                   ("fp16", dict(precision="fp16")),
-                   ("warps 2", dict(num_warps=2)), ("warps 8", dict(num_warps=8))]
-
-
-def skinny_variant(T, N, K, bn=64, split_mult=1.0, num_warps=4, num_stages=3, tma=False,
-                   precision="bf16"):
-    bt = max(16, fg.triton.next_power_of_2(T))
-    split = fg._fill_splits(fg.triton.cdiv(N, bn) * fg.triton.cdiv(T, bt), K)
-    split = max(1, min(fg.triton.cdiv(K, 128), round(split * split_mult)))
-    return lambda x, w, s: fg.fp8_skinny_triton(x, w, s, N, K, torch.bfloat16, precision,
-                                                block=(bn, bt, split), num_warps=num_warps,
-                                                num_stages=num_stages, tma=tma)
-
-
-def splitk_linear(x2, wu, su, N, K):
-    """The pre-skinny decode path: split-K MMA kernel + torch sum + cast."""
-    BM, BN, split = fg._pick_blocks(x2.shape[0], N, K, False)
-    return fg.fp8_linear_triton(x2, wu, su, block=(BM, BN, split))
+# FP8 variants timed next to the shipped path. Session 8-12 tuned the skinny kernel (stages, BLOCK_N,
+# splits, TMA, warps: bench_decode_kernels_h200.json, _tma_h200.txt, _fp16_h200.txt); session 16
+# added the tensor-core kernel of fp8_gemv_tc (old = the skinny kernel as shipped before it,
+# fp16 operands; new = fp8_gemv_tc with its default plan). Variants: (name, fp8_gemv_tc kwargs).
+TC_VARIANTS = [("u1", dict(unroll=1)), ("u4", dict(unroll=4)), ("t1024", dict(target=1024)),
+               ("t4096", dict(target=4096)), ("w2", dict(warps=2)), ("w4 t4096", dict(warps=4, target=4096))]
 
 
 def bench_fp8(tokens, iters, rows):
+    from dspark.kernels.fp8_gemv_tc import fp8_gemv_tc
     for name, N, K, per_step in FP8_SHAPES:
+        if per_step[1] == 0:
+            continue                      # launches the engine no longer makes
         nbytes = N * K + fg.triton.cdiv(N, 128) * fg.triton.cdiv(K, 128)
         R = max(4, min(64, (512 << 20) // nbytes))
         w0, s0 = quant_fp8_blocks(torch.randn(N, K, device="cuda") * 0.02)
         ws = [(w0.clone().view(torch.uint8), s0.clone().view(torch.uint8)) for _ in range(R)]
         ref_w = dequant_fp8_blocks(w0, s0).float()
+        G = 8 if "groups" in name else 1
         for T in tokens:
             x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
             ref = F.linear(x.float(), ref_w)
-            res = {}
-            G = 8 if "groups" in name else 1
             if G > 1:
                 x = torch.randn(T, G, K, device="cuda", dtype=torch.bfloat16)
-                ref = torch.einsum("tgi,gri->tgr", x.float(), ref_w.view(G, N // G, K))
-                R_, rb = N // G, N // G // 128
-                variants = (("splitk", lambda x, w, s: torch.stack(
-                                [splitk_linear(x[:, g], w[g * R_:(g + 1) * R_],
-                                               s[g * rb:(g + 1) * rb], R_, K) for g in range(G)], 1)),
-                            ("skinny", lambda x, w, s: fg.fp8_skinny_triton(
-                                x, w, s, N, K, torch.bfloat16, "bf16", groups=G).view(T, G, -1)))
-            else:
-                variants = (("splitk", lambda x, w, s: splitk_linear(x, w, s, N, K)),
-                            ("skinny", lambda x, w, s: fg.fp8_skinny_triton(
-                                x, w, s, N, K, torch.bfloat16, "bf16")))
-                variants += tuple((f"skinny {v}", skinny_variant(T, N, K, **kw))
-                                  for v, kw in SKINNY_VARIANTS)
+                ref = torch.einsum("tgi,gri->tgr", x.float(), ref_w.view(G, N // G, K)).reshape(T, N)
+            variants = [("skinny", lambda x, w, s: fg.fp8_skinny_triton(
+                            x, w, s, N, K, torch.bfloat16, "fp16", groups=G, tc=False)),
+                        ("tc", lambda x, w, s: fp8_gemv_tc(x, w, s, N, K, groups=G))]
+            variants += [(f"tc {v}", lambda x, w, s, kw=kw: fp8_gemv_tc(x, w, s, N, K, groups=G,
+                                                                         **kw))
+                         for v, kw in TC_VARIANTS]
+            res = {}
             for variant, fn in variants:
-                err = _rel(fn(x, *ws[0]), ref)
+                err = _rel(fn(x, *ws[0]).reshape(T, N), ref)
                 t = graph_time([lambda w=w, s=s: fn(x, w, s) for w, s in ws], iters)
                 res[variant] = (t, err)
             rows.append(dict(kind="fp8", op=name, T=T, N=N, K=K, per_step=per_step, bytes=nbytes,
@@ -287,13 +259,12 @@ _HEADER = (f"{'op':28s} {'T':>3s} {'MB':>7s} {'old us':>8s} {'TB/s':>5s} {'new u
 
 
 def _print_row(r):
-    old, new = "splitk", "skinny"
+    old, new = "skinny", "tc"
     to, tn = r[f"{old}_us"], r[f"{new}_us"]
     print(f"{r['kind'] + ' ' + r['op']:28s} {r['T']:3d} {r['bytes'] / 1e6:7.1f} {to:8.1f} "
           f"{r['bytes'] / to / 1e6:5.2f} {tn:8.1f} {r['bytes'] / tn / 1e6:5.2f} {to / tn:6.2f}x "
           f"{r[f'{old}_err']:8.1e} {r[f'{new}_err']:8.1e}"
-          + "".join(f" | {v[7:]} {r[f'{v}_us']:.1f}" for v in (f"skinny {n}" for n, _ in
-                                                                SKINNY_VARIANTS)
+          + "".join(f" | {v[3:]} {r[f'{v}_us']:.1f}" for v in (f"tc {n}" for n, _ in TC_VARIANTS)
                     if f"{v}_us" in r), flush=True)
 
 
@@ -316,8 +287,8 @@ def main(argv=None):
         return 0
     torch.manual_seed(0)
     rows = []
-    print("old = split-K FP8 MMA + sum + cast / CUDA-core FP4 MoE; new = skinny FP8 / "
-          "tensor-core FP4 MoE; us per call from CUDA-graph replays, cold L2")
+    print("FP8: old = skinny kernel (fp16 operands), new = tensor-core GEMV (fp8_gemv_tc); MoE: "
+          "variants; us per call from CUDA-graph replays, cold L2")
     print(_HEADER)
     if not args.skip_fp8:
         bench_fp8(args.tokens, args.iters, rows)
@@ -327,8 +298,8 @@ def main(argv=None):
     step = {"fp8 old": 0.0, "fp8 new": 0.0}
     for r in rows:
         if r["T"] == 1 and r["kind"] == "fp8":
-            step["fp8 old"] += r["splitk_us"] * r["per_step"][0]
-            step["fp8 new"] += r["skinny_us"] * r["per_step"][1]
+            step["fp8 old"] += r["skinny_us"] * r["per_step"][1]
+            step["fp8 new"] += r["tc_us"] * r["per_step"][1]
         elif r["T"] == 1 and r["kind"] == "fp4 moe":
             step[f"moe {r['op']}"] = r["us"] * r["per_step"]
     if ceiling:

@@ -195,6 +195,15 @@ def _fp8_cases():
         yield ("_fp8_skinny_kernel", f"BLOCK_N=64 BLOCK_T=16 SPLIT={split} warps=4 fp16",
                fg._fp8_skinny_kernel, ssig, {"BLOCK_N": 64, "BLOCK_T": 16, "BLOCK_K": fg.FP8_BLOCK,
                                              "PRECISION": "fp16", "SPLIT": split}, 4, 3, None)
+    import dspark.kernels.fp8_gemv_tc as tc       # the tensor-core GEMV of 1-16 tokens
+    gsig = dict(ssig, KCH="i32")
+    del gsig["K_PER_SPLIT"]
+    for nt, u, split in ((1, 1, 1), (1, 1, 8), (1, 2, 8), (2, 1, 4)):
+        yield ("_fp8_gemv_tc_kernel", f"NT={nt} UNROLL={u} SPLIT={split} warps=1",
+               tc._fp8_gemv_tc_kernel, gsig,
+               {"SPLIT": split, "WARPS": 1, "NT": nt, "UNROLL": u, "ASM": tc._step_asm(nt, u),
+                "ASM_BF16": tc._step_asm(nt, u, True), "CONS": tc._constraints(nt),
+                "STORE": tc._store_asm(nt), "STORE_C": tc._store_constraints(nt)}, 1, 1, None)
     tsig = dict(ssig, w_ptr="tensordesc<u8[64,128]>")       # weight tiles by TMA
     for split, st in ((1, 3), (5, 3), (1, 4)):
         yield ("_fp8_skinny_kernel", f"BLOCK_N=64 BLOCK_T=16 SPLIT={split} warps=4 tma stages={st}",

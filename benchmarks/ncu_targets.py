@@ -56,8 +56,9 @@ def main(argv=None):
         w, sc = quant_fp8_blocks(torch.randn(N, K, device="cuda") * 0.02)
         x = torch.randn(args.tokens, K, device="cuda", dtype=torch.bfloat16)
         for _ in range(args.calls):
+            # the engine's path: the tensor-core GEMV (fp8_gemv_tc) for 1-8 tokens
             fg.fp8_skinny_triton(x, w.view(torch.uint8), sc.view(torch.uint8), N, K,
-                                 torch.bfloat16, "bf16")
+                                 torch.bfloat16, fg.skinny_precision(x.dtype))
         torch.cuda.synchronize()
     print("done")
 

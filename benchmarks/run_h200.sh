@@ -62,7 +62,7 @@ ncu)     # issue 7: Nsight Compute sections of the attention and MoE decode kern
     STALLS=$(for s in long_scoreboard short_scoreboard wait math_pipe_throttle lg_throttle \
       mio_throttle not_selected selected barrier dispatch_stall no_instruction tex_throttle; do
       printf "smsp__warp_issue_stalled_%s_per_warp_active.pct," $s; done)
-    for k in ${NCU_KERNELS:-attention:sparse_mqa_v3 moe:fp4_moe_gate_up fp8:fp8_skinny}; do
+    for k in ${NCU_KERNELS:-attention:sparse_mqa_v3 moe:_tc_gate_up fp8:fp8_gemv_tc}; do
       f="$R/ncu_${k%%:*}_${k#*:}.txt"
       timeout "$(left 150)" "$NCU" --kernel-name "regex:${k#*:}" --launch-skip 2 --launch-count 1 \
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \

@@ -26,6 +26,9 @@ split and the fp32 partials are summed (deterministically) by a second launch. F
 (T <= SKINNY_MAX_T: decode, verify) take `_fp8_skinny_kernel` instead: weight rows on the MMA's M
 side, split K reduced inside the same launch, output written in x's dtype (one launch per linear).
 (A fp32-FMA GEMV variant measured 4x slower than the MMA kernel on the H200 and was removed.)
+1-8 bf16 tokens go one step further, to fp8_gemv_tc's tensor-core GEMV (MMA fragments loaded
+per lane straight from global memory, no shared memory; same numerics as the skinny kernel's
+fp16 mode; DSPARK_FP8_TC=0: the skinny kernel).
 """
 from __future__ import annotations
 
@@ -299,14 +302,22 @@ def skinny_enabled() -> bool:
 
 def fp8_skinny_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: int, K: int,
                       out_dtype, precision: str, block=None, groups: int = 1, num_warps: int = 4,
-                      num_stages: int = 3, tma: bool = False) -> torch.Tensor:
+                      num_stages: int = 3, tma: bool = False, tc: bool = True) -> torch.Tensor:
     """[T, N] in out_dtype from x2 [T, K] (unit column stride) and the weight / scale bytes.
     groups > 1: x2 is [T, groups, K] and weight rows g*N/groups.. use x2[:, g] ([T, N] is then
     [T, groups, N/groups]). block = (BLOCK_N, BLOCK_T, K splits), else picked by shape.
     tma: the weight tiles by TMA bulk copies (a tensor descriptor of wu; weights whose rows are
     not 16-byte aligned take the cp.async path; H200, session 10: wq_b 15.8 vs 16.1 us, wo_b
     19.6 vs 20.0, wkv 6.0 vs 5.5, device time of the decode step unchanged, 1.154 vs 1.152 ms:
-    an opt-in, DSPARK_FP8_TMA=1)."""
+    an opt-in, DSPARK_FP8_TMA=1).
+    tc: few tokens of bf16 x with fp16 operands (the default precision) run the tensor-core GEMV
+    of fp8_gemv_tc where it applies (the same numerics; block / tma given: this kernel; 16-bit
+    weights stay here: a 16-bit variant of that GEMV measured no faster, 0.88-1.0x, on the
+    compressor shapes in session 16)."""
+    if tc and block is None and not tma and su is not None and precision == "fp16":
+        from dspark.kernels import fp8_gemv_tc
+        if fp8_gemv_tc.tc_applies(x2, wu, N, K, groups):
+            return fp8_gemv_tc.fp8_gemv_tc(x2, wu, su, N, K, groups, out_dtype)
     T = x2.shape[0]
     BN, BT, split = block or _skinny_blocks(T, N, K, _interpreting())
     assert FP8_BLOCK % BN == 0, BN

@@ -1,0 +1,310 @@
+"""Few-token FP8 linears on tensor cores, one warp per 16 weight rows, no shared memory: y = x W^T
+with W kept as e4m3 + UE8M0 128 x 128 tile scales (fp8_gemm's contract), for up to 16 tokens
+(decode, verify). The default for bf16 x on CUDA sm_90+ where it applies (`tc_applies`);
+DSPARK_FP8_TC=0 falls back to fp8_gemm's skinny kernel.
+
+    y = fp8_gemv_tc(x2, wu, su, N, K, groups=1)     # x2 [T, K] (or [T, groups, K]) bf16
+
+Why: fp8_gemm's skinny kernel stages weight tiles through shared memory (cp.async, then
+ldmatrix-style loads, conversion, MMA): on the H200 it streams 33.6 MB at 2.2-2.6 TB/s (ncu:
+14% occupancy at 96 registers, stalls on dependent waits and the shared-memory queue). Here a
+lane loads its MMA fragments straight from global memory into registers, as fp4_moe_tc does:
+
+* lane (g = lane / 4, c = lane % 4) of a warp owns weight rows g and g + 8 of the warp's 16 and,
+  per 128-column step, 16 bytes of each row at columns 16c (chunk 0) and 64 + 16c (chunk 1): one
+  128-bit load per row and chunk, 4 per step;
+* the 32-bit word j of a 16-byte piece holds columns 4j .. 4j + 3: its low half (columns 4j,
+  4j + 1) is the A fragment's k = (2c, 2c + 1) and its high half (4j + 2, 4j + 3) k = (2c + 8,
+  2c + 9), each converted by one `cvt.rn.f16x2.e4m3x2` (exact: every e4m3 value is an f16); the
+  k order inside an MMA is free as long as B matches, and B's (b0, b1) are x at the same columns,
+  which are x's words 2j and 2j + 1 of the lane's 16 columns, converted bf16 -> f16 pairs;
+* B's column n = g is token g (clamped to T - 1; the extra columns are discarded), so one
+  m16n8k16 MMA covers 8 tokens; 9-16 tokens use a second B fragment (token g + 8) against the
+  same A;
+* each step's 8 MMAs (two chains of 4, one per chunk) start from zero; the step's sum times the
+  tile's power-of-two scale (fp32, exact) is added to the lane's accumulators;
+* the whole step is one inline-PTX block per lane that reads %laneid / %tid itself, so nothing
+  depends on Triton's layout of the [32 * warps, 4] accumulator tensors.
+
+H200, session 16 (benchmarks/results/bench_decode_kernels_s16_fp8tc_h200.txt, cold L2, 1 token):
+wq_b 12.5 -> 11.7 us (2.86 TB/s), wo_b 15.5 -> 13.0, wo_a's 8 groups 13.8 -> 12.7, shared w1 + w3
+9.6 -> 8.1, w2 7.0 -> 6.0 vs the skinny kernel; the V4-Flash 4-layer decode step's device time
+0.880 -> 0.823 ms. ~1.5 SASS instructions per weight byte, 68 registers. Measured slower: 2 or 4
+steps per asm block (equal at 1-6 tokens, slower at 16), K-split targets 1024 / 4096 warps, 2-4
+warps per program; at 16 tokens (two n-tiles) 0.71-1.0x the skinny kernel (DISPATCH_MAX_T).
+
+Numerics equal the skinny kernel's fp16 mode: x rounded to fp16 (exact for |x| in [2^-14, 65504],
+absolute error < 2^-25 below), fp32 accumulation. A program whose sums are not finite (an x past
+the fp16 range) recomputes them with bf16 operands (e4m3 -> f16 -> f32 -> bf16, exact), as the
+skinny kernel does. K is split over programs when the row tiles alone leave SMs idle; each split
+stores its partial to a workspace and the program that arrives last for a tile sums the splits
+in order (deterministic), rounds to x's dtype and stores y.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from dspark.kernels.fp8_gemm import _arrival_counters
+
+STEP = 128          # columns per warp step: 4 lanes x 16 bytes x 2 chunks
+MAX_T = 16          # two n8 B fragments
+# fp8_linear / linear16_skinny take this kernel up to this many tokens. H200, session 16
+# (bench_decode_kernels, cold L2): at 1 and 6 tokens 1.07-1.21x faster than the skinny kernel on
+# every decode shape; at 16 (two n-tiles) 0.71-1.0x, so the skinny kernel keeps 9-64 tokens.
+DISPATCH_MAX_T = 8
+
+
+def _x_pairs(words: list[str], bf16: bool, out: list[str]) -> list[str]:
+    """PTX: x's bf16 pair words -> the B registers `out` (f16 pairs; bf16 operands: as loaded)."""
+    if bf16:
+        return [f"mov.b32 {o}, {w};" for o, w in zip(out, words)]
+    L = []
+    for o, w in zip(out, words):
+        L += [f"and.b32 %fh, {w}, 0xFFFF0000;", f"shl.b32 %fl, {w}, 16;",
+              f"cvt.rn.f16x2.f32 {o}, %fh, %fl;"]
+    return L
+
+
+def _w_pairs(word: str, lo: str, hi: str, bf16: bool) -> list[str]:
+    """PTX: the e4m3 bytes of `word` -> lo (bytes 0, 1) and hi (bytes 2, 3) as f16 pairs (bf16:
+    through fp32, exact)."""
+    L = [f"mov.b32 {{%q0, %q1}}, {word};", f"cvt.rn.f16x2.e4m3x2 {lo}, %q0;",
+         f"cvt.rn.f16x2.e4m3x2 {hi}, %q1;"]
+    if bf16:
+        for r in (lo, hi):
+            L += [f"mov.b32 {{%q0, %q1}}, {r};", "cvt.f32.f16 %fl, %q0;", "cvt.f32.f16 %fh, %q1;",
+                  f"cvt.rn.bf16x2.f32 {r}, %fh, %fl;"]
+    return L
+
+
+def _step_asm(nt: int, unroll: int, bf16: bool = False) -> str:
+    """`unroll` 128-column steps of one warp, every load issued before the first conversion.
+    Operands (pack 4): outputs A0 [, A1] (4 floats each: rows g, g + 8 x tokens 2c, 2c + 1 of
+    n-tile 0 [, 1]); inputs A0 [, A1], then uniform scalars (only the first register read):
+    wbase, xbase, sbase (u64), koff, rowblk, wstride, sstride, xstride (bytes), tmax (T - 1)."""
+    na = 4 * nt
+    o = [f"${i}" for i in range(na)]
+    i0 = 2 * na
+    names = ["wbase", "xbase", "sbase", "koff", "rowblk", "wstride", "sstride", "xstride", "tmax"]
+    op = {n: f"${i0 + 4 * k}" for k, n in enumerate(names)}
+    ty = "bf16" if bf16 else "f16"
+    L = ["{", ".reg .u32 %lane, %g, %c, %t, %row, %tok, %s;",
+         ".reg .u64 %pw, %pw8, %px, %py, %ps, %q;", ".reg .b16 %q0, %q1;",
+         ".reg .b32 %fh, %fl, %a<4>, %b<4>, %sc;", ".reg .f32 %e, %z;", ".reg .pred %pz;",
+         f".reg .f32 %t0_<{na}>, %t1_<{na}>;"]
+    for u in range(unroll):
+        L.append(f".reg .b32 %w{u}_<16>, %x{u}_<{16 * nt}>, %s{u};")
+    L += ["mov.u32 %lane, %laneid;", "shr.u32 %g, %lane, 2;", "and.b32 %c, %lane, 3;",
+          "mov.u32 %t, %tid.x;", "shr.u32 %t, %t, 5;", f"add.u32 %t, %t, {op['rowblk']};",
+          "shl.b32 %t, %t, 4;", "add.u32 %row, %t, %g;", "mov.f32 %z, 0f00000000;"]
+    L += [f"mov.f32 {o[k]}, ${na + k};" for k in range(na)]
+    # weights: row g at koff + 16c (chunk 1: + 64), row g + 8 at + 8 rows; x: token min(g, T-1)
+    # at column koff + 16c (n-tile 1: token min(g + 8, T-1)); scale byte of (row / 128, koff / 128)
+    L += [f"mul.wide.u32 %q, %row, {op['wstride']};", f"add.u64 %pw, {op['wbase']}, %q;",
+          f"mad.lo.u32 %t, %c, 16, {op['koff']};", "cvt.u64.u32 %q, %t;", "add.u64 %pw, %pw, %q;",
+          f"mul.wide.u32 %q, {op['wstride']}, 8;", "add.u64 %pw8, %pw, %q;",
+          f"min.u32 %tok, %g, {op['tmax']};", f"mul.wide.u32 %q, %tok, {op['xstride']};",
+          f"add.u64 %px, {op['xbase']}, %q;", "mul.wide.u32 %q, %t, 2;", "add.u64 %px, %px, %q;"]
+    if nt == 2:
+        L += ["add.u32 %tok, %g, 8;", f"min.u32 %tok, %tok, {op['tmax']};",
+              f"mul.wide.u32 %q, %tok, {op['xstride']};", f"add.u64 %py, {op['xbase']}, %q;",
+              "mul.wide.u32 %q, %t, 2;", "add.u64 %py, %py, %q;"]
+    L += ["shr.u32 %t, %row, 7;", f"mul.wide.u32 %q, %t, {op['sstride']};",
+          f"add.u64 %ps, {op['sbase']}, %q;", f"shr.u32 %t, {op['koff']}, 7;",
+          "cvt.u64.u32 %q, %t;", "add.u64 %ps, %ps, %q;"]
+    for u in range(unroll):           # step u: + 128 u weight bytes, + 256 u x bytes, + u scales
+        W = [f"%w{u}_{i}" for i in range(16)]
+        X = [f"%x{u}_{i}" for i in range(16 * nt)]
+        for h in range(2):            # chunk h: weights + 64 h bytes, x + 128 h bytes
+            wo, xo = 128 * u + 64 * h, 256 * u + 128 * h
+            L += [f"ld.global.nc.v4.u32 {{{', '.join(W[4 * h:4 * h + 4])}}}, [%pw+{wo}];",
+                  f"ld.global.nc.v4.u32 {{{', '.join(W[8 + 4 * h:12 + 4 * h])}}}, [%pw8+{wo}];"]
+            for n, p in enumerate(["%px", "%py"][:nt]):
+                for k in range(2):
+                    xs = X[16 * n + 8 * h + 4 * k:16 * n + 8 * h + 4 * k + 4]
+                    L.append(f"ld.global.nc.v4.u32 {{{', '.join(xs)}}}, [{p}+{xo + 16 * k}];")
+        L.append(f"ld.global.nc.u8 %s{u}, [%ps+{u}];")
+    for u in range(unroll):
+        # the tile's scale 2^(s - 127) as fp32 bits (s = 0: 2^-127, subnormal; 255: NaN)
+        L += [f"shl.b32 %sc, %s{u}, 23;", f"setp.eq.u32 %pz, %s{u}, 0;",
+              "selp.b32 %sc, 0x00400000, %sc, %pz;", f"setp.eq.u32 %pz, %s{u}, 255;",
+              "selp.b32 %sc, 0x7FC00000, %sc, %pz;"]
+        for h in range(2):
+            for j in range(4):        # word j of the chunk: columns 4j .. 4j + 3
+                w = f"%w{u}_{4 * h + j}"
+                w8 = f"%w{u}_{8 + 4 * h + j}"
+                L += _w_pairs(w, "%a0", "%a2", bf16) + _w_pairs(w8, "%a1", "%a3", bf16)
+                for n in range(nt):
+                    d = [f"%t{h}_{4 * n + i}" for i in range(4)]
+                    xw = [f"%x{u}_{16 * n + 8 * h + 2 * j}", f"%x{u}_{16 * n + 8 * h + 2 * j + 1}"]
+                    L += _x_pairs(xw, bf16, ["%b0", "%b1"])
+                    acc = "%z, %z, %z, %z" if j == 0 else ", ".join(d)
+                    L.append(f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 "
+                             f"{{{', '.join(d)}}}, {{%a0, %a1, %a2, %a3}}, {{%b0, %b1}}, "
+                             f"{{{acc}}};")
+        for k in range(na):
+            L += [f"add.f32 %e, %t0_{k}, %t1_{k};", f"fma.rn.f32 {o[k]}, %e, %sc, {o[k]};"]
+    L.append("}")
+    return "\n".join(L)
+
+
+def _store_asm(nt: int) -> str:
+    """Every lane stores its 4 floats per n-tile at ws + warp * 128 nt floats, laid out [token
+    (8 nt), row (16)]: (g, 2c) (g, 2c + 1) (g + 8, 2c) (g + 8, 2c + 1). Operands (pack 4): dummy
+    output; inputs A0 [, A1], ws (u64)."""
+    na = 4 * nt
+    ws = f"${4 + na}"
+    L = ["{", ".reg .u32 %lane, %g, %c, %t;", ".reg .u64 %a, %q;",
+         "mov.u32 %lane, %laneid;", "shr.u32 %g, %lane, 2;", "and.b32 %c, %lane, 3;",
+         "mov.u32 %t, %tid.x;", "shr.u32 %t, %t, 5;", f"mul.lo.u32 %t, %t, {128 * nt};",
+         "mad.lo.u32 %t, %c, 32, %t;", "add.u32 %t, %t, %g;", "mul.wide.u32 %q, %t, 4;",
+         f"add.u64 %a, {ws}, %q;"]
+    for n in range(nt):
+        for i, off in enumerate((0, 16, 8, 24)):      # d0..d3: (token 2c + i % 2, row + 8 (i / 2))
+            L.append(f"st.global.f32 [%a+{4 * (128 * n + off)}], ${4 + 4 * n + i};")
+    L += [f"mov.b32 ${i}, 0;" for i in range(4)] + ["}"]
+    return "\n".join(L)
+
+
+def _constraints(nt: int) -> str:
+    na = 4 * nt
+    return ",".join(["=f"] * na + ["f"] * na + ["l"] * 12 + ["r"] * 24)
+
+
+def _store_constraints(nt: int) -> str:
+    return ",".join(["=r"] * 4 + ["f"] * 4 * nt + ["l"] * 4)
+
+
+@triton.jit
+def _rows(a0, a1, wbase, xbase, sbase, k_lo, k_hi, rowblk, wstride, sstride, xstride, tmax,
+          ASM: tl.constexpr, CONS: tl.constexpr, NT: tl.constexpr, UNROLL: tl.constexpr):
+    """Steps k_lo .. k_hi (a multiple of UNROLL steps) of each warp's 16 rows; ASM: `_step_asm`
+    for NT n-tiles and UNROLL steps, CONS its constraints."""
+    for koff in range(k_lo, k_hi, 128 * UNROLL):
+        if NT == 2:
+            a0, a1 = tl.inline_asm_elementwise(
+                ASM, CONS, [a0, a1, wbase, xbase, sbase, koff, rowblk, wstride, sstride, xstride,
+                            tmax], dtype=(tl.float32, tl.float32), is_pure=False, pack=4)
+        else:
+            a0 = tl.inline_asm_elementwise(
+                ASM, CONS, [a0, wbase, xbase, sbase, koff, rowblk, wstride, sstride, xstride,
+                            tmax], dtype=tl.float32, is_pure=False, pack=4)
+    return a0, a1
+
+
+@triton.jit
+def _fp8_gemv_tc_kernel(x_ptr, stride_xt, stride_xg, w_ptr, stride_wn, s_ptr, stride_sn, y_ptr,
+                        stride_yt, ws_ptr, cnt_ptr, T, N, K, KCH, GROUP_ROWS,
+                        SPLIT: tl.constexpr, WARPS: tl.constexpr, NT: tl.constexpr,
+                        UNROLL: tl.constexpr, ASM: tl.constexpr, ASM_BF16: tl.constexpr,
+                        CONS: tl.constexpr, STORE: tl.constexpr, STORE_C: tl.constexpr):
+    """ASM / ASM_BF16: `_step_asm(NT, UNROLL)` with f16 / bf16 operands, CONS their
+    constraints; STORE / STORE_C: `_store_asm(NT)` and its constraints (asm strings are
+    compile-time arguments: Triton takes no string built inside a kernel)."""
+    pid_n = tl.program_id(0)
+    ch = tl.program_id(1)
+    rowblk = pid_n * WARPS                                   # first 16-row tile of the program
+    xg = ((pid_n * WARPS * 16) // GROUP_ROWS).to(tl.int64) * stride_xg
+    wbase = w_ptr.to(tl.int64, bitcast=True)
+    xbase = (x_ptr + xg).to(tl.int64, bitcast=True)
+    sbase = s_ptr.to(tl.int64, bitcast=True)
+    k_lo = ch * KCH
+    k_hi = tl.minimum(k_lo + KCH, K)
+    zero = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
+    a0, a1 = _rows(zero, zero, wbase, xbase, sbase, k_lo, k_hi, rowblk, stride_wn, stride_sn,
+                   stride_xt * 2, T - 1, ASM, CONS, NT, UNROLL)
+    # an x past fp16's range: redo this program's sums with bf16 operands
+    bad = tl.sum(tl.sum(tl.where(tl.abs(a0) < float("inf"), 0, 1), axis=1), axis=0)
+    if NT == 2:
+        bad += tl.sum(tl.sum(tl.where(tl.abs(a1) < float("inf"), 0, 1), axis=1), axis=0)
+    if bad > 0:
+        a0, a1 = _rows(zero, zero, wbase, xbase, sbase, k_lo, k_hi, rowblk, stride_wn, stride_sn,
+                       stride_xt * 2, T - 1, ASM_BF16, CONS, NT, UNROLL)
+    TILE: tl.constexpr = WARPS * 128 * NT                    # floats per (program, split)
+    tile_ws = ws_ptr + (pid_n * SPLIT * TILE).to(tl.int64)
+    part = (tile_ws + ch * TILE).to(tl.int64, bitcast=True)
+    if NT == 2:
+        tl.inline_asm_elementwise(STORE, STORE_C, [a0, a1, part], dtype=tl.int32, is_pure=False,
+                                  pack=4)
+    else:
+        tl.inline_asm_elementwise(STORE, STORE_C, [a0, part], dtype=tl.int32, is_pure=False,
+                                  pack=4)
+    tl.debug_barrier()
+    last = True
+    if SPLIT > 1:
+        last = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+    if last:
+        r = tl.arange(0, TILE)
+        warp = r // (128 * NT)
+        tok = (r % (128 * NT)) // 16
+        row = (rowblk + warp) * 16 + r % 16
+        tot = tl.zeros((TILE,), dtype=tl.float32)
+        for c in tl.static_range(SPLIT):
+            tot += tl.load(tile_ws + c * TILE + r, cache_modifier=".cg")
+        tl.store(y_ptr + tok.to(tl.int64) * stride_yt + row, tot.to(y_ptr.dtype.element_ty),
+                 mask=tok < T)
+        if SPLIT > 1:
+            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
+
+def tc_enabled() -> bool:
+    """DSPARK_FP8_TC=0 turns this path off (fp8_gemm's skinny kernel)."""
+    return os.environ.get("DSPARK_FP8_TC", "1") != "0"
+
+
+def tc_applies(x2: torch.Tensor, wu: torch.Tensor, N: int, K: int, groups: int = 1,
+               max_t: int | None = None) -> bool:
+    """bf16 x of 1..max_t tokens (default DISPATCH_MAX_T) on an sm_90+ GPU, e4m3 weight bytes,
+    16-row tiles (inside each group), whole 128-column steps, 16-byte aligned weight and x rows."""
+    if not (x2.is_cuda and x2.dtype == torch.bfloat16 and wu.element_size() == 1
+            and tc_enabled()):
+        return False
+    if torch.cuda.get_device_capability(x2.device) < (9, 0):
+        return False
+    T = x2.shape[0]
+    return (1 <= T <= (max_t or DISPATCH_MAX_T) and N % (16 * groups) == 0 and K % STEP == 0
+            and wu.stride(-1) == 1 and wu.stride(0) % 16 == 0 and wu.data_ptr() % 16 == 0
+            and x2.stride(-1) == 1 and x2.stride(0) % 8 == 0 and x2.data_ptr() % 16 == 0
+            and (groups == 1 or x2.stride(1) % 8 == 0))
+
+
+def _plan(N: int, K: int, groups: int, warps: int | None, unroll: int | None,
+          target: int | None) -> tuple[int, int, int, int]:
+    """(warps per program, steps per asm block, K splits, columns per split): K split until the
+    launch has ~`target` warps (DSPARK_FP8_TC_TARGET, default 2048: ~16 per H200 SM)."""
+    W = warps or int(os.environ.get("DSPARK_FP8_TC_WARPS", "1"))
+    while W > 1 and (N // groups) % (16 * W):
+        W //= 2
+    steps = K // STEP
+    u = unroll or int(os.environ.get("DSPARK_FP8_TC_UNROLL", "1"))
+    u = next(v for v in (4, 2, 1) if v <= u and steps % v == 0)
+    target = target or int(os.environ.get("DSPARK_FP8_TC_TARGET", "2048"))
+    units = steps // u
+    split = max(1, min(units, target // max(1, N // 16)))
+    per = triton.cdiv(units, split)
+    split = triton.cdiv(units, per)
+    return W, u, split, per * u * STEP
+
+
+def fp8_gemv_tc(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: int, K: int,
+                groups: int = 1, out_dtype: torch.dtype | None = None, warps: int | None = None,
+                unroll: int | None = None, target: int | None = None) -> torch.Tensor:
+    """[T, N] in out_dtype (x's dtype) from x2 [T, K] (groups > 1: [T, groups, K], weight rows
+    g * N / groups .. times x2[:, g]) and the weight / scale bytes; `tc_applies` must hold."""
+    T = x2.shape[0]
+    W, u, split, kch = _plan(N, K, groups, warps, unroll, target)
+    nt = 1 if T <= 8 else 2
+    y = torch.empty(T, N, dtype=out_dtype or x2.dtype, device=x2.device)
+    programs = N // (16 * W)
+    ws = torch.empty(programs * split * W * 128 * nt, dtype=torch.float32, device=x2.device)
+    _fp8_gemv_tc_kernel[(programs, split)](
+        x2, x2.stride(0), x2.stride(1) if groups > 1 else 0, wu, wu.stride(0), su, su.stride(0),
+        y, y.stride(0), ws, _arrival_counters(x2.device, programs), T, N, K, kch, N // groups,
+        SPLIT=split, WARPS=W, NT=nt, UNROLL=u, ASM=_step_asm(nt, u),
+        ASM_BF16=_step_asm(nt, u, True), CONS=_constraints(nt), STORE=_store_asm(nt),
+        STORE_C=_store_constraints(nt), num_warps=W)
+    return y
