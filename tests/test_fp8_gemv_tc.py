@@ -34,6 +34,9 @@ def test_ptx_blocks_match_their_constraints():
         used = {int(i) for i in re.findall(r"\$(\d+)", store)}
         assert max(used) + 4 == len(tc._store_constraints(nt).split(","))
         assert store.count("st.global.f32") == 4 * nt
+        launch = tc._launch_strings(nt, 2)               # built once per (n-tiles, steps)
+        assert launch is tc._launch_strings(nt, 2) and launch["ASM"] == tc._step_asm(nt, 2)
+        assert launch["ASM_BF16"] == tc._step_asm(nt, 2, True) and launch["STORE"] == store
 
 
 def test_plan_splits_k_to_the_target():

@@ -42,6 +42,7 @@ in order (deterministic), rounds to x's dtype and stores y.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -52,9 +53,9 @@ from dspark.kernels.fp8_gemm import _arrival_counters
 
 STEP = 128          # columns per warp step: 4 lanes x 16 bytes x 2 chunks
 MAX_T = 16          # two n8 B fragments
-# fp8_linear / linear16_skinny take this kernel up to this many tokens. H200, session 16
-# (bench_decode_kernels, cold L2): at 1 and 6 tokens 1.07-1.21x faster than the skinny kernel on
-# every decode shape; at 16 (two n-tiles) 0.71-1.0x, so the skinny kernel keeps 9-64 tokens.
+# fp8_linear takes this kernel up to this many tokens. H200, session 16 (bench_decode_kernels,
+# cold L2): at 1 and 6 tokens 1.07-1.21x faster than the skinny kernel on every decode shape; at
+# 16 (two n-tiles) 0.71-1.0x, so the skinny kernel keeps 9-64 tokens.
 DISPATCH_MAX_T = 8
 
 
@@ -177,6 +178,14 @@ def _constraints(nt: int) -> str:
 
 def _store_constraints(nt: int) -> str:
     return ",".join(["=r"] * 4 + ["f"] * 4 * nt + ["l"] * 4)
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_strings(nt: int, unroll: int) -> dict:
+    """The kernel's asm / constraint arguments for (n-tiles, steps per block), built once:
+    generating them takes ~120 us of host time, which every eager launch would pay."""
+    return dict(ASM=_step_asm(nt, unroll), ASM_BF16=_step_asm(nt, unroll, True),
+                CONS=_constraints(nt), STORE=_store_asm(nt), STORE_C=_store_constraints(nt))
 
 
 @triton.jit
@@ -304,7 +313,5 @@ def fp8_gemv_tc(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: int, K:
     _fp8_gemv_tc_kernel[(programs, split)](
         x2, x2.stride(0), x2.stride(1) if groups > 1 else 0, wu, wu.stride(0), su, su.stride(0),
         y, y.stride(0), ws, _arrival_counters(x2.device, programs), T, N, K, kch, N // groups,
-        SPLIT=split, WARPS=W, NT=nt, UNROLL=u, ASM=_step_asm(nt, u),
-        ASM_BF16=_step_asm(nt, u, True), CONS=_constraints(nt), STORE=_store_asm(nt),
-        STORE_C=_store_constraints(nt), num_warps=W)
+        SPLIT=split, WARPS=W, NT=nt, UNROLL=u, num_warps=W, **_launch_strings(nt, u))
     return y
