@@ -272,13 +272,17 @@ def test_dispatch_triton_runs_kernels(backend):
         assert torch.equal(mhc.hc_post(o, X, post, comb), kernels.hc_post(o, X, post, comb))
 
 
-@triton_ok
-def test_model_logits_with_kernels_match_reference(tiny_ckpt, backend):
-    """The whole tiny model (a 6-token prompt) with every mHC call on the kernels."""
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_ckpt):
     from dspark import Engine
+    return Engine(tiny_ckpt, device=DEV, dtype="fp32", kv_cache_dtype="fp32", speculative="none",
+                  kv_layout="dense")
 
-    eng = Engine(tiny_ckpt, device=DEV, dtype="fp32", kv_cache_dtype="fp32", speculative="none",
-                 kv_layout="dense")
+
+@triton_ok
+def test_model_logits_with_kernels_match_reference(tiny_engine, backend):
+    """The whole tiny model (a 6-token prompt) with every mHC call on the kernels."""
+    eng = tiny_engine
     ids = [5, 17, 3, 99, 42, 7]
     logits = {}
     calls = []
@@ -296,13 +300,10 @@ def test_model_logits_with_kernels_match_reference(tiny_ckpt, backend):
 
 
 @triton_ok
-def test_model_logits_with_fused_post_pre(tiny_ckpt, backend, monkeypatch):
+def test_model_logits_with_fused_post_pre(tiny_engine, backend, monkeypatch):
     """DSPARK_MHC_FUSE=1 through the whole tiny model: logits bit-identical to the two launches,
     and every collapse after an hc_post (6 layers: 11 hc_pre + hc_head) took the u it left."""
-    from dspark import Engine
-
-    eng = Engine(tiny_ckpt, device=DEV, dtype="fp32", kv_cache_dtype="fp32", speculative="none",
-                 kv_layout="dense")
+    eng = tiny_engine
     ids = [5, 17, 3, 99, 42, 7]
     backend("triton")
     logits, taken = {}, []
