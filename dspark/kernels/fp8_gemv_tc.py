@@ -305,6 +305,7 @@ def fp8_gemv_tc(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: int, K:
     """[T, N] in out_dtype (x's dtype) from x2 [T, K] (groups > 1: [T, groups, K], weight rows
     g * N / groups .. times x2[:, g]) and the weight / scale bytes; `tc_applies` must hold."""
     T = x2.shape[0]
+    assert 1 <= T <= MAX_T, f"fp8_gemv_tc: {T} tokens, this kernel takes 1..{MAX_T}"
     W, u, split, kch = _plan(N, K, groups, warps, unroll, target)
     nt = 1 if T <= 8 else 2
     y = torch.empty(T, N, dtype=out_dtype or x2.dtype, device=x2.device)

@@ -68,8 +68,8 @@ def _sink(device: torch.device) -> torch.Tensor:
 
 
 def warm(t: torch.Tensor, limit: int | None = None) -> torch.Tensor:
-    """Read the first `limit` bytes (all by default) of a contiguous tensor whose byte size is a
-    multiple of 4 on the current stream; returns the per-program XOR words (the sink)."""
+    """Read the first `limit` bytes (all by default; whole 4-byte words) of a contiguous tensor
+    on the current stream; returns the per-program XOR words (the sink)."""
     words = t.reshape(-1).view(torch.uint8)
     n = words.numel() if limit is None else min(words.numel(), limit)
     words = words[: n // 4 * 4].view(torch.int32)
@@ -93,8 +93,7 @@ def warm_ahead(modules, device: torch.device):
     with side_stream.on(lane):
         for m in modules:
             w = getattr(m, "weight", None)
-            if left <= 0 or not isinstance(w, torch.Tensor) or not w.is_contiguous() \
-                    or (w.numel() * w.element_size()) % 4:
+            if left <= 0 or not isinstance(w, torch.Tensor) or not w.is_contiguous():
                 continue
             warm(w, left)
             left -= w.numel() * w.element_size()

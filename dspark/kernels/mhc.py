@@ -277,7 +277,7 @@ def _collapse(X, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, head: bool,
     u_left = _u_left_on(X, fn, base, scale, hc_eps, norm_eps, norm) if fuse else None
     left = _partials_left_on(X, fn)
     X, fn = X.contiguous(), fn.contiguous()
-    u = torch.empty(T, D, dtype=X.dtype, device=X.device)
+    u = u_left if u_left is not None else torch.empty(T, D, dtype=X.dtype, device=X.device)
     post = torch.empty(T, n, dtype=torch.float32, device=X.device)
     comb = torch.empty(T, n, n, dtype=torch.float32, device=X.device)
     if T == 0:
@@ -292,9 +292,7 @@ def _collapse(X, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, head: bool,
                 BLOCK_R=BLOCK_R, BLOCK_D=block_d, OUT_BF16=X.dtype == torch.bfloat16,
                 num_warps=warps)
     if fuse:        # u and its RMSNorm: one program per token over the whole row
-        if u_left is not None:          # computed by the hc_post that made X (DSPARK_MHC_FUSE)
-            u = u_left
-        else:
+        if u_left is None:              # else the hc_post that made X did it (DSPARK_MHC_FUSE)
             _finish_pre[(T, 1)](*args, HEAD=True, NORM=True,
                                 **dict(meta, BLOCK_D=triton.next_power_of_2(D),
                                        num_warps=NORM_WARPS))
@@ -385,16 +383,20 @@ def fuse_enabled() -> bool:
     return os.environ.get("DSPARK_MHC_FUSE", "0") == "1"
 
 
+def _collapse_key(fn, base, scale, hc_eps, norm_eps, norm) -> tuple:
+    """What identifies a collapse + its RMSNorm: its tensors (by identity) and epsilons."""
+    return (fn, base, scale, float(hc_eps), float(norm_eps), norm.weight, float(norm.eps))
+
+
 def _u_left_on(X, fn, base, scale, hc_eps, norm_eps, norm):
-    """The normalised u hc_post left on X for exactly this collapse (fn, base, scale, epsilons,
-    norm weight and eps), else None."""
+    """The normalised u hc_post left on X for exactly this collapse (`_collapse_key`), else
+    None."""
     left = getattr(X, _U, None)
     if left is None:
         return None
     key, u = left
-    want = (fn, base, scale, float(hc_eps), float(norm_eps), norm.weight, float(norm.eps))
-    same = len(key) == len(want) and all(
-        (a is b) if isinstance(b, torch.Tensor) else a == b for a, b in zip(key, want))
+    want = _collapse_key(fn, base, scale, hc_eps, norm_eps, norm)
+    same = all((a is b) if isinstance(b, torch.Tensor) else a == b for a, b in zip(key, want))
     return u if same else None
 
 
@@ -452,8 +454,7 @@ def hc_post(o: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
     if nxt:
         setattr(out, _LEFT, (next_fn, part, sq, S, BLOCK_R))
     if fuse:
-        setattr(out, _U, ((next_fn, base, scale, float(hc_eps), float(norm_eps), norm.weight,
-                           float(norm.eps)), u))
+        setattr(out, _U, (_collapse_key(next_fn, base, scale, hc_eps, norm_eps, norm), u))
     return out
 
 
