@@ -143,7 +143,7 @@ pdl)     # session 13: PDL launches (DSPARK_PDL=1 in the graph tests; test_pdl r
   tail -3 "$R/pdl_graph_tests.txt" | cut -c1-300; grep -A12 "^=== FAILED\|^E  " "$R/pdl_graph_tests.txt" | cut -c1-200 | head -30 ;;
 mhc)
   step "mhc_bench"
-  timeout "$(left 60)" python -m dspark.kernels.mhc_bench --T 1,2,6,64 --finish-sweep > "$R/mhc.txt" 2>&1; tail -20 "$R/mhc.txt" ;;
+  timeout "$(left 60)" python -m dspark.kernels.mhc_bench --T 1,2,6,64 --finish-sweep > "$R/mhc.txt" 2>&1; tail -17 "$R/mhc.txt" ;;
 tp)      # issue 9: tokens/s vs world size (multi-GPU kinds only)
   if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
     step "bench_tp"

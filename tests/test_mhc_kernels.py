@@ -193,49 +193,6 @@ def test_post_partials_padded_streams_and_ragged_width():
     check_post_then_pre(2, 3, 40, torch.float32, seed=5)
 
 
-def check_fused_post_pre(T, n, D, dtype, seed=0):
-    """DSPARK_MHC_FUSE=1: hc_post given the next collapse (next_fn + next_mix) also leaves its
-    normalised u, which the hc_pre / hc_head with that norm returns instead of launching
-    `_finish_pre`: streams, u, post and comb bit-identical to the two launches; a collapse with
-    other parameters (another norm) does not take it."""
-    from dspark.models.deepseek_v4.norm import RMSNorm
-    X, fn, base, scale, head_fn, o = make_case(T, n, D, dtype, seed)
-    _, post, comb = mhc.hc_pre_reference(X, fn, base, scale, n, ITERS, HC_EPS, NORM_EPS)
-    gen = torch.Generator().manual_seed(seed + 1)
-    norm, other = RMSNorm(D, 1e-6).to(X.device), RMSNorm(D, 1e-6).to(X.device)
-    with torch.no_grad():
-        norm.weight.copy_(torch.rand(D, generator=gen) + 0.5)
-        other.weight.copy_(norm.weight)
-    hb, hs = base[:n], scale[:1]                  # (the parameters are matched by identity)
-    for nxt, b, s, collapse in (
-            (fn, base, scale, lambda Y, nm: kernels.hc_pre(Y, fn, base, scale, n, ITERS, HC_EPS,
-                                                           NORM_EPS, deferred=True, norm=nm)),
-            (head_fn, hb, hs, lambda Y, nm: (kernels.hc_head(Y, head_fn, hb, hs, HC_EPS, NORM_EPS,
-                                                             norm=nm),))):
-        plain = kernels.hc_post(o, X, post, comb, next_fn=nxt)
-        want = collapse(plain, norm)
-        Y = kernels.hc_post(o, X, post, comb, next_fn=nxt,
-                            next_mix=(b, s, HC_EPS, NORM_EPS, norm))
-        assert torch.equal(Y, plain)
-        left = getattr(Y, kernels._U, None)
-        assert (left is not None) == (T <= kernels.POST_NEXT_MAX_T)
-        got = collapse(Y, norm)
-        if left is not None:
-            assert got[0] is left[1]                          # no u launch of its own
-        for g, w in zip(got, want):
-            assert torch.equal(g, w)
-        again = collapse(Y, other)                            # other parameters: recomputed
-        assert again[0] is not (left or (None, None))[1] and torch.equal(again[0], want[0])
-
-
-@triton_ok
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,D", [(1, 64), (3, 192), (17, 64)])
-def test_post_fused_with_next_collapse(T, D, dtype, monkeypatch):
-    monkeypatch.setenv("DSPARK_MHC_FUSE", "1")
-    check_fused_post_pre(T, 4, D, dtype, seed=T)
-
-
 # ---- dispatch ----------------------------------------------------------------------------------
 
 @pytest.fixture
@@ -299,25 +256,6 @@ def test_model_logits_with_kernels_match_reference(tiny_engine, backend):
     assert len(calls) == 1
 
 
-@triton_ok
-def test_model_logits_with_fused_post_pre(tiny_engine, backend, monkeypatch):
-    """DSPARK_MHC_FUSE=1 through the whole tiny model: logits bit-identical to the two launches,
-    and every collapse after an hc_post (6 layers: 11 hc_pre + hc_head) took the u it left."""
-    eng = tiny_engine
-    ids = [5, 17, 3, 99, 42, 7]
-    backend("triton")
-    logits, taken = {}, []
-    real = kernels._u_left_on
-    monkeypatch.setattr(kernels, "_u_left_on", lambda *a: (lambda u: taken.append(u is not None)
-                                                          or u)(real(*a)))
-    for fuse in ("0", "1"):
-        monkeypatch.setenv("DSPARK_MHC_FUSE", fuse)
-        taken.clear()
-        logits[fuse] = eng.score(ids)
-    assert torch.equal(logits["1"], logits["0"])
-    assert sum(taken) == 2 * eng.runner.model.cfg.num_hidden_layers, taken
-
-
 # ---- GPU-sized cases (H200) --------------------------------------------------------------------
 
 @gpu
@@ -326,13 +264,5 @@ def test_model_logits_with_fused_post_pre(tiny_engine, backend, monkeypatch):
 @pytest.mark.parametrize("D", [4096, 7168])
 def test_gpu_kernels_realistic(T, D):
     check_all(T, 4, D, torch.bfloat16, seed=T)
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("T", [1, 6, 16])
-def test_gpu_fused_post_pre_realistic(T, monkeypatch):
-    monkeypatch.setenv("DSPARK_MHC_FUSE", "1")
-    check_fused_post_pre(T, 4, 4096, torch.bfloat16, seed=T)
     check_all(T, 4, D, torch.float32, seed=T + 1)
     check_post_then_pre(T, 4, D, torch.bfloat16, seed=T + 2)

@@ -29,10 +29,6 @@ Given the fn of the hc_pre / hc_head that reads its output next (``next_fn``, up
 POST_NEXT_MAX_T tokens), that launch also computes the next projection's split-K partials of its
 block (split = D block) and leaves them on the output tensor; that hc_pre then starts at launch
 2. In a decode step every hc_pre but the first follows an hc_post: 8 launches fewer for 4 layers.
-Given the rest of that collapse too (``next_mix``: base, scale, epsilons, the RMSNorm after it)
-and DSPARK_MHC_FUSE=1 (opt-in, staged in session 16, not yet timed on a GPU), the launch's last
-program per token (an arrival counter) also runs launch 2's u + RMSNorm code, and the hc_pre /
-hc_head returns that u: one launch fewer on the decode step's critical path per boundary.
 
 bf16 outputs are rounded to nearest even by bit arithmetic (as in cache_write) so the interpreter,
 whose float down-cast does not round correctly, gives the same bytes as the GPU.
@@ -46,7 +42,6 @@ import triton
 import triton.language as tl
 
 from dspark.kernels.cache_write import _bf16_round
-from dspark.kernels.fp8_gemm import _arrival_counters
 from dspark.models import side_stream
 
 # launch 1 aims at ~256 programs (H200: 132 SMs) split between token blocks and K chunks
@@ -91,49 +86,6 @@ def _mix_partials(x_ptr, fn_ptr, part_ptr, sq_ptr, T, K, R, CHUNK,
 
 
 @triton.jit
-def _mix_pre(part_ptr, sq_ptr, base_ptr, scale_ptr, t, T, S, K, norm_eps, hc_eps,
-             N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-             BLOCK_R: tl.constexpr, CACHE: tl.constexpr):
-    """(pre [BLOCK_N], 1 / rms) of token t from the split-K partials (CACHE: the loads' cache
-    modifier: ".cg" where other programs of the same launch stored them)."""
-    s = tl.arange(0, BLOCK_S)
-    i = tl.arange(0, BLOCK_N)
-    s_ok = s < S
-    i_ok = i < N
-    rows = (s * T + t) * BLOCK_R                                   # [BLOCK_S] partial rows
-    sq = tl.sum(tl.load(sq_ptr + s * T + t, mask=s_ok, other=0.0, cache_modifier=CACHE), axis=0)
-    inv_rms = tl.math.rsqrt(sq / K + norm_eps)
-    pre_dot = tl.sum(tl.load(part_ptr + rows[:, None] + i[None, :],
-                             mask=s_ok[:, None] & i_ok[None, :], other=0.0,
-                             cache_modifier=CACHE), axis=0)
-    pre = tl.sigmoid(tl.load(scale_ptr) * (pre_dot * inv_rms)
-                     + tl.load(base_ptr + i, mask=i_ok, other=0.0)) + hc_eps
-    return tl.where(i_ok, pre, 0.0), inv_rms
-
-
-@triton.jit
-def _store_u(x_ptr, pre, u_ptr, nw_ptr, t, pid_d, D, rms_eps, N: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, OUT_BF16: tl.constexpr,
-             NORM: tl.constexpr, CACHE: tl.constexpr):
-    """u = Σ_i pre_i · X_i of token t's D block pid_d (NORM: RMSNorm(u) with the weight at
-    nw_ptr, one block holding the whole row), stored rounded to u's dtype."""
-    i = tl.arange(0, BLOCK_N)
-    i_ok = i < N
-    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    x = tl.load(x_ptr + (t * N + i[:, None]) * D + d[None, :],
-                mask=i_ok[:, None] & d_ok[None, :], other=0.0,
-                cache_modifier=CACHE).to(tl.float32)
-    u = tl.sum(pre[:, None] * x, axis=0)
-    if NORM:
-        if OUT_BF16:
-            u = _bf16_round(u)                      # the u the RMSNorm would read
-        u = u * tl.math.rsqrt(tl.sum(u * u, axis=0) / D + rms_eps)   # (masked columns: 0)
-        u = u * tl.load(nw_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
-    _store_rounded(u_ptr + t * D + d, u, d_ok, OUT_BF16)
-
-
-@triton.jit
 def _finish_pre(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, comb_ptr,
                 T, D, S, K, norm_eps, hc_eps, sinkhorn_iters, nw_ptr, rms_eps,
                 N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -150,11 +102,27 @@ def _finish_pre(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, c
     s_ok = s < S
     i_ok = i < N
     rows = (s * T + t) * BLOCK_R                                   # [BLOCK_S] partial rows
-    pre, inv_rms = _mix_pre(part_ptr, sq_ptr, base_ptr, scale_ptr, t, T, S, K, norm_eps, hc_eps,
-                            N, BLOCK_N, BLOCK_S, BLOCK_R, "")
+    sq = tl.sum(tl.load(sq_ptr + s * T + t, mask=s_ok, other=0.0), axis=0)
+    inv_rms = tl.math.rsqrt(sq / K + norm_eps)
+
+    pre_dot = tl.sum(tl.load(part_ptr + rows[:, None] + i[None, :],
+                             mask=s_ok[:, None] & i_ok[None, :], other=0.0), axis=0)
+    pre = tl.sigmoid(tl.load(scale_ptr) * (pre_dot * inv_rms)
+                     + tl.load(base_ptr + i, mask=i_ok, other=0.0)) + hc_eps
+    pre = tl.where(i_ok, pre, 0.0)
+
     if U:
-        _store_u(x_ptr, pre, u_ptr, nw_ptr, t, pid_d, D, rms_eps, N, BLOCK_N, BLOCK_D, OUT_BF16,
-                 NORM, "")
+        d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        x = tl.load(x_ptr + (t * N + i[:, None]) * D + d[None, :],
+                    mask=i_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        u = tl.sum(pre[:, None] * x, axis=0)
+        if NORM:
+            if OUT_BF16:
+                u = _bf16_round(u)                  # the u the RMSNorm would read
+            u = u * tl.math.rsqrt(tl.sum(u * u, axis=0) / D + rms_eps)   # (masked columns: 0)
+            u = u * tl.load(nw_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+        _store_rounded(u_ptr + t * D + d, u, d_ok, OUT_BF16)
 
     if not HEAD:
         if pid_d == 0:
@@ -187,19 +155,13 @@ def _finish_pre(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, c
 
 @triton.jit
 def _post(o_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, part_ptr, sq_ptr, T, D, R,
-          cnt_ptr, base_ptr, scale_ptr, u_ptr, nw_ptr, S, K, norm_eps, hc_eps, rms_eps,
           N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, OUT_BF16: tl.constexpr,
-          NEXT: tl.constexpr, BLOCK_R: tl.constexpr, FUSE: tl.constexpr = False,
-          BLOCK_S: tl.constexpr = 1, BLOCK_DU: tl.constexpr = 1):
+          NEXT: tl.constexpr, BLOCK_R: tl.constexpr):
     """out[t, k, d] = post[t, k]·o[t, d] + Σ_j comb[t, j, k]·X[t, j, d] for one D block.
 
     NEXT: also this block's split-K partials of the next hc_pre / hc_head projection of the
     output (as stored), laid out as `_mix_partials` leaves them with split s = the D block:
-    part[s, t, r] = Σ_{k, d in block} out[t, k, d]·fn[r, k·D + d], sq[s, t] = Σ out².
-    FUSE (with NEXT): the program that arrives last for token t (an arrival counter per token)
-    also does what `_finish_pre(NORM=True)` would do next, with the same helpers: the next
-    collapse's u from all blocks' partials and RMSNorm(u) with the weight at nw_ptr, into u_ptr
-    (BLOCK_DU >= D: one block holds the row), then re-arms the counter."""
+    part[s, t, r] = Σ_{k, d in block} out[t, k, d]·fn[r, k·D + d], sq[s, t] = Σ out²."""
     t = tl.program_id(0)
     pid_d = tl.program_id(1)
     k = tl.arange(0, BLOCK_N)
@@ -227,16 +189,6 @@ def _post(o_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, part_ptr, sq_ptr, T
         row = pid_d * T + t
         tl.store(part_ptr + row * BLOCK_R + r, part)
         tl.store(sq_ptr + row, tl.sum(tl.sum(out * out, axis=1), axis=0))
-        if FUSE:
-            tl.debug_barrier()                             # this block's stores issued first
-            if tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu") == \
-                    tl.num_programs(1) - 1:
-                # .cg: the other blocks' partials and outputs, stored by other programs
-                pre, _ = _mix_pre(part_ptr, sq_ptr, base_ptr, scale_ptr, t, T, S, K, norm_eps,
-                                  hc_eps, N, BLOCK_N, BLOCK_S, BLOCK_R, ".cg")
-                _store_u(out_ptr, pre, u_ptr, nw_ptr, t, 0, D, rms_eps, N, BLOCK_N, BLOCK_DU,
-                         OUT_BF16, True, ".cg")
-                tl.atomic_xchg(cnt_ptr + t, 0, sem="relaxed", scope="gpu")
 
 
 def _mixes(X: torch.Tensor, fn: torch.Tensor):
@@ -274,10 +226,9 @@ def _collapse(X, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, head: bool,
     the Sinkhorn chain, and the norm runs after it."""
     T, n, D = X.shape
     fuse = norm_fusable(X, norm) and (head or (deferred and defer_enabled()))
-    u_left = _u_left_on(X, fn, base, scale, hc_eps, norm_eps, norm) if fuse else None
     left = _partials_left_on(X, fn)
     X, fn = X.contiguous(), fn.contiguous()
-    u = u_left if u_left is not None else torch.empty(T, D, dtype=X.dtype, device=X.device)
+    u = torch.empty(T, D, dtype=X.dtype, device=X.device)
     post = torch.empty(T, n, dtype=torch.float32, device=X.device)
     comb = torch.empty(T, n, n, dtype=torch.float32, device=X.device)
     if T == 0:
@@ -292,10 +243,8 @@ def _collapse(X, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, head: bool,
                 BLOCK_R=BLOCK_R, BLOCK_D=block_d, OUT_BF16=X.dtype == torch.bfloat16,
                 num_warps=warps)
     if fuse:        # u and its RMSNorm: one program per token over the whole row
-        if u_left is None:              # else the hc_post that made X did it (DSPARK_MHC_FUSE)
-            _finish_pre[(T, 1)](*args, HEAD=True, NORM=True,
-                                **dict(meta, BLOCK_D=triton.next_power_of_2(D),
-                                       num_warps=NORM_WARPS))
+        _finish_pre[(T, 1)](*args, HEAD=True, NORM=True,
+                            **dict(meta, BLOCK_D=triton.next_power_of_2(D), num_warps=NORM_WARPS))
         if not head:                    # post / comb on the side lane, as below
             _sinkhorn_aside(X, args, meta, post, part, sq, base, scale, comb)
         return u, post, comb
@@ -375,43 +324,13 @@ def _partials_left_on(X, fn):
     return left[1:]
 
 
-def fuse_enabled() -> bool:
-    """DSPARK_MHC_FUSE=1: hc_post given the next collapse's parameters (`next_mix`) also
-    computes that collapse's normalised u in its last-arriving program (`_post` FUSE), one launch
-    fewer per sub-block boundary on the decode step's critical path. Opt-in: staged in session
-    16 (bit-identical to the two launches under the interpreter), not yet timed on a GPU."""
-    return os.environ.get("DSPARK_MHC_FUSE", "0") == "1"
-
-
-def _collapse_key(fn, base, scale, hc_eps, norm_eps, norm) -> tuple:
-    """What identifies a collapse + its RMSNorm: its tensors (by identity) and epsilons."""
-    return (fn, base, scale, float(hc_eps), float(norm_eps), norm.weight, float(norm.eps))
-
-
-def _u_left_on(X, fn, base, scale, hc_eps, norm_eps, norm):
-    """The normalised u hc_post left on X for exactly this collapse (`_collapse_key`), else
-    None."""
-    left = getattr(X, _U, None)
-    if left is None:
-        return None
-    key, u = left
-    want = _collapse_key(fn, base, scale, hc_eps, norm_eps, norm)
-    same = all((a is b) if isinstance(b, torch.Tensor) else a == b for a, b in zip(key, want))
-    return u if same else None
-
-
-_U = "_dspark_mhc_u"
-
-
 def hc_post(o: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-            next_fn: torch.Tensor | None = None, next_mix=None) -> torch.Tensor:
+            next_fn: torch.Tensor | None = None) -> torch.Tensor:
     """X'[k] = post[k]·o + Σ_j comb[j, k]·X[j]; o [T, D], X [T, n, D] -> [T, n, D] in X.dtype.
 
     next_fn: the fn [R, n·D] of the hc_pre / hc_head that reads X' next; for few tokens (bf16 /
     fp32 streams) the same launch leaves that projection's split-K partials on X', and that
-    hc_pre skips its first launch. next_mix: the rest of that collapse, (base, scale, hc_eps,
-    norm_eps, norm module): with DSPARK_MHC_FUSE=1 the launch also leaves its normalised u on
-    X' (`fuse_enabled`), and that hc_pre / hc_head skips its u launch."""
+    hc_pre skips its first launch."""
     T, n, D = X.shape
     assert o.shape == (T, D), f"o {tuple(o.shape)} does not match X {tuple(X.shape)}"
     pending = getattr(post, _SIDE, None)                 # hc_pre's side launch, if deferred
@@ -433,28 +352,13 @@ def hc_post(o: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
     else:
         block_d = min(_BLOCK_D, triton.next_power_of_2(D))
         R, BLOCK_R, S, part, sq = 0, 16, 0, out, out          # part / sq: never touched
-    fuse = nxt and next_mix is not None and fuse_enabled() and norm_fusable(X, next_mix[4])
-    if fuse:
-        base, scale, hc_eps, norm_eps, norm = next_mix
-        u = torch.empty(T, D, dtype=X.dtype, device=X.device)
-        tail = (_arrival_counters(X.device, T), base.float().contiguous(),
-                scale.float().contiguous(), u, norm.weight, S, n * D, float(norm_eps),
-                float(hc_eps), float(norm.eps))
-        # the last arriver runs `_finish_pre(NORM=True)`'s code: the same warps, so the same
-        # reductions
-        meta = dict(FUSE=True, BLOCK_S=triton.next_power_of_2(S),
-                    BLOCK_DU=triton.next_power_of_2(D), num_warps=NORM_WARPS)
-    else:
-        tail, meta = (out, out, out, out, out, 0, 0, 0.0, 0.0, 0.0), {}
     _post[(T, triton.cdiv(D, block_d))](
         o.contiguous(), X.contiguous(), post.float().contiguous(), comb.float().contiguous(), out,
-        next_fn if nxt else out, part, sq, T, D, R, *tail,
+        next_fn if nxt else out, part, sq, T, D, R,
         N=n, BLOCK_N=triton.next_power_of_2(n), BLOCK_D=block_d,
-        OUT_BF16=X.dtype == torch.bfloat16, NEXT=nxt, BLOCK_R=BLOCK_R, **meta)
+        OUT_BF16=X.dtype == torch.bfloat16, NEXT=nxt, BLOCK_R=BLOCK_R)
     if nxt:
         setattr(out, _LEFT, (next_fn, part, sq, S, BLOCK_R))
-    if fuse:
-        setattr(out, _U, (_collapse_key(next_fn, base, scale, hc_eps, norm_eps, norm), u))
     return out
 
 

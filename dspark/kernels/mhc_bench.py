@@ -11,7 +11,6 @@ CUDA graph, i.e. GPU time alone. Errors: u / X' as max |Δ| over max |ref|, post
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import torch
@@ -140,37 +139,6 @@ def finish_sweep(n: int, D: int, dtype, iters: int) -> None:
                       f"{graph_us(pair, iters):6.1f} µs  (max rel err {err:.1e})")
     finally:
         kernels.FINISH_LAUNCH[True] = saved
-    # the decode step's boundary as the model runs it (the Sinkhorn launch deferred to a side
-    # stream, the RMSNorm in the u launch), with and without DSPARK_MHC_FUSE (u by hc_post's
-    # last-arriving program)
-    from dspark.models import side_stream
-    from dspark.models.deepseek_v4.norm import RMSNorm
-    norm = RMSNorm(D).to(dev)
-    mix = (base, scale, HC_EPS, NORM_EPS, norm)
-
-    def boundary():
-        Y = kernels.hc_post(o, X, post, comb, next_fn=fn, next_mix=mix)
-        u, p, c = kernels.hc_pre(Y, fn, base, scale, n, ITERS, HC_EPS, NORM_EPS, deferred=True,
-                                 norm=norm)
-        pending = getattr(p, kernels._SIDE, None)
-        if pending is not None:
-            side_stream.join(pending[0])
-        return u, p, c
-    saved_env = os.environ.get("DSPARK_MHC_FUSE")
-    outs = {}
-    try:
-        for fuse in ("0", "1"):
-            os.environ["DSPARK_MHC_FUSE"] = fuse
-            outs[fuse] = boundary()
-            print(f"  decode boundary (deferred Sinkhorn, norm in the u launch), DSPARK_MHC_FUSE="
-                  f"{fuse}: {graph_us(boundary, iters):6.1f} µs")
-    finally:
-        if saved_env is None:
-            os.environ.pop("DSPARK_MHC_FUSE", None)
-        else:
-            os.environ["DSPARK_MHC_FUSE"] = saved_env
-    same = all(torch.equal(a, b) for a, b in zip(outs["0"], outs["1"]))
-    print(f"  fused outputs bit-identical to the two launches: {same}")
 
 
 if __name__ == "__main__":

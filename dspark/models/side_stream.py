@@ -73,22 +73,18 @@ def high_priority() -> bool:
     return os.environ.get("DSPARK_SIDE_PRIORITY", "1") != "0"
 
 
-def fork(device: torch.device, lane: int = 1, priority: int | None = None
-         ) -> torch.cuda.Stream | None:
+def fork(device: torch.device, lane: int = 1) -> torch.cuda.Stream | None:
     """The device's stream of side lane `lane` (>= 1), made to wait for the work queued so far on
     the current stream (forking a lane again adds that wait); None off CUDA or when disabled
-    (then `on(None)` runs inline and `join(None)` is a no-op). priority: the stream's priority
-    when the lane's stream is first made (default: -1 with `high_priority`, else 0, the main
-    stream's; l2_warm's lane asks for 0)."""
+    (then `on(None)` runs inline and `join(None)` is a no-op)."""
     if device.type != "cuda" or not enabled():
         return None
     assert lane >= 1, lane
     index = device.index if device.index is not None else torch.cuda.current_device()
     side = _STREAMS.get((index, lane))
     if side is None:
-        if priority is None:
-            priority = -1 if high_priority() else 0
-        side = _STREAMS[index, lane] = torch.cuda.Stream(device=index, priority=priority)
+        side = _STREAMS[index, lane] = torch.cuda.Stream(
+            device=index, priority=-1 if high_priority() else 0)
         _LANE_OF[side] = lane
     side.wait_stream(torch.cuda.current_stream(index))
     return side

@@ -327,12 +327,6 @@ def static_attention(attn, x, kern: _Kernels, sp: StaticPlan, layer: int, quant)
             ids, lens = rp.all_visible_ids_i32, rp.n_visible_i32
         else:
             ids, lens = selected
-    # opt-in (DSPARK_L2_WARM=1): the output projection's weights read into L2 next to the
-    # attention core, which reads little from HBM (kernels/l2_warm.py)
-    warm = None
-    if dev.type == "cuda":
-        from dspark.kernels import l2_warm               # (imports Triton: only on CUDA)
-        warm = l2_warm.warm_ahead((attn.wo_a, attn.wo_b), dev)
     o = kern.attend(q, cache.swa[layer], cache.capacity, sp.window_ids_i32, entry_pool, N, ids,
                     lens, attn.attn_sink, attn.head_dim ** -0.5)
     ring = side_stream.fork(dev, 3)
@@ -340,7 +334,6 @@ def static_attention(attn, x, kern: _Kernels, sp: StaticPlan, layer: int, quant)
         kern.copy_rows(cache.swa[layer], cache.capacity, sp)
     out = attn.output(o, pos, x.dtype, bound, memo)
     side_stream.join(ring)
-    side_stream.join(warm)
     return out
 
 

@@ -48,16 +48,15 @@ def hc_pre(X, fn, base, scale, n: int, sinkhorn_iters: int, hc_eps: float, norm_
 
 
 def hc_post(o: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-            next_fn: torch.Tensor | None = None, next_mix=None) -> torch.Tensor:
+            next_fn: torch.Tensor | None = None) -> torch.Tensor:
     """X'[k] = post[k] * o + sum_j comb[j, k] * X[j]  (column k of comb feeds new stream k).
 
-    next_fn: the fn of the hc_pre / hc_head that reads X' next, next_mix the rest of it (base,
-    scale, hc_eps, norm_eps, RMSNorm module): hints, the kernels then start (DSPARK_MHC_FUSE=1:
-    finish) that collapse in this launch; the result is the same."""
+    next_fn: the fn of the hc_pre / hc_head that reads X' next (a hint: the kernels then start
+    that projection in this launch; the result is the same)."""
     k = _kernels(X, o, post, comb)
     if k is None:
         return hc_post_reference(o, X, post, comb)
-    return k.hc_post(o, X, post, comb, next_fn, next_mix)
+    return k.hc_post(o, X, post, comb, next_fn)
 
 
 def hc_head(X, fn, base, scale, hc_eps: float, norm_eps: float, norm=None) -> torch.Tensor:

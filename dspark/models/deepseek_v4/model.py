@@ -72,25 +72,16 @@ class Block(nn.Module):
                       c.hc_eps, c.rms_norm_eps, deferred=True,   # post / comb: hc_post only
                       norm=getattr(self, f"{sub}_norm"))
 
-    def mix_hint(self, sub):
-        """(fn, (base, scale, hc_eps, norm_eps, norm)) of sub-block `sub`'s collapse: what an
-        hc_post ahead of it passes on (mhc.hc_post's next_fn / next_mix)."""
-        c = self.cfg
-        return getattr(self, f"hc_{sub}_fn"), (getattr(self, f"hc_{sub}_base"),
-                                               getattr(self, f"hc_{sub}_scale"), c.hc_eps,
-                                               c.rms_norm_eps, getattr(self, f"{sub}_norm"))
-
-    def forward(self, X, batch, attn_fn=None, quant=None, next_fn=None, next_mix=None):
+    def forward(self, X, batch, attn_fn=None, quant=None, next_fn=None):
         """X [T, n, D]. `attn_fn(attn_module, x, batch, layer_id)` overrides the attention core.
         next_fn: the mHC fn that reads this block's output next (the next block's hc_attn_fn or
-        the model's hc_head_fn), next_mix the rest of that collapse (`mix_hint`): hints for the
-        fused kernels (mhc.hc_post)."""
+        the model's hc_head_fn), a hint for the fused kernels (mhc.hc_post)."""
         x, post, comb = self._pre(X, "attn")
         o = (attn_fn or _dense_attention)(self.attn, x, batch, self.layer_id, quant)
-        X = hc_post(o, X, post, comb, *self.mix_hint("ffn"))
+        X = hc_post(o, X, post, comb, self.hc_ffn_fn)
         x, post, comb = self._pre(X, "ffn")
         o = self.ffn(x, batch.token_ids)
-        return hc_post(o, X, post, comb, next_fn, next_mix)
+        return hc_post(o, X, post, comb, next_fn)
 
 
 def _dense_attention(attn, x, batch, layer_id, quant):
@@ -126,11 +117,8 @@ class DeepseekV4Model(nn.Module):
         X = h.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         taps = []
         for i, layer in enumerate(self.layers):
-            nxt, mix = (self.layers[i + 1].mix_hint("attn") if i + 1 < len(self.layers)
-                        else (self.hc_head_fn, (self.hc_head_base, self.hc_head_scale,
-                                                self.cfg.hc_eps, self.cfg.rms_norm_eps,
-                                                self.norm)))
-            X = layer(X, batch, attn_fn, quant, nxt, mix)
+            nxt = self.layers[i + 1].hc_attn_fn if i + 1 < len(self.layers) else self.hc_head_fn
+            X = layer(X, batch, attn_fn, quant, nxt)
             if layer.layer_id in tap_layers:
                 taps.append((layer.layer_id, X.float().mean(1)))
         tap = None
