@@ -305,6 +305,13 @@ def _decode_fused_cases():
            {"DATA": 576, "SCALE": 8, "BLOCK": 1024, "BLOCK_S": 8}, 4, 1, None)
     yield ("_hadamard_fp4_kernel", "BLOCK_R=16 warps=4", df._hadamard_fp4_kernel, hf,
            {"BLOCK_R": 16, "DIM": 128, "FP4_BLOCK": 32}, 4, 1, None)
+    import dspark.kernels.mhc as mhc             # hc_post with the next collapse's partials
+    po = {"o_ptr": "*bf16", "x_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32",
+          "out_ptr": "*bf16", "fn_ptr": "*fp32", "part_ptr": "*fp32", "sq_ptr": "*fp32",
+          "T": "i32", "D": "i32", "R": "i32"}
+    yield ("_post", "N=4 BLOCK_D=64 NEXT R=24 warps=4", mhc._post, po,
+           {"N": 4, "BLOCK_N": 4, "BLOCK_D": 64, "OUT_BF16": True, "NEXT": True, "BLOCK_R": 32},
+           4, 1, None)
 
 
 KERNELS = {"moe": _moe_cases, "fp8": _fp8_cases, "attention": _attention_cases,

@@ -296,6 +296,36 @@ def test_sparse_mqa_fp8_kernel_v3(cfg, n2):
 
 
 @triton_ok
+@pytest.mark.parametrize("cfg,dtype", [(dict(impl="v3", block_h=16, block_k=16, kv_splits=3),
+                                        torch.bfloat16),
+                                       (dict(impl="v3", block_h=16, block_k=16, kv_splits=2),
+                                        torch.float32),
+                                       (dict(impl="v3", block_h=16, block_k=16), torch.bfloat16),
+                                       (dict(impl="v1", block_k=16), torch.float32)])
+def test_sparse_mqa_fp8_inverse_rope_in_combine(cfg, dtype, monkeypatch):
+    """rope=(cis, positions, dtype): the output equals norm_rope's inverse RoPE of the plain
+    output, bit for bit (in the split-KV combine launch; without splits norm_rope follows), the
+    combine's head blocks not a multiple of H."""
+    from dspark.kernels.norm_rope import norm_rope
+    monkeypatch.setenv("DSPARK_COMBINE_BH", "8")
+    gen = torch.Generator().manual_seed(13)
+    T, H, N, R = 3, 20, 8, 64
+    cache, _ = make_fp8_cache(4, N, gen)
+    q = torch.randn(T, H, 512, generator=gen).to(DEV, torch.bfloat16)
+    sink = torch.randn(H, generator=gen).to(DEV)
+    idx = make_indices(T, 29, 4 * N, gen).to(DEV)
+    ang = torch.rand(40, R // 2, generator=gen) * 6.3
+    cis = torch.polar(torch.ones_like(ang), -ang).to(DEV)            # conjugated rotations
+    pos = torch.tensor([7, 39, 0], device=DEV)
+    plain = smqa.sparse_mqa_fp8(q, cache, N, idx, sink, SCALE, **cfg)
+    want = norm_rope(plain, cis=cis, rope_dim=R, dtype=dtype, positions=pos)
+    got = smqa.sparse_mqa_fp8(q, cache, N, idx, sink, SCALE, rope=(cis, pos, dtype), **cfg)
+    assert got.dtype == dtype and got.shape == (T, H, 512)
+    assert torch.equal(got, want)
+    assert not torch.equal(got[..., -R:].float(), plain[..., -R:].to(dtype).float())
+
+
+@triton_ok
 def test_sparse_mqa_fp8_kernel_v3_single_list_bf16():
     """v3 with one list only (no extra cache), bf16 q, T = 3 (not a multiple of the tiles)."""
     gen = torch.Generator().manual_seed(12)

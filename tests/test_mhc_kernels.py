@@ -98,6 +98,25 @@ def test_kernels_empty_batch():
     assert kernels.hc_head(X, head_fn, base[:4], scale[:1], HC_EPS, NORM_EPS).shape == (0, 64)
 
 
+@triton_ok
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,D", [(1, 64), (3, 192), (17, 64)])
+def test_expand_leaves_first_partials(T, D, dtype):
+    """hc_expand: n copies of h, bit for bit, with (few tokens) the first hc_pre's partials left
+    on them, which that hc_pre then uses and still matches the reference."""
+    n = 4
+    X, fn, base, scale, head_fn, o = make_case(T, n, D, dtype, seed=T + 3)
+    Y = kernels.hc_expand(o, n, fn)
+    assert torch.equal(Y, o.unsqueeze(1).expand(-1, n, -1)) and Y.is_contiguous()
+    assert (kernels._partials_left_on(Y, fn) is not None) == (T <= kernels.POST_NEXT_MAX_T)
+    assert torch.equal(kernels.hc_expand(o, n), Y)
+    got = kernels.hc_pre(Y, fn, base, scale, n, ITERS, HC_EPS, NORM_EPS)
+    want = mhc.hc_pre_reference(Y, fn, base, scale, n, ITERS, HC_EPS, NORM_EPS)
+    assert_out_close(got[0], want[0])
+    for g, w in zip(got[1:], want[1:]):
+        assert rel_err(g, w) < 1e-5
+
+
 def check_post_then_pre(T, n, D, dtype, seed=0):
     """hc_post(..., next_fn) leaves the next projection's partials on its output: the hc_pre /
     hc_head that reads it then skips `_mix_partials` and still matches the reference (on the
@@ -252,8 +271,8 @@ def test_model_logits_with_kernels_match_reference(tiny_engine, backend):
     finally:
         kernels._mixes = real
     assert rel_err(logits["triton"], logits["reference"]) < 1e-4
-    # every hc_pre / hc_head but the first layer's found the partials its hc_post left
-    assert len(calls) == 1
+    # every hc_pre / hc_head found the partials its hc_post (the first: hc_expand) left
+    assert len(calls) == 0
 
 
 # ---- GPU-sized cases (H200) --------------------------------------------------------------------

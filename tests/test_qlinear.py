@@ -408,3 +408,22 @@ def test_linear16_skinny_equals_fp32_linear(dtype):
     got16 = fp8g.linear16_skinny(x.to(DEV)[None], w.to(DEV), dtype).cpu()
     # (the interpreter's fp32 -> bf16 cast truncates: one bf16 ulp there)
     assert got16.shape == (1, 3, 80) and rel_err(got16[0], want.to(dtype)) < 2 ** -7
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 5, 16])
+def test_head_linear_skinny_at_vocabulary_size_gpu(T):
+    """The vocabulary head of a decode / verify step (linear_fp32(head=True)) on the skinny
+    kernel at V4-Flash's size (129280 x 4096 bf16, past LINEAR16_MAX_BYTES): fp32 logits within
+    fp32 summation order of a float64 product, and the argmax of every row equal to it."""
+    from dspark.models.deepseek_v4.norm import linear_fp32
+    gen = torch.Generator(device="cuda").manual_seed(T)
+    w = (torch.randn(129280, 4096, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+    x = torch.randn(T, 4096, generator=gen, device="cuda").to(torch.bfloat16)
+    assert fp8g.linear16_skinny_applies(x, w, head=True)
+    assert not fp8g.linear16_skinny_applies(x, w)              # no other caller takes 1 GB
+    got = linear_fp32(x, w, head=True)
+    want = (x.double() @ w.double().t())
+    assert got.dtype == torch.float32 and rel_err(got.double(), want) < 1e-6
+    assert torch.equal(got.argmax(-1), want.argmax(-1))

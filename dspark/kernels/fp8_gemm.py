@@ -352,18 +352,25 @@ def fp8_skinny_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: i
     return y
 
 
-LINEAR16_MAX_BYTES = 64 << 20     # larger 16-bit weights (the 1 GB vocabulary head) stay on
-                                  # cuBLAS, which streams them at ~4.4 TB/s on the H200
+LINEAR16_MAX_BYTES = 64 << 20     # larger 16-bit weights stay on cuBLAS, but for the head:
+# the vocabulary head (V4-Flash: 1.06 GB bf16) of a decode / verify step. H200, session 17,
+# batch-1 decode graph: 236.8 us (4.47 TB/s) here vs 244-245 us for cuBLAS's nvjet kernel, which
+# also started ~4.5 us after the kernel before it; device time per step 0.810 -> 0.798 ms.
+HEAD_SKINNY_MAX_T = 16
 
 
-def linear16_skinny_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+def linear16_skinny_applies(x: torch.Tensor, w: torch.Tensor, head: bool = False) -> bool:
     """Whether `linear16_skinny` takes x [..., K] @ w [N, K]^T: CUDA, x and w of one 16-bit
-    dtype, few tokens, unit column strides, w up to LINEAR16_MAX_BYTES
+    dtype, few tokens, unit column strides, w up to LINEAR16_MAX_BYTES (head: the vocabulary
+    head, any size, up to HEAD_SKINNY_MAX_T tokens; DSPARK_HEAD_SKINNY=0: never)
     (DSPARK_LINEAR16_SKINNY=0: never, for A/B runs)."""
+    if head and (x.numel() // max(x.shape[-1], 1) > HEAD_SKINNY_MAX_T
+                 or os.environ.get("DSPARK_HEAD_SKINNY", "1") == "0"):
+        return False
     return (x.is_cuda and not _interpreting() and w.dim() == 2 and x.dtype == w.dtype
             and w.dtype in (torch.bfloat16, torch.float16) and x.shape[-1] == w.shape[1]
             and 0 < x.numel() // max(x.shape[-1], 1) <= SKINNY_MAX_T and w.stride(1) == 1
-            and w.numel() * 2 <= LINEAR16_MAX_BYTES
+            and (head or w.numel() * 2 <= LINEAR16_MAX_BYTES)
             and os.environ.get("DSPARK_LINEAR16_SKINNY", "1") != "0")
 
 

@@ -156,8 +156,10 @@ def _finish_pre(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, c
 @triton.jit
 def _post(o_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, part_ptr, sq_ptr, T, D, R,
           N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, OUT_BF16: tl.constexpr,
-          NEXT: tl.constexpr, BLOCK_R: tl.constexpr):
-    """out[t, k, d] = post[t, k]·o[t, d] + Σ_j comb[t, j, k]·X[t, j, d] for one D block.
+          NEXT: tl.constexpr, BLOCK_R: tl.constexpr, EXPAND: tl.constexpr = False):
+    """out[t, k, d] = post[t, k]·o[t, d] + Σ_j comb[t, j, k]·X[t, j, d] for one D block
+    (EXPAND: out[t, k, d] = o[t, d], the first layer's n copies of the embedding; X, post and
+    comb unread).
 
     NEXT: also this block's split-K partials of the next hc_pre / hc_head projection of the
     output (as stored), laid out as `_mix_partials` leaves them with split s = the D block:
@@ -168,23 +170,29 @@ def _post(o_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, part_ptr, sq_ptr, T
     k_ok = k < N
     d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = d < D
-    o = tl.load(o_ptr + t * D + d, mask=d_ok, other=0.0).to(tl.float32)
-    post = tl.load(post_ptr + t * N + k, mask=k_ok, other=0.0)
-    mixed = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    for j in tl.static_range(N):                 # the reference einsum's sum over j, in order
-        xj = tl.load(x_ptr + (t * N + j) * D + d, mask=d_ok, other=0.0).to(tl.float32)
-        cj = tl.load(comb_ptr + (t * N + j) * N + k, mask=k_ok, other=0.0)
-        mixed += cj[:, None] * xj[None, :]
-    out = post[:, None] * o[None, :] + mixed
     ok = k_ok[:, None] & d_ok[None, :]
+    if NEXT:
+        # fn's block first: it depends on nothing, so its loads overlap the ones below (issued
+        # after the store of `out` they would wait for it: one more memory round trip)
+        r = tl.arange(0, BLOCK_R)
+        w = tl.load(fn_ptr + r[:, None, None] * (N * D) + k[None, :, None] * D + d[None, None, :],
+                    mask=(r < R)[:, None, None] & ok[None, :, :], other=0.0).to(tl.float32)
+    o = tl.load(o_ptr + t * D + d, mask=d_ok, other=0.0).to(tl.float32)
+    if EXPAND:
+        out = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32) + o[None, :]
+    else:
+        post = tl.load(post_ptr + t * N + k, mask=k_ok, other=0.0)
+        mixed = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        for j in tl.static_range(N):             # the reference einsum's sum over j, in order
+            xj = tl.load(x_ptr + (t * N + j) * D + d, mask=d_ok, other=0.0).to(tl.float32)
+            cj = tl.load(comb_ptr + (t * N + j) * N + k, mask=k_ok, other=0.0)
+            mixed += cj[:, None] * xj[None, :]
+        out = post[:, None] * o[None, :] + mixed
     if OUT_BF16:            # exact in bf16 afterwards, so the store's cast only truncates zeros
         out = _bf16_round(out)
     tl.store(out_ptr + (t * N + k[:, None]) * D + d[None, :], out, mask=ok)
     if NEXT:
         out = tl.where(ok, out, 0.0)
-        r = tl.arange(0, BLOCK_R)
-        w = tl.load(fn_ptr + r[:, None, None] * (N * D) + k[None, :, None] * D + d[None, None, :],
-                    mask=(r < R)[:, None, None] & ok[None, :, :], other=0.0).to(tl.float32)
         part = tl.sum(tl.sum(w * out[None, :, :], axis=2), axis=1)            # [BLOCK_R]
         row = pid_d * T + t
         tl.store(part_ptr + row * BLOCK_R + r, part)
@@ -337,26 +345,39 @@ def hc_post(o: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
     if pending is not None:
         side_stream.join(pending[0])
         delattr(post, _SIDE)
-    out = torch.empty(T, n, D, dtype=X.dtype, device=X.device)
+    return _launch_post(o, X, post, comb, next_fn, n, X.dtype, False)
+
+
+def hc_expand(h: torch.Tensor, n: int, next_fn: torch.Tensor | None = None) -> torch.Tensor:
+    """The first layer's streams: n copies of h [T, D] -> [T, n, D] (h's dtype), in one launch
+    that (next_fn, as hc_post's) also leaves the first hc_pre's partials on them."""
+    return _launch_post(h, h, h, h, next_fn, n, h.dtype, True)
+
+
+def _launch_post(o, X, post, comb, next_fn, n: int, dtype, expand: bool) -> torch.Tensor:
+    """hc_post's launch (expand: hc_expand's; X, post and comb are then not read)."""
+    T, D = o.shape
+    out = torch.empty(T, n, D, dtype=dtype, device=o.device)
     if T == 0:
         return out
     nxt = (next_fn is not None and T <= POST_NEXT_MAX_T and next_fn.shape[1] == n * D
-           and X.dtype in (torch.bfloat16, torch.float32) and next_fn.is_contiguous())
+           and dtype in (torch.bfloat16, torch.float32) and next_fn.is_contiguous())
     if nxt:
         block_d = min(_POST_NEXT_BLOCK_D, triton.next_power_of_2(D))
         R = next_fn.shape[0]
         BLOCK_R = max(16, triton.next_power_of_2(R))
         S = triton.cdiv(D, block_d)
-        part = torch.empty(S, T, BLOCK_R, dtype=torch.float32, device=X.device)
-        sq = torch.empty(S, T, dtype=torch.float32, device=X.device)
+        part = torch.empty(S, T, BLOCK_R, dtype=torch.float32, device=o.device)
+        sq = torch.empty(S, T, dtype=torch.float32, device=o.device)
     else:
         block_d = min(_BLOCK_D, triton.next_power_of_2(D))
         R, BLOCK_R, S, part, sq = 0, 16, 0, out, out          # part / sq: never touched
+    if not expand:
+        X, post, comb = X.contiguous(), post.float().contiguous(), comb.float().contiguous()
     _post[(T, triton.cdiv(D, block_d))](
-        o.contiguous(), X.contiguous(), post.float().contiguous(), comb.float().contiguous(), out,
-        next_fn if nxt else out, part, sq, T, D, R,
+        o.contiguous(), X, post, comb, out, next_fn if nxt else out, part, sq, T, D, R,
         N=n, BLOCK_N=triton.next_power_of_2(n), BLOCK_D=block_d,
-        OUT_BF16=X.dtype == torch.bfloat16, NEXT=nxt, BLOCK_R=BLOCK_R)
+        OUT_BF16=dtype == torch.bfloat16, NEXT=nxt, BLOCK_R=BLOCK_R, EXPAND=expand)
     if nxt:
         setattr(out, _LEFT, (next_fn, part, sq, S, BLOCK_R))
     return out

@@ -59,6 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dspark.kernels.norm_rope import _rnd
 from dspark.kvcache.layouts import dequantize_fp8_ds_mla
 
 D_HEAD = 512        # full record width: 448 NoPE + 64 RoPE dims
@@ -512,9 +513,14 @@ def _sparse_mqa_v2_kernel(
 
 @triton.jit
 def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr, stride_ot, stride_oh, H,
-                    NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr):
+                    cis_ptr, pos_ptr,
+                    NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, ROPE: tl.constexpr = False,
+                    R_HALF: tl.constexpr = 32, ROUND: tl.constexpr = 0):
     """out[t, h] = Σ_s 2^(lse_s − m) · part_s / (Σ_s 2^(lse_s − m) + 2^(sink·log2e − m)),
-    m = max(lse_s, sink·log2e) (finite: the sink is). Grid (T, cdiv(H, BLOCK_H))."""
+    m = max(lse_s, sink·log2e) (finite: the sink is). Grid (T, cdiv(H, BLOCK_H)).
+    ROPE: then as kernels.norm_rope without a norm (the attention output's inverse RoPE): the
+    row rounded to out's dtype (ROUND 1: bf16), its last R_HALF interleaved pairs rotated by
+    cis[pos[t]] (float32 [rows, R_HALF, 2], already conjugated) and rounded again."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < H
@@ -532,8 +538,20 @@ def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr, stride_ot, stride_oh, 
         denom += w
         acc += w[:, None] * tl.load(part_ptr + row[:, None] * 512 + d[None, :],
                                     mask=h_ok[:, None], other=0.0)
+    acc = acc / denom[:, None]
+    if ROPE:
+        acc = _rnd(acc, ROUND)
+        re, im = tl.split(tl.reshape(acc, (BLOCK_H, 256, 2)))     # pair i: dims 2i, 2i + 1
+        i = tl.arange(0, 256) - (256 - R_HALF)                      # rope pair index, < 0: none
+        rot = i >= 0
+        at = tl.load(pos_ptr + t).to(tl.int64) * (2 * R_HALF) + 2 * tl.maximum(i, 0)
+        c = tl.load(cis_ptr + at, mask=rot, other=1.0)[None, :]
+        s = tl.load(cis_ptr + at + 1, mask=rot, other=0.0)[None, :]
+        re2 = tl.where(rot[None, :], _rnd(re * c - im * s, ROUND), re)
+        im2 = tl.where(rot[None, :], _rnd(re * s + im * c, ROUND), im)
+        acc = tl.reshape(tl.join(re2, im2), (BLOCK_H, 512))
     tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + d[None, :],
-             acc / denom[:, None], mask=h_ok[:, None])
+             acc.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -555,12 +573,39 @@ def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr, stride_ot, stride_oh, 
 # through fp32): 72.1 / 136.6 / 260.9 us = 1.48 / 1.49 / 1.50x FlashMLA at 64 / 128 / 256
 # requests (bf16 in the same run 77.3 / 146.1 / 280.5), 38.0 us at 16. fp16 keeps 3 more mantissa
 # bits than bf16; its range (|value| < 65504, scales >= 2^-24) holds for RMS-normed latents.
+# Few tokens (session 17, the batch-1 V4-Flash decode graph on the H200, 64 heads, 128 window +
+# 0 / 512 compressed keys, DSPARK_SMQA_FEW A/B): 16 heads x 8 KV splits per program with 4 warps
+# (128 programs, each reading a quarter of q and writing a quarter of the partials of the 64-head
+# programs) took 8.8 / 9.2 us per SWA / compressed layer against 9.7 / 13.9 for 64 heads x 4
+# splits x 8 warps (16 heads x 4 splits: 8.6 / 12.8; 32 heads: 10.6 / 17.7; 2 splits: 12.6 /
+# 16.3); device time per step 0.810 -> 0.800 ms.
 DEFAULT_CONFIGS: list[tuple[int | None, dict]] = [
-    (32, dict(impl="v3", block_h=64, block_k=32, split_d=1, kv_splits=4, num_warps=8,
+    (32, dict(impl="v3", block_h=16, block_k=32, split_d=1, kv_splits=8, num_warps=4,
               num_stages=2, fp16_operands=True)),
     (None, dict(impl="v3", block_h=64, block_k=64, split_d=1, kv_splits=1, num_warps=8,
                 num_stages=2, early_decode=True, fp16_operands=True)),
 ]
+
+
+# heads per program of the split-KV combine (DSPARK_COMBINE_BH). H200, session 17, batch-1
+# V4-Flash decode graph (64 heads, 4 splits, inverse RoPE in the launch): 4.9 us at 16 heads,
+# 2.4 at 4, 1.8 at 2 (each program reads its heads' partials: 128 KB at 16 heads); device time
+# per step 0.821 -> 0.808 ms from 16 to 4 heads.
+COMBINE_BLOCK_H = 2
+
+
+def _env_config(name: str) -> dict:
+    """Knobs from the environment variable `name`, "key=int+..." (A/B runs of the decode step:
+    DSPARK_SMQA_FEW replaces knobs of the few-token default row), else {}."""
+    text = os.environ.get(name, "")
+    out = {}
+    for item in filter(None, text.split("+")):
+        key, _, val = item.partition("=")
+        if key not in ("block_h", "block_k", "kv_splits", "num_warps", "num_stages"):
+            raise ValueError(f"{name}: unknown knob {key!r} (block_h, block_k, kv_splits, "
+                             "num_warps, num_stages)")
+        out[key] = int(val)
+    return out
 
 
 def _resolve_config(T: int, H: int, prec: str, user: dict) -> dict:
@@ -579,6 +624,8 @@ def _resolve_config(T: int, H: int, prec: str, user: dict) -> dict:
         for bound, row in DEFAULT_CONFIGS:
             if bound is None or T <= bound:
                 cfg = dict(row)
+                if bound is not None:
+                    cfg.update(_env_config("DSPARK_SMQA_FEW"))
                 break
     if cfg is None:
         impl = user.get("impl", "v1")
@@ -638,12 +685,13 @@ def _prep_q(q: torch.Tensor, sink: torch.Tensor):
 LAST_LAUNCH: dict = {}
 
 
-def _launch(q, sink, scale, fp8, a, b, tuning: dict, precision):
-    """a / b = (u8 view, bf16 view, page_bytes_or_row_stride, N, indices, lengths) or None."""
+def _launch(q, sink, scale, fp8, a, b, tuning: dict, precision, rope=None):
+    """a / b = (u8 view, bf16 view, page_bytes_or_row_stride, N, indices, lengths) or None.
+    rope = (cis, positions, dtype) or None: see `sparse_mqa_fp8`."""
     T, H, _ = q.shape
     out = torch.empty((T, H, D_HEAD), dtype=torch.float32, device=q.device)
     if T == 0 or H == 0:
-        return out
+        return out if rope is None else out.to(rope[2])
     prec = _pick_precision(q.dtype, precision)
     cfg = _resolve_config(T, H, prec, tuning)
     if precision is None and prec == "bf16" and cfg["fp16_operands"] and fp8:
@@ -673,7 +721,7 @@ def _launch(q, sink, scale, fp8, a, b, tuning: dict, precision):
             q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1),
             sink, H, float(scale) * LOG2E, *list_args,
             BLOCK_K=cfg["block_k"], **flags, **launch_opts)
-        return out
+        return _rotated(out, rope)
     ns = cfg["kv_splits"]
     if ns > 1:
         part = torch.empty((T, ns, H, D_HEAD), dtype=torch.float32, device=q.device)
@@ -692,11 +740,29 @@ def _launch(q, sink, scale, fp8, a, b, tuning: dict, precision):
             sink, H, float(scale) * LOG2E, *list_args,
             BLOCK_N=cfg["block_k"], NUM_SPLITS=ns, HALVES=cfg["halves"], **flags, **launch_opts)
     if ns > 1:
-        bh = min(16, triton.next_power_of_2(H))
+        bh = min(int(os.environ.get("DSPARK_COMBINE_BH", COMBINE_BLOCK_H)),
+                 triton.next_power_of_2(H))
+        if rope is not None:                  # the inverse RoPE and the cast in this launch
+            cis, pos, dtype = rope
+            res = torch.empty((T, H, D_HEAD), dtype=dtype, device=q.device)
+            _combine_kernel[(T, triton.cdiv(H, bh))](
+                part, lse, sink, res, res.stride(0), res.stride(1), H,
+                torch.view_as_real(cis), pos, NUM_SPLITS=ns, BLOCK_H=bh, ROPE=True,
+                R_HALF=cis.shape[1], ROUND=int(dtype == torch.bfloat16), num_warps=4)
+            return res
         _combine_kernel[(T, triton.cdiv(H, bh))](
-            part, lse, sink, out, out.stride(0), out.stride(1), H,
+            part, lse, sink, out, out.stride(0), out.stride(1), H, out, out,
             NUM_SPLITS=ns, BLOCK_H=bh, num_warps=4)
-    return out
+    return _rotated(out, rope)
+
+
+def _rotated(out: torch.Tensor, rope) -> torch.Tensor:
+    """out, or (rope = (cis, positions, dtype)) its inverse RoPE by the norm_rope kernel."""
+    if rope is None:
+        return out
+    from dspark.kernels.norm_rope import norm_rope
+    cis, pos, dtype = rope
+    return norm_rope(out, cis=cis, rope_dim=2 * cis.shape[1], dtype=dtype, positions=pos)
 
 
 def _fp8_cache_args(cache: torch.Tensor, N: int, indices, lengths, T, name):
@@ -722,7 +788,7 @@ def sparse_mqa_fp8(q: torch.Tensor, cache: torch.Tensor, entries_per_page: int,
                    precision: str | None = None, kv_splits: int | None = None,
                    impl: str | None = None, maxnreg: int | None = None,
                    halves: bool | None = None,
-                   early_decode: bool | None = None) -> torch.Tensor:
+                   early_decode: bool | None = None, rope=None) -> torch.Tensor:
     """Sparse MQA with sink over a paged ``fp8_ds_mla`` cache (Triton).
 
     q:        [T, H, 512] bf16 or fp32 (other float dtypes are upcast to fp32).
@@ -743,10 +809,19 @@ def sparse_mqa_fp8(q: torch.Tensor, cache: torch.Tensor, entries_per_page: int,
               (v2) splits each token's keys over that many programs plus a combine kernel.
               v3 only: early_decode (default False): decode all four chunks of a key tile
               before its first product. See sparse_mqa_v3.py.
+    rope:     optional (cis, positions, dtype): the output then comes back as
+              `kernels.norm_rope.norm_rope(out, cis=cis, rope_dim=2 * cis.shape[1], dtype=dtype,
+              positions=positions)` would return it (rounded to dtype, its last rope dims rotated
+              by cis[positions[t]], a complex64 table [rows, r/2], conjugated for the attention
+              output's inverse RoPE), in the split-KV combine launch when there is one.
     Returns float32 [T, H, 512]; rows with every key masked are 0.
     """
     q, sink = _prep_q(q, sink)
     T = q.shape[0]
+    if rope is not None:
+        cis, pos, _ = rope
+        assert cis.dtype == torch.complex64 and cis.dim() == 2 and 2 * cis.shape[1] <= D_HEAD
+        assert pos.shape == (T,) and pos.is_contiguous() and cis.is_contiguous()
     a = _fp8_cache_args(cache, entries_per_page, indices, lengths, T, "cache")
     b = None
     if extra_indices is not None:
@@ -757,7 +832,7 @@ def sparse_mqa_fp8(q: torch.Tensor, cache: torch.Tensor, entries_per_page: int,
     tuning = dict(impl=impl, block_h=block_h, block_k=block_k, split_d=split_d,
                   kv_splits=kv_splits, halves=halves, num_warps=num_warps,
                   num_stages=num_stages, maxnreg=maxnreg, early_decode=early_decode)
-    return _launch(q, sink, scale, True, a, b, tuning, precision)
+    return _launch(q, sink, scale, True, a, b, tuning, precision, rope)
 
 
 def _dense_args(kv: torch.Tensor, indices, lengths, T, name):

@@ -92,9 +92,12 @@ class Attention(nn.Module):
             e = quant.indexer(e).to(dtype) if indexer else quant.kv(e)
         return e
 
-    def output(self, o, positions, dtype, bound=None, memo=None):
-        """Inverse RoPE, then the grouped low-rank projection. o [T, H, hd] -> [T, D]."""
-        o = norm_rope(o, self.rope, positions, inverse=True, bound=bound, memo=memo, dtype=dtype)
+    def output(self, o, positions, dtype, bound=None, memo=None, rotated=False):
+        """Inverse RoPE, then the grouped low-rank projection. o [T, H, hd] -> [T, D].
+        rotated: o is already inversely rotated and in dtype (the attention kernels did it)."""
+        if not rotated:
+            o = norm_rope(o, self.rope, positions, inverse=True, bound=bound, memo=memo,
+                          dtype=dtype)
         G = self.cfg.o_groups
         if hasattr(self.wo_a, "grouped"):      # quantized weights (dspark.models.qlinear)
             z = self.wo_a.grouped(o.reshape(o.shape[0], G, -1), G)

@@ -36,6 +36,7 @@ so the warm-up run before a capture and the replay write identical state).
 """
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -53,6 +54,7 @@ from . import host_plan as hp
 from .compressor import gated_pool
 from .indexer import topk_lowest_ties
 from .norm import fp32
+from .rope import Rope
 
 SCRATCH_RID = "__v4_graph_scratch__"
 
@@ -244,7 +246,10 @@ class _Kernels:
                 (out >= 0).sum(1, dtype=torch.int32))
 
     def attend(self, q, window_pool, capacity, window_ids, entry_pool, per_page, entry_ids,
-               entry_lens, sink, scale):
+               entry_lens, sink, scale, rope=None):
+        """The attention core's output [T, H, 512]: fp32, or with rope = (cis, positions, dtype)
+        (Triton kernels and fp8 pages only: `fuses_rope`) already inversely rotated and cast
+        the way Attention.output's norm_rope would."""
         from dspark.kernels import sparse_mqa as K
         fp8 = window_pool.dtype == torch.uint8
         extra = {}
@@ -257,8 +262,16 @@ class _Kernels:
         else:
             fn = K.sparse_mqa_fp8_torch if fp8 else K.sparse_mqa_dense_torch
         if fp8:
+            if rope is not None:
+                extra["rope"] = rope
             return fn(q, window_pool, capacity, window_ids, sink, scale, **extra)
         return fn(q, window_pool, window_ids, sink, scale, **extra)
+
+    def fuses_rope(self, window_pool, rope) -> bool:
+        """Whether `attend` takes the attention output's inverse RoPE (the split-KV combine does
+        it in its launch; DSPARK_ATTN_ROPE=0: Attention.output's own norm_rope launch)."""
+        return (self.kind == "triton" and window_pool.dtype == torch.uint8
+                and isinstance(rope, Rope) and os.environ.get("DSPARK_ATTN_ROPE", "1") != "0")
 
 
 def _plan_key(B: int, q: int, P: int, fields) -> tuple:
@@ -327,12 +340,15 @@ def static_attention(attn, x, kern: _Kernels, sp: StaticPlan, layer: int, quant)
             ids, lens = rp.all_visible_ids_i32, rp.n_visible_i32
         else:
             ids, lens = selected
+    rope = None
+    if kern.fuses_rope(cache.swa[layer], attn.rope):
+        rope = (attn.rope.table(bound, dev, inverse=True), pos, x.dtype)
     o = kern.attend(q, cache.swa[layer], cache.capacity, sp.window_ids_i32, entry_pool, N, ids,
-                    lens, attn.attn_sink, attn.head_dim ** -0.5)
+                    lens, attn.attn_sink, attn.head_dim ** -0.5, rope)
     ring = side_stream.fork(dev, 3)
     with side_stream.on(ring):
         kern.copy_rows(cache.swa[layer], cache.capacity, sp)
-    out = attn.output(o, pos, x.dtype, bound, memo)
+    out = attn.output(o, pos, x.dtype, bound, memo, rotated=rope is not None)
     side_stream.join(ring)
     return out
 
@@ -494,8 +510,13 @@ class V4DecodeGraphs:
         sp = plan_from_views(self.cache, hp.views(self._layout(B, q, P), self.ints), inp,
                              self.bound)
         X, taps = static_forward(self.model, self.kernels, sp, inp.token_ids, self.tap_layers)
-        self.logits_out[:B * q].copy_(self.model.logits(X))
-        argmax_rows(self.logits_out[:B * q], out=self.argmax_out[:B * q])
+        logits = self.model.logits(X)
+        # the copy into the static output beside the argmax, not before it
+        side = side_stream.fork(logits.device, 1)
+        with side_stream.on(side):
+            self.logits_out[:B * q].copy_(logits)
+        argmax_rows(logits, out=self.argmax_out[:B * q])
+        side_stream.join(side)
         if taps is not None:
             self.taps_out[:B * q].copy_(taps)
 

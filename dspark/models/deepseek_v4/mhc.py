@@ -47,6 +47,16 @@ def hc_pre(X, fn, base, scale, n: int, sinkhorn_iters: int, hc_eps: float, norm_
                     norm=norm)
 
 
+def hc_expand(h: torch.Tensor, n: int, next_fn: torch.Tensor | None = None) -> torch.Tensor:
+    """The first layer's n streams: copies of the embedding h [T, D] -> [T, n, D]. next_fn: the
+    first hc_pre's fn (a hint, as in hc_post: the kernel then starts that projection in the same
+    launch; the result is the same)."""
+    k = _kernels(h)
+    if k is None:
+        return h.unsqueeze(1).expand(-1, n, -1).contiguous()
+    return k.hc_expand(h, n, next_fn)
+
+
 def hc_post(o: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
             next_fn: torch.Tensor | None = None) -> torch.Tensor:
     """X'[k] = post[k] * o + sum_j comb[j, k] * X[j]  (column k of comb feeds new stream k).

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .attention import Attention
-from .mhc import hc_head, hc_post, hc_pre
+from .mhc import hc_expand, hc_head, hc_post, hc_pre
 from .moe import MoE
 from .norm import RMSNorm, linear_fp32
 from .state import DenseState
@@ -114,7 +114,8 @@ class DeepseekV4Model(nn.Module):
         A tap is the completed residual stream after a layer, averaged over the hc axis.
         """
         h = self.embed(batch.token_ids)
-        X = h.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        X = hc_expand(h, self.cfg.hc_mult,
+                      self.layers[0].hc_attn_fn if len(self.layers) else self.hc_head_fn)
         taps = []
         for i, layer in enumerate(self.layers):
             nxt = self.layers[i + 1].hc_attn_fn if i + 1 < len(self.layers) else self.hc_head_fn
@@ -135,7 +136,7 @@ class DeepseekV4Model(nn.Module):
 
     def logits(self, X) -> torch.Tensor:
         """fp32 logits from final streams X [T, n, D]."""
-        return linear_fp32(self.head_hidden(X, norm=self.norm), self.head.weight)
+        return linear_fp32(self.head_hidden(X, norm=self.norm), self.head.weight, head=True)
 
     def forward(self, batch: Batch, attn_fn=None, quant=None) -> torch.Tensor:
         X, _ = self.forward_hidden(batch, attn_fn, quant)

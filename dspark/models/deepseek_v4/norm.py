@@ -79,18 +79,19 @@ def fp32(w: torch.Tensor) -> torch.Tensor:
 _MM_OUT_DTYPE = [True]        # torch.mm(..., out_dtype=) usable here (set False on first failure)
 
 
-def linear_fp32(x: torch.Tensor, w: torch.Tensor, skinny: bool = False) -> torch.Tensor:
+def linear_fp32(x: torch.Tensor, w: torch.Tensor, skinny: bool = False,
+                head: bool = False) -> torch.Tensor:
     """fp32 ``x @ w.T`` (the fp32 logits of the reference numerics) without an fp32 copy of a
     large bf16 weight per call: on CUDA, when x already has w's 16-bit dtype, cuBLAS multiplies
     the 16-bit values and accumulates / writes fp32 (``torch.mm(out_dtype=float32)``). Same
     products as ``F.linear(x.float(), w.float())`` (16-bit values are exact in fp32), only the
     summation order may differ. skinny: few tokens (decode, verify) take the skinny Triton
     kernel instead (`fp8_gemm.linear16_skinny`: one launch, same products; asked for by the
-    compressor projections, where the H200 measured it, not by the head or the router).
-    Elsewhere: ``F.linear(x.float(), fp32(w))``."""
-    if skinny and x.is_cuda and not torch.is_grad_enabled():
+    compressor projections and (head) the vocabulary head, where the H200 measured it, not by
+    the router). Elsewhere: ``F.linear(x.float(), fp32(w))``."""
+    if (skinny or head) and x.is_cuda and not torch.is_grad_enabled():
         from dspark.kernels import fp8_gemm      # (Triton: not imported by the CPU reference)
-        if fp8_gemm.linear16_skinny_applies(x, w):
+        if fp8_gemm.linear16_skinny_applies(x, w, head):
             return fp8_gemm.linear16_skinny(x, w, torch.float32)
     if (x.is_cuda and w.dtype in (torch.bfloat16, torch.float16) and x.dtype == w.dtype
             and _MM_OUT_DTYPE[0] and not torch.is_grad_enabled()):
