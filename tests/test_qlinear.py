@@ -416,7 +416,8 @@ def test_linear16_skinny_equals_fp32_linear(dtype):
 def test_head_linear_skinny_at_vocabulary_size_gpu(T):
     """The vocabulary head of a decode / verify step (linear_fp32(head=True)) on the skinny
     kernel at V4-Flash's size (129280 x 4096 bf16, past LINEAR16_MAX_BYTES): fp32 logits within
-    fp32 summation order of a float64 product, and the argmax of every row equal to it."""
+    fp32 summation order of a float64 product (K = 4096 fp32 sums: ~2e-6 measured at 16 tokens),
+    and the argmax of every row equal to it."""
     from dspark.models.deepseek_v4.norm import linear_fp32
     gen = torch.Generator(device="cuda").manual_seed(T)
     w = (torch.randn(129280, 4096, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
@@ -425,5 +426,5 @@ def test_head_linear_skinny_at_vocabulary_size_gpu(T):
     assert not fp8g.linear16_skinny_applies(x, w)              # no other caller takes 1 GB
     got = linear_fp32(x, w, head=True)
     want = (x.double() @ w.double().t())
-    assert got.dtype == torch.float32 and rel_err(got.double(), want) < 1e-6
+    assert got.dtype == torch.float32 and rel_err(got.double(), want) < 1e-5
     assert torch.equal(got.argmax(-1), want.argmax(-1))
