@@ -202,6 +202,11 @@ def _fp8_cases():
         yield ("_fp8_skinny_kernel", f"BLOCK_N=64 BLOCK_T=16 SPLIT={split} warps=4 fp16",
                fg._fp8_skinny_kernel, ssig, {"BLOCK_N": 64, "BLOCK_T": 16, "BLOCK_K": fg.FP8_BLOCK,
                                              "PRECISION": "fp16", "SPLIT": split}, 4, 3, None)
+    hsig = dict(ssig, w_ptr="*bf16", s_ptr="*bf16", y_ptr="*fp32", key_ptr="*i32",
+                idx_ptr="*i32")                   # the vocabulary head + its chunk argmax
+    yield ("_fp8_skinny_kernel", "BLOCK_N=64 BLOCK_T=16 SPLIT=1 warps=4 W16 head argmax",
+           fg._fp8_skinny_kernel, hsig, {"BLOCK_N": 64, "BLOCK_T": 16, "BLOCK_K": fg.FP8_BLOCK,
+                                         "PRECISION": "bf16", "SPLIT": 1, "W16": True}, 4, 3, None)
     import dspark.kernels.fp8_gemv_tc as tc       # the tensor-core GEMV of 1-16 tokens
     gsig = dict(ssig, KCH="i32")
     del gsig["K_PER_SPLIT"]
@@ -312,6 +317,14 @@ def _decode_fused_cases():
     yield ("_post", "N=4 BLOCK_D=64 NEXT R=24 warps=4", mhc._post, po,
            {"N": 4, "BLOCK_N": 4, "BLOCK_D": 64, "OUT_BF16": True, "NEXT": True, "BLOCK_R": 32},
            4, 1, None)
+    fp = {"x_ptr": "*bf16", "part_ptr": "*fp32", "sq_ptr": "*fp32", "base_ptr": "*fp32",
+          "scale_ptr": "*fp32", "u_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32",
+          "T": "i32", "D": "i32", "S": "i32", "K": "i32", "norm_eps": "fp32", "hc_eps": "fp32",
+          "sinkhorn_iters": "i32", "nw_ptr": "*bf16", "rms_eps": "fp32"}
+    yield ("_finish_pre", "N=4 S=64 D=4096 NORM warps=8 (the decode u + RMSNorm launch)",
+           mhc._finish_pre, fp, {"N": 4, "BLOCK_N": 4, "BLOCK_S": 64, "BLOCK_R": 32,
+                                 "BLOCK_D": 4096, "HEAD": True, "OUT_BF16": True, "U": True,
+                                 "NORM": True}, 8, 1, None)
 
 
 KERNELS = {"moe": _moe_cases, "fp8": _fp8_cases, "attention": _attention_cases,

@@ -50,8 +50,9 @@ for name, pdl_on, prefetch in (("off", False, False), ("on", True, False),
                                ("prefetch", True, True)):
     ce = {{"BLOCK_N": 64, "BLOCK_T": 16, "BLOCK_K": 128, "PRECISION": "fp16", "SPLIT": 8,
           "PDL": pdl_on, "PREFETCH": prefetch}}
-    for p in fn.params:
-        if p.is_constexpr and p.name not in ce and p.default is not inspect.Parameter.empty:
+    for p in fn.params:     # defaults: constexprs, and optional pointers (None) as constexprs
+        if ((p.is_constexpr or p.default is None) and p.name not in ce
+                and p.default is not inspect.Parameter.empty):
             ce[p.name] = p.default
     s = dict(sig, **{{k: "constexpr" for k in ce}})
     attrs = {{(fn.arg_names.index(a),): [["tt.divisibility", 16]]

@@ -410,6 +410,34 @@ def test_linear16_skinny_equals_fp32_linear(dtype):
     assert got16.shape == (1, 3, 80) and rel_err(got16[0], want.to(dtype)) < 2 ** -7
 
 
+@triton_ok
+@pytest.mark.parametrize("K", [128, 384])                 # one K split / three (last arriver)
+def test_linear16_skinny_argmax_and_out(K):
+    """argmax_out (the vocabulary head): each program's chunk argmax in the GEMV's launch, then
+    the second pass: equal to torch's argmax of the logits it wrote, ties to the first index
+    (rows 5 and 70 equal, and the maximum there), the logits in `out` in place."""
+    gen = torch.Generator().manual_seed(K)
+    x = torch.randn(3, K, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(100, K, generator=gen) * 0.1).to(torch.bfloat16)
+    w[70] = w[5] = x[1] * 4                                # token 1: a tie for its maximum
+    out = torch.full((3, 100), float("nan"), device=DEV)
+    am = torch.full((3,), -1, dtype=torch.long, device=DEV)
+    y = fp8g.linear16_skinny(x.to(DEV), w.to(DEV), torch.float32, argmax_out=am, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    assert torch.equal(am, out.argmax(-1)) and int(am[1]) == 5
+    assert rel_err(out.cpu(), F.linear(x.float(), w.float())) < 1e-6
+
+
+def test_linear_fp32_argmax_and_out_on_the_torch_path():
+    """linear_fp32(argmax_out=, out=) where no kernel applies: the same contract."""
+    from dspark.models.deepseek_v4.norm import linear_fp32
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(2, 64, generator=gen), torch.randn(50, 64, generator=gen)
+    out, am = torch.empty(2, 50), torch.empty(2, dtype=torch.long)
+    y = linear_fp32(x, w, head=True, argmax_out=am, out=out)
+    assert y is out and torch.equal(out, F.linear(x, w)) and torch.equal(am, out.argmax(-1))
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("T", [1, 5, 16])
@@ -417,14 +445,18 @@ def test_head_linear_skinny_at_vocabulary_size_gpu(T):
     """The vocabulary head of a decode / verify step (linear_fp32(head=True)) on the skinny
     kernel at V4-Flash's size (129280 x 4096 bf16, past LINEAR16_MAX_BYTES): fp32 logits within
     fp32 summation order of a float64 product (K = 4096 fp32 sums: ~2e-6 measured at 16 tokens),
-    and the argmax of every row equal to it."""
+    written in place into `out`, and the argmax of every row (argmax_out: its first pass in the
+    GEMV's launch) equal to the float64 one."""
     from dspark.models.deepseek_v4.norm import linear_fp32
     gen = torch.Generator(device="cuda").manual_seed(T)
     w = (torch.randn(129280, 4096, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
     x = torch.randn(T, 4096, generator=gen, device="cuda").to(torch.bfloat16)
     assert fp8g.linear16_skinny_applies(x, w, head=True)
     assert not fp8g.linear16_skinny_applies(x, w)              # no other caller takes 1 GB
-    got = linear_fp32(x, w, head=True)
+    out = torch.empty(T, 129280, device="cuda")
+    am = torch.empty(T, dtype=torch.long, device="cuda")
+    got = linear_fp32(x, w, head=True, argmax_out=am, out=out)
     want = (x.double() @ w.double().t())
+    assert got.data_ptr() == out.data_ptr()
     assert got.dtype == torch.float32 and rel_err(got.double(), want) < 1e-5
-    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert torch.equal(got.argmax(-1), want.argmax(-1)) and torch.equal(am, got.argmax(-1))

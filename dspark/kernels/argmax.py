@@ -58,6 +58,15 @@ def supported(x: torch.Tensor) -> bool:
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
+def row_argmax_of_chunks(keys: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The second pass alone, over chunk results [R, C] another kernel stored (the vocabulary
+    head's GEMV stores them per program: fp8_gemm's key_ptr / idx_ptr): out int64 [R]."""
+    R, C = keys.shape
+    _row_argmax_kernel[(R,)](keys, idx, out, C, BLOCK_C=triton.next_power_of_2(C),
+                             num_warps=1 if C <= 256 else 4)
+    return out
+
+
 def row_argmax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """int64 [R]: x.argmax(-1) of x [R, V] (unit column stride); into `out` when given."""
     assert supported(x), (x.shape, x.stride(), x.dtype)

@@ -305,31 +305,44 @@ def _route_scores(x, EXACT: tl.constexpr):
 def _route_rows(logits_ptr, stride_l, rt, t_ok, bias_ptr, tid_ptr, stride_tid, tok_ptr, idx_ptr,
                 w_ptr, E, route_scale, K: tl.constexpr, HASH: tl.constexpr, EXACT: tl.constexpr,
                 BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                CACHE: tl.constexpr):
+                CACHE: tl.constexpr, lg_in=None):
     """The routing of the logits rows rt (int64 [BLOCK_T], rows where t_ok): expert ids and
     weights stored to rows rt of idx / w ([T, K]). Shared by `_route_kernel` (one row per
     program) and `gate_route._gate_route_kernel` (all rows in one program, CACHE=".cg" there:
-    the logits were written by other programs of that launch)."""
+    the logits were written by other programs of that launch). lg_in: the rows already in
+    registers (fp32 [BLOCK_T, BLOCK_E], what the logits rows hold; small shapes, see
+    gate_route.ROUTE_IN_REGISTERS): then the chosen experts' scores are gathered from registers,
+    not reloaded. The bias / hash
+    table loads go first either way (no round trip of their own after the logits')."""
     kk = tl.arange(0, BLOCK_K)
     km = t_ok[:, None] & (kk < K)[None, :]                                  # [BLOCK_T, BLOCK_K]
+    e = tl.arange(0, BLOCK_E)
+    em = t_ok[:, None] & (e < E)[None, :]                                   # [BLOCK_T, BLOCK_E]
     rows = logits_ptr + rt[:, None] * stride_l
     if HASH:
         tok = tl.load(tok_ptr + rt, mask=t_ok, other=0).to(tl.int64)
         idx = tl.load(tid_ptr + tok[:, None] * stride_tid + kk[None, :], mask=km,
                       other=0).to(tl.int64)
     else:
-        e = tl.arange(0, BLOCK_E)
-        em = t_ok[:, None] & (e < E)[None, :]                               # [BLOCK_T, BLOCK_E]
-        s = _route_scores(tl.load(rows + e[None, :], mask=em, other=0.0, cache_modifier=CACHE),
-                          EXACT)
-        b = tl.where(em, s + tl.load(bias_ptr + e, mask=e < E, other=0.0)[None, :],
+        bias = tl.load(bias_ptr + e, mask=e < E, other=0.0)
+    if lg_in is None:
+        if not HASH:
+            lg = tl.load(rows + e[None, :], mask=em, other=0.0, cache_modifier=CACHE)
+    else:
+        lg = lg_in
+    if not HASH:
+        b = tl.where(em, _route_scores(tl.where(em, lg, 0.0), EXACT) + bias[None, :],
                      float("-inf"))
         idx = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int64)
         for k in tl.static_range(K):
             j = tl.argmax(b, 1, tie_break_left=True)                        # [BLOCK_T]
             idx = tl.where(kk[None, :] == k, j.to(tl.int64)[:, None], idx)
             b = tl.where(e[None, :] == j[:, None], float("-inf"), b)
-    w = _route_scores(tl.load(rows + idx, mask=km, other=0.0, cache_modifier=CACHE), EXACT)
+    if lg_in is None:
+        w = _route_scores(tl.load(rows + idx, mask=km, other=0.0, cache_modifier=CACHE), EXACT)
+    else:   # the chosen logits from registers: one match per (row, slot), an exact sum
+        w = _route_scores(tl.sum(tl.where(e[None, None, :] == idx[:, :, None], lg[:, None, :],
+                                          0.0), axis=2), EXACT)
     w = tl.where(km, w, 0.0)
     total = tl.where(t_ok, tl.sum(w, axis=1), 1.0)                          # no 0/0 in padding
     w = _div(w, total[:, None], EXACT) * route_scale

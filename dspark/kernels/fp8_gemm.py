@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from dspark.kernels import pdl
+from dspark.kernels.argmax import _order_key
 from dspark.kernels.sparse_mqa import _mma, _pick_precision
 from dspark.models import side_stream
 from dspark.models.quant import FP8_BLOCK, dequant_fp8_blocks, fp8_scale_shape
@@ -141,7 +142,7 @@ def _fp8_skinny_kernel(
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr = False,
     RESCUE: tl.constexpr = "bf16", PDL: tl.constexpr = False, W16: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, key_ptr=None, idx_ptr=None,
 ):
     """Few tokens (decode, verify): y^T = W x^T with the weight rows as the MMA's M side
     ("swap AB": a [BLOCK_N, 128] weight tile against x^T [128, BLOCK_T], so 64-128 weight rows
@@ -162,7 +163,11 @@ def _fp8_skinny_kernel(
     that kernel (PREFETCH: after asking L2 for its weight slice) and lets the next kernel start
     once its own weight loop is done.
     W16: 16-bit weights without scales (bf16 / fp16 linears of few tokens, `linear16_skinny`:
-    the same kernel, one MMA operand conversion less; s_ptr unused)."""
+    the same kernel, one MMA operand conversion less; s_ptr unused).
+    key_ptr / idx_ptr (fp32 y only; the vocabulary head): also each token's argmax over the
+    program's BLOCK_N columns, as kernels/argmax.py's first pass stores it for a chunk (the
+    largest order key and its first column) at [t, pid_n]: its second pass then finishes the
+    rows' argmax without the first pass's launch."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_t = tl.program_id(2)
@@ -198,6 +203,8 @@ def _fp8_skinny_kernel(
     ok = n_ok[:, None] & t_ok[None, :]
     if SPLIT == 1:
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=ok)
+        if key_ptr is not None:
+            _tile_argmax(acc, rn, n_ok, rt, t_ok, key_ptr, idx_ptr, pid_n, tl.num_programs(0), N)
     else:
         # workspace [SPLIT, T, N] fp32, same [t, n] addressing as y
         part = ws_ptr + pid_k * T * N + rt[None, :] * N + rn[:, None]
@@ -211,7 +218,21 @@ def _fp8_skinny_kernel(
                 total += tl.load(ws_ptr + j * T * N + rt[None, :] * N + rn[:, None], mask=ok,
                                  other=0.0, cache_modifier=".cg")
             tl.store(out, total.to(y_ptr.dtype.element_ty), mask=ok)
+            if key_ptr is not None:
+                _tile_argmax(total, rn, n_ok, rt, t_ok, key_ptr, idx_ptr, pid_n,
+                             tl.num_programs(0), N)
             tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")   # re-arm for the next launch
+
+
+@triton.jit
+def _tile_argmax(y, rn, n_ok, rt, t_ok, key_ptr, idx_ptr, chunk, C, N):
+    """Per token (column of y [BLOCK_N, BLOCK_T]): the largest order key of its rows rn and the
+    first row holding it, stored at [t, chunk] of the [T, C] key / index arrays."""
+    key = tl.where(n_ok[:, None], _order_key(y), -2147483647 - 1)
+    best = tl.max(key, axis=0)
+    first = tl.min(tl.where(key == best[None, :], rn[:, None], N), axis=0)
+    tl.store(key_ptr + rt * C + chunk, best, mask=t_ok)
+    tl.store(idx_ptr + rt * C + chunk, first.to(tl.int32), mask=t_ok)
 
 
 SKINNY_MAX_T = 64       # token counts the swap-AB kernel takes (decode, verify, short prefills)
@@ -302,7 +323,9 @@ def skinny_enabled() -> bool:
 
 def fp8_skinny_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: int, K: int,
                       out_dtype, precision: str, block=None, groups: int = 1, num_warps: int = 4,
-                      num_stages: int = 3, tma: bool = False, tc: bool = True) -> torch.Tensor:
+                      num_stages: int = 3, tma: bool = False, tc: bool = True,
+                      argmax_out: torch.Tensor | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """[T, N] in out_dtype from x2 [T, K] (unit column stride) and the weight / scale bytes.
     groups > 1: x2 is [T, groups, K] and weight rows g*N/groups.. use x2[:, g] ([T, N] is then
     [T, groups, N/groups]). block = (BLOCK_N, BLOCK_T, K splits), else picked by shape.
@@ -313,7 +336,14 @@ def fp8_skinny_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: i
     tc: few tokens of bf16 x with fp16 operands (the default precision) run the tensor-core GEMV
     of fp8_gemv_tc where it applies (the same numerics; block / tma given: this kernel; 16-bit
     weights stay here: a 16-bit variant of that GEMV measured no faster, 0.88-1.0x, on the
-    compressor shapes in session 16)."""
+    compressor shapes in session 16).
+    argmax_out: int64 [T]: also y.argmax(-1) into it (fp32 y, 16-bit weights: the vocabulary
+    head), the chunk pass of kernels/argmax.py done per program in this launch. out: y there
+    ([T, N] of out_dtype, unit column stride)."""
+    if argmax_out is not None:
+        assert su is None and out_dtype == torch.float32 and groups == 1 and not tma, \
+            "argmax_out: fp32 logits of 16-bit weights only"
+        assert argmax_out.shape == (x2.shape[0],) and argmax_out.dtype == torch.long
     if tc and block is None and not tma and su is not None and precision == "fp16":
         from dspark.kernels import fp8_gemv_tc
         if fp8_gemv_tc.tc_applies(x2, wu, N, K, groups):
@@ -328,7 +358,10 @@ def fp8_skinny_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: i
     split = max(1, min(split, nk))
     k_per = triton.cdiv(nk, split) * FP8_BLOCK
     split = triton.cdiv(K, k_per)
-    y = torch.empty(T, N, dtype=out_dtype, device=x2.device)
+    if out is not None:
+        assert out.shape == (T, N) and out.dtype == out_dtype and out.stride(1) == 1, \
+            (out.shape, out.dtype, out.stride())
+    y = torch.empty(T, N, dtype=out_dtype, device=x2.device) if out is None else out
     grid = (triton.cdiv(N, BN), split, triton.cdiv(T, BT))
     # the partials' workspace; unsplit launches never touch it (a cached one-element stand-in)
     ws = (torch.empty(split, T, N, dtype=torch.float32, device=x2.device) if split > 1
@@ -342,13 +375,20 @@ def fp8_skinny_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: i
     w_arg = _weight_descriptor(wu, BN) if tma else wu
     if w16:
         su = wu                              # (never read)
+    keys = idx = None
+    if argmax_out is not None:
+        keys = torch.empty(T, grid[0], dtype=torch.int32, device=x2.device)
+        idx = torch.empty(T, grid[0], dtype=torch.int32, device=x2.device)
     _fp8_skinny_kernel[grid](
         x2, x2.stride(0), stride_xg, w_arg, wu.stride(0), su, su.stride(0), y, y.stride(0), ws,
         cnt,
         T, N, K, k_per, R, BLOCK_N=BN, BLOCK_T=BT, BLOCK_K=FP8_BLOCK, PRECISION=precision,
         SPLIT=split, TMA=tma, RESCUE=_pick_precision(x2.dtype, None), PDL=on, W16=w16,
-        PREFETCH=prefetch,
+        PREFETCH=prefetch, key_ptr=keys, idx_ptr=idx,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_kwargs(on))
+    if argmax_out is not None:
+        from dspark.kernels.argmax import row_argmax_of_chunks
+        row_argmax_of_chunks(keys, idx, argmax_out)
     return y
 
 
@@ -374,7 +414,9 @@ def linear16_skinny_applies(x: torch.Tensor, w: torch.Tensor, head: bool = False
             and os.environ.get("DSPARK_LINEAR16_SKINNY", "1") != "0")
 
 
-def linear16_skinny(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def linear16_skinny(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype,
+                    argmax_out: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ w [N, K]^T in out_dtype for 16-bit x and w of few tokens: the skinny kernel
     (swap AB, split K summed in the same launch) with the 16-bit weights as they are. The
     products are exact, the fp32 sum differs from cuBLAS's only in order. (cuBLAS at T = 1 runs
@@ -387,7 +429,8 @@ def linear16_skinny(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) ->
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     prec = _pick_precision(x.dtype, "fp16" if w.dtype == torch.float16 else "bf16")
-    y = fp8_skinny_triton(x2, w, None, w.shape[0], K, out_dtype, prec)
+    y = fp8_skinny_triton(x2, w, None, w.shape[0], K, out_dtype, prec, argmax_out=argmax_out,
+                          out=None if out is None else out.view(-1, w.shape[0]))
     return y.view(*x.shape[:-1], w.shape[0])
 
 

@@ -31,6 +31,10 @@ MAX_E = 1024            # experts held by the routing program's [T, E] tile
 BLOCK_D = 128
 BY_BLOCK_ABOVE = 8192   # partial floats above which the expert blocks sum their own (BY_BLOCK)
 _DEVICE_BUFFERS: dict = {}    # (device, stream lane) -> zeroed int32 arrival counters
+# the last program routes from the logits sums in its registers (no store-and-reload, the chosen
+# experts' scores gathered there) while rows x slots x experts (the gather's selection) is at
+# most this many elements: decode / few-token verify at 256 experts; above, through memory
+ROUTE_IN_REGISTERS = tl.constexpr(16384)
 
 
 def _interpreting() -> bool:
@@ -40,11 +44,13 @@ def _interpreting() -> bool:
 @triton.jit
 def _sum_splits(part_ptr, logits_ptr, at, m, T, E, SPLIT: tl.constexpr):
     """logits[at] = the SPLIT partials [SPLIT, T, E] at `at` summed in split order (the same sum
-    whichever program arrives last); .cg loads: they were stored by other programs."""
+    whichever program arrives last); .cg loads: they were stored by other programs. Returns the
+    sums (0 where not m)."""
     total = tl.load(part_ptr + at, mask=m, other=0.0, cache_modifier=".cg")
     for j in tl.static_range(1, SPLIT):
         total += tl.load(part_ptr + j * T * E + at, mask=m, other=0.0, cache_modifier=".cg")
     tl.store(logits_ptr + at, total, mask=m)
+    return total
 
 
 @triton.jit
@@ -114,12 +120,21 @@ def _gate_route_kernel(
         if arrived == reporters - 1:                       # the logits are complete
             if SPLIT > 1 and not BY_BLOCK:
                 re = tl.arange(0, BLOCK_E)
-                _sum_splits(part_ptr, logits_ptr, rr[:, None] * E + re[None, :],
-                            r_ok[:, None] & (re < E)[None, :], T, E, SPLIT)
-                tl.debug_barrier()                         # the logits rows before the routing
-            _route_rows(logits_ptr, E, rr, r_ok, bias_ptr, tid_ptr, stride_tid, tok_ptr,
-                        idx_ptr, w_ptr, E, route_scale, K, HASH, EXACT, BLOCK_R, BLOCK_E,
-                        BLOCK_K, ".cg")
+                lg = _sum_splits(part_ptr, logits_ptr, rr[:, None] * E + re[None, :],
+                                 r_ok[:, None] & (re < E)[None, :], T, E, SPLIT)
+                if BLOCK_R * BLOCK_K * BLOCK_E <= ROUTE_IN_REGISTERS:     # routed from them
+                    _route_rows(logits_ptr, E, rr, r_ok, bias_ptr, tid_ptr, stride_tid,
+                                tok_ptr, idx_ptr, w_ptr, E, route_scale, K, HASH, EXACT,
+                                BLOCK_R, BLOCK_E, BLOCK_K, ".cg", lg)
+                else:
+                    tl.debug_barrier()                     # the logits rows before the routing
+                    _route_rows(logits_ptr, E, rr, r_ok, bias_ptr, tid_ptr, stride_tid,
+                                tok_ptr, idx_ptr, w_ptr, E, route_scale, K, HASH, EXACT,
+                                BLOCK_R, BLOCK_E, BLOCK_K, ".cg")
+            else:
+                _route_rows(logits_ptr, E, rr, r_ok, bias_ptr, tid_ptr, stride_tid, tok_ptr,
+                            idx_ptr, w_ptr, E, route_scale, K, HASH, EXACT, BLOCK_R, BLOCK_E,
+                            BLOCK_K, ".cg")
             tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")   # re-arm
 
 

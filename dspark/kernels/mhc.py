@@ -101,6 +101,15 @@ def _finish_pre(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, c
     i = tl.arange(0, BLOCK_N)
     s_ok = s < S
     i_ok = i < N
+    if U:
+        # the streams' block (and the norm weight) first: they depend on nothing here, so their
+        # loads overlap the partials' instead of following the reductions (as in `_post`)
+        d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        x = tl.load(x_ptr + (t * N + i[:, None]) * D + d[None, :],
+                    mask=i_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        if NORM:
+            nw = tl.load(nw_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
     rows = (s * T + t) * BLOCK_R                                   # [BLOCK_S] partial rows
     sq = tl.sum(tl.load(sq_ptr + s * T + t, mask=s_ok, other=0.0), axis=0)
     inv_rms = tl.math.rsqrt(sq / K + norm_eps)
@@ -112,16 +121,12 @@ def _finish_pre(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, c
     pre = tl.where(i_ok, pre, 0.0)
 
     if U:
-        d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-        d_ok = d < D
-        x = tl.load(x_ptr + (t * N + i[:, None]) * D + d[None, :],
-                    mask=i_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         u = tl.sum(pre[:, None] * x, axis=0)
         if NORM:
             if OUT_BF16:
                 u = _bf16_round(u)                  # the u the RMSNorm would read
             u = u * tl.math.rsqrt(tl.sum(u * u, axis=0) / D + rms_eps)   # (masked columns: 0)
-            u = u * tl.load(nw_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+            u = u * nw
         _store_rounded(u_ptr + t * D + d, u, d_ok, OUT_BF16)
 
     if not HEAD:

@@ -59,7 +59,24 @@ def _norm_rope_kernel(x_ptr, w_ptr, cis_ptr, out_ptr, H, D, R_HALF,
     dst = out_ptr + t * stride_ot + h * stride_oh
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
+    # every load first (none depends on this program's arithmetic; the rotation's table row on
+    # the position only): one memory round trip before the reductions instead of one per use
     v = tl.load(src + d, mask=d_ok, other=0.0).to(tl.float32)
+    if HAS_W:
+        w = tl.load(w_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+    n_plain = D
+    if ROPE:
+        n_plain = D - 2 * R_HALF
+        i = tl.arange(0, BLOCK_R)
+        i_ok = i < R_HALF
+        pe = n_plain + 2 * i                      # even element of pair i; odd = pe + 1
+        re = tl.load(src + pe, mask=i_ok, other=0.0).to(tl.float32)
+        im = tl.load(src + pe + 1, mask=i_ok, other=0.0).to(tl.float32)
+        if HAS_W:
+            w_re = tl.load(w_ptr + pe, mask=i_ok, other=0.0).to(tl.float32)
+            w_im = tl.load(w_ptr + pe + 1, mask=i_ok, other=0.0).to(tl.float32)
+        c = tl.load(cis_ptr + cis_row * 2 * R_HALF + 2 * i, mask=i_ok, other=0.0)
+        s = tl.load(cis_ptr + cis_row * 2 * R_HALF + 2 * i + 1, mask=i_ok, other=0.0)
     if ROUND_IN:
         v = _rnd(v, ROUND)
     rstd = 1.0
@@ -67,18 +84,10 @@ def _norm_rope_kernel(x_ptr, w_ptr, cis_ptr, out_ptr, H, D, R_HALF,
         rstd = tl.math.rsqrt(tl.sum(v * v, axis=0) / D + eps)
         v = v * rstd
         if HAS_W:
-            v = v * tl.load(w_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+            v = v * w
         v = _rnd(v, ROUND)
-    n_plain = D
-    if ROPE:
-        n_plain = D - 2 * R_HALF
     tl.store(dst + d, v.to(out_ptr.dtype.element_ty), mask=d < n_plain)
     if ROPE:
-        i = tl.arange(0, BLOCK_R)
-        i_ok = i < R_HALF
-        pe = n_plain + 2 * i                      # even element of pair i; odd = pe + 1
-        re = tl.load(src + pe, mask=i_ok, other=0.0).to(tl.float32)
-        im = tl.load(src + pe + 1, mask=i_ok, other=0.0).to(tl.float32)
         if ROUND_IN:
             re = _rnd(re, ROUND)
             im = _rnd(im, ROUND)
@@ -86,12 +95,10 @@ def _norm_rope_kernel(x_ptr, w_ptr, cis_ptr, out_ptr, H, D, R_HALF,
             re = re * rstd
             im = im * rstd
             if HAS_W:
-                re = re * tl.load(w_ptr + pe, mask=i_ok, other=0.0).to(tl.float32)
-                im = im * tl.load(w_ptr + pe + 1, mask=i_ok, other=0.0).to(tl.float32)
+                re = re * w_re
+                im = im * w_im
             re = _rnd(re, ROUND)
             im = _rnd(im, ROUND)
-        c = tl.load(cis_ptr + cis_row * 2 * R_HALF + 2 * i, mask=i_ok, other=0.0)
-        s = tl.load(cis_ptr + cis_row * 2 * R_HALF + 2 * i + 1, mask=i_ok, other=0.0)
         out_re = _rnd(re * c - im * s, ROUND)     # (re + i·im)(c + i·s), as complex64 multiplies
         out_im = _rnd(re * s + im * c, ROUND)
         tl.store(dst + pe, out_re.to(out_ptr.dtype.element_ty), mask=i_ok)

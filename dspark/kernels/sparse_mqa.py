@@ -573,14 +573,17 @@ def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr, stride_ot, stride_oh, 
 # through fp32): 72.1 / 136.6 / 260.9 us = 1.48 / 1.49 / 1.50x FlashMLA at 64 / 128 / 256
 # requests (bf16 in the same run 77.3 / 146.1 / 280.5), 38.0 us at 16. fp16 keeps 3 more mantissa
 # bits than bf16; its range (|value| < 65504, scales >= 2^-24) holds for RMS-normed latents.
-# Few tokens (session 17, the batch-1 V4-Flash decode graph on the H200, 64 heads, 128 window +
-# 0 / 512 compressed keys, DSPARK_SMQA_FEW A/B): 16 heads x 8 KV splits per program with 4 warps
-# (128 programs, each reading a quarter of q and writing a quarter of the partials of the 64-head
-# programs) took 8.8 / 9.2 us per SWA / compressed layer against 9.7 / 13.9 for 64 heads x 4
-# splits x 8 warps (16 heads x 4 splits: 8.6 / 12.8; 32 heads: 10.6 / 17.7; 2 splits: 12.6 /
-# 16.3); device time per step 0.810 -> 0.800 ms.
+# Up to 8 tokens (session 17, the batch-1 V4-Flash decode graph on the H200, 64 heads, 128
+# window + 0 / 512 compressed keys, DSPARK_SMQA_FEW A/B): 16 heads x 8 KV splits per program with
+# 4 warps (128 programs per token, each reading a quarter of q and writing a quarter of the
+# partials of a 64-head program) took 8.8 / 9.2 us per SWA / compressed layer against 9.7 / 13.9
+# for 64 heads x 4 splits x 8 warps (16 heads x 4 splits: 8.6 / 12.8; 32 heads: 10.6 / 17.7;
+# 2 splits: 12.6 / 16.3); device time per step 0.810 -> 0.800 ms. Measured at 1 token only: from
+# 9 tokens on (verify rounds of several requests) the 64-head row of the sweep below stays.
 DEFAULT_CONFIGS: list[tuple[int | None, dict]] = [
-    (32, dict(impl="v3", block_h=16, block_k=32, split_d=1, kv_splits=8, num_warps=4,
+    (8, dict(impl="v3", block_h=16, block_k=32, split_d=1, kv_splits=8, num_warps=4,
+             num_stages=2, fp16_operands=True)),
+    (32, dict(impl="v3", block_h=64, block_k=32, split_d=1, kv_splits=4, num_warps=8,
               num_stages=2, fp16_operands=True)),
     (None, dict(impl="v3", block_h=64, block_k=64, split_d=1, kv_splits=1, num_warps=8,
                 num_stages=2, early_decode=True, fp16_operands=True)),
@@ -596,7 +599,7 @@ COMBINE_BLOCK_H = 2
 
 def _env_config(name: str) -> dict:
     """Knobs from the environment variable `name`, "key=int+..." (A/B runs of the decode step:
-    DSPARK_SMQA_FEW replaces knobs of the few-token default row), else {}."""
+    DSPARK_SMQA_FEW replaces knobs of the few-token default rows), else {}."""
     text = os.environ.get(name, "")
     out = {}
     for item in filter(None, text.split("+")):

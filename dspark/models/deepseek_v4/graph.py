@@ -48,7 +48,6 @@ from dspark.graph_capture import capture, pow2_buckets, step_bucket, warm_up
 from dspark.kvcache.paged import copy_rows
 from dspark.models import side_stream
 from dspark.request import BlockTokens
-from dspark.sampling import argmax_rows
 
 from . import host_plan as hp
 from .compressor import gated_pool
@@ -510,13 +509,9 @@ class V4DecodeGraphs:
         sp = plan_from_views(self.cache, hp.views(self._layout(B, q, P), self.ints), inp,
                              self.bound)
         X, taps = static_forward(self.model, self.kernels, sp, inp.token_ids, self.tap_layers)
-        logits = self.model.logits(X)
-        # the copy into the static output beside the argmax, not before it
-        side = side_stream.fork(logits.device, 1)
-        with side_stream.on(side):
-            self.logits_out[:B * q].copy_(logits)
-        argmax_rows(logits, out=self.argmax_out[:B * q])
-        side_stream.join(side)
+        # the logits straight into the static output (the head's skinny kernel; else a copy), the
+        # rows' argmax with them (its first pass in the head's launch there)
+        self.model.logits(X, argmax_out=self.argmax_out[:B * q], out=self.logits_out[:B * q])
         if taps is not None:
             self.taps_out[:B * q].copy_(taps)
 

@@ -134,9 +134,12 @@ class DeepseekV4Model(nn.Module):
         return hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps,
                        c.rms_norm_eps, norm=norm)
 
-    def logits(self, X) -> torch.Tensor:
-        """fp32 logits from final streams X [T, n, D]."""
-        return linear_fp32(self.head_hidden(X, norm=self.norm), self.head.weight, head=True)
+    def logits(self, X, argmax_out: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits [T, V] from final streams X [T, n, D] (in `out` when given), and with
+        argmax_out (int64 [T]) their rows' argmax into it (norm.linear_fp32)."""
+        return linear_fp32(self.head_hidden(X, norm=self.norm), self.head.weight, head=True,
+                           argmax_out=argmax_out, out=out)
 
     def forward(self, batch: Batch, attn_fn=None, quant=None) -> torch.Tensor:
         X, _ = self.forward_hidden(batch, attn_fn, quant)

@@ -80,7 +80,8 @@ _MM_OUT_DTYPE = [True]        # torch.mm(..., out_dtype=) usable here (set False
 
 
 def linear_fp32(x: torch.Tensor, w: torch.Tensor, skinny: bool = False,
-                head: bool = False) -> torch.Tensor:
+                head: bool = False, argmax_out: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 ``x @ w.T`` (the fp32 logits of the reference numerics) without an fp32 copy of a
     large bf16 weight per call: on CUDA, when x already has w's 16-bit dtype, cuBLAS multiplies
     the 16-bit values and accumulates / writes fp32 (``torch.mm(out_dtype=float32)``). Same
@@ -88,19 +89,38 @@ def linear_fp32(x: torch.Tensor, w: torch.Tensor, skinny: bool = False,
     summation order may differ. skinny: few tokens (decode, verify) take the skinny Triton
     kernel instead (`fp8_gemm.linear16_skinny`: one launch, same products; asked for by the
     compressor projections and (head) the vocabulary head, where the H200 measured it, not by
-    the router). Elsewhere: ``F.linear(x.float(), fp32(w))``."""
+    the router). Elsewhere: ``F.linear(x.float(), fp32(w))``.
+    argmax_out (int64 [T], x [T, K]): also the rows' argmax into it (`sampling.argmax_rows`'s
+    result; on the head's skinny kernel its first pass runs in the GEMV's launch,
+    DSPARK_HEAD_ARGMAX=0: a launch of its own). out (fp32 [T, N]): the result there (the skinny
+    kernel writes it in place; else a copy)."""
     if (skinny or head) and x.is_cuda and not torch.is_grad_enabled():
         from dspark.kernels import fp8_gemm      # (Triton: not imported by the CPU reference)
         if fp8_gemm.linear16_skinny_applies(x, w, head):
-            return fp8_gemm.linear16_skinny(x, w, torch.float32)
+            fused = argmax_out is not None and os.environ.get("DSPARK_HEAD_ARGMAX", "1") != "0"
+            y = fp8_gemm.linear16_skinny(x, w, torch.float32, argmax_out if fused else None,
+                                         out=out)
+            return y if fused else _finish(y, argmax_out, out)
     if (x.is_cuda and w.dtype in (torch.bfloat16, torch.float16) and x.dtype == w.dtype
             and _MM_OUT_DTYPE[0] and not torch.is_grad_enabled()):
         try:
-            out = torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32)
-            return out.view(*x.shape[:-1], w.shape[0])
+            y = torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32)
+            return _finish(y.view(*x.shape[:-1], w.shape[0]), argmax_out, out)
         except (RuntimeError, TypeError):    # older torch / cuBLAS without fp32 output
             _MM_OUT_DTYPE[0] = False
-    return F.linear(x.float(), fp32(w))
+    return _finish(F.linear(x.float(), fp32(w)), argmax_out, out)
+
+
+def _finish(y: torch.Tensor, argmax_out: torch.Tensor | None,
+            out: torch.Tensor | None) -> torch.Tensor:
+    """y in `out` (when given and not already there), its rows' argmax into `argmax_out`."""
+    if out is not None and out.data_ptr() != y.data_ptr():
+        out.copy_(y)
+        y = out
+    if argmax_out is not None:
+        from dspark.sampling import argmax_rows
+        argmax_rows(y, out=argmax_out)
+    return y
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
