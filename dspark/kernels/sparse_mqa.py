@@ -525,6 +525,12 @@ def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr, stride_ot, stride_oh, 
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < H
     d = tl.arange(0, 512)
+    if ROPE:        # the rotation's table row first: its two dependent loads overlap the rest
+        i = tl.arange(0, 256) - (256 - R_HALF)                      # rope pair index, < 0: none
+        rot = i >= 0
+        at = tl.load(pos_ptr + t).to(tl.int64) * (2 * R_HALF) + 2 * tl.maximum(i, 0)
+        cos = tl.load(cis_ptr + at, mask=rot, other=1.0)        # (broadcast at the use: a
+        sin = tl.load(cis_ptr + at + 1, mask=rot, other=0.0)    # layout change here would wait)
     sink = tl.load(sink_ptr + h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
     m = sink
     for s in tl.static_range(NUM_SPLITS):
@@ -542,13 +548,9 @@ def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr, stride_ot, stride_oh, 
     if ROPE:
         acc = _rnd(acc, ROUND)
         re, im = tl.split(tl.reshape(acc, (BLOCK_H, 256, 2)))     # pair i: dims 2i, 2i + 1
-        i = tl.arange(0, 256) - (256 - R_HALF)                      # rope pair index, < 0: none
-        rot = i >= 0
-        at = tl.load(pos_ptr + t).to(tl.int64) * (2 * R_HALF) + 2 * tl.maximum(i, 0)
-        c = tl.load(cis_ptr + at, mask=rot, other=1.0)[None, :]
-        s = tl.load(cis_ptr + at + 1, mask=rot, other=0.0)[None, :]
-        re2 = tl.where(rot[None, :], _rnd(re * c - im * s, ROUND), re)
-        im2 = tl.where(rot[None, :], _rnd(re * s + im * c, ROUND), im)
+        cos, sin = cos[None, :], sin[None, :]
+        re2 = tl.where(rot[None, :], _rnd(re * cos - im * sin, ROUND), re)
+        im2 = tl.where(rot[None, :], _rnd(re * sin + im * cos, ROUND), im)
         acc = tl.reshape(tl.join(re2, im2), (BLOCK_H, 512))
     tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
