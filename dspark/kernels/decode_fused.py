@@ -312,8 +312,8 @@ def _route_rows(logits_ptr, stride_l, rt, t_ok, bias_ptr, tid_ptr, stride_tid, t
     the logits were written by other programs of that launch). lg_in: the rows already in
     registers (fp32 [BLOCK_T, BLOCK_E], what the logits rows hold; small shapes, see
     gate_route.ROUTE_IN_REGISTERS): then the chosen experts' scores are gathered from registers,
-    not reloaded. The bias / hash
-    table loads go first either way (no round trip of their own after the logits')."""
+    not reloaded. The bias / hash table loads go first either way (no round trip of their own
+    after the logits')."""
     kk = tl.arange(0, BLOCK_K)
     km = t_ok[:, None] & (kk < K)[None, :]                                  # [BLOCK_T, BLOCK_K]
     e = tl.arange(0, BLOCK_E)

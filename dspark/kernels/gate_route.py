@@ -118,23 +118,18 @@ def _gate_route_kernel(
         tl.debug_barrier()                                 # this program's stores first
         arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
         if arrived == reporters - 1:                       # the logits are complete
+            lg = None                                      # (routed from the logits rows)
             if SPLIT > 1 and not BY_BLOCK:
                 re = tl.arange(0, BLOCK_E)
-                lg = _sum_splits(part_ptr, logits_ptr, rr[:, None] * E + re[None, :],
-                                 r_ok[:, None] & (re < E)[None, :], T, E, SPLIT)
-                if BLOCK_R * BLOCK_K * BLOCK_E <= ROUTE_IN_REGISTERS:     # routed from them
-                    _route_rows(logits_ptr, E, rr, r_ok, bias_ptr, tid_ptr, stride_tid,
-                                tok_ptr, idx_ptr, w_ptr, E, route_scale, K, HASH, EXACT,
-                                BLOCK_R, BLOCK_E, BLOCK_K, ".cg", lg)
+                total = _sum_splits(part_ptr, logits_ptr, rr[:, None] * E + re[None, :],
+                                    r_ok[:, None] & (re < E)[None, :], T, E, SPLIT)
+                if BLOCK_R * BLOCK_K * BLOCK_E <= ROUTE_IN_REGISTERS:
+                    lg = total                             # routed from the sums in registers
                 else:
                     tl.debug_barrier()                     # the logits rows before the routing
-                    _route_rows(logits_ptr, E, rr, r_ok, bias_ptr, tid_ptr, stride_tid,
-                                tok_ptr, idx_ptr, w_ptr, E, route_scale, K, HASH, EXACT,
-                                BLOCK_R, BLOCK_E, BLOCK_K, ".cg")
-            else:
-                _route_rows(logits_ptr, E, rr, r_ok, bias_ptr, tid_ptr, stride_tid, tok_ptr,
-                            idx_ptr, w_ptr, E, route_scale, K, HASH, EXACT, BLOCK_R, BLOCK_E,
-                            BLOCK_K, ".cg")
+            _route_rows(logits_ptr, E, rr, r_ok, bias_ptr, tid_ptr, stride_tid, tok_ptr,
+                        idx_ptr, w_ptr, E, route_scale, K, HASH, EXACT, BLOCK_R, BLOCK_E,
+                        BLOCK_K, ".cg", lg)
             tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")   # re-arm
 
 

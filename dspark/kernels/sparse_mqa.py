@@ -747,17 +747,16 @@ def _launch(q, sink, scale, fp8, a, b, tuning: dict, precision, rope=None):
     if ns > 1:
         bh = min(int(os.environ.get("DSPARK_COMBINE_BH", COMBINE_BLOCK_H)),
                  triton.next_power_of_2(H))
+        cis, pos, dtype, r_half = out, out, out.dtype, 32          # (unread without rope)
         if rope is not None:                  # the inverse RoPE and the cast in this launch
             cis, pos, dtype = rope
-            res = torch.empty((T, H, D_HEAD), dtype=dtype, device=q.device)
-            _combine_kernel[(T, triton.cdiv(H, bh))](
-                part, lse, sink, res, res.stride(0), res.stride(1), H,
-                torch.view_as_real(cis), pos, NUM_SPLITS=ns, BLOCK_H=bh, ROPE=True,
-                R_HALF=cis.shape[1], ROUND=int(dtype == torch.bfloat16), num_warps=4)
-            return res
+            r_half, cis = cis.shape[1], torch.view_as_real(cis)
+            out = torch.empty((T, H, D_HEAD), dtype=dtype, device=q.device)
         _combine_kernel[(T, triton.cdiv(H, bh))](
-            part, lse, sink, out, out.stride(0), out.stride(1), H, out, out,
-            NUM_SPLITS=ns, BLOCK_H=bh, num_warps=4)
+            part, lse, sink, out, out.stride(0), out.stride(1), H, cis, pos,
+            NUM_SPLITS=ns, BLOCK_H=bh, ROPE=rope is not None, R_HALF=r_half,
+            ROUND=int(dtype == torch.bfloat16), num_warps=4)
+        return out
     return _rotated(out, rope)
 
 
