@@ -313,10 +313,16 @@ def _decode_fused_cases():
     import dspark.kernels.mhc as mhc             # hc_post with the next collapse's partials
     po = {"o_ptr": "*bf16", "x_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32",
           "out_ptr": "*bf16", "fn_ptr": "*fp32", "part_ptr": "*fp32", "sq_ptr": "*fp32",
-          "T": "i32", "D": "i32", "R": "i32"}
+          "T": "i32", "D": "i32", "R": "i32", "ids_ptr": "*i64", "base_ptr": "*fp32",
+          "scale_ptr": "*fp32", "u_ptr": "*bf16", "nw_ptr": "*bf16", "cnt_ptr": "*i32",
+          "S": "i32", "norm_eps": "fp32", "hc_eps": "fp32", "rms_eps": "fp32"}
     yield ("_post", "N=4 BLOCK_D=64 NEXT R=24 warps=4", mhc._post, po,
            {"N": 4, "BLOCK_N": 4, "BLOCK_D": 64, "OUT_BF16": True, "NEXT": True, "BLOCK_R": 32},
            4, 1, None)
+    yield ("_post", "N=4 BLOCK_D=64 NEXT R=24 FINISH + GATHER warps=8", mhc._post, po,
+           {"N": 4, "BLOCK_N": 4, "BLOCK_D": 64, "OUT_BF16": True, "NEXT": True, "BLOCK_R": 32,
+            "FINISH": True, "BLOCK_S": 64, "BLOCK_DF": 4096, "GATHER": True, "EXPAND": True},
+           8, 1, None)
     fp = {"x_ptr": "*bf16", "part_ptr": "*fp32", "sq_ptr": "*fp32", "base_ptr": "*fp32",
           "scale_ptr": "*fp32", "u_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32",
           "T": "i32", "D": "i32", "S": "i32", "K": "i32", "norm_eps": "fp32", "hc_eps": "fp32",

@@ -207,6 +207,80 @@ def test_norm_in_the_u_launch(T, D, dtype, monkeypatch):
         assert torch.equal(outs["1"][0], want) and torch.equal(outs["1"][1], want_h)
 
 
+def check_post_finishes_next(T, D, dtype, monkeypatch, seed=0):
+    """hc_post / hc_expand given a `NextPre` hint (the next hc_pre with its RMSNorm, or hc_head
+    with the final norm): the launch's last program per token finishes that collapse, the
+    hc_pre / hc_head then launches nothing for u and returns it, bit-equal to the same kernels
+    without the hint (DSPARK_MHC_POST_FINISH=0) and within one rounding step of the reference;
+    post / comb (the side launch) unchanged. A hint for other arguments is not used."""
+    from dspark.models.deepseek_v4.norm import RMSNorm
+    monkeypatch.setenv("DSPARK_MHC_SIDE", "1")
+    n = 4
+    X, fn, base, scale, head_fn, o = make_case(T, n, D, dtype, seed=seed)
+    norm = RMSNorm(D, 1e-5).to(X.device)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.2 * torch.randn(D, generator=torch.Generator().manual_seed(2)))
+    hb, hs = base[:n].clone(), scale[:1].clone()
+    _, post0, comb0 = mhc.hc_pre_reference(X, fn, base, scale, n, ITERS, HC_EPS, NORM_EPS)
+    table = torch.randn(50, D, generator=torch.Generator().manual_seed(3)).to(dtype).to(X.device)
+    ids = torch.randint(0, 50, (T,), generator=torch.Generator().manual_seed(4)).to(X.device)
+    pre_hint = mhc.NextPre(fn, base, scale, norm, HC_EPS, NORM_EPS)
+    head_hint = mhc.NextPre(head_fn, hb, hs, norm, HC_EPS, NORM_EPS, head=True)
+    unhinted = []
+    with torch.no_grad():
+        for make in (lambda h: kernels.hc_post(o, X, post0, comb0, h),
+                     lambda h: kernels.hc_expand(table, n, h, ids=ids)):
+            got = {}
+            for flag in ("1", "0"):
+                monkeypatch.setenv("DSPARK_MHC_POST_FINISH", flag)
+                Y = make(pre_hint)
+                finished = kernels._finished_left_on(Y, fn, base, scale, norm, False)
+                assert (finished is not None) == (flag == "1" and T <= kernels.POST_NEXT_MAX_T)
+                x, post, comb = kernels.hc_pre(Y, fn, base, scale, n, ITERS, HC_EPS, NORM_EPS,
+                                               deferred=True, norm=norm)
+                assert finished is None or x is finished
+                Z = make(head_hint)
+                assert kernels._finished_left_on(Z, head_fn, hb, hs, norm, True) is not None \
+                    or flag == "0" or T > kernels.POST_NEXT_MAX_T
+                h = kernels.hc_head(Z, head_fn, hb, hs, HC_EPS, NORM_EPS, norm=norm)
+                # post / comb are deferred (a side stream on CUDA): read through hc_post
+                got[flag] = Y, x, kernels.hc_post(o, Y, post, comb), Z, h
+            Y, x, _, Z, h = got["1"]
+            for a, b in zip(got["1"], got["0"]):
+                # the same tiles and reductions; on the GPU the compiler may order the sums
+                # differently in the two kernels: then within a rounding step
+                if X.is_cuda and not torch.equal(a, b):
+                    assert_out_close(a, b)
+                else:
+                    assert torch.equal(a, b)
+            unhinted.append(got["0"][1])
+            assert torch.equal(Z, Y)
+            want_u = mhc.hc_pre_reference(Y, fn, base, scale, n, ITERS, HC_EPS, NORM_EPS)[0]
+            assert_out_close(x, norm(want_u))
+            want_h = mhc.hc_head_reference(Z, head_fn, hb, hs, HC_EPS, NORM_EPS)
+            assert_out_close(h, norm(want_h))
+        # the expanded streams are the table's rows
+        assert torch.equal(kernels.hc_expand(table, n, None, ids=ids),
+                           table[ids].unsqueeze(1).expand(-1, n, -1))
+        # a hint for another norm / base is ignored: the hc_pre computes its own
+        monkeypatch.setenv("DSPARK_MHC_POST_FINISH", "1")
+        other = RMSNorm(D, 1e-5).to(X.device)
+        Y = kernels.hc_post(o, X, post0, comb0, mhc.NextPre(fn, base, scale, other, HC_EPS,
+                                                             NORM_EPS))
+        assert kernels._finished_left_on(Y, fn, base, scale, norm, False) is None
+        assert kernels._finished_left_on(Y, fn, base.clone(), scale, other, False) is None
+        x = kernels.hc_pre(Y, fn, base, scale, n, ITERS, HC_EPS, NORM_EPS, deferred=True,
+                           norm=norm)[0]
+        assert torch.equal(x, unhinted[0]) or (X.is_cuda and assert_out_close(x, unhinted[0]) is None)
+
+
+@triton_ok
+@pytest.mark.parametrize("T,D,dtype", [(1, 64, torch.bfloat16), (3, 200, torch.float32),
+                                       (20, 64, torch.bfloat16)])
+def test_post_finishes_the_next_collapse(T, D, dtype, monkeypatch):
+    check_post_finishes_next(T, D, dtype, monkeypatch, seed=T)
+
+
 @triton_ok
 def test_post_partials_padded_streams_and_ragged_width():
     check_post_then_pre(2, 3, 40, torch.float32, seed=5)
@@ -285,3 +359,10 @@ def test_gpu_kernels_realistic(T, D):
     check_all(T, 4, D, torch.bfloat16, seed=T)
     check_all(T, 4, D, torch.float32, seed=T + 1)
     check_post_then_pre(T, 4, D, torch.bfloat16, seed=T + 2)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 4, 16])
+def test_gpu_post_finishes_the_next_collapse(T, monkeypatch):
+    check_post_finishes_next(T, 4096, torch.bfloat16, monkeypatch, seed=T)

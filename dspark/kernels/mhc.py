@@ -29,6 +29,16 @@ Given the fn of the hc_pre / hc_head that reads its output next (``next_fn``, up
 POST_NEXT_MAX_T tokens), that launch also computes the next projection's split-K partials of its
 block (split = D block) and leaves them on the output tensor; that hc_pre then starts at launch
 2. In a decode step every hc_pre but the first follows an hc_post: 8 launches fewer for 4 layers.
+Given a `NextPre` hint instead (the whole next call: fn, base, scale, its RMSNorm; the model's
+blocks pass them), the program of each token that arrives last (an arrival counter, as the split-K
+GEMVs use) then finishes that hc_pre / hc_head itself, u and its norm (launch 2's NORM form), and
+the hc_pre only queues the Sinkhorn launch on its side lane: one launch fewer per sub-block again.
+`hc_expand(table, n, hint, ids=)` does the same for the first layer with the embedding lookup in
+its loads. H200, session 18 (bench_decode_s18_ab_h200.json, 4-layer V4-Flash decode graph): the
+hc_post launch with the finish 6.0-6.6 us where hc_post + launch 2 took 2.8 + 3.3 us (+ a gap),
+device time per step 0.765 vs 0.768 ms (DSPARK_MHC_POST_FINISH=0: launch 2 of its own); the
+embedding's own kernel (2.6 us) is gone. The finish is one program's serial tail (an acq_rel
+arrival, then the streams' loads from L2 and two row reductions): most of what the launch saved.
 
 bf16 outputs are rounded to nearest even by bit arithmetic (as in cache_write) so the interpreter,
 whose float down-cast does not round correctly, gives the same bytes as the GPU.
@@ -42,7 +52,9 @@ import triton
 import triton.language as tl
 
 from dspark.kernels.cache_write import _bf16_round
+from dspark.kernels.fp8_gemm import _arrival_counters
 from dspark.models import side_stream
+from dspark.models.deepseek_v4.mhc import NextPre
 
 # launch 1 aims at ~256 programs (H200: 132 SMs) split between token blocks and K chunks
 _TARGET_PROGRAMS = 256
@@ -86,6 +98,42 @@ def _mix_partials(x_ptr, fn_ptr, part_ptr, sq_ptr, T, K, R, CHUNK,
 
 
 @triton.jit
+def _pre_weights(part_ptr, sq_ptr, base_ptr, scale_ptr, t, T, S, K, norm_eps, hc_eps,
+                 N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+                 BLOCK_R: tl.constexpr, CACHE: tl.constexpr):
+    """(pre [BLOCK_N] (0 past N), the RMS factor) of token t from its split-K partials; CACHE:
+    the partials' load cache modifier (".cg" where other programs of this launch stored them)."""
+    s = tl.arange(0, BLOCK_S)
+    i = tl.arange(0, BLOCK_N)
+    s_ok = s < S
+    i_ok = i < N
+    rows = (s * T + t) * BLOCK_R                                   # [BLOCK_S] partial rows
+    sq = tl.sum(tl.load(sq_ptr + s * T + t, mask=s_ok, other=0.0, cache_modifier=CACHE), axis=0)
+    inv_rms = tl.math.rsqrt(sq / K + norm_eps)
+    pre_dot = tl.sum(tl.load(part_ptr + rows[:, None] + i[None, :],
+                             mask=s_ok[:, None] & i_ok[None, :], other=0.0,
+                             cache_modifier=CACHE), axis=0)
+    pre = tl.sigmoid(tl.load(scale_ptr) * (pre_dot * inv_rms)
+                     + tl.load(base_ptr + i, mask=i_ok, other=0.0)) + hc_eps
+    return tl.where(i_ok, pre, 0.0), inv_rms
+
+
+@triton.jit
+def _store_u(u_ptr, x, pre, nw, t, d, d_ok, D, rms_eps, NORM: tl.constexpr,
+             OUT_BF16: tl.constexpr):
+    """u = Σ_i pre_i · x_i over the streams' block x [BLOCK_N, BLOCK_D] (fp32); NORM (x holds
+    the whole row): RMSNorm(u) with the weight nw instead, as the model's RMSNorm computes it
+    from the rounded u (norm_rope's op order: v · rsqrt(mean(v²) + eps) · w, rounded once)."""
+    u = tl.sum(pre[:, None] * x, axis=0)
+    if NORM:
+        if OUT_BF16:
+            u = _bf16_round(u)                  # the u the RMSNorm would read
+        u = u * tl.math.rsqrt(tl.sum(u * u, axis=0) / D + rms_eps)   # (masked columns: 0)
+        u = u * nw
+    _store_rounded(u_ptr + t * D + d, u, d_ok, OUT_BF16)
+
+
+@triton.jit
 def _finish_pre(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, comb_ptr,
                 T, D, S, K, norm_eps, hc_eps, sinkhorn_iters, nw_ptr, rms_eps,
                 N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -101,6 +149,7 @@ def _finish_pre(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, c
     i = tl.arange(0, BLOCK_N)
     s_ok = s < S
     i_ok = i < N
+    nw = 0.0
     if U:
         # the streams' block (and the norm weight) first: they depend on nothing here, so their
         # loads overlap the partials' instead of following the reductions (as in `_post`)
@@ -110,26 +159,13 @@ def _finish_pre(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, c
                     mask=i_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         if NORM:
             nw = tl.load(nw_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
-    rows = (s * T + t) * BLOCK_R                                   # [BLOCK_S] partial rows
-    sq = tl.sum(tl.load(sq_ptr + s * T + t, mask=s_ok, other=0.0), axis=0)
-    inv_rms = tl.math.rsqrt(sq / K + norm_eps)
-
-    pre_dot = tl.sum(tl.load(part_ptr + rows[:, None] + i[None, :],
-                             mask=s_ok[:, None] & i_ok[None, :], other=0.0), axis=0)
-    pre = tl.sigmoid(tl.load(scale_ptr) * (pre_dot * inv_rms)
-                     + tl.load(base_ptr + i, mask=i_ok, other=0.0)) + hc_eps
-    pre = tl.where(i_ok, pre, 0.0)
-
+    pre, inv_rms = _pre_weights(part_ptr, sq_ptr, base_ptr, scale_ptr, t, T, S, K, norm_eps,
+                                hc_eps, N, BLOCK_N, BLOCK_S, BLOCK_R, "")
     if U:
-        u = tl.sum(pre[:, None] * x, axis=0)
-        if NORM:
-            if OUT_BF16:
-                u = _bf16_round(u)                  # the u the RMSNorm would read
-            u = u * tl.math.rsqrt(tl.sum(u * u, axis=0) / D + rms_eps)   # (masked columns: 0)
-            u = u * nw
-        _store_rounded(u_ptr + t * D + d, u, d_ok, OUT_BF16)
+        _store_u(u_ptr, x, pre, nw, t, d, d_ok, D, rms_eps, NORM, OUT_BF16)
 
     if not HEAD:
+        rows = (s * T + t) * BLOCK_R                               # [BLOCK_S] partial rows
         if pid_d == 0:
             post_dot = tl.sum(tl.load(part_ptr + rows[:, None] + N + i[None, :],
                                       mask=s_ok[:, None] & i_ok[None, :], other=0.0), axis=0)
@@ -160,15 +196,21 @@ def _finish_pre(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, c
 
 @triton.jit
 def _post(o_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, part_ptr, sq_ptr, T, D, R,
+          ids_ptr, base_ptr, scale_ptr, u_ptr, nw_ptr, cnt_ptr, S, norm_eps, hc_eps, rms_eps,
           N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, OUT_BF16: tl.constexpr,
-          NEXT: tl.constexpr, BLOCK_R: tl.constexpr, EXPAND: tl.constexpr = False):
+          NEXT: tl.constexpr, BLOCK_R: tl.constexpr, EXPAND: tl.constexpr = False,
+          GATHER: tl.constexpr = False, FINISH: tl.constexpr = False,
+          BLOCK_S: tl.constexpr = 1, BLOCK_DF: tl.constexpr = 1):
     """out[t, k, d] = post[t, k]·o[t, d] + Σ_j comb[t, j, k]·X[t, j, d] for one D block
     (EXPAND: out[t, k, d] = o[t, d], the first layer's n copies of the embedding; X, post and
-    comb unread).
+    comb unread; GATHER: o's row of token t is ids[t], the embedding table's row).
 
     NEXT: also this block's split-K partials of the next hc_pre / hc_head projection of the
     output (as stored), laid out as `_mix_partials` leaves them with split s = the D block:
-    part[s, t, r] = Σ_{k, d in block} out[t, k, d]·fn[r, k·D + d], sq[s, t] = Σ out²."""
+    part[s, t, r] = Σ_{k, d in block} out[t, k, d]·fn[r, k·D + d], sq[s, t] = Σ out².
+    FINISH (NEXT, BLOCK_DF >= D): the token's program that arrives last (counter cnt[t]) then
+    also finishes that hc_pre / hc_head as `_finish_pre` (HEAD, NORM) would: pre from all the
+    partials, u and its RMSNorm (weight nw, eps rms_eps) into u_ptr [T, D]."""
     t = tl.program_id(0)
     pid_d = tl.program_id(1)
     k = tl.arange(0, BLOCK_N)
@@ -182,7 +224,10 @@ def _post(o_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, part_ptr, sq_ptr, T
         r = tl.arange(0, BLOCK_R)
         w = tl.load(fn_ptr + r[:, None, None] * (N * D) + k[None, :, None] * D + d[None, None, :],
                     mask=(r < R)[:, None, None] & ok[None, :, :], other=0.0).to(tl.float32)
-    o = tl.load(o_ptr + t * D + d, mask=d_ok, other=0.0).to(tl.float32)
+    o_row = t
+    if GATHER:
+        o_row = tl.load(ids_ptr + t)
+    o = tl.load(o_ptr + o_row * D + d, mask=d_ok, other=0.0).to(tl.float32)
     if EXPAND:
         out = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32) + o[None, :]
     else:
@@ -202,6 +247,21 @@ def _post(o_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, part_ptr, sq_ptr, T
         row = pid_d * T + t
         tl.store(part_ptr + row * BLOCK_R + r, part)
         tl.store(sq_ptr + row, tl.sum(tl.sum(out * out, axis=1), axis=0))
+        if FINISH:
+            tl.debug_barrier()                     # this program's stores before its arrival
+            if tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu") == \
+                    tl.num_programs(1) - 1:        # the token's streams are complete
+                df = tl.arange(0, BLOCK_DF)
+                df_ok = df < D
+                # .cg: the streams and partials were stored by this launch's other programs
+                xs = tl.load(out_ptr + (t * N + k[:, None]) * D + df[None, :],
+                             mask=k_ok[:, None] & df_ok[None, :], other=0.0,
+                             cache_modifier=".cg").to(tl.float32)
+                nw = tl.load(nw_ptr + df, mask=df_ok, other=0.0).to(tl.float32)
+                pre, _ = _pre_weights(part_ptr, sq_ptr, base_ptr, scale_ptr, t, T, S, N * D,
+                                      norm_eps, hc_eps, N, BLOCK_N, BLOCK_S, BLOCK_R, ".cg")
+                _store_u(u_ptr, xs, pre, nw, t, df, df_ok, D, rms_eps, True, OUT_BF16)
+                tl.atomic_xchg(cnt_ptr + t, 0, sem="relaxed", scope="gpu")   # re-arm
 
 
 def _mixes(X: torch.Tensor, fn: torch.Tensor):
@@ -239,9 +299,10 @@ def _collapse(X, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, head: bool,
     the Sinkhorn chain, and the norm runs after it."""
     T, n, D = X.shape
     fuse = norm_fusable(X, norm) and (head or (deferred and defer_enabled()))
+    done = _finished_left_on(X, fn, base, scale, norm, head) if fuse else None
     left = _partials_left_on(X, fn)
     X, fn = X.contiguous(), fn.contiguous()
-    u = torch.empty(T, D, dtype=X.dtype, device=X.device)
+    u = done if done is not None else torch.empty(T, D, dtype=X.dtype, device=X.device)
     post = torch.empty(T, n, dtype=torch.float32, device=X.device)
     comb = torch.empty(T, n, n, dtype=torch.float32, device=X.device)
     if T == 0:
@@ -255,9 +316,11 @@ def _collapse(X, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, head: bool,
     meta = dict(N=n, BLOCK_N=triton.next_power_of_2(n), BLOCK_S=triton.next_power_of_2(S),
                 BLOCK_R=BLOCK_R, BLOCK_D=block_d, OUT_BF16=X.dtype == torch.bfloat16,
                 num_warps=warps)
-    if fuse:        # u and its RMSNorm: one program per token over the whole row
+    if fuse and done is None:       # (done: hc_post's launch made them, a NextPre hint)
+        # u and its RMSNorm: one program per token over the whole row
         _finish_pre[(T, 1)](*args, HEAD=True, NORM=True,
                             **dict(meta, BLOCK_D=triton.next_power_of_2(D), num_warps=NORM_WARPS))
+    if fuse:
         if not head:                    # post / comb on the side lane, as below
             _sinkhorn_aside(X, args, meta, post, part, sq, base, scale, comb)
         return u, post, comb
@@ -334,16 +397,36 @@ def _partials_left_on(X, fn):
     left = getattr(X, _LEFT, None)
     if left is None or left[0] is not fn:
         return None
-    return left[1:]
+    return left[1:5]
+
+
+def _finished_left_on(X, fn, base, scale, norm, head: bool):
+    """The RMSNorm'd collapse that hc_post's launch finished on X (`NextPre` hint) for this very
+    hc_pre / hc_head (same fn, base, scale, norm module, head or not), else None."""
+    left = getattr(X, _LEFT, None)
+    if left is None or left[0] is not fn or left[5] is None:
+        return None
+    hint, u = left[5]
+    if hint.base is base and hint.scale is scale and hint.norm is norm and hint.head == head:
+        return u
+    return None
+
+
+def finish_enabled() -> bool:
+    """hc_post finishes the next hc_pre / hc_head in its launch when given a `NextPre` hint
+    (DSPARK_MHC_POST_FINISH=0: a launch of its own, for A/B runs)."""
+    return os.environ.get("DSPARK_MHC_POST_FINISH", "1") != "0"
 
 
 def hc_post(o: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-            next_fn: torch.Tensor | None = None) -> torch.Tensor:
+            next_fn=None) -> torch.Tensor:
     """X'[k] = post[k]·o + Σ_j comb[j, k]·X[j]; o [T, D], X [T, n, D] -> [T, n, D] in X.dtype.
 
-    next_fn: the fn [R, n·D] of the hc_pre / hc_head that reads X' next; for few tokens (bf16 /
-    fp32 streams) the same launch leaves that projection's split-K partials on X', and that
-    hc_pre skips its first launch."""
+    next_fn: the fn [R, n·D] of the hc_pre / hc_head that reads X' next, or a `NextPre` of it;
+    for few tokens (bf16 / fp32 streams) the same launch leaves that projection's split-K
+    partials on X', and that hc_pre skips its first launch; given a `NextPre` with its RMSNorm
+    (deferred hc_pre or hc_head, `norm_fusable`) the launch's last program also finishes it
+    (pre, u, the norm) and that hc_pre / hc_head launches nothing for u."""
     T, n, D = X.shape
     assert o.shape == (T, D), f"o {tuple(o.shape)} does not match X {tuple(X.shape)}"
     pending = getattr(post, _SIDE, None)                 # hc_pre's side launch, if deferred
@@ -353,20 +436,30 @@ def hc_post(o: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
     return _launch_post(o, X, post, comb, next_fn, n, X.dtype, False)
 
 
-def hc_expand(h: torch.Tensor, n: int, next_fn: torch.Tensor | None = None) -> torch.Tensor:
+def hc_expand(h: torch.Tensor, n: int, next_fn=None, ids: torch.Tensor | None = None
+              ) -> torch.Tensor:
     """The first layer's streams: n copies of h [T, D] -> [T, n, D] (h's dtype), in one launch
-    that (next_fn, as hc_post's) also leaves the first hc_pre's partials on them."""
-    return _launch_post(h, h, h, h, next_fn, n, h.dtype, True)
+    that (next_fn, as hc_post's) also leaves the first hc_pre's partials on them (and finishes
+    it, given a `NextPre`). ids (int64 [T]): h is the embedding table [V, D] and token t's row
+    is h[ids[t]] (the embedding lookup in the same launch)."""
+    return _launch_post(h, h, h, h, next_fn, n, h.dtype, True, ids)
 
 
-def _launch_post(o, X, post, comb, next_fn, n: int, dtype, expand: bool) -> torch.Tensor:
-    """hc_post's launch (expand: hc_expand's; X, post and comb are then not read)."""
-    T, D = o.shape
+def _launch_post(o, X, post, comb, next_fn, n: int, dtype, expand: bool,
+                 ids: torch.Tensor | None = None) -> torch.Tensor:
+    """hc_post's launch (expand: hc_expand's; X, post and comb are then not read; ids: o is a
+    table whose row ids[t] is token t's)."""
+    T, D = (ids.numel(), o.shape[1]) if ids is not None else o.shape
     out = torch.empty(T, n, D, dtype=dtype, device=o.device)
     if T == 0:
         return out
+    hint = next_fn if isinstance(next_fn, NextPre) else None
+    if hint is not None:
+        next_fn = hint.fn
     nxt = (next_fn is not None and T <= POST_NEXT_MAX_T and next_fn.shape[1] == n * D
            and dtype in (torch.bfloat16, torch.float32) and next_fn.is_contiguous())
+    finish = (nxt and hint is not None and finish_enabled() and norm_fusable(out, hint.norm)
+              and (hint.head or defer_enabled()))
     if nxt:
         block_d = min(_POST_NEXT_BLOCK_D, triton.next_power_of_2(D))
         R = next_fn.shape[0]
@@ -379,12 +472,25 @@ def _launch_post(o, X, post, comb, next_fn, n: int, dtype, expand: bool) -> torc
         R, BLOCK_R, S, part, sq = 0, 16, 0, out, out          # part / sq: never touched
     if not expand:
         X, post, comb = X.contiguous(), post.float().contiguous(), comb.float().contiguous()
+    if ids is not None:
+        ids = ids.reshape(-1).contiguous()
+    fin = dict(u=out, base=out, scale=out, nw=out, cnt=out, eps=(0.0, 0.0, 0.0))
+    if finish:
+        fin = dict(u=torch.empty(T, D, dtype=dtype, device=o.device),
+                   base=hint.base.float().contiguous(), scale=hint.scale.float().contiguous(),
+                   nw=hint.norm.weight, cnt=_arrival_counters(o.device, T),
+                   eps=(hint.norm_eps, hint.hc_eps, float(hint.norm.eps)))
     _post[(T, triton.cdiv(D, block_d))](
         o.contiguous(), X, post, comb, out, next_fn if nxt else out, part, sq, T, D, R,
+        ids if ids is not None else out, fin["base"], fin["scale"], fin["u"], fin["nw"],
+        fin["cnt"], S, *fin["eps"],
         N=n, BLOCK_N=triton.next_power_of_2(n), BLOCK_D=block_d,
-        OUT_BF16=dtype == torch.bfloat16, NEXT=nxt, BLOCK_R=BLOCK_R, EXPAND=expand)
+        OUT_BF16=dtype == torch.bfloat16, NEXT=nxt, BLOCK_R=BLOCK_R, EXPAND=expand,
+        GATHER=ids is not None, FINISH=finish, BLOCK_S=triton.next_power_of_2(max(S, 1)),
+        BLOCK_DF=triton.next_power_of_2(D) if finish else 1,
+        num_warps=NORM_WARPS if finish else 4)
     if nxt:
-        setattr(out, _LEFT, (next_fn, part, sq, S, BLOCK_R))
+        setattr(out, _LEFT, (next_fn, part, sq, S, BLOCK_R, (hint, fin["u"]) if finish else None))
     return out
 
 

@@ -12,6 +12,7 @@ DSPARK_MHC_BACKEND) overrides this: "reference" forces torch everywhere (debuggi
 forces the kernels everywhere (CPU tensors then need TRITON_INTERPRET=1).
 """
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -33,6 +34,19 @@ def _kernels(*tensors):
     return mhc
 
 
+class NextPre(NamedTuple):
+    """hc_post's hint about the hc_pre (head False) / hc_head (head True) that reads its output
+    next, with the arguments that call will get (the same objects: matched by identity). The
+    kernels then finish that collapse (and its RMSNorm `norm`) in hc_post's own launch."""
+    fn: torch.Tensor
+    base: torch.Tensor
+    scale: torch.Tensor
+    norm: object             # the RMSNorm module that reads the collapse
+    hc_eps: float
+    norm_eps: float
+    head: bool = False
+
+
 def hc_pre(X, fn, base, scale, n: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
            deferred: bool = False, norm=None):
     """Returns (u [T, D] in X.dtype, post [T, n] fp32, comb [T, n, n] fp32). deferred (the
@@ -47,22 +61,27 @@ def hc_pre(X, fn, base, scale, n: int, sinkhorn_iters: int, hc_eps: float, norm_
                     norm=norm)
 
 
-def hc_expand(h: torch.Tensor, n: int, next_fn: torch.Tensor | None = None) -> torch.Tensor:
-    """The first layer's n streams: copies of the embedding h [T, D] -> [T, n, D]. next_fn: the
-    first hc_pre's fn (a hint, as in hc_post: the kernel then starts that projection in the same
-    launch; the result is the same)."""
+def hc_expand(h: torch.Tensor, n: int, next_fn=None, ids: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """The first layer's n streams: copies of the embedding h [T, D] -> [T, n, D]; with ids, h
+    is the embedding table and token t's row h[ids[t]]. next_fn: the first hc_pre's fn or a
+    `NextPre` (a hint, as in hc_post: the kernel then starts / finishes that collapse in the
+    same launch; the result is the same)."""
     k = _kernels(h)
     if k is None:
+        if ids is not None:
+            h = torch.nn.functional.embedding(ids, h)
         return h.unsqueeze(1).expand(-1, n, -1).contiguous()
-    return k.hc_expand(h, n, next_fn)
+    return k.hc_expand(h, n, next_fn, ids)
 
 
 def hc_post(o: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-            next_fn: torch.Tensor | None = None) -> torch.Tensor:
+            next_fn=None) -> torch.Tensor:
     """X'[k] = post[k] * o + sum_j comb[j, k] * X[j]  (column k of comb feeds new stream k).
 
-    next_fn: the fn of the hc_pre / hc_head that reads X' next (a hint: the kernels then start
-    that projection in this launch; the result is the same)."""
+    next_fn: the fn of the hc_pre / hc_head that reads X' next, or a `NextPre` of that call (a
+    hint: the kernels then start, or finish, that collapse in this launch; the result is the
+    same)."""
     k = _kernels(X, o, post, comb)
     if k is None:
         return hc_post_reference(o, X, post, comb)

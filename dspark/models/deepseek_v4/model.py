@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .attention import Attention
-from .mhc import hc_expand, hc_head, hc_post, hc_pre
+from .mhc import NextPre, hc_expand, hc_head, hc_post, hc_pre
 from .moe import MoE
 from .norm import RMSNorm, linear_fp32
 from .state import DenseState
@@ -72,13 +72,21 @@ class Block(nn.Module):
                       c.hc_eps, c.rms_norm_eps, deferred=True,   # post / comb: hc_post only
                       norm=getattr(self, f"{sub}_norm"))
 
+    def pre_hint(self, sub) -> NextPre:
+        """What `_pre(X, sub)` will call hc_pre with: hc_post's hint (mhc.NextPre)."""
+        c = self.cfg
+        return NextPre(getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_base"),
+                       getattr(self, f"hc_{sub}_scale"), getattr(self, f"{sub}_norm"),
+                       c.hc_eps, c.rms_norm_eps)
+
     def forward(self, X, batch, attn_fn=None, quant=None, next_fn=None):
         """X [T, n, D]. `attn_fn(attn_module, x, batch, layer_id)` overrides the attention core.
-        next_fn: the mHC fn that reads this block's output next (the next block's hc_attn_fn or
-        the model's hc_head_fn), a hint for the fused kernels (mhc.hc_post)."""
+        next_fn: what reads this block's output next (the next block's `pre_hint("attn")` or
+        the model's `head_hint()`; or just that mHC fn), a hint for the fused kernels
+        (mhc.hc_post)."""
         x, post, comb = self._pre(X, "attn")
         o = (attn_fn or _dense_attention)(self.attn, x, batch, self.layer_id, quant)
-        X = hc_post(o, X, post, comb, self.hc_ffn_fn)
+        X = hc_post(o, X, post, comb, self.pre_hint("ffn"))
         x, post, comb = self._pre(X, "ffn")
         o = self.ffn(x, batch.token_ids)
         return hc_post(o, X, post, comb, next_fn)
@@ -113,13 +121,15 @@ class DeepseekV4Model(nn.Module):
 
         A tap is the completed residual stream after a layer, averaged over the hc axis.
         """
-        h = self.embed(batch.token_ids)
-        X = hc_expand(h, self.cfg.hc_mult,
-                      self.layers[0].hc_attn_fn if len(self.layers) else self.hc_head_fn)
+        hints = [layer.pre_hint("attn") for layer in self.layers] + [self.head_hint()]
+        if type(self.embed) is nn.Embedding and self.embed.max_norm is None:
+            # the embedding lookup, the n streams and the first collapse: one launch (kernels)
+            X = hc_expand(self.embed.weight, self.cfg.hc_mult, hints[0], ids=batch.token_ids)
+        else:
+            X = hc_expand(self.embed(batch.token_ids), self.cfg.hc_mult, hints[0])
         taps = []
         for i, layer in enumerate(self.layers):
-            nxt = self.layers[i + 1].hc_attn_fn if i + 1 < len(self.layers) else self.hc_head_fn
-            X = layer(X, batch, attn_fn, quant, nxt)
+            X = layer(X, batch, attn_fn, quant, hints[i + 1])
             if layer.layer_id in tap_layers:
                 taps.append((layer.layer_id, X.float().mean(1)))
         tap = None
@@ -127,6 +137,12 @@ class DeepseekV4Model(nn.Module):
             by_id = dict(taps)
             tap = torch.cat([by_id[i] for i in tap_layers], dim=-1)
         return X, tap
+
+    def head_hint(self) -> NextPre:
+        """What `logits` calls hc_head with: the last hc_post's hint (mhc.NextPre)."""
+        c = self.cfg
+        return NextPre(self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.norm,
+                       c.hc_eps, c.rms_norm_eps, head=True)
 
     def head_hidden(self, X, norm=None) -> torch.Tensor:
         """The final streams X [T, n, D] collapsed to [T, D] (with `norm`: its RMSNorm)."""
