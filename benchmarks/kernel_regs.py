@@ -210,12 +210,12 @@ def _fp8_cases():
     import dspark.kernels.fp8_gemv_tc as tc       # the tensor-core GEMV of 1-16 tokens
     gsig = dict(ssig, KCH="i32")
     del gsig["K_PER_SPLIT"]
-    for nt, u, split in ((1, 1, 1), (1, 1, 8), (1, 2, 8), (2, 1, 4)):
-        yield ("_fp8_gemv_tc_kernel", f"NT={nt} UNROLL={u} SPLIT={split} warps=1",
-               tc._fp8_gemv_tc_kernel, gsig,
-               {"SPLIT": split, "WARPS": 1, "NT": nt, "UNROLL": u, "ASM": tc._step_asm(nt, u),
-                "ASM_BF16": tc._step_asm(nt, u, True), "CONS": tc._constraints(nt),
-                "STORE": tc._store_asm(nt), "STORE_C": tc._store_constraints(nt)}, 1, 1, None)
+    for nt, u, split, pre in ((1, 1, 1, False), (1, 1, 8, False), (1, 2, 8, False),
+                              (2, 1, 4, False), (1, 1, 8, True), (2, 1, 4, True)):
+        yield ("_fp8_gemv_tc_kernel", f"NT={nt} UNROLL={u} SPLIT={split} warps=1"
+               + (" PDL preload" if pre else ""), tc._fp8_gemv_tc_kernel, gsig,
+               dict(tc._launch_strings(nt, u), SPLIT=split, WARPS=1, NT=nt, UNROLL=u, PDL=pre,
+                    PRELOAD=pre), 1, 1, None)
     tsig = dict(ssig, w_ptr="tensordesc<u8[64,128]>")       # weight tiles by TMA
     for split, st in ((1, 3), (5, 3), (1, 4)):
         yield ("_fp8_skinny_kernel", f"BLOCK_N=64 BLOCK_T=16 SPLIT={split} warps=4 tma stages={st}",
@@ -319,10 +319,10 @@ def _decode_fused_cases():
     yield ("_post", "N=4 BLOCK_D=64 NEXT R=24 warps=4", mhc._post, po,
            {"N": 4, "BLOCK_N": 4, "BLOCK_D": 64, "OUT_BF16": True, "NEXT": True, "BLOCK_R": 32},
            4, 1, None)
-    yield ("_post", "N=4 BLOCK_D=64 NEXT R=24 FINISH + GATHER warps=8", mhc._post, po,
+    yield ("_post", "N=4 BLOCK_D=64 NEXT R=24 FINISH (+ GATHER, PDL) warps=8", mhc._post, po,
            {"N": 4, "BLOCK_N": 4, "BLOCK_D": 64, "OUT_BF16": True, "NEXT": True, "BLOCK_R": 32,
-            "FINISH": True, "BLOCK_S": 64, "BLOCK_DF": 4096, "GATHER": True, "EXPAND": True},
-           8, 1, None)
+            "FINISH": True, "BLOCK_S": 64, "BLOCK_DF": 4096, "GATHER": True, "EXPAND": True,
+            "PDL": True}, 8, 1, None)
     fp = {"x_ptr": "*bf16", "part_ptr": "*fp32", "sq_ptr": "*fp32", "base_ptr": "*fp32",
           "scale_ptr": "*fp32", "u_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32",
           "T": "i32", "D": "i32", "S": "i32", "K": "i32", "norm_eps": "fp32", "hc_eps": "fp32",

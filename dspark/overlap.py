@@ -108,7 +108,9 @@ class OverlappedDecode:
         R = len(reqs)
         dec = decide(reqs, logits, list(range(R)), [0] * R, starts, eng.gamma)
         table = dec.table()
-        host, ready = table, None
+        # the table may view the runner's output buffers (target_forward(snapshot=False)), which
+        # the next round overwrites: copied now (on CUDA to the host, queued before that round)
+        host, ready = (None if table.is_cuda else table.clone()), None
         if table.is_cuda:
             buf = self._pinned[self._turn]
             if buf is None or buf.numel() < table.numel():

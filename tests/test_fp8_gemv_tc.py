@@ -30,6 +30,11 @@ def test_ptx_blocks_match_their_constraints():
                 assert asm.count("cvt.rn.f16x2.e4m3x2") == 32 * u
                 assert asm.count(".bf16.bf16.f32") == (8 * nt * u if bf16 else 0)
                 assert asm.count("ld.global.nc.v4") == (4 + 4 * nt) * u
+        given = tc._step_asm(nt, 1, given=True)          # the PDL preload's step (weights given)
+        cons = tc._constraints(nt, given=True).split(",")
+        used = {int(i) for i in re.findall(r"\$(\d+)", given)}
+        assert max(used) + 4 == len(cons) and given.count("mma.sync") == 8 * nt
+        assert given.count("ld.global.nc.v4") == 4 * nt and "ld.global.nc.u8" not in given
         store = tc._store_asm(nt)
         used = {int(i) for i in re.findall(r"\$(\d+)", store)}
         assert max(used) + 4 == len(tc._store_constraints(nt).split(","))
@@ -37,6 +42,20 @@ def test_ptx_blocks_match_their_constraints():
         launch = tc._launch_strings(nt, 2)               # built once per (n-tiles, steps)
         assert launch is tc._launch_strings(nt, 2) and launch["ASM"] == tc._step_asm(nt, 2)
         assert launch["ASM_BF16"] == tc._step_asm(nt, 2, True) and launch["STORE"] == store
+
+
+def test_preload_block_matches_its_constraints():
+    """The PDL preload: the step's 4 weight loads and its scale byte into the 20 output
+    registers the given-weights step reads in the same order (words 0-15, then the scale)."""
+    pre = tc._preload_asm()
+    cons = tc._PRELOAD_CONS.split(",")
+    used = {int(i) for i in re.findall(r"\$(\d+)", pre)}
+    assert max(used) + 4 == len(cons) and cons[:20] == ["=r"] * 20
+    assert pre.count("ld.global.nc.v4") == 4 and pre.count("ld.global.nc.u8 $16") == 1
+    assert "mma" not in pre and "%laneid" in pre
+    given = tc._step_asm(1, 1, given=True)
+    for i in range(17):                                  # words then the scale, as loaded
+        assert f"${8 + i};" in given
 
 
 def test_plan_splits_k_to_the_target():

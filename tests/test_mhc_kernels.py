@@ -271,7 +271,9 @@ def check_post_finishes_next(T, D, dtype, monkeypatch, seed=0):
         assert kernels._finished_left_on(Y, fn, base.clone(), scale, other, False) is None
         x = kernels.hc_pre(Y, fn, base, scale, n, ITERS, HC_EPS, NORM_EPS, deferred=True,
                            norm=norm)[0]
-        assert torch.equal(x, unhinted[0]) or (X.is_cuda and assert_out_close(x, unhinted[0]) is None)
+        if not torch.equal(x, unhinted[0]):         # (the GPU may order the sums apart)
+            assert X.is_cuda
+            assert_out_close(x, unhinted[0])
 
 
 @triton_ok

@@ -34,18 +34,32 @@ def test_off_on_cpu_and_by_switch(monkeypatch):
         pdl.mode()
 
 
-_PTX = r"""
-import inspect, sys
+# what both offline-compile scripts below start with: sm_90 compiles of the FP8 GEMV kernels
+# (the signature of their common arguments; `split` names the per-split K argument)
+_COMPILE = r"""
+import inspect, os, re, subprocess, sys, tempfile
 sys.path.insert(0, {root!r})
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
+
+def compile90(fn, split, ce, warps, stages):
+    sig = {{"x_ptr": "*bf16", "stride_xt": "i32", "stride_xg": "i32", "w_ptr": "*u8",
+            "stride_wn": "i32", "s_ptr": "*u8", "stride_sn": "i32", "y_ptr": "*bf16",
+            "stride_yt": "i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "T": "i32", "N": "i32",
+            "K": "i32", split: "i32", "GROUP_ROWS": "i32"}}
+    s = dict(sig, **{{k: "constexpr" for k in ce}})
+    attrs = {{(fn.arg_names.index(a),): [["tt.divisibility", 16]]
+             for a in sig if sig[a].startswith("*") or a.startswith("stride")}}
+    return triton.compile(ASTSource(fn=fn, signature=s, constexprs=ce, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32),
+                          options={{"num_warps": warps, "num_stages": stages}})
+"""
+
+_PTX = _COMPILE + r"""
 import dspark.kernels.fp8_gemm as fg
 fn = fg._fp8_skinny_kernel
-sig = {{"x_ptr": "*bf16", "stride_xt": "i32", "stride_xg": "i32", "w_ptr": "*u8",
-        "stride_wn": "i32", "s_ptr": "*u8", "stride_sn": "i32", "y_ptr": "*bf16",
-        "stride_yt": "i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "T": "i32", "N": "i32",
-        "K": "i32", "K_PER_SPLIT": "i32", "GROUP_ROWS": "i32"}}
 for name, pdl_on, prefetch in (("off", False, False), ("on", True, False),
                                ("prefetch", True, True)):
     ce = {{"BLOCK_N": 64, "BLOCK_T": 16, "BLOCK_K": 128, "PRECISION": "fp16", "SPLIT": 8,
@@ -54,24 +68,24 @@ for name, pdl_on, prefetch in (("off", False, False), ("on", True, False),
         if ((p.is_constexpr or p.default is None) and p.name not in ce
                 and p.default is not inspect.Parameter.empty):
             ce[p.name] = p.default
-    s = dict(sig, **{{k: "constexpr" for k in ce}})
-    attrs = {{(fn.arg_names.index(a),): [["tt.divisibility", 16]]
-             for a in sig if sig[a].startswith("*") or a.startswith("stride")}}
-    k = triton.compile(ASTSource(fn=fn, signature=s, constexprs=ce, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options={{"num_warps": 4, "num_stages": 3}})
-    ptx = k.asm["ptx"]
+    ptx = compile90(fn, "K_PER_SPLIT", ce, 4, 3).asm["ptx"]
     print("row", name, ptx.count("griddepcontrol.wait"),
           ptx.count("griddepcontrol.launch_dependents"), ptx.count("cp.async.bulk.prefetch.L2"))
 """
 
 
-def test_fp8_skinny_ptx_has_wait_trigger_and_prefetch_only_when_asked():
+def _rows_of(script: str) -> dict:
+    """Run an offline-compile script (no GPU; outside the interpreter) -> its 'row' lines."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _PTX.format(root=ROOT)], env=env,
+    r = subprocess.run([sys.executable, "-c", script.format(root=ROOT)], env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
-    rows = {line.split()[1]: [int(v) for v in line.split()[2:]]
+    return {line.split()[1]: [int(v) for v in line.split()[2:]]
             for line in r.stdout.splitlines() if line.startswith("row ")}
+
+
+def test_fp8_skinny_ptx_has_wait_trigger_and_prefetch_only_when_asked():
+    rows = _rows_of(_PTX)
     assert rows["off"] == [0, 0, 0], rows
     wait, trigger, prefetch = rows["on"]
     assert wait >= 1 and trigger >= 1 and prefetch == 0, rows
@@ -139,3 +153,34 @@ def test_pdl_changes_no_token(quant_ckpt, monkeypatch):
                            SamplingParams(temperature=0, max_tokens=24))
         outs[flag] = [o.token_ids for o in res]
     assert outs["1"] == outs["0"] and outs["prefetch"] == outs["0"]
+
+
+_TC_SASS = _COMPILE + r"""
+import dspark.kernels.fp8_gemv_tc as tc
+tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+for name, on, pre in (("off", False, False), ("wait", True, False), ("preload", True, True)):
+    ce = dict(tc._launch_strings(1, 1), SPLIT=8, WARPS=1, NT=1, UNROLL=1, PDL=on, PRELOAD=pre)
+    k = compile90(tc._fp8_gemv_tc_kernel, "KCH", ce, 1, 1)
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    ops = [m.group(1).split()[0] for m in
+           re.finditer(r"/\*[0-9a-f]{{4,}}\*/\s+(?:@!?U?P\w+\s+)?([^;]*);", sass)]
+    first_wait = next((i for i, o in enumerate(ops) if o == "ACQBULK"), len(ops))
+    before = sum(1 for o in ops[:first_wait] if o.startswith("LDG"))
+    print("row", name, ops.count("ACQBULK"), ops.count("PREEXIT"), before)
+"""
+
+
+def test_fp8_tc_gemv_preload_loads_come_before_the_wait():
+    """The tensor-core GEMV compiled for sm_90 (offline SASS, cuobjdump from the triton wheel):
+    no PDL instruction without PDL; with it a trigger and the wait; with the preload all five of
+    the first step's weight loads (4 x 16 bytes + the scale byte) are issued before the first
+    wait (ptxas hoists a plain wait above independent loads: the predicated wait forbids it)."""
+    rows = _rows_of(_TC_SASS)
+    assert rows["off"][:2] == [0, 0], rows
+    waits, triggers, _ = rows["wait"]
+    assert waits >= 1 and triggers >= 1, rows
+    waits, triggers, before = rows["preload"]
+    assert waits >= 1 and triggers >= 1 and before >= 5, rows

@@ -39,6 +39,11 @@ the fp16 range) recomputes them with bf16 operands (e4m3 -> f16 -> f32 -> bf16, 
 skinny kernel does. K is split over programs when the row tiles alone leave SMs idle; each split
 stores its partial to a workspace and the program that arrives last for a tile sums the splits
 in order (deterministic), rounds to x's dtype and stores y.
+
+With PDL (opt-in, DSPARK_PDL=1: dspark.kernels.pdl) the launch may start while the kernel ahead
+still runs: it lets the next kernel start at once and waits before reading x; before that wait
+each lane loads its first step's weights (`_preload_asm`, a wait predicated on them so ptxas
+keeps the loads ahead of it) and runs that step on them (`_step_asm(given=True)`).
 """
 from __future__ import annotations
 
@@ -49,6 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dspark.kernels import pdl
 from dspark.kernels.fp8_gemm import _arrival_counters
 
 STEP = 128          # columns per warp step: 4 lanes x 16 bytes x 2 chunks
@@ -82,14 +88,17 @@ def _w_pairs(word: str, lo: str, hi: str, bf16: bool) -> list[str]:
     return L
 
 
-def _step_asm(nt: int, unroll: int, bf16: bool = False) -> str:
+def _step_asm(nt: int, unroll: int, bf16: bool = False, given: bool = False) -> str:
     """`unroll` 128-column steps of one warp, every load issued before the first conversion.
     Operands (pack 4): outputs A0 [, A1] (4 floats each: rows g, g + 8 x tokens 2c, 2c + 1 of
     n-tile 0 [, 1]); inputs A0 [, A1], then uniform scalars (only the first register read):
-    wbase, xbase, sbase (u64), koff, rowblk, wstride, sstride, xstride (bytes), tmax (T - 1)."""
+    wbase, xbase, sbase (u64), koff, rowblk, wstride, sstride, xstride (bytes), tmax (T - 1).
+    given (one step): the step's weight words and scale byte are not loaded but come in as the
+    5 int32 tensors `_preload_asm` returned, between the accumulators and the scalars."""
     na = 4 * nt
     o = [f"${i}" for i in range(na)]
-    i0 = 2 * na
+    i0 = 2 * na + (20 if given else 0)
+    assert not given or unroll == 1
     names = ["wbase", "xbase", "sbase", "koff", "rowblk", "wstride", "sstride", "xstride", "tmax"]
     op = {n: f"${i0 + 4 * k}" for k, n in enumerate(names)}
     ty = "bf16" if bf16 else "f16"
@@ -122,13 +131,19 @@ def _step_asm(nt: int, unroll: int, bf16: bool = False) -> str:
         X = [f"%x{u}_{i}" for i in range(16 * nt)]
         for h in range(2):            # chunk h: weights + 64 h bytes, x + 128 h bytes
             wo, xo = 128 * u + 64 * h, 256 * u + 128 * h
-            L += [f"ld.global.nc.v4.u32 {{{', '.join(W[4 * h:4 * h + 4])}}}, [%pw+{wo}];",
-                  f"ld.global.nc.v4.u32 {{{', '.join(W[8 + 4 * h:12 + 4 * h])}}}, [%pw8+{wo}];"]
+            if not given:
+                L += [f"ld.global.nc.v4.u32 {{{', '.join(W[4 * h:4 * h + 4])}}}, [%pw+{wo}];",
+                      f"ld.global.nc.v4.u32 {{{', '.join(W[8 + 4 * h:12 + 4 * h])}}}, "
+                      f"[%pw8+{wo}];"]
             for n, p in enumerate(["%px", "%py"][:nt]):
                 for k in range(2):
                     xs = X[16 * n + 8 * h + 4 * k:16 * n + 8 * h + 4 * k + 4]
                     L.append(f"ld.global.nc.v4.u32 {{{', '.join(xs)}}}, [{p}+{xo + 16 * k}];")
-        L.append(f"ld.global.nc.u8 %s{u}, [%ps+{u}];")
+        if given:                     # the words as `_preload_asm` loaded them, in its order
+            L += [f"mov.b32 {W[i]}, ${2 * na + i};" for i in range(16)]
+            L.append(f"mov.b32 %s{u}, ${2 * na + 16};")
+        else:
+            L.append(f"ld.global.nc.u8 %s{u}, [%ps+{u}];")
     for u in range(unroll):
         # the tile's scale 2^(s - 127) as fp32 bits (s = 0: 2^-127, subnormal; 255: NaN)
         L += [f"shl.b32 %sc, %s{u}, 23;", f"setp.eq.u32 %pz, %s{u}, 0;",
@@ -153,6 +168,38 @@ def _step_asm(nt: int, unroll: int, bf16: bool = False) -> str:
     return "\n".join(L)
 
 
+def _preload_asm() -> str:
+    """The weight words and scale byte of one step (column koff) of the lane, loaded as
+    `_step_asm` loads them, for a step run later with given=True: PDL programs issue these loads
+    before waiting for the kernel ahead (the weights are constant), so the step's HBM latency
+    overlaps that kernel's tail. Operands (pack 4): outputs 5 int32 tensors (20 registers: the
+    16 words, the scale byte, 3 unused); inputs a float tensor of the accumulators' shape (not
+    read: it gives the outputs their layout), then wbase, sbase (u64), koff, rowblk, wstride,
+    sstride (u32)."""
+    op = {n: f"${24 + 4 * k}" for k, n in enumerate(["wbase", "sbase"])}
+    op.update({n: f"${32 + 4 * k}" for k, n in enumerate(["koff", "rowblk", "wstride", "sstride"])})
+    L = ["{", ".reg .u32 %lane, %g, %c, %t, %row;", ".reg .u64 %pw, %pw8, %ps, %q;",
+         "mov.u32 %lane, %laneid;", "shr.u32 %g, %lane, 2;", "and.b32 %c, %lane, 3;",
+         "mov.u32 %t, %tid.x;", "shr.u32 %t, %t, 5;", f"add.u32 %t, %t, {op['rowblk']};",
+         "shl.b32 %t, %t, 4;", "add.u32 %row, %t, %g;",
+         f"mul.wide.u32 %q, %row, {op['wstride']};", f"add.u64 %pw, {op['wbase']}, %q;",
+         f"mad.lo.u32 %t, %c, 16, {op['koff']};", "cvt.u64.u32 %q, %t;", "add.u64 %pw, %pw, %q;",
+         f"mul.wide.u32 %q, {op['wstride']}, 8;", "add.u64 %pw8, %pw, %q;",
+         "shr.u32 %t, %row, 7;", f"mul.wide.u32 %q, %t, {op['sstride']};",
+         f"add.u64 %ps, {op['sbase']}, %q;", f"shr.u32 %t, {op['koff']}, 7;",
+         "cvt.u64.u32 %q, %t;", "add.u64 %ps, %ps, %q;"]
+    W = [f"${i}" for i in range(16)]
+    for h in range(2):                # the same registers `_step_asm` loads: W[0..15]
+        L += [f"ld.global.nc.v4.u32 {{{', '.join(W[4 * h:4 * h + 4])}}}, [%pw+{64 * h}];",
+              f"ld.global.nc.v4.u32 {{{', '.join(W[8 + 4 * h:12 + 4 * h])}}}, [%pw8+{64 * h}];"]
+    L += ["ld.global.nc.u8 $16, [%ps];", "mov.b32 $17, 0;", "mov.b32 $18, 0;", "mov.b32 $19, 0;",
+          "}"]
+    return "\n".join(L)
+
+
+_PRELOAD_CONS = ",".join(["=r"] * 20 + ["f"] * 4 + ["l"] * 8 + ["r"] * 16)
+
+
 def _store_asm(nt: int) -> str:
     """Every lane stores its 4 floats per n-tile at ws + warp * 128 nt floats, laid out [token
     (8 nt), row (16)]: (g, 2c) (g, 2c + 1) (g + 8, 2c) (g + 8, 2c + 1). Operands (pack 4): dummy
@@ -171,9 +218,10 @@ def _store_asm(nt: int) -> str:
     return "\n".join(L)
 
 
-def _constraints(nt: int) -> str:
+def _constraints(nt: int, given: bool = False) -> str:
     na = 4 * nt
-    return ",".join(["=f"] * na + ["f"] * na + ["l"] * 12 + ["r"] * 24)
+    return ",".join(["=f"] * na + ["f"] * na + ["r"] * (20 if given else 0) + ["l"] * 12
+                    + ["r"] * 24)
 
 
 def _store_constraints(nt: int) -> str:
@@ -185,7 +233,9 @@ def _launch_strings(nt: int, unroll: int) -> dict:
     """The kernel's asm / constraint arguments for (n-tiles, steps per block), built once:
     generating them takes ~120 us of host time, which every eager launch would pay."""
     return dict(ASM=_step_asm(nt, unroll), ASM_BF16=_step_asm(nt, unroll, True),
-                CONS=_constraints(nt), STORE=_store_asm(nt), STORE_C=_store_constraints(nt))
+                CONS=_constraints(nt), STORE=_store_asm(nt), STORE_C=_store_constraints(nt),
+                PRE=_preload_asm(), PRE_C=_PRELOAD_CONS, GIVEN=_step_asm(nt, 1, given=True),
+                GIVEN_C=_constraints(nt, given=True))
 
 
 @triton.jit
@@ -205,15 +255,61 @@ def _rows(a0, a1, wbase, xbase, sbase, k_lo, k_hi, rowblk, wstride, sstride, xst
     return a0, a1
 
 
+# griddepcontrol.wait under a predicate computed from the preloaded words (true either way:
+# the wait always runs). ptxas hoists a plain wait above independent loads and sinks loads to
+# their use (offline SASS, Triton 3.6: ACQBULK first, the preload's LDGs after it, which
+# defeats them; with a predicate on one word, that word's load alone came first); this one
+# cannot run before every preloaded word has arrived, so all of the step's weight loads are in
+# flight while the kernel ahead ends.
+_WAIT_AFTER = tl.constexpr("{ .reg .pred %p; .reg .b32 %v; xor.b32 %v, $4, $8; "
+                           "xor.b32 %v, %v, $12; xor.b32 %v, %v, $16; xor.b32 %v, %v, $20; "
+                           "setp.ne.u32 %p, %v, $24; @%p griddepcontrol.wait; "
+                           "@!%p griddepcontrol.wait; mov.u32 $0, 0; mov.u32 $1, 0; "
+                           "mov.u32 $2, 0; mov.u32 $3, 0; }")
+_WAIT_AFTER_C = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 24))
+
+
+@triton.jit
+def _wait_after(w0, w1, w2, w3, w4, opaque):
+    """pdl.wait() once the words w0..w4 (`_preload_asm`'s outputs) are loaded; opaque: any
+    runtime integer (the predicate's other side)."""
+    tl.inline_asm_elementwise(_WAIT_AFTER, _WAIT_AFTER_C, [w0, w1, w2, w3, w4, opaque],
+                              dtype=tl.int32, is_pure=False, pack=4)
+
+
+@triton.jit
+def _given_step(a0, a1, w0, w1, w2, w3, w4, wbase, xbase, sbase, koff, rowblk, wstride, sstride,
+                xstride, tmax, GIVEN: tl.constexpr, GIVEN_C: tl.constexpr, NT: tl.constexpr):
+    """One step at koff with the weight words w0..w4 `_preload_asm` loaded."""
+    if NT == 2:
+        a0, a1 = tl.inline_asm_elementwise(
+            GIVEN, GIVEN_C, [a0, a1, w0, w1, w2, w3, w4, wbase, xbase, sbase, koff, rowblk,
+                             wstride, sstride, xstride, tmax],
+            dtype=(tl.float32, tl.float32), is_pure=False, pack=4)
+    else:
+        a0 = tl.inline_asm_elementwise(
+            GIVEN, GIVEN_C, [a0, w0, w1, w2, w3, w4, wbase, xbase, sbase, koff, rowblk, wstride,
+                             sstride, xstride, tmax], dtype=tl.float32, is_pure=False, pack=4)
+    return a0, a1
+
+
 @triton.jit
 def _fp8_gemv_tc_kernel(x_ptr, stride_xt, stride_xg, w_ptr, stride_wn, s_ptr, stride_sn, y_ptr,
                         stride_yt, ws_ptr, cnt_ptr, T, N, K, KCH, GROUP_ROWS,
                         SPLIT: tl.constexpr, WARPS: tl.constexpr, NT: tl.constexpr,
                         UNROLL: tl.constexpr, ASM: tl.constexpr, ASM_BF16: tl.constexpr,
-                        CONS: tl.constexpr, STORE: tl.constexpr, STORE_C: tl.constexpr):
+                        CONS: tl.constexpr, STORE: tl.constexpr, STORE_C: tl.constexpr,
+                        PRE: tl.constexpr, PRE_C: tl.constexpr, GIVEN: tl.constexpr,
+                        GIVEN_C: tl.constexpr, PDL: tl.constexpr = False,
+                        PRELOAD: tl.constexpr = False):
     """ASM / ASM_BF16: `_step_asm(NT, UNROLL)` with f16 / bf16 operands, CONS their
     constraints; STORE / STORE_C: `_store_asm(NT)` and its constraints (asm strings are
-    compile-time arguments: Triton takes no string built inside a kernel)."""
+    compile-time arguments: Triton takes no string built inside a kernel).
+    PDL (dspark.kernels.pdl, opt-in): launched while the kernel ahead still runs, this one lets
+    the next start at once and waits for the one ahead before reading x; PRELOAD (UNROLL 1):
+    before that wait each lane loads its first step's weight words (PRE, `_preload_asm`; the
+    weights are constant), then runs that step on them (GIVEN, `_step_asm(given=True)`)."""
+    pdl.launch_dependents(PDL)          # the next GEMV may start fetching its weights
     pid_n = tl.program_id(0)
     ch = tl.program_id(1)
     rowblk = pid_n * WARPS                                   # first 16-row tile of the program
@@ -224,8 +320,19 @@ def _fp8_gemv_tc_kernel(x_ptr, stride_xt, stride_xg, w_ptr, stride_wn, s_ptr, st
     k_lo = ch * KCH
     k_hi = tl.minimum(k_lo + KCH, K)
     zero = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
-    a0, a1 = _rows(zero, zero, wbase, xbase, sbase, k_lo, k_hi, rowblk, stride_wn, stride_sn,
-                   stride_xt * 2, T - 1, ASM, CONS, NT, UNROLL)
+    if PRELOAD:
+        w0, w1, w2, w3, w4 = tl.inline_asm_elementwise(
+            PRE, PRE_C, [zero, wbase, sbase, k_lo, rowblk, stride_wn, stride_sn],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=4)
+        _wait_after(w0, w1, w2, w3, w4, T)
+        a0, a1 = _given_step(zero, zero, w0, w1, w2, w3, w4, wbase, xbase, sbase, k_lo, rowblk,
+                             stride_wn, stride_sn, stride_xt * 2, T - 1, GIVEN, GIVEN_C, NT)
+        a0, a1 = _rows(a0, a1, wbase, xbase, sbase, k_lo + 128, k_hi, rowblk, stride_wn,
+                       stride_sn, stride_xt * 2, T - 1, ASM, CONS, NT, UNROLL)
+    else:
+        pdl.wait(PDL)
+        a0, a1 = _rows(zero, zero, wbase, xbase, sbase, k_lo, k_hi, rowblk, stride_wn, stride_sn,
+                       stride_xt * 2, T - 1, ASM, CONS, NT, UNROLL)
     # an x past fp16's range: redo this program's sums with bf16 operands
     bad = tl.sum(tl.sum(tl.where(tl.abs(a0) < float("inf"), 0, 1), axis=1), axis=0)
     if NT == 2:
@@ -263,6 +370,12 @@ def _fp8_gemv_tc_kernel(x_ptr, stride_xt, stride_xg, w_ptr, stride_wn, s_ptr, st
 def tc_enabled() -> bool:
     """DSPARK_FP8_TC=0 turns this path off (fp8_gemm's skinny kernel)."""
     return os.environ.get("DSPARK_FP8_TC", "1") != "0"
+
+
+def preload_enabled() -> bool:
+    """With PDL on (DSPARK_PDL=1, opt-in): each lane loads its first step's weights before
+    waiting for the kernel ahead (DSPARK_FP8_TC_PRELOAD=0: it waits first, then loads)."""
+    return os.environ.get("DSPARK_FP8_TC_PRELOAD", "1") != "0"
 
 
 def tc_applies(x2: torch.Tensor, wu: torch.Tensor, N: int, K: int, groups: int = 1,
@@ -311,8 +424,10 @@ def fp8_gemv_tc(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: int, K:
     y = torch.empty(T, N, dtype=out_dtype or x2.dtype, device=x2.device)
     programs = N // (16 * W)
     ws = torch.empty(programs * split * W * 128 * nt, dtype=torch.float32, device=x2.device)
+    on = pdl.enabled(x2.device)
     _fp8_gemv_tc_kernel[(programs, split)](
         x2, x2.stride(0), x2.stride(1) if groups > 1 else 0, wu, wu.stride(0), su, su.stride(0),
         y, y.stride(0), ws, _arrival_counters(x2.device, programs), T, N, K, kch, N // groups,
-        SPLIT=split, WARPS=W, NT=nt, UNROLL=u, num_warps=W, **_launch_strings(nt, u))
+        SPLIT=split, WARPS=W, NT=nt, UNROLL=u, PDL=on, PRELOAD=on and u == 1 and preload_enabled(),
+        num_warps=W, **_launch_strings(nt, u), **pdl.launch_kwargs(on))
     return y

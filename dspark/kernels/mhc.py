@@ -51,6 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dspark.kernels import pdl
 from dspark.kernels.cache_write import _bf16_round
 from dspark.kernels.fp8_gemm import _arrival_counters
 from dspark.models import side_stream
@@ -200,7 +201,7 @@ def _post(o_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, part_ptr, sq_ptr, T
           N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, OUT_BF16: tl.constexpr,
           NEXT: tl.constexpr, BLOCK_R: tl.constexpr, EXPAND: tl.constexpr = False,
           GATHER: tl.constexpr = False, FINISH: tl.constexpr = False,
-          BLOCK_S: tl.constexpr = 1, BLOCK_DF: tl.constexpr = 1):
+          BLOCK_S: tl.constexpr = 1, BLOCK_DF: tl.constexpr = 1, PDL: tl.constexpr = False):
     """out[t, k, d] = post[t, k]·o[t, d] + Σ_j comb[t, j, k]·X[t, j, d] for one D block
     (EXPAND: out[t, k, d] = o[t, d], the first layer's n copies of the embedding; X, post and
     comb unread; GATHER: o's row of token t is ids[t], the embedding table's row).
@@ -210,7 +211,9 @@ def _post(o_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, part_ptr, sq_ptr, T
     part[s, t, r] = Σ_{k, d in block} out[t, k, d]·fn[r, k·D + d], sq[s, t] = Σ out².
     FINISH (NEXT, BLOCK_DF >= D): the token's program that arrives last (counter cnt[t]) then
     also finishes that hc_pre / hc_head as `_finish_pre` (HEAD, NORM) would: pre from all the
-    partials, u and its RMSNorm (weight nw, eps rms_eps) into u_ptr [T, D]."""
+    partials, u and its RMSNorm (weight nw, eps rms_eps) into u_ptr [T, D].
+    PDL (opt-in, FINISH): the GEMV that reads u may start (fetching its weights) now."""
+    pdl.launch_dependents(PDL)
     t = tl.program_id(0)
     pid_d = tl.program_id(1)
     k = tl.arange(0, BLOCK_N)
@@ -488,6 +491,7 @@ def _launch_post(o, X, post, comb, next_fn, n: int, dtype, expand: bool,
         OUT_BF16=dtype == torch.bfloat16, NEXT=nxt, BLOCK_R=BLOCK_R, EXPAND=expand,
         GATHER=ids is not None, FINISH=finish, BLOCK_S=triton.next_power_of_2(max(S, 1)),
         BLOCK_DF=triton.next_power_of_2(D) if finish else 1,
+        PDL=finish and pdl.enabled(o.device),
         num_warps=NORM_WARPS if finish else 4)
     if nxt:
         setattr(out, _LEFT, (next_fn, part, sq, S, BLOCK_R, (hint, fin["u"]) if finish else None))

@@ -30,6 +30,16 @@ weights by a side-lane kernel during the MoE and the attention core, where the H
 idle, with evict-first weight loads: the GEMVs that read the prefetched weights took the same
 time, 12.4 vs 12.5 us for wq_b, and the step was 0.942 vs 0.923 ms; removed.) Correct either
 way (tests/test_pdl.py and the graph replay tests, with the prefetch, passed on the H200).
+
+Session 18 (staged: compiled offline with Triton 3.6, not yet run on a GPU): the tensor-core FP8
+GEMV (`fp8_gemv_tc`, every FP8 linear of 1-8 tokens since session 16) takes PDL too, and before
+its wait each lane loads its first step's weight words into registers (16 bytes x 4 + the scale
+byte; DSPARK_FP8_TC_PRELOAD=0: wait first): that step's HBM latency then overlaps the kernel
+ahead instead of following it. Offline SASS showed why a prefetch placed before a plain wait
+cannot work: ptxas hoists griddepcontrol.wait (ACQBULK) above independent loads and sinks loads
+to their use; the GEMV's wait is therefore predicated on the preloaded words (true either way),
+so all five loads are issued before it (tests/test_pdl.py checks the SASS order). The combine
+(before wo_a) and hc_post's finishing launch (before wq_a + wkv) trigger their dependents.
 """
 from __future__ import annotations
 

@@ -59,6 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dspark.kernels import pdl
 from dspark.kernels.norm_rope import _rnd
 from dspark.kvcache.layouts import dequantize_fp8_ds_mla
 
@@ -515,12 +516,15 @@ def _sparse_mqa_v2_kernel(
 def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr, stride_ot, stride_oh, H,
                     cis_ptr, pos_ptr,
                     NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, ROPE: tl.constexpr = False,
-                    R_HALF: tl.constexpr = 32, ROUND: tl.constexpr = 0):
+                    R_HALF: tl.constexpr = 32, ROUND: tl.constexpr = 0,
+                    PDL: tl.constexpr = False):
     """out[t, h] = Σ_s 2^(lse_s − m) · part_s / (Σ_s 2^(lse_s − m) + 2^(sink·log2e − m)),
     m = max(lse_s, sink·log2e) (finite: the sink is). Grid (T, cdiv(H, BLOCK_H)).
     ROPE: then as kernels.norm_rope without a norm (the attention output's inverse RoPE): the
     row rounded to out's dtype (ROUND 1: bf16), its last R_HALF interleaved pairs rotated by
-    cis[pos[t]] (float32 [rows, R_HALF, 2], already conjugated) and rounded again."""
+    cis[pos[t]] (float32 [rows, R_HALF, 2], already conjugated) and rounded again.
+    PDL (opt-in): the output projection's GEMV after it may start (fetching its weights) now."""
+    pdl.launch_dependents(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < H
@@ -755,7 +759,7 @@ def _launch(q, sink, scale, fp8, a, b, tuning: dict, precision, rope=None):
         _combine_kernel[(T, triton.cdiv(H, bh))](
             part, lse, sink, out, out.stride(0), out.stride(1), H, cis, pos,
             NUM_SPLITS=ns, BLOCK_H=bh, ROPE=rope is not None, R_HALF=r_half,
-            ROUND=int(dtype == torch.bfloat16), num_warps=4)
+            ROUND=int(dtype == torch.bfloat16), PDL=pdl.enabled(out.device), num_warps=4)
         return out
     return _rotated(out, rope)
 

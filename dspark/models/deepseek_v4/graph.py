@@ -523,9 +523,11 @@ class V4DecodeGraphs:
         and bookkeeping of the eager plan; None if the step does not fit (nothing changed).
         The logits carry their rows' argmax (sampling.argmax_rows, computed in the same graph)
         as `logits.row_argmax` (int64 [R·q]), which spec.accept.decide reads instead of
-        launching its own. snapshot=False: the logits are a view of the graph's output buffer,
-        valid until the next step is queued (for a caller that queues its reads of them at once,
-        as decide does: no 0.5 MB copy per step for a 129k vocabulary)."""
+        launching its own. snapshot=False: the logits and their row argmax are views of the
+        graph's output buffers, valid until the next step is queued (for a caller that queues
+        its reads of them at once, as decide and the overlapped decode's read back and next
+        anchors do: no 0.5 MB copy per step for a 129k vocabulary, no copy launch between two
+        decode steps for the argmax)."""
         key = self.bucket(items)
         rids = [rid for rid, _, _ in items]
         if key is None or len(set(rids)) != len(rids) or SCRATCH_RID in rids:
@@ -588,7 +590,7 @@ class V4DecodeGraphs:
         T = R * q
         taps = self.taps_out[:T].clone() if self.taps_out is not None else None
         logits = self.logits_out[:T].clone() if snapshot else self.logits_out[:T]
-        logits.row_argmax = self.argmax_out[:T].clone()
+        logits.row_argmax = self.argmax_out[:T].clone() if snapshot else self.argmax_out[:T]
         return logits, taps
 
     # ---- the step's plan, and the next decode step's computed ahead ----------------------------
