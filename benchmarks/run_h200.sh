@@ -140,7 +140,10 @@ pdl)     # session 13: PDL launches (DSPARK_PDL=1 in the graph tests; test_pdl r
   tail -3 "$R/pdl_tests.txt" | cut -c1-300; grep -A12 "^=== FAILED\|^E  " "$R/pdl_tests.txt" | cut -c1-200 | head -30
   DSPARK_PDL=1 timeout "$(left 150)" python -m pytest -q -rfE -m gpu tests/test_pdl.py tests/test_v4_graph.py \
     -k "pdl or (replay_equals_eager and not bites)" > "$R/pdl_graph_tests.txt" 2>&1
-  tail -3 "$R/pdl_graph_tests.txt" | cut -c1-300; grep -A12 "^=== FAILED\|^E  " "$R/pdl_graph_tests.txt" | cut -c1-200 | head -30 ;;
+  tail -3 "$R/pdl_graph_tests.txt" | cut -c1-300; grep -A12 "^=== FAILED\|^E  " "$R/pdl_graph_tests.txt" | cut -c1-200 | head -30
+  step "bench_pdl_chain (session 18: the FP8 GEMV's PDL preload, a chain of 4 GEMVs)"
+  timeout "$(left 90)" python benchmarks/bench_pdl_chain.py --json "$R/bench_pdl_chain.json" \
+    > "$R/bench_pdl_chain.txt" 2>&1; grep -v -i warn "$R/bench_pdl_chain.txt" | tail -6 ;;
 mhc)
   step "mhc_bench"
   timeout "$(left 60)" python -m dspark.kernels.mhc_bench --T 1,2,6,64 --finish-sweep > "$R/mhc.txt" 2>&1; tail -17 "$R/mhc.txt" ;;

@@ -1,0 +1,116 @@
+"""A decode-step-like chain of weight-streaming FP8 GEMVs (batch 1, V4-Flash shapes) with and
+without programmatic dependent launch (dspark.kernels.pdl), on CUDA.
+
+    norm_rope (q_norm) -> wq_b [32768 x 1024] ; norm_rope -> wo_a-like [8192 x 4096]
+    -> wo_b [4096 x 8192] -> wq_a + wkv [1536 x 4096]
+
+Every chain reads its own copy of the weights (R copies, more than L2 holds, replayed in turn),
+so each GEMV starts with its weights in HBM, as in the decode step. Variants: DSPARK_PDL=0 (plain
+launches), =1 with DSPARK_FP8_TC_PRELOAD=0 (early launch, the wait first) and =1 with the
+preload (each lane's first step of weights loaded before the wait). Timed as one CUDA graph of R
+chains; outputs of every variant must equal the plain launches' bit for bit.
+
+    python benchmarks/bench_pdl_chain.py --json out/bench_pdl_chain.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from dspark.kernels import pdl  # noqa: E402
+from dspark.kernels.fp8_gemm import fp8_linear  # noqa: E402
+from dspark.kernels.norm_rope import norm_rope  # noqa: E402
+from dspark.models.quant import quant_fp8_blocks  # noqa: E402
+
+# (name, N, K): the chain's GEMVs in order; a norm_rope (triggering the next launch) before the
+# first two, as the q_norm / the attention output's combine are in the decode step
+CHAIN = [("wq_b", 32768, 1024), ("wo_a-like", 8192, 4096), ("wo_b", 4096, 8192),
+         ("wq_a+wkv", 1536, 4096)]
+VARIANTS = [("plain", {"DSPARK_PDL": "0"}),
+            ("pdl, wait first", {"DSPARK_PDL": "1", "DSPARK_FP8_TC_PRELOAD": "0"}),
+            ("pdl + preload", {"DSPARK_PDL": "1", "DSPARK_FP8_TC_PRELOAD": "1"})]
+
+
+def chain(x, nws, weights):
+    """x [1, 1024] bf16 -> the chain's output; weights: [(w, s)] in CHAIN order."""
+    h = norm_rope(x, nws[0], 1e-6)
+    h = fp8_linear(h, *weights[0])                       # wq_b: [1, 32768]
+    h = norm_rope(h[:, :4096].contiguous(), nws[1], 1e-6)
+    for w, s in weights[1:]:
+        h = fp8_linear(h, w, s)
+    return h
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--copies", type=int, default=4)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_pdl_chain: needs a CUDA GPU (sm_90+ for PDL)")
+    gen = torch.Generator().manual_seed(0)
+    sets = []
+    for _ in range(a.copies):
+        ws = []
+        for _, N, K in CHAIN:
+            w, s = quant_fp8_blocks(torch.randn(N, K, generator=gen) * (1 / K ** 0.5))
+            ws.append((w.cuda(), s.cuda()))
+        sets.append(ws)
+    nws = [(1 + 0.1 * torch.randn(n, generator=gen)).to(torch.bfloat16).cuda() for n in (1024, 4096)]
+    x = torch.randn(1, 1024, generator=gen).to(torch.bfloat16).cuda()
+    mb = sum(N * K * 1.0 for _, N, K in CHAIN) / 1e6
+    saved = {k: os.environ.get(k) for k in ("DSPARK_PDL", "DSPARK_FP8_TC_PRELOAD")}
+    rows, want = [], None
+    print(f"{len(CHAIN)} FP8 GEMVs per chain ({mb:.0f} MB of weights), {a.copies} weight copies, "
+          f"PDL available: ", end="")
+    os.environ["DSPARK_PDL"] = "1"
+    print(pdl.enabled(x.device))
+    print(f"{'variant':18s} {'us / chain':>10s} {'TB/s':>6s} {'equal':>6s}")
+    for name, env in VARIANTS:
+        os.environ.update(env)
+        if env["DSPARK_PDL"] == "1" and not pdl.enabled(x.device):
+            print(f"{name:18s} (PDL not available)")
+            continue
+        outs = [chain(x, nws, ws) for ws in sets]        # eager (compiles), then the graph
+        if want is None:
+            want = outs
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            gouts = [chain(x, nws, ws) for ws in sets]
+        g.replay()
+        torch.cuda.synchronize()
+        equal = all(torch.equal(o, w) for o, w in zip(outs, want)) and all(
+            torch.equal(o, w) for o, w in zip(gouts, want))
+        times = []
+        for _ in range(a.iters):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            g.replay()
+            e1.record()
+            torch.cuda.synchronize()
+            times.append(e0.elapsed_time(e1) * 1e3 / a.copies)
+        us = statistics.median(times)
+        rows.append(dict(variant=name, env=env, us_per_chain=us, equal=equal))
+        print(f"{name:18s} {us:10.1f} {mb / us:6.2f} {str(equal):>6s}", flush=True)
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    if a.json:
+        json.dump(dict(summary="PDL chain: " + ", ".join(
+            f"{r['variant']} {r['us_per_chain']:.1f} us" for r in rows),
+            device={"name": torch.cuda.get_device_name()}, chain=CHAIN, rows=rows),
+            open(a.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
