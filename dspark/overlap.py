@@ -110,8 +110,9 @@ class OverlappedDecode:
         table = dec.table()
         # the table may view the runner's output buffers (target_forward(snapshot=False)), which
         # the next round overwrites: copied now (on CUDA to the host, queued before that round)
-        host, ready = (None if table.is_cuda else table.clone()), None
-        if table.is_cuda:
+        if not table.is_cuda:
+            host, ready = table.clone(), None
+        else:
             buf = self._pinned[self._turn]
             if buf is None or buf.numel() < table.numel():
                 buf = self._pinned[self._turn] = torch.empty(

@@ -88,6 +88,38 @@ def _w_pairs(word: str, lo: str, hi: str, bf16: bool) -> list[str]:
     return L
 
 
+GIVEN_REGS = 20     # `_preload_asm`'s outputs: 16 weight words, the scale byte, 3 unused
+
+
+def _lane_addresses(op: dict) -> list[str]:
+    """PTX shared by `_step_asm` and `_preload_asm` (they must load the same bytes): the lane's
+    row (%row, from %tid / %laneid and op['rowblk']), its scale byte's address for column
+    op['koff'] (%ps), its weight addresses (%pw: row g at koff + 16c, %pw8: row g + 8), leaving
+    %t = koff + 16c (the lane's first column). Needs .u32 %lane %g %c %t %row and .u64 %pw %pw8
+    %ps %q declared; op: operand names of wbase, sbase, koff, rowblk, wstride, sstride."""
+    return ["mov.u32 %lane, %laneid;", "shr.u32 %g, %lane, 2;", "and.b32 %c, %lane, 3;",
+            "mov.u32 %t, %tid.x;", "shr.u32 %t, %t, 5;", f"add.u32 %t, %t, {op['rowblk']};",
+            "shl.b32 %t, %t, 4;", "add.u32 %row, %t, %g;",
+            "shr.u32 %t, %row, 7;", f"mul.wide.u32 %q, %t, {op['sstride']};",
+            f"add.u64 %ps, {op['sbase']}, %q;", f"shr.u32 %t, {op['koff']}, 7;",
+            "cvt.u64.u32 %q, %t;", "add.u64 %ps, %ps, %q;",
+            f"mul.wide.u32 %q, %row, {op['wstride']};", f"add.u64 %pw, {op['wbase']}, %q;",
+            f"mad.lo.u32 %t, %c, 16, {op['koff']};", "cvt.u64.u32 %q, %t;",
+            "add.u64 %pw, %pw, %q;", f"mul.wide.u32 %q, {op['wstride']}, 8;",
+            "add.u64 %pw8, %pw, %q;"]
+
+
+def _weight_loads(W: list[str], off: int) -> list[str]:
+    """PTX: one step's 16 weight words W of the lane at byte offset `off` of its addresses: chunk
+    h (+ 64 h bytes) of row g into W[4h .. 4h + 3], of row g + 8 into W[8 + 4h ..]."""
+    L = []
+    for h in range(2):
+        L += [f"ld.global.nc.v4.u32 {{{', '.join(W[4 * h:4 * h + 4])}}}, [%pw+{off + 64 * h}];",
+              f"ld.global.nc.v4.u32 {{{', '.join(W[8 + 4 * h:12 + 4 * h])}}}, "
+              f"[%pw8+{off + 64 * h}];"]
+    return L
+
+
 def _step_asm(nt: int, unroll: int, bf16: bool = False, given: bool = False) -> str:
     """`unroll` 128-column steps of one warp, every load issued before the first conversion.
     Operands (pack 4): outputs A0 [, A1] (4 floats each: rows g, g + 8 x tokens 2c, 2c + 1 of
@@ -97,7 +129,7 @@ def _step_asm(nt: int, unroll: int, bf16: bool = False, given: bool = False) -> 
     5 int32 tensors `_preload_asm` returned, between the accumulators and the scalars."""
     na = 4 * nt
     o = [f"${i}" for i in range(na)]
-    i0 = 2 * na + (20 if given else 0)
+    i0 = 2 * na + (GIVEN_REGS if given else 0)
     assert not given or unroll == 1
     names = ["wbase", "xbase", "sbase", "koff", "rowblk", "wstride", "sstride", "xstride", "tmax"]
     op = {n: f"${i0 + 4 * k}" for k, n in enumerate(names)}
@@ -108,33 +140,23 @@ def _step_asm(nt: int, unroll: int, bf16: bool = False, given: bool = False) -> 
          f".reg .f32 %t0_<{na}>, %t1_<{na}>;"]
     for u in range(unroll):
         L.append(f".reg .b32 %w{u}_<16>, %x{u}_<{16 * nt}>, %s{u};")
-    L += ["mov.u32 %lane, %laneid;", "shr.u32 %g, %lane, 2;", "and.b32 %c, %lane, 3;",
-          "mov.u32 %t, %tid.x;", "shr.u32 %t, %t, 5;", f"add.u32 %t, %t, {op['rowblk']};",
-          "shl.b32 %t, %t, 4;", "add.u32 %row, %t, %g;", "mov.f32 %z, 0f00000000;"]
-    L += [f"mov.f32 {o[k]}, ${na + k};" for k in range(na)]
-    # weights: row g at koff + 16c (chunk 1: + 64), row g + 8 at + 8 rows; x: token min(g, T-1)
-    # at column koff + 16c (n-tile 1: token min(g + 8, T-1)); scale byte of (row / 128, koff / 128)
-    L += [f"mul.wide.u32 %q, %row, {op['wstride']};", f"add.u64 %pw, {op['wbase']}, %q;",
-          f"mad.lo.u32 %t, %c, 16, {op['koff']};", "cvt.u64.u32 %q, %t;", "add.u64 %pw, %pw, %q;",
-          f"mul.wide.u32 %q, {op['wstride']}, 8;", "add.u64 %pw8, %pw, %q;",
-          f"min.u32 %tok, %g, {op['tmax']};", f"mul.wide.u32 %q, %tok, {op['xstride']};",
+    L += ["mov.f32 %z, 0f00000000;"] + [f"mov.f32 {o[k]}, ${na + k};" for k in range(na)]
+    # weights / scale byte (`_lane_addresses`); x: token min(g, T-1) at column koff + 16c (%t;
+    # n-tile 1: token min(g + 8, T-1))
+    L += _lane_addresses(op)
+    L += [f"min.u32 %tok, %g, {op['tmax']};", f"mul.wide.u32 %q, %tok, {op['xstride']};",
           f"add.u64 %px, {op['xbase']}, %q;", "mul.wide.u32 %q, %t, 2;", "add.u64 %px, %px, %q;"]
     if nt == 2:
         L += ["add.u32 %tok, %g, 8;", f"min.u32 %tok, %tok, {op['tmax']};",
               f"mul.wide.u32 %q, %tok, {op['xstride']};", f"add.u64 %py, {op['xbase']}, %q;",
               "mul.wide.u32 %q, %t, 2;", "add.u64 %py, %py, %q;"]
-    L += ["shr.u32 %t, %row, 7;", f"mul.wide.u32 %q, %t, {op['sstride']};",
-          f"add.u64 %ps, {op['sbase']}, %q;", f"shr.u32 %t, {op['koff']}, 7;",
-          "cvt.u64.u32 %q, %t;", "add.u64 %ps, %ps, %q;"]
     for u in range(unroll):           # step u: + 128 u weight bytes, + 256 u x bytes, + u scales
         W = [f"%w{u}_{i}" for i in range(16)]
         X = [f"%x{u}_{i}" for i in range(16 * nt)]
-        for h in range(2):            # chunk h: weights + 64 h bytes, x + 128 h bytes
-            wo, xo = 128 * u + 64 * h, 256 * u + 128 * h
-            if not given:
-                L += [f"ld.global.nc.v4.u32 {{{', '.join(W[4 * h:4 * h + 4])}}}, [%pw+{wo}];",
-                      f"ld.global.nc.v4.u32 {{{', '.join(W[8 + 4 * h:12 + 4 * h])}}}, "
-                      f"[%pw8+{wo}];"]
+        if not given:
+            L += _weight_loads(W, 128 * u)
+        for h in range(2):            # chunk h: x + 128 h bytes
+            xo = 256 * u + 128 * h
             for n, p in enumerate(["%px", "%py"][:nt]):
                 for k in range(2):
                     xs = X[16 * n + 8 * h + 4 * k:16 * n + 8 * h + 4 * k + 4]
@@ -176,28 +198,16 @@ def _preload_asm() -> str:
     16 words, the scale byte, 3 unused); inputs a float tensor of the accumulators' shape (not
     read: it gives the outputs their layout), then wbase, sbase (u64), koff, rowblk, wstride,
     sstride (u32)."""
-    op = {n: f"${24 + 4 * k}" for k, n in enumerate(["wbase", "sbase"])}
-    op.update({n: f"${32 + 4 * k}" for k, n in enumerate(["koff", "rowblk", "wstride", "sstride"])})
-    L = ["{", ".reg .u32 %lane, %g, %c, %t, %row;", ".reg .u64 %pw, %pw8, %ps, %q;",
-         "mov.u32 %lane, %laneid;", "shr.u32 %g, %lane, 2;", "and.b32 %c, %lane, 3;",
-         "mov.u32 %t, %tid.x;", "shr.u32 %t, %t, 5;", f"add.u32 %t, %t, {op['rowblk']};",
-         "shl.b32 %t, %t, 4;", "add.u32 %row, %t, %g;",
-         f"mul.wide.u32 %q, %row, {op['wstride']};", f"add.u64 %pw, {op['wbase']}, %q;",
-         f"mad.lo.u32 %t, %c, 16, {op['koff']};", "cvt.u64.u32 %q, %t;", "add.u64 %pw, %pw, %q;",
-         f"mul.wide.u32 %q, {op['wstride']}, 8;", "add.u64 %pw8, %pw, %q;",
-         "shr.u32 %t, %row, 7;", f"mul.wide.u32 %q, %t, {op['sstride']};",
-         f"add.u64 %ps, {op['sbase']}, %q;", f"shr.u32 %t, {op['koff']}, 7;",
-         "cvt.u64.u32 %q, %t;", "add.u64 %ps, %ps, %q;"]
-    W = [f"${i}" for i in range(16)]
-    for h in range(2):                # the same registers `_step_asm` loads: W[0..15]
-        L += [f"ld.global.nc.v4.u32 {{{', '.join(W[4 * h:4 * h + 4])}}}, [%pw+{64 * h}];",
-              f"ld.global.nc.v4.u32 {{{', '.join(W[8 + 4 * h:12 + 4 * h])}}}, [%pw8+{64 * h}];"]
-    L += ["ld.global.nc.u8 $16, [%ps];", "mov.b32 $17, 0;", "mov.b32 $18, 0;", "mov.b32 $19, 0;",
-          "}"]
-    return "\n".join(L)
+    i0 = GIVEN_REGS + 4
+    op = {n: f"${i0 + 4 * k}" for k, n in enumerate(["wbase", "sbase", "koff", "rowblk",
+                                                       "wstride", "sstride"])}
+    L = ["{", ".reg .u32 %lane, %g, %c, %t, %row;", ".reg .u64 %pw, %pw8, %ps, %q;"]
+    L += _lane_addresses(op) + _weight_loads([f"${i}" for i in range(16)], 0)
+    L += ["ld.global.nc.u8 $16, [%ps];"] + [f"mov.b32 ${i}, 0;" for i in range(17, GIVEN_REGS)]
+    return "\n".join(L + ["}"])
 
 
-_PRELOAD_CONS = ",".join(["=r"] * 20 + ["f"] * 4 + ["l"] * 8 + ["r"] * 16)
+_PRELOAD_CONS = ",".join(["=r"] * GIVEN_REGS + ["f"] * 4 + ["l"] * 8 + ["r"] * 16)
 
 
 def _store_asm(nt: int) -> str:
@@ -220,8 +230,8 @@ def _store_asm(nt: int) -> str:
 
 def _constraints(nt: int, given: bool = False) -> str:
     na = 4 * nt
-    return ",".join(["=f"] * na + ["f"] * na + ["r"] * (20 if given else 0) + ["l"] * 12
-                    + ["r"] * 24)
+    return ",".join(["=f"] * na + ["f"] * na + ["r"] * (GIVEN_REGS if given else 0)
+                    + ["l"] * 12 + ["r"] * 24)
 
 
 def _store_constraints(nt: int) -> str:

@@ -46,6 +46,7 @@ whose float down-cast does not round correctly, gives the same bytes as the GPU.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -394,25 +395,30 @@ _POST_NEXT_BLOCK_D = 64      # 4 streams x 64 columns x 32 rows of fn per progra
 _LEFT = "_dspark_mhc_partials"
 
 
+class _Left(NamedTuple):
+    """What hc_post's launch leaves on its output streams for the next collapse."""
+    fn: torch.Tensor                # the projection the partials are of
+    partials: tuple                 # (part, sq, S, BLOCK_R), as `_mixes` returns them
+    hint: NextPre | None = None     # the collapse it also finished (FINISH), and its result u
+    u: torch.Tensor | None = None
+
+
 def _partials_left_on(X, fn):
     """(part, sq, S, BLOCK_R) that hc_post left on the stream tensor X for this very fn, else
     None. X is the tensor hc_post returned (streams are never changed in place)."""
     left = getattr(X, _LEFT, None)
-    if left is None or left[0] is not fn:
-        return None
-    return left[1:5]
+    return left.partials if left is not None and left.fn is fn else None
 
 
 def _finished_left_on(X, fn, base, scale, norm, head: bool):
     """The RMSNorm'd collapse that hc_post's launch finished on X (`NextPre` hint) for this very
     hc_pre / hc_head (same fn, base, scale, norm module, head or not), else None."""
     left = getattr(X, _LEFT, None)
-    if left is None or left[0] is not fn or left[5] is None:
+    if left is None or left.fn is not fn or left.hint is None:
         return None
-    hint, u = left[5]
-    if hint.base is base and hint.scale is scale and hint.norm is norm and hint.head == head:
-        return u
-    return None
+    h = left.hint
+    return left.u if (h.base is base and h.scale is scale and h.norm is norm
+                      and h.head == head) else None
 
 
 def finish_enabled() -> bool:
@@ -494,7 +500,8 @@ def _launch_post(o, X, post, comb, next_fn, n: int, dtype, expand: bool,
         PDL=finish and pdl.enabled(o.device),
         num_warps=NORM_WARPS if finish else 4)
     if nxt:
-        setattr(out, _LEFT, (next_fn, part, sq, S, BLOCK_R, (hint, fin["u"]) if finish else None))
+        left = _Left(next_fn, (part, sq, S, BLOCK_R))
+        setattr(out, _LEFT, left._replace(hint=hint, u=fin["u"]) if finish else left)
     return out
 
 
