@@ -834,6 +834,10 @@ def main(argv=None):
     ap.add_argument("--timeline", type=int, default=0, metavar="REPLAYS",
                     help="CUDA: profile this many back-to-back replays of the decode graph and "
                          "print where its device time goes (idle gaps, time per stream)")
+    ap.add_argument("--loop-timeline", type=int, default=0, metavar="STEPS",
+                    help="CUDA: profile this many steps of the real decode loop and split each "
+                         "step's device time into the graph replay and the gap to the next one "
+                         "(with the operations queued in it)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
@@ -979,6 +983,15 @@ def main(argv=None):
         except Exception as exc:         # keep (a) and (b)
             result["kernel_profile_error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
             print(f"kernel profile failed: {result['kernel_profile_error']}")
+        save()
+    if args.loop_timeline and device.type == "cuda":
+        from loop_timeline import loop_timeline, print_loop_timeline
+        try:
+            result["loop_timeline"] = loop_timeline(eng, args.loop_timeline, 128, _profiled_decode)
+            print_loop_timeline(result["loop_timeline"])
+        except Exception as exc:
+            result["loop_timeline_error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+            print(f"loop timeline failed: {result['loop_timeline_error']}")
         save()
     if args.host_profile:
         try:

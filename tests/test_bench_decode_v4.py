@@ -103,3 +103,36 @@ def test_kernel_profile_splits_a_decode_step(tiny_pair):
     assert bd.kernel_category("_sparse_mqa_v2_kernel") == "attention"
     assert bd.kernel_category("_fp4_moe_grouped_kernel") == "fp4 MoE"
     assert bd.kernel_category("sm90_xmma_gemm_bf16bf16_bf16f32") == "GEMM / GEMV (bf16)"
+
+
+class _Ev:
+    def __init__(self, name, start_us, dur_us, corr):
+        self._n, self._s, self._d, self._c = name, int(start_us * 1e3), int(dur_us * 1e3), corr
+
+    def name(self):
+        return self._n
+
+    def start_ns(self):
+        return self._s
+
+    def duration_ns(self):
+        return self._d
+
+    def correlation_id(self):
+        return self._c
+
+
+def test_loop_timeline_splits_replays_and_the_gaps_between():
+    from loop_timeline import split_steps
+    ev = []
+    for r, t0 in enumerate((0.0, 100.0, 205.0)):       # 3 replays of 10 kernels, 90 us each
+        ev += [_Ev(f"k{i}", t0 + 9 * i, 9.0, 1000 + r) for i in range(10)]
+    ev += [_Ev("Memcpy HtoD", 92.0, 1.5, 1), _Ev("Memcpy DtoD", 95.0, 1.0, 2),
+           _Ev("Memcpy DtoH", 195.0, 2.0, 3)]
+    out = split_steps(ev)
+    assert out["replays"] == 3 and out["kernels_per_replay"] == 10
+    assert out["median_span_us"] == 90.0 and out["median_period_us"] == 102.5
+    assert [g["gap_us"] for g in out["gaps"]] == [10.0, 15.0]
+    assert [op["name"] for op in out["gaps"][0]["ops"]] == ["Memcpy HtoD", "Memcpy DtoD"]
+    assert [op["name"] for op in out["gaps"][1]["ops"]] == ["Memcpy DtoH"]
+    assert out["gaps"][0]["ops"][0]["start_us"] == 2.0

@@ -27,8 +27,10 @@ def test_off_on_cpu_and_by_switch(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not pdl.enabled(torch.device("cuda", 0))     # the interpreter has no PDL
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.delenv("DSPARK_PDL")                      # opt-in: off by default
+    monkeypatch.setenv("DSPARK_PDL", "0")                 # the switch turns it off
     assert not pdl.enabled(torch.device("cuda", 0))
+    monkeypatch.delenv("DSPARK_PDL")                      # on by default
+    assert pdl.mode() == "1"
     monkeypatch.setenv("DSPARK_PDL", "yes")
     with pytest.raises(ValueError, match="DSPARK_PDL"):
         pdl.mode()

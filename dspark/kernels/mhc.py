@@ -213,7 +213,7 @@ def _post(o_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, part_ptr, sq_ptr, T
     FINISH (NEXT, BLOCK_DF >= D): the token's program that arrives last (counter cnt[t]) then
     also finishes that hc_pre / hc_head as `_finish_pre` (HEAD, NORM) would: pre from all the
     partials, u and its RMSNorm (weight nw, eps rms_eps) into u_ptr [T, D].
-    PDL (opt-in, FINISH): the GEMV that reads u may start (fetching its weights) now."""
+    PDL (FINISH): the GEMV that reads u may start (fetching its weights) now."""
     pdl.launch_dependents(PDL)
     t = tl.program_id(0)
     pid_d = tl.program_id(1)

@@ -523,7 +523,7 @@ def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr, stride_ot, stride_oh, 
     ROPE: then as kernels.norm_rope without a norm (the attention output's inverse RoPE): the
     row rounded to out's dtype (ROUND 1: bf16), its last R_HALF interleaved pairs rotated by
     cis[pos[t]] (float32 [rows, R_HALF, 2], already conjugated) and rounded again.
-    PDL (opt-in): the output projection's GEMV after it may start (fetching its weights) now."""
+    PDL: the output projection's GEMV after it may start (fetching its weights) now."""
     pdl.launch_dependents(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
