@@ -15,7 +15,7 @@ set -uo pipefail
 OUT=${OUT:-out}; R="$OUT/r"; mkdir -p "$R"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 DSPARK_INSTAFAIL=1
 BUDGET=${BUDGET:-570}; T0=$SECONDS
-STEPS=${STEPS:-"tests decode kernels bench trace draft qwen3 sweep mhc tp"}   # also: pdl (opt-ins)
+STEPS=${STEPS:-"tests decode kernels bench trace draft qwen3 sweep mhc tp"}   # also: pdl (PDL off / on)
 left() { local l=$((BUDGET - SECONDS + T0)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 1 ] && l=1; echo $l; }
 step() { echo "[t=$((SECONDS - T0))s] $1"; }
 for s in $STEPS; do case $s in
@@ -33,7 +33,8 @@ tests)   # correctness first: every kernel / graph against its torch or eager re
 decode)  # issue 7: V4-Flash decode vs HBM roofline and vs HF (grouped FP4 MoE + target graphs: the defaults)
   step "bench_decode_v4 (grouped FP4 MoE + target graphs)"
   timeout "$(left 150)" python benchmarks/bench_decode_v4.py --context 128,4096 --new-tokens 32 \
-    --kernel-profile 10 --host-profile 20 --json "$R/bench_decode_v4_graphs.json" > "$R/bench_decode_v4_graphs.txt" 2>&1
+    --kernel-profile 10 --host-profile 20 --loop-timeline 20 --json "$R/bench_decode_v4_graphs.json" \
+    > "$R/bench_decode_v4_graphs.txt" 2>&1
   grep -v -i "warn\|it/s\]" "$R/bench_decode_v4_graphs.txt" | tail -40 | cut -c1-250 ;;
 quick)   # issue 7: the decode step at context 128 only, no HF side (kernel + host profiles)
   step "bench_decode_v4 quick"
@@ -130,7 +131,7 @@ filters) # DSPARK_FUSED_FILTERS: filter_logits vs the torch top-k / top-p path, 
       --temperature 1.0 --top-k 50 --top-p 0.9 --json "$R/bench_filters_$v.json" > "$R/bench_filters_$v.txt" 2>&1
     tail -c 1500 "$R/bench_filters_$v.txt" | tr '\r' '\n' | grep -v "it/s\]\|req/s\]\|s/req\]" | tail -3
   done ;;
-pdl)     # session 13: PDL launches (DSPARK_PDL=1 in the graph tests; test_pdl runs both modes),
+pdl)     # session 13: PDL launches (the default since session 19; test_pdl runs both modes),
          # the 16-bit skinny linears, the Triton row argmax: their tests on CUDA, graph replay ==
          # eager, then (other steps) the decode step and A/Bs, e.g.
          # STEPS="pdl quick ab" AB="DSPARK_PDL=1 DSPARK_PDL=0 DSPARK_MHC_SIDE=0"
