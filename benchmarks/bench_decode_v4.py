@@ -835,9 +835,9 @@ def main(argv=None):
                     help="CUDA: profile this many back-to-back replays of the decode graph and "
                          "print where its device time goes (idle gaps, time per stream)")
     ap.add_argument("--loop-timeline", type=int, default=0, metavar="STEPS",
-                    help="CUDA: profile this many steps of the real decode loop and split each "
-                         "step's device time into the graph replay and the gap to the next one "
-                         "(with the operations queued in it)")
+                    help="CUDA: profile this many steps of the real decode loop (context 128) and "
+                         "split each step's device time into the graph replay and the gap to the "
+                         "next one (with the operations queued in it)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)

@@ -37,7 +37,7 @@ def split_steps(events, min_graph_kernels: int = 8) -> dict:
     for (s0, f0, _), (s1, _, _) in zip(replays, replays[1:]):
         between = [{"name": e.name()[:40], "start_us": round((e.start_ns() - f0) / 1e3, 2),
                     "dur_us": round(e.duration_ns() / 1e3, 2)}
-                   for e in others if f0 - 2_000 <= e.start_ns() < s1]
+                   for e in others if f0 <= e.start_ns() < s1]
         gaps.append({"gap_us": (s1 - f0) / 1e3, "ops": between})
     spans = [(f - s) / 1e3 for s, f, _ in replays]
     periods = [(b[0] - a[0]) / 1e3 for a, b in zip(replays, replays[1:])]

@@ -40,10 +40,11 @@ skinny kernel does. K is split over programs when the row tiles alone leave SMs 
 stores its partial to a workspace and the program that arrives last for a tile sums the splits
 in order (deterministic), rounds to x's dtype and stores y.
 
-With PDL (the default on sm_90+, DSPARK_PDL=0 off: dspark.kernels.pdl) the launch may start while the kernel ahead
-still runs: it lets the next kernel start at once and waits before reading x; before that wait
-each lane loads its first step's weights (`_preload_asm`, a wait predicated on them so ptxas
-keeps the loads ahead of it) and runs that step on them (`_step_asm(given=True)`).
+With PDL (the default on sm_90+, DSPARK_PDL=0 off: dspark.kernels.pdl) the launch may start
+while the kernel ahead still runs: it lets the next kernel start at once and waits before reading
+x; before that wait each lane loads its first step's weights (`_preload_asm`, a wait predicated
+on them so ptxas keeps the loads ahead of it) and runs that step on them
+(`_step_asm(given=True)`).
 """
 from __future__ import annotations
 
@@ -315,8 +316,8 @@ def _fp8_gemv_tc_kernel(x_ptr, stride_xt, stride_xg, w_ptr, stride_wn, s_ptr, st
     """ASM / ASM_BF16: `_step_asm(NT, UNROLL)` with f16 / bf16 operands, CONS their
     constraints; STORE / STORE_C: `_store_asm(NT)` and its constraints (asm strings are
     compile-time arguments: Triton takes no string built inside a kernel).
-    PDL (dspark.kernels.pdl, on by default): launched while the kernel ahead still runs, this one lets
-    the next start at once and waits for the one ahead before reading x; PRELOAD (UNROLL 1):
+    PDL (dspark.kernels.pdl, on by default): launched while the kernel ahead still runs, this one
+    lets the next start at once and waits for the one ahead before reading x; PRELOAD (UNROLL 1):
     before that wait each lane loads its first step's weight words (PRE, `_preload_asm`; the
     weights are constant), then runs that step on them (GIVEN, `_step_asm(given=True)`)."""
     pdl.launch_dependents(PDL)          # the next GEMV may start fetching its weights
@@ -383,8 +384,8 @@ def tc_enabled() -> bool:
 
 
 def preload_enabled() -> bool:
-    """With PDL on (the default; DSPARK_PDL=0 off): each lane loads its first step's weights before
-    waiting for the kernel ahead (DSPARK_FP8_TC_PRELOAD=0: it waits first, then loads)."""
+    """With PDL on (the default; DSPARK_PDL=0 off): each lane loads its first step's weights
+    before waiting for the kernel ahead (DSPARK_FP8_TC_PRELOAD=0: it waits first, then loads)."""
     return os.environ.get("DSPARK_FP8_TC_PRELOAD", "1") != "0"
 
 

@@ -19,8 +19,9 @@ Kernels launched without the attribute (torch's, cuBLAS's) keep full ordering. I
 capture the attribute becomes a programmatic edge between the two kernel nodes.
 
 On by default since session 19 (`mode`: DSPARK_PDL=1 early launch and wait, =0 off, =prefetch
-also the L2 prefetch); never under the interpreter or before SM 9.0. Measured on the H200 (session 13, V4-Flash widths, 4
-layers, batch-1 decode graph, `bench_decode_v4.py`) with the prefetch: device time per step
+also the L2 prefetch); never under the interpreter or before SM 9.0. Measured on the H200
+(session 13, V4-Flash widths, 4 layers, batch-1 decode graph, `bench_decode_v4.py`) with the
+prefetch: device time per step
 1.027 ms vs 0.943 ms without PDL. The timeline shows the GEMVs themselves slower, not waiting
 (wo_a 13.2 -> 23.3 us, wo_b 15.8 -> 21.4, wq_b 12.6 -> 18.2, each starting ~1 us earlier), and
 the MoE router beside the early shared expert 7.3 -> 15 us: the bulk prefetches compete with the
@@ -31,14 +32,14 @@ idle, with evict-first weight loads: the GEMVs that read the prefetched weights 
 time, 12.4 vs 12.5 us for wq_b, and the step was 0.942 vs 0.923 ms; removed.) Correct either
 way (tests/test_pdl.py and the graph replay tests, with the prefetch, passed on the H200).
 
-Session 18 (measured in session 19, below): the tensor-core FP8
-GEMV (`fp8_gemv_tc`, every FP8 linear of 1-8 tokens since session 16) takes PDL too, and before
-its wait each lane loads its first step's weight words into registers (16 bytes x 4 + the scale
-byte; DSPARK_FP8_TC_PRELOAD=0: wait first): that step's HBM latency then overlaps the kernel
-ahead instead of following it. Offline SASS showed why a prefetch placed before a plain wait
-cannot work: ptxas hoists griddepcontrol.wait (ACQBULK) above independent loads and sinks loads
-to their use; the GEMV's wait is therefore predicated on the preloaded words (true either way),
-so all five loads are issued before it (tests/test_pdl.py checks the SASS order). The combine
+Session 18 (measured in session 19, below): the tensor-core FP8 GEMV (`fp8_gemv_tc`, every FP8
+linear of 1-8 tokens since session 16) takes PDL too, and before its wait each lane loads its
+first step's weight words into registers (16 bytes x 4 + the scale byte;
+DSPARK_FP8_TC_PRELOAD=0: wait first): that step's HBM latency then overlaps the kernel ahead
+instead of following it. Offline SASS showed why a prefetch placed before a plain wait cannot
+work: ptxas hoists griddepcontrol.wait (ACQBULK) above independent loads and sinks loads to
+their use; the GEMV's wait is therefore predicated on the preloaded words (true either way), so
+all five loads are issued before it (tests/test_pdl.py checks the SASS order). The combine
 (before wo_a) and hc_post's finishing launch (before wq_a + wkv) trigger their dependents.
 Session 19 on the H200 (same call, `run_h200.sh` ab): the decode step's device time 0.766 ms
 without PDL, 0.764 with PDL waiting first, 0.753 with PDL and the preload (step 0.786 / 0.780 /
