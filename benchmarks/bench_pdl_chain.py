@@ -17,13 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_decode_kernels import graph_time  # noqa: E402
 from dspark.kernels import pdl  # noqa: E402
 from dspark.kernels.fp8_gemm import fp8_linear  # noqa: E402
 from dspark.kernels.norm_rope import norm_rope  # noqa: E402
@@ -82,22 +83,13 @@ def main():
         outs = [chain(x, nws, ws) for ws in sets]        # eager (compiles), then the graph
         if want is None:
             want = outs
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            gouts = [chain(x, nws, ws) for ws in sets]
-        g.replay()
-        torch.cuda.synchronize()
+        # each thunk keeps its output: after graph_time they are the graph's replayed buffers
+        gouts = [None] * len(sets)
+        calls = [lambda i=i, ws=ws: gouts.__setitem__(i, chain(x, nws, ws))
+                 for i, ws in enumerate(sets)]
+        us = 1e6 * graph_time(calls, a.iters)
         equal = all(torch.equal(o, w) for o, w in zip(outs, want)) and all(
             torch.equal(o, w) for o, w in zip(gouts, want))
-        times = []
-        for _ in range(a.iters):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            g.replay()
-            e1.record()
-            torch.cuda.synchronize()
-            times.append(e0.elapsed_time(e1) * 1e3 / a.copies)
-        us = statistics.median(times)
         rows.append(dict(variant=name, env=env, us_per_chain=us, equal=equal))
         print(f"{name:18s} {us:10.1f} {mb / us:6.2f} {str(equal):>6s}", flush=True)
     for k, v in saved.items():

@@ -21,16 +21,16 @@ capture the attribute becomes a programmatic edge between the two kernel nodes.
 On by default since session 19 (`mode`: DSPARK_PDL=1 early launch and wait, =0 off, =prefetch
 also the L2 prefetch); never under the interpreter or before SM 9.0. Measured on the H200
 (session 13, V4-Flash widths, 4 layers, batch-1 decode graph, `bench_decode_v4.py`) with the
-prefetch: device time per step
-1.027 ms vs 0.943 ms without PDL. The timeline shows the GEMVs themselves slower, not waiting
-(wo_a 13.2 -> 23.3 us, wo_b 15.8 -> 21.4, wq_b 12.6 -> 18.2, each starting ~1 us earlier), and
-the MoE router beside the early shared expert 7.3 -> 15 us: the bulk prefetches compete with the
-kernels' own loads instead of running ahead of them. Without the prefetch (=1, session 14):
-0.923 vs 0.923 ms, no gain. (Session 14 also tried an L2 prefetch of the next projections'
-weights by a side-lane kernel during the MoE and the attention core, where the HBM is mostly
-idle, with evict-first weight loads: the GEMVs that read the prefetched weights took the same
-time, 12.4 vs 12.5 us for wq_b, and the step was 0.942 vs 0.923 ms; removed.) Correct either
-way (tests/test_pdl.py and the graph replay tests, with the prefetch, passed on the H200).
+prefetch: device time per step 1.027 ms vs 0.943 ms without PDL. The timeline shows the GEMVs
+themselves slower, not waiting (wo_a 13.2 -> 23.3 us, wo_b 15.8 -> 21.4, wq_b 12.6 -> 18.2, each
+starting ~1 us earlier), and the MoE router beside the early shared expert 7.3 -> 15 us: the
+bulk prefetches compete with the kernels' own loads instead of running ahead of them. Without
+the prefetch (=1, session 14): 0.923 vs 0.923 ms, no gain. (Session 14 also tried an L2 prefetch
+of the next projections' weights by a side-lane kernel during the MoE and the attention core,
+where the HBM is mostly idle, with evict-first weight loads: the GEMVs that read the prefetched
+weights took the same time, 12.4 vs 12.5 us for wq_b, and the step was 0.942 vs 0.923 ms;
+removed.) Correct either way (tests/test_pdl.py and the graph replay tests, with the prefetch,
+passed on the H200).
 
 Session 18 (measured in session 19, below): the tensor-core FP8 GEMV (`fp8_gemv_tc`, every FP8
 linear of 1-8 tokens since session 16) takes PDL too, and before its wait each lane loads its

@@ -65,15 +65,15 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{sub}_scale", nn.Parameter(torch.ones(3)))
 
     def _pre(self, X, sub):
-        """(sub-block input: the sub-block's RMSNorm of the collapsed streams, post, comb)."""
-        c = self.cfg
-        return hc_pre(X, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_base"),
-                      getattr(self, f"hc_{sub}_scale"), c.hc_mult, c.hc_sinkhorn_iters,
-                      c.hc_eps, c.rms_norm_eps, deferred=True,   # post / comb: hc_post only
-                      norm=getattr(self, f"{sub}_norm"))
+        """(sub-block input: the sub-block's RMSNorm of the collapsed streams, post, comb), from
+        the arguments `pre_hint` names (so hc_post's hint always matches this call)."""
+        h = self.pre_hint(sub)
+        return hc_pre(X, h.fn, h.base, h.scale, self.cfg.hc_mult, self.cfg.hc_sinkhorn_iters,
+                      h.hc_eps, h.norm_eps, deferred=True,   # post / comb: hc_post only
+                      norm=h.norm)
 
     def pre_hint(self, sub) -> NextPre:
-        """What `_pre(X, sub)` will call hc_pre with: hc_post's hint (mhc.NextPre)."""
+        """What `_pre(X, sub)` calls hc_pre with: hc_post's hint (mhc.NextPre)."""
         c = self.cfg
         return NextPre(getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_base"),
                        getattr(self, f"hc_{sub}_scale"), getattr(self, f"{sub}_norm"),
@@ -139,16 +139,16 @@ class DeepseekV4Model(nn.Module):
         return X, tap
 
     def head_hint(self) -> NextPre:
-        """What `logits` calls hc_head with: the last hc_post's hint (mhc.NextPre)."""
+        """What `logits` calls hc_head with (`head_hidden`): the last hc_post's hint."""
         c = self.cfg
         return NextPre(self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.norm,
                        c.hc_eps, c.rms_norm_eps, head=True)
 
     def head_hidden(self, X, norm=None) -> torch.Tensor:
-        """The final streams X [T, n, D] collapsed to [T, D] (with `norm`: its RMSNorm)."""
-        c = self.cfg
-        return hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps,
-                       c.rms_norm_eps, norm=norm)
+        """The final streams X [T, n, D] collapsed to [T, D] (with `norm`: its RMSNorm), with
+        the arguments `head_hint` names."""
+        h = self.head_hint()
+        return hc_head(X, h.fn, h.base, h.scale, h.hc_eps, h.norm_eps, norm=norm)
 
     def logits(self, X, argmax_out: torch.Tensor | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
