@@ -6,9 +6,10 @@ The checkpoint is validated against `tensor_inventory(cfg)` from the file header
 data is read: every missing, unexpected, wrongly shaped or wrongly typed tensor is reported in one
 `CheckpointError`. Names and shapes are strict. Dtypes are strict for FP8 codes (e4m3), packed FP4
 bytes (int8 / uint8) and their UE8M0 scales; unquantized float tensors may be stored as bf16, fp32
-or fp16 and are cast to the dtype they are held in (`held_dtype`), one log line per
-(stored -> held) dtype pair saying how many tensors were cast. Data is then read one shard at a time (safe_open memory-maps the file), and each
-quantized weight is de-quantized as soon as it and its `.scale` have both been read.
+or fp16 and are cast to the dtype they are held in (`held_dtype`), with one log line per
+(stored -> held) dtype pair saying how many tensors were cast. Data is then read one shard at a
+time (safe_open memory-maps the file), and each quantized weight is de-quantized as soon as it and
+its `.scale` have both been read.
 """
 from __future__ import annotations
 

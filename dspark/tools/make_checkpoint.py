@@ -373,7 +373,8 @@ def main(argv=None) -> None:
                           overrides, a.shard_mb << 20 if a.shard_mb else None,
                           small_dtype=a.small_dtype)
     print(f"wrote {a.out}: {cfg.num_hidden_layers} layers, weights {cfg.weight_dtype}, "
-          f"experts {cfg.expert_format}, {cfg.num_dspark_stages} DSpark stages")
+          f"experts {cfg.expert_format}, {cfg.num_dspark_stages} DSpark stages"
+          + (f", small tensors {a.small_dtype}" if a.small_dtype else ""))
 
 
 if __name__ == "__main__":

@@ -268,7 +268,8 @@ def main(argv=None) -> None:
     extra = (f", block {cfg['block_size']}, taps {cfg['target_layer_ids']}, markov "
              f"{cfg['markov_head_type']} r={cfg['markov_rank']}") if a.kind == "dspark" else ""
     print(f"wrote {a.out}: {a.kind} {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
-          f"vocab {cfg['vocab_size']}, {a.dtype}{extra}")
+          f"vocab {cfg['vocab_size']}, {a.dtype}{extra}"
+          + (f", small tensors {a.small_dtype}" if a.small_dtype else ""))
 
 
 if __name__ == "__main__":
