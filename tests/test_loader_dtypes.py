@@ -210,6 +210,27 @@ def test_sharded_loader_casts_the_same(v4, x, world, caplog):
         assert bool(lines) == (rank == 0), lines      # rank 0 reports for everyone
 
 
+def test_tp2_engine_on_fp16_small_tensors(v4):
+    """Tensor parallel over gloo (2 CPU processes, each loading its slices): the fp16-stored
+    checkpoint gives the single-process reference's logits, taps and draft (tolerance of
+    test_distributed: fp32 partial sums reduced in another order; the fp16 rounding itself moves
+    the logits by ~1e-3, test_rounding_is_visible)."""
+    from dspark.distributed.engine import DistributedRunner
+    from test_distributed import _passes, _reference
+    path, ref = v4["fp16"]
+    want = _passes(*_reference(ref))
+    cfg = ModelConfig.from_path(path)
+    runner = DistributedRunner.launch(path, cfg, 2, dtype=torch.float32)
+    try:
+        got = _passes(runner, cfg)
+    finally:
+        runner.shutdown()
+    for a, b in zip(want[:3], got[:3]):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got[3].tokens, want[3].tokens)
+    torch.testing.assert_close(got[3].conf_logits, want[3].conf_logits, rtol=1e-4, atol=1e-4)
+
+
 def test_quantized_checkpoint_small_tensors_recast(tiny_quant_ckpt, tmp_path):
     """FP8 + FP4 storage: the small tensors in fp16 load as their recast reference, dequantized and
     kept quantized, whole and rank-sharded; codes and scales untouched."""
