@@ -143,8 +143,8 @@ _DTYPE_HINTS = {
            "in config.json",
     "scale": "scales are UE8M0 exponents stored as float8_e8m0fnu (or their raw uint8 bytes); "
              "float scales are another format: convert them to e8m0 when exporting",
-    "bf16": "unquantized tensors may be stored as bfloat16, float32 or float16 (cast on load); "
-            "an integer or fp8 tensor there is not an unquantized weight",
+    "bf16": "unquantized tensors may be stored as bfloat16, float32 or float16 (cast on load), "
+            "not as integers, fp8 or float64: re-export them in one of those",
     "int64": "the hash-routing table gate.tid2eid is stored as int64 or int32",
 }
 _DTYPE_HINTS["fp32"] = _DTYPE_HINTS["bf16"]
@@ -187,7 +187,8 @@ def log_casts(path: str, stored: dict, held: dict) -> None:
 def log_float_casts(path: str, cfg: ModelConfig, found: dict, dtype: torch.dtype) -> None:
     """`log_casts` for the unquantized float tensors of a validated V4 checkpoint."""
     floats = {n: spec.kind for n, spec in tensor_inventory(cfg).items() if spec.kind in FLOAT_KINDS}
-    log_casts(path, {n: found[n][3] for n in floats}, {n: held_dtype(k, dtype) for n, k in floats.items()})
+    log_casts(path, {n: found[n][3] for n in floats},
+              {n: held_dtype(k, dtype) for n, k in floats.items()})
 
 
 def _validate(path: str, cfg: ModelConfig, found: dict) -> None:
@@ -205,8 +206,8 @@ def _validate(path: str, cfg: ModelConfig, found: dict) -> None:
     wrong = [n for n, st in expected.items() if n in found and found[n][3] not in st.dtypes]
     bad_dtype = [f"{n}: {found[n][3]} (expected {' or '.join(map(str, expected[n].dtypes))})"
                  for n in wrong]
-    hints = list(dict.fromkeys(_DTYPE_HINTS["scale" if n.endswith(".scale") and kinds[n] in ("fp8", "fp4")
-                                            else kinds[n]] for n in wrong))
+    is_scale = {n for n in wrong if kinds[n] in ("fp8", "fp4") and n.endswith(".scale")}
+    hints = list(dict.fromkeys(_DTYPE_HINTS["scale" if n in is_scale else kinds[n]] for n in wrong))
     problems = []
     if missing:
         problems.append(f"{len(missing)} missing tensor(s): {_listing(missing)}")
