@@ -225,10 +225,12 @@ def test_wrong_shape(small_ckpt, tmp_path):
 
 
 def test_wrong_dtype(small_ckpt, tmp_path):
+    # float dtypes other than the format's are cast (test_loader_dtypes.py); an integer is not a norm
     path = _copy(small_ckpt, tmp_path)
-    _rewrite(path, lambda t: t.update({"layers.0.attn_norm.weight": t["layers.0.attn_norm.weight"].float()}))
-    with pytest.raises(CheckpointError, match=r"wrong dtype: layers.0.attn_norm.weight: torch.float32 "
-                                              r"\(expected torch.bfloat16\)"):
+    _rewrite(path, lambda t: t.update({"layers.0.attn_norm.weight": t["layers.0.attn_norm.weight"].to(torch.int32)}))
+    with pytest.raises(CheckpointError, match=r"wrong dtype: layers.0.attn_norm.weight: torch.int32 "
+                                              r"\(expected torch.bfloat16 or torch.float32 or "
+                                              r"torch.float16\)\n  unquantized tensors may be stored as"):
         load_checkpoint(path, progress=False)
 
 

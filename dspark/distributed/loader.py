@@ -26,7 +26,8 @@ from tqdm.auto import tqdm
 from dspark.config import ModelConfig
 from dspark.models.deepseek_v4.weights import scale_name, tensor_inventory
 from dspark.models.loader import (_REGENERATE, CheckpointError, _headers, _open, _shard_map,
-                                  _validate, load_checkpoint)
+                                  _validate, cast_float, held_dtype, load_checkpoint,
+                                  log_float_casts)
 from dspark.models.quant import FP4_GROUP, FP8_BLOCK, dequant_fp4_experts, dequant_fp8_blocks
 
 from .sharding import SKIP, ShardPlan, quantized_split_problem
@@ -81,7 +82,8 @@ def load_checkpoint_shard(path: str, cfg: ModelConfig, rank: int, world: int,
                           keep_quantized: bool = False) -> dict[str, torch.Tensor]:
     """{official name: this rank's part} for every tensor the rank holds (see ShardPlan), with the
     dtypes of `load_checkpoint` (fp8/fp4/bf16 weights as `dtype`, fp32 params as float32, the hash
-    table as int64), on `device`. `include(name) -> bool` restricts the tensors read (e.g. no
+    table as int64; unquantized tensors stored in another float dtype are cast, rank 0 logs
+    what), on `device`. `include(name) -> bool` restricts the tensors read (e.g. no
     `mtp.*` without a drafter). world == 1 reads everything with `load_checkpoint`.
     keep_quantized: fp8 / fp4 weights as stored plus their `.scale` entries (module docstring)."""
     if world == 1:
@@ -95,6 +97,8 @@ def load_checkpoint_shard(path: str, cfg: ModelConfig, rank: int, world: int,
     inventory = tensor_inventory(cfg)
     found = _headers(path, _shard_map(path))
     _validate(path, cfg, found)
+    if rank == 0:       # every rank casts the same way: one report for the whole checkpoint
+        log_float_casts(path, cfg, found, dtype)
 
     handles: dict[str, object] = {}
 
@@ -129,7 +133,7 @@ def load_checkpoint_shard(path: str, cfg: ModelConfig, rank: int, world: int,
                     t = read(sliced(name), sliced(scale_name(name)), spec.shape, sl or full, dtype)
                 else:
                     t = sliced(name)[tuple(sl)] if sl else sliced(name)[:]
-                    t = t.to({"bf16": dtype, "int64": torch.int64}.get(spec.kind, torch.float32))
+                    t = cast_float(t, held_dtype(spec.kind, dtype), name)
             except CheckpointError:
                 raise
             except Exception as e:

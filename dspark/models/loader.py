@@ -4,8 +4,12 @@
 
 The checkpoint is validated against `tensor_inventory(cfg)` from the file headers alone before any
 data is read: every missing, unexpected, wrongly shaped or wrongly typed tensor is reported in one
-`CheckpointError`. Data is then read one shard at a time (safe_open memory-maps the file), and each
-quantized weight is de-quantized as soon as it and its `.scale` have both been read.
+`CheckpointError`. Names and shapes are strict. Dtypes are strict for FP8 codes (e4m3), packed FP4
+bytes (int8 / uint8) and their UE8M0 scales; unquantized float tensors may be stored as bf16, fp32
+or fp16 and are cast to the dtype they are held in (`held_dtype`), with one log line per
+(stored -> held) dtype pair saying how many tensors were cast. Data is then read one shard at a
+time (safe_open memory-maps the file), and each quantized weight is de-quantized as soon as it and
+its `.scale` have both been read.
 """
 from __future__ import annotations
 
@@ -18,8 +22,8 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from dspark.config import SUPPORTED_MODEL_TYPES, ConfigError, ModelConfig
-from dspark.models.deepseek_v4.weights import (scale_name, stored_inventory, stored_tensors,
-                                               tensor_inventory)
+from dspark.models.deepseek_v4.weights import (FLOAT_KINDS, scale_name, stored_inventory,
+                                               stored_tensors, tensor_inventory)
 from dspark.models.quant import dequant_fp4_experts, dequant_fp8_blocks
 
 log = logging.getLogger(__name__)
@@ -129,6 +133,64 @@ def _headers(path: str, shard_map: dict[str, str]) -> dict[str, tuple[str, str, 
     return found
 
 
+# what each storage kind must look like on disk, and what to do about a mismatch
+_DTYPE_HINTS = {
+    "fp8": "FP8 weights are float8_e4m3fn codes next to a UE8M0 `.scale` per 128x128 tile; a "
+           "checkpoint with de-quantized (bf16) dense weights needs a config.json without "
+           "quantization_config",
+    "fp4": "FP4 expert weights are packed e2m1 pairs stored as int8 or uint8 next to a UE8M0 "
+           "`.scale` per 32 columns; a checkpoint with fp8 or bf16 experts needs that expert_dtype "
+           "in config.json",
+    "scale": "scales are UE8M0 exponents stored as float8_e8m0fnu (or their raw uint8 bytes); "
+             "float scales are another format: convert them to e8m0 when exporting",
+    "bf16": "unquantized tensors may be stored as bfloat16, float32 or float16 (cast on load), "
+            "not as integers, fp8 or float64: re-export them in one of those",
+    "int64": "the hash-routing table gate.tid2eid is stored as int64 or int32",
+}
+_DTYPE_HINTS["fp32"] = _DTYPE_HINTS["bf16"]
+
+
+def held_dtype(kind: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a loaded tensor of storage `kind` is held in ("bf16" kinds in the engine dtype,
+    "fp32" kinds in float32, hash tables in int64); quantized kinds de-quantize to `dtype`."""
+    return {"fp32": torch.float32, "int64": torch.int64}.get(kind, dtype)
+
+
+def cast_float(t: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """t as `dtype`; a CheckpointError naming the tensor when finite values overflow the narrower
+    dtype (an fp32 tensor loaded as fp16, say) instead of silently holding inf."""
+    if t.dtype == dtype:
+        return t
+    out = t.to(dtype)
+    if (t.is_floating_point() and dtype.is_floating_point
+            and torch.finfo(dtype).max < torch.finfo(t.dtype).max):
+        over = torch.isinf(out) & torch.isfinite(t)
+        if bool(over.any()):
+            raise CheckpointError(
+                f"{name}: stored as {t.dtype} with values up to {t[over].abs().max().item():.4g}, "
+                f"beyond {dtype}'s range (max {torch.finfo(dtype).max:.4g}). Fix: load with a "
+                f"wider dtype (bf16 or fp32)")
+    return out
+
+
+def log_casts(path: str, stored: dict, held: dict) -> None:
+    """One INFO line per (stored dtype -> held dtype) pair: how many tensors, and one example."""
+    pairs: dict = {}
+    for name, s in stored.items():
+        if s != held[name]:
+            pairs.setdefault((s, held[name]), []).append(name)
+    for (s, h), names in pairs.items():
+        log.info("%s: cast %d tensor(s) stored as %s to %s (e.g. %s)", path, len(names),
+                 str(s).removeprefix("torch."), str(h).removeprefix("torch."), names[0])
+
+
+def log_float_casts(path: str, cfg: ModelConfig, found: dict, dtype: torch.dtype) -> None:
+    """`log_casts` for the unquantized float tensors of a validated V4 checkpoint."""
+    floats = {n: spec.kind for n, spec in tensor_inventory(cfg).items() if spec.kind in FLOAT_KINDS}
+    log_casts(path, {n: found[n][3] for n in floats},
+              {n: held_dtype(k, dtype) for n, k in floats.items()})
+
+
 def _validate(path: str, cfg: ModelConfig, found: dict) -> None:
     expected = stored_inventory(cfg)
     ignored = [n for n in found if n not in expected and n.startswith("mtp.") and not cfg.has_dspark]
@@ -139,8 +201,13 @@ def _validate(path: str, cfg: ModelConfig, found: dict) -> None:
     unexpected = [n for n in found if n not in expected and n not in ignored]
     bad_shape = [f"{n}: {list(found[n][2])} (expected {list(st.shape)})"
                  for n, st in expected.items() if n in found and found[n][2] != tuple(st.shape)]
-    bad_dtype = [f"{n}: {found[n][3]} (expected {' or '.join(map(str, st.dtypes))})"
-                 for n, st in expected.items() if n in found and found[n][3] not in st.dtypes]
+    kinds = {st.name: spec.kind for name, spec in tensor_inventory(cfg).items()
+             for st in stored_tensors(name, spec)}
+    wrong = [n for n, st in expected.items() if n in found and found[n][3] not in st.dtypes]
+    bad_dtype = [f"{n}: {found[n][3]} (expected {' or '.join(map(str, expected[n].dtypes))})"
+                 for n in wrong]
+    is_scale = {n for n in wrong if kinds[n] in ("fp8", "fp4") and n.endswith(".scale")}
+    hints = list(dict.fromkeys(_DTYPE_HINTS["scale" if n in is_scale else kinds[n]] for n in wrong))
     problems = []
     if missing:
         problems.append(f"{len(missing)} missing tensor(s): {_listing(missing)}")
@@ -150,6 +217,7 @@ def _validate(path: str, cfg: ModelConfig, found: dict) -> None:
         problems.append(f"{len(bad_shape)} tensor(s) with the wrong shape: {_listing(bad_shape)}")
     if bad_dtype:
         problems.append(f"{len(bad_dtype)} tensor(s) with the wrong dtype: {_listing(bad_dtype)}")
+        problems += hints
     if problems:
         fmt = (f"weights {cfg.weight_dtype}, experts {cfg.expert_format}, "
                f"{cfg.num_hidden_layers} layers, {cfg.num_dspark_stages} DSpark stages")
@@ -170,7 +238,8 @@ def load_checkpoint(path: str, cfg: ModelConfig | None = None, dtype: torch.dtyp
     """Read, validate and de-quantize the checkpoint in directory `path`.
 
     Returns {official name: tensor} for every entry of `tensor_inventory(cfg)`: fp8 / fp4 / bf16
-    weights as `dtype`, fp32 parameters as float32, the hash table as int64, all on `device`.
+    weights as `dtype`, fp32 parameters as float32, the hash table as int64, all on `device`
+    (`held_dtype`; unquantized tensors stored in another float dtype are cast and logged).
     `cfg` defaults to the directory's config.json. Raises CheckpointError on any mismatch.
     keep_quantized=True (opt-in): fp8 / fp4 weights are returned as stored (e4m3 codes / packed
     int8) with their `.scale` entries (e8m0) added under the official scale names.
@@ -189,6 +258,7 @@ def load_checkpoint(path: str, cfg: ModelConfig | None = None, dtype: torch.dtyp
     inventory = tensor_inventory(cfg)
     found = _headers(path, _shard_map(path))
     _validate(path, cfg, found)
+    log_float_casts(path, cfg, found, dtype)
 
     # stored name -> logical name, and the stored names grouped by shard (one shard open at a time)
     owner = {st.name: name for name, spec in inventory.items() for st in stored_tensors(name, spec)}
@@ -222,12 +292,8 @@ def load_checkpoint(path: str, cfg: ModelConfig | None = None, dtype: torch.dtyp
                         else:
                             out[name] = _dequant(kind, w, s, dtype)
                         del pending[name], pending[scale_name(name)]
-                elif kind == "bf16":
-                    out[name] = t.to(dtype)
-                elif kind == "int64":
-                    out[name] = t.to(torch.int64)
                 else:
-                    out[name] = t.to(torch.float32)
+                    out[name] = cast_float(t, held_dtype(kind, dtype), name)
                 bar.update(1)
     bar.close()
     if keep_quantized:

@@ -336,8 +336,12 @@ def tensor_headers(path: str) -> dict:
     return out
 
 
+FLOAT_TAGS = ("BF16", "F32", "F16")    # safetensors dtype tags read (and cast) as the engine dtype
+
+
 def check_tensors(path: str, found: dict, expected: dict, optional=()) -> None:
-    """Raise one CheckpointError listing every missing, unexpected or mis-shaped tensor."""
+    """Raise one CheckpointError listing every missing, unexpected, mis-shaped or non-float
+    tensor (names and shapes strict; any of FLOAT_TAGS is accepted and cast on read)."""
     problems = []
     missing = sorted(set(expected) - set(found) - set(optional))
     extra = sorted(set(found) - set(expected))
@@ -348,22 +352,35 @@ def check_tensors(path: str, found: dict, expected: dict, optional=()) -> None:
         problems.append(f"unexpected {extra[:8]}" + (f" (+{len(extra) - 8} more)" if len(extra) > 8 else ""))
     for n in bad[:8]:
         problems.append(f"{n}: shape {list(found[n][1])} in the file, config implies {list(expected[n])}")
-    floats = {"BF16", "F16", "F32"}
-    problems += [f"{n}: dtype {found[n][2]} (want a float tensor)" for n in found
-                 if n in expected and found[n][2] not in floats]
+    wrong = sorted(n for n in found if n in expected and found[n][2] not in FLOAT_TAGS)
+    problems += [f"{n}: dtype {found[n][2]} (expected {', '.join(FLOAT_TAGS)})" for n in wrong[:8]]
+    if len(wrong) > 8:
+        problems.append(f"(+{len(wrong) - 8} more with a non-float dtype)")
+    if wrong:
+        problems.append("Qwen3 / DSpark tensors are read unquantized, cast to the engine dtype "
+                        "from BF16, F32 or F16: use the checkpoint's bf16 release (FP8 / int "
+                        "quantized Qwen3 exports are not supported)")
     if problems:
         raise CheckpointError(f"{path}: checkpoint does not match its config.json: " + "; ".join(problems))
 
 
 def read_tensors(path: str, headers: dict, names, dtype, device) -> dict:
+    """{name: tensor as `dtype` on `device`} for checked float tensors; one INFO line per stored
+    dtype that differs from `dtype` (how many tensors, one example)."""
     from safetensors import safe_open
     by_shard, out = {}, {}
+    names = list(names)
     for n in names:
         by_shard.setdefault(headers[n][0], []).append(n)
+    _loader.log_casts(path, {n: _loader._SAFE_DTYPES[headers[n][2]] for n in names},
+                      dict.fromkeys(names, dtype))
     for shard, ns in by_shard.items():
         with safe_open(os.path.join(path, shard), framework="pt") as f:
             for n in ns:
-                out[n] = f.get_tensor(n).to(device=device, dtype=dtype)
+                try:
+                    out[n] = _loader.cast_float(f.get_tensor(n).to(device), dtype, n)
+                except _loader.CheckpointError as e:
+                    raise CheckpointError(f"{path}: {e}") from None
     return out
 
 

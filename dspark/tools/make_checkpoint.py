@@ -17,6 +17,12 @@ quantization pass; the other FP8 weights are drawn as floats and quantized with
 `quant_fp8_blocks`. Shards are generated and written one at a time, so memory stays around one
 shard (<= 2 GiB) plus one tensor. A Flash-width 4-layer FP8+FP4 checkpoint with DSpark stages is
 ~27 GB.
+
+`--small-dtype fp32|bf16|fp16` stores the small unquantized tensors (norms, `hc_*`, `attn_sink`,
+`ape`, gate bias, Markov and confidence heads: `is_small_tensor`) in that dtype instead of the
+format's, as other exports do. Their values are the default checkpoint's (drawn, rounded to the
+format's dtype, then cast), so both describe the same model up to that cast's rounding (none when
+the new dtype is wider).
 """
 from __future__ import annotations
 
@@ -33,8 +39,9 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from dspark.config import ModelConfig
-from dspark.models.deepseek_v4.weights import (TensorSpec, scale_name, stored_tensors,
+from dspark.models.deepseek_v4.weights import (FLOAT_KINDS, TensorSpec, scale_name, stored_tensors,
                                                tensor_inventory)
+from dspark.models.loader import cast_float
 from dspark.models.quant import (E2M1_VALUES, E4M3_MAX, float_to_e8m0, fp4_scale_shape,
                                  fp8_scale_shape, quant_fp8_blocks)
 
@@ -262,6 +269,18 @@ def generate_tensor(name: str, spec: TensorSpec, cfg: ModelConfig, seed: int) ->
     return {name: w.to(torch.bfloat16 if spec.kind == "bf16" else torch.float32)}
 
 
+# ---- small tensors in another float dtype ---------------------------------------------------------
+
+SMALL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_SMALL = re.compile(r"(norm\.weight|hc_(attn|ffn|head)_(fn|base|scale)|attn_sink|\.ape|gate\.bias|"
+                    r"markov_head\.\S+|confidence_head\.\S+)$")
+
+
+def is_small_tensor(name: str, spec: TensorSpec) -> bool:
+    """The unquantized tensors whose stored dtype varies between exports (`--small-dtype`)."""
+    return spec.kind in FLOAT_KINDS and bool(_SMALL.search(name))
+
+
 # ---- writing ------------------------------------------------------------------------------------
 
 def _plan_shards(inventory: dict[str, TensorSpec], shard_bytes: int) -> list[list[str]]:
@@ -280,13 +299,19 @@ def _plan_shards(inventory: dict[str, TensorSpec], shard_bytes: int) -> list[lis
 def make_checkpoint(out: str, preset: str = "tiny", layers: int | None = None, seed: int = 0,
                     dtype: str = "bf16", fp4_experts: bool = False, dspark: bool = False,
                     vocab: int | None = None, overrides: dict | None = None,
-                    shard_bytes: int | None = None, progress: bool = True) -> ModelConfig:
+                    shard_bytes: int | None = None, progress: bool = True,
+                    small_dtype: str | None = None) -> ModelConfig:
     """Write a random checkpoint to directory `out`; returns the ModelConfig it describes.
 
+    `small_dtype` ("fp32" | "bf16" | "fp16"): store the `is_small_tensor` tensors in that dtype
+    (module docstring); None keeps the format's dtypes.
     `overrides` replaces ModelConfig fields after the preset is applied (e.g. {"swiglu_limit": 0.5}).
     `shard_bytes` defaults to a quarter of the total (so even `tiny` has several shards), capped
     at 2 GiB.
     """
+    if small_dtype is not None and small_dtype not in SMALL_DTYPES:
+        raise ValueError(f"small_dtype {small_dtype!r} is not supported; choose one of "
+                         f"{', '.join(SMALL_DTYPES)} (or None for the format's dtypes)")
     cfg = preset_config(preset, layers, dtype, fp4_experts, dspark, vocab, overrides)
     config_json = hf_config(cfg)
     inventory = tensor_inventory(cfg)
@@ -295,21 +320,24 @@ def make_checkpoint(out: str, preset: str = "tiny", layers: int | None = None, s
     shards = _plan_shards(inventory, shard_bytes)
 
     os.makedirs(out, exist_ok=True)
-    weight_map = {}
+    weight_map, written = {}, 0
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {preset}", disable=not progress)
     for k, names in enumerate(shards):
         fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
         tensors = {}
         for name in names:
             for key, t in generate_tensor(name, inventory[name], cfg, seed).items():
+                if small_dtype is not None and is_small_tensor(key, inventory[name]):
+                    t = cast_float(t, SMALL_DTYPES[small_dtype], key)
                 tensors[key] = t
                 weight_map[key] = fname
+                written += t.numel() * t.element_size()
                 bar.update(t.numel() * t.element_size())
         save_file(tensors, os.path.join(out, fname), metadata={"format": "pt"})
         del tensors
     bar.close()
     with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        json.dump({"metadata": {"total_size": written}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config_json, f, indent=2)
     return cfg
@@ -327,6 +355,9 @@ def main(argv=None) -> None:
                    help="routed experts as packed FP4 with per-32 UE8M0 scales (default: like --dtype)")
     p.add_argument("--dspark", action="store_true", help="add the 3 DSpark draft stages (mtp.*)")
     p.add_argument("--vocab", type=int, help="override the vocabulary size")
+    p.add_argument("--small-dtype", choices=sorted(SMALL_DTYPES),
+                   help="store norms, hc_*, attn_sink, ape, gate bias and the Markov / confidence "
+                        "heads in this dtype (default: the format's, bf16 or fp32 per tensor)")
     p.add_argument("--shard-mb", type=int, help="max shard size in MiB (default: total/4, <= 2048)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
                    help="override a ModelConfig field, e.g. --set swiglu_limit=0.5 (repeatable)")
@@ -339,9 +370,11 @@ def main(argv=None) -> None:
             p.error(f"--set {item!r}: expected FIELD=JSON, e.g. swiglu_limit=0.5")
         overrides[key] = json.loads(value)
     cfg = make_checkpoint(a.out, a.preset, a.layers, a.seed, a.dtype, a.fp4_experts, a.dspark, a.vocab,
-                          overrides, a.shard_mb << 20 if a.shard_mb else None)
+                          overrides, a.shard_mb << 20 if a.shard_mb else None,
+                          small_dtype=a.small_dtype)
     print(f"wrote {a.out}: {cfg.num_hidden_layers} layers, weights {cfg.weight_dtype}, "
-          f"experts {cfg.expert_format}, {cfg.num_dspark_stages} DSpark stages")
+          f"experts {cfg.expert_format}, {cfg.num_dspark_stages} DSpark stages"
+          + (f", small tensors {a.small_dtype}" if a.small_dtype else ""))
 
 
 if __name__ == "__main__":

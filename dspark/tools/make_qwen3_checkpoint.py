@@ -14,6 +14,10 @@ Target tensors are `model.`-prefixed, `lm_head.weight` only when untied; drafter
 dspark.md §2.2 (no prefix). Each tensor comes from its own generator seeded by (seed, key); the
 drafter's embed_tokens / lm_head copies use the target's keys, so they equal the target's weights
 (what DeepSpec's save path stores) and the loader can alias them.
+
+`--small-dtype fp32|bf16|fp16` stores the small tensors (norms, biases, the Markov and confidence
+heads: `is_small_tensor`) in that dtype instead of `--dtype`, with the values of the default
+checkpoint (rounded to `--dtype`, then cast): the same model up to that cast's rounding.
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ import os
 
 import torch
 from safetensors.torch import save_file
+
+from dspark.models.loader import cast_float
 
 PRESETS = {
     "tiny": dict(target=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -129,6 +135,14 @@ def tensor_shapes(cfg: dict, kind: str, embed_copies: bool = True) -> dict:
     return out
 
 
+SMALL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def is_small_tensor(name: str, shape: tuple) -> bool:
+    """Norms, biases and the drafter's Markov / confidence heads (`--small-dtype`)."""
+    return len(shape) == 1 or name.startswith(("markov_head.", "confidence_head."))
+
+
 def _generator(seed: int, key: str, device="cpu") -> torch.Generator:
     h = hashlib.sha256(f"{seed}:{key}".encode()).digest()
     return torch.Generator(device).manual_seed(int.from_bytes(h[:8], "little") & ((1 << 63) - 1))
@@ -167,8 +181,12 @@ def make_qwen3_checkpoint(out: str, preset: str = "tiny", kind: str = "target", 
                           tie: bool | None = None, markov_head: str = "vanilla",
                           markov_rank: int | None = None, draft_layers: int | None = None,
                           confidence: bool = True, embed_copies: bool = True,
-                          shard_bytes: int = 2 << 30, device: str = "cpu") -> dict:
+                          shard_bytes: int = 2 << 30, device: str = "cpu",
+                          small_dtype: str | None = None) -> dict:
     """Write config.json + safetensors (sharded with an index past `shard_bytes`); return config.
+
+    small_dtype ("fp32" | "bf16" | "fp16"): store the `is_small_tensor` tensors in that dtype
+    (module docstring); None stores every tensor as `dtype`.
 
     device: where the random draws run. "cuda" makes the 4b preset in seconds instead of about a
     minute of CPU time; the values then differ from the CPU draws (another generator), but are
@@ -180,6 +198,9 @@ def make_qwen3_checkpoint(out: str, preset: str = "tiny", kind: str = "target", 
                            confidence)
     else:
         raise ValueError(f"kind={kind!r}: use 'target' or 'dspark'")
+    if small_dtype is not None and small_dtype not in SMALL_DTYPES:
+        raise ValueError(f"small_dtype {small_dtype!r} is not supported; choose one of "
+                         f"{', '.join(SMALL_DTYPES)} (or None for --dtype)")
     tdtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     shapes = tensor_shapes(cfg, kind, embed_copies)
     tied = target_config(preset, layers, vocab, tie, dtype)["tie_word_embeddings"]
@@ -195,18 +216,21 @@ def make_qwen3_checkpoint(out: str, preset: str = "tiny", kind: str = "target", 
         size += n
     shards.append(cur)
     os.makedirs(out, exist_ok=True)
-    weight_map = {}
+    weight_map, written = {}, 0
     for i, names in enumerate(shards):                 # one shard in memory at a time
         fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         tensors = {n: _draw(_key(n, kind, kcfg), shapes[n], seed, device).to(tdtype).cpu()
                    for n in names}
+        if small_dtype is not None:
+            tensors = {n: cast_float(t, SMALL_DTYPES[small_dtype], n) if is_small_tensor(n, t.shape)
+                       else t for n, t in tensors.items()}
+        written += sum(t.numel() * t.element_size() for t in tensors.values())
         save_file(tensors, os.path.join(out, fname), metadata={"format": "pt"})
         weight_map.update({n: fname for n in names})
         del tensors
     if len(shards) > 1:
-        total = sum(math.prod(s) * esize for s in shapes.values())
         with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+            json.dump({"metadata": {"total_size": written}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     return cfg
@@ -228,6 +252,9 @@ def main(argv=None) -> None:
     p.add_argument("--untied", action="store_true", help="target with its own lm_head.weight")
     p.add_argument("--vocab", type=int, help="override the vocabulary size")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--small-dtype", choices=sorted(SMALL_DTYPES),
+                   help="store norms, biases and the Markov / confidence heads in this dtype "
+                        "(default: --dtype)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shard-mb", type=int, default=2048)
     p.add_argument("--device", default="cpu", help="where to draw the random values ('cuda': "
@@ -237,11 +264,12 @@ def main(argv=None) -> None:
     cfg = make_qwen3_checkpoint(a.out, a.preset, a.kind, a.layers, a.seed, a.dtype, a.vocab,
                                 False if a.untied else None, a.markov_head, a.markov_rank,
                                 a.draft_layers, not a.no_confidence, not a.no_embed_copies,
-                                a.shard_mb << 20, a.device)
+                                a.shard_mb << 20, a.device, a.small_dtype)
     extra = (f", block {cfg['block_size']}, taps {cfg['target_layer_ids']}, markov "
              f"{cfg['markov_head_type']} r={cfg['markov_rank']}") if a.kind == "dspark" else ""
     print(f"wrote {a.out}: {a.kind} {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
-          f"vocab {cfg['vocab_size']}, {a.dtype}{extra}")
+          f"vocab {cfg['vocab_size']}, {a.dtype}{extra}"
+          + (f", small tensors {a.small_dtype}" if a.small_dtype else ""))
 
 
 if __name__ == "__main__":

@@ -3,10 +3,14 @@
 `tensor_inventory(cfg)` lists every logical tensor of a checkpoint by its official (REF) name,
 without a `model.` prefix, with its logical (de-quantized) shape and its storage kind:
 
-  "bf16"  stored bfloat16                    "fp32"  stored float32
+  "bf16"  bfloat16, held as the engine dtype   "fp32"  float32, held as float32
   "int64" stored int64 (hash-routing table)
   "fp8"   e4m3 weight + `<name minus .weight>.scale` e8m0 [ceil(O/128), ceil(I/128)]
   "fp4"   int8 [O, I/2] (two e2m1 codes/byte) + `.scale` e8m0 [O, ceil(I/32)]
+
+Unquantized float tensors ("bf16" / "fp32") may be stored as bfloat16, float32 or float16 (exports
+differ: the reference DSpark code declares the confidence head fp32, for instance); the loader casts
+them to the dtype they are held in. Quantized codes and their scales have exactly one format.
 
 `stored_tensors(name, spec)` expands one logical tensor into the (name, shape, dtypes) entries that
 are physically in the safetensors files. The loader and the checkpoint generator both read these
@@ -48,7 +52,10 @@ class StoredTensor:
 # FP4 bytes as uint8.
 _E8M0 = (torch.float8_e8m0fnu, torch.uint8)
 _FP4 = (torch.int8, torch.uint8)
-_PLAIN = {"bf16": (torch.bfloat16,), "fp32": (torch.float32,), "int64": (torch.int64, torch.int32)}
+FLOAT_KINDS = ("bf16", "fp32")
+_PLAIN = {"bf16": (torch.bfloat16, torch.float32, torch.float16),
+          "fp32": (torch.float32, torch.bfloat16, torch.float16),
+          "int64": (torch.int64, torch.int32)}
 
 
 def scale_name(name: str) -> str:
