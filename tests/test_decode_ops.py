@@ -32,11 +32,11 @@ def assert_close_to_scale(got, want, rel=1e-5):
     assert err <= rel * want.double().abs().max().item(), err
 
 
-def routed_both_ways(moe, x, ids):
+def routed_both_ways(moe, x, ids, fixed=lambda m: m._routed_gathered):
     idx, w = moe.gate(x, ids)
-    stack = moe._expert_stack(idx.numel())
+    stack = moe._expert_stack()
     assert stack is not None
-    return moe._routed_gathered(x, idx, w, *stack), moe._routed_per_expert(x, idx, w)
+    return fixed(moe)(x, idx, w, *stack), moe._routed_per_expert(x, idx, w)
 
 
 def test_moe_gathered_equals_per_expert_loop():
@@ -49,6 +49,28 @@ def test_moe_gathered_equals_per_expert_loop():
                 with torch.no_grad():
                     got, want = routed_both_ways(moe, x, ids)
                 assert_close_to_scale(got, want)
+
+
+def test_moe_dense_equals_per_expert_loop():
+    """Every expert on every token (zero off the route): the fixed-shape path of large batches."""
+    for hash_layer in (False, True):
+        for limit in (None, 0.3):
+            cfg, moe = make_moe(hash_layer, swiglu_limit=limit)
+            for T in (1, 7, 300):
+                x = torch.randn(T, cfg.hidden_size)
+                ids = torch.randint(0, cfg.vocab_size, (T,))
+                with torch.no_grad():
+                    got, want = routed_both_ways(moe, x, ids, lambda m: m._routed_dense)
+                assert_close_to_scale(got, want)
+
+
+def test_moe_dense_bf16_rounds_like_the_loop():
+    cfg, moe = make_moe(False, torch.bfloat16)
+    x = torch.randn(40, cfg.hidden_size).bfloat16()
+    with torch.no_grad():
+        got, want = routed_both_ways(moe, x, torch.zeros(40, dtype=torch.long),
+                                     lambda m: m._routed_dense)
+    assert_close_to_scale(got, want, 1e-6)
 
 
 def test_moe_gathered_bf16_rounds_like_the_loop():
@@ -65,19 +87,26 @@ def test_moe_path_choice_and_stale_stack():
     x = torch.randn(3, cfg.hidden_size)
     ids = torch.zeros(3, dtype=torch.long)
     with torch.no_grad():
-        assert MoE(cfg, False)._expert_stack(6) is None     # CPU default: the per-expert loop
+        assert MoE(cfg, False)._expert_stack() is None     # CPU default: the per-expert loop
+        assert MoE(cfg, False).routed_path(3, 2) == ("loop", None)
+        assert moe.routed_path(3, 2)[0] == "gathered"
         first = moe(x, ids)
-        w13, _ = moe._expert_stack(6)
+        w13, _ = moe._expert_stack()
         moe.experts[2].w3.weight.mul_(2)           # in place: the cached stack must not be used
-        assert moe._expert_stack(6)[0] is not w13
-        moe.gather_max_bytes = 0                   # forces the per-expert loop
+        assert moe._expert_stack()[0] is not w13
+        moe.gather_max_bytes = 0                   # too many tokens to gather: every expert
+        assert moe.routed_path(3, 2)[0] == "dense"
+        dense = moe(x, ids)
+        moe.dense_max_bytes = 0                    # and too many for that: the per-expert loop
+        assert moe.routed_path(3, 2) == ("loop", None)
         looped = moe(x, ids)
-        moe.gather_max_bytes = MoE.gather_max_bytes
-        assert moe._expert_stack(6) is not None
+        moe.gather_max_bytes, moe.dense_max_bytes = MoE.gather_max_bytes, MoE.dense_max_bytes
+        assert moe._expert_stack() is not None
         assert_close_to_scale(moe(x, ids), looped)
+        assert_close_to_scale(dense, looped)
     assert not torch.equal(first, looped)
     # with gradients wanted the loop runs (the stack is detached), and experts get gradients
-    assert moe._expert_stack(6) is None
+    assert moe._expert_stack() is None
     moe(x, ids).sum().backward()
     assert any(e.w1.weight.grad is not None for e in moe.experts)
 
@@ -153,3 +182,27 @@ def test_gated_pool_equals_slot_softmax_formula():
     z[0, :4] = float("-inf")                   # entry 0's empty overlap half
     torch.testing.assert_close(gated_pool(a, z), (torch.softmax(z, dim=1) * a).sum(1),
                                rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_moe_dense_matches_loop_and_captures():
+    """The dense path (batches past the gather's limit) matches the loop and runs inside a CUDA
+    graph capture (no host sync), where the loop's `.tolist()` cannot."""
+    cfg, moe = make_moe(False, torch.bfloat16)
+    moe = moe.cuda()
+    moe.gathered_devices = MoE.gathered_devices
+    T = 384
+    x = torch.randn(T, cfg.hidden_size, device="cuda").bfloat16()
+    ids = torch.zeros(T, dtype=torch.long, device="cuda")
+    moe.gather_max_bytes = 0
+    with torch.no_grad():
+        assert moe.routed_path(T, cfg.num_experts_per_tok)[0] == "dense"
+        got, want = routed_both_ways(moe, x, ids, lambda m: m._routed_dense)
+        assert_close_to_scale(got, want, 1e-3)
+        eager = moe(x, ids)
+        from dspark.graph_capture import capture, warm_up
+        warm_up(lambda: moe(x, ids))
+        graph, out = capture(lambda: moe(x, ids), torch.cuda.graph_pool_handle())
+        graph.replay()
+        assert torch.equal(out, eager)

@@ -6,10 +6,14 @@ expert's output rounded to x.dtype before the fp32 sum):
 * per used expert: group the tokens by expert, one GEMM pair per expert (any batch);
 * gathered (few tokens, small experts — decode and verify of small models): the selected experts'
   weights are gathered from a cached [E, ...] stack and applied with two batched matmuls, a fixed
-  ~15 ops with no host sync, instead of ~12 ops per used expert plus a `.tolist()` sync.
-  On CUDA only by default (`gathered_devices`): there the decode step is launch-bound, while on
-  CPU the per-expert loop stays the bit-exact reference that the FP4 `QuantMoE` path reproduces
-  (batched and per-expert GEMMs round differently, ~1e-7 relative).
+  ~15 ops with no host sync, instead of ~12 ops per used expert plus a `.tolist()` sync;
+* dense (more tokens than the gather's copies of expert weights allow, small expert sets):
+  every expert on every token with the routing weight zero off the route, the same fixed ops and
+  no host sync. A CUDA graph cannot hold the per-expert loop's sync, so without this a verify
+  step of many requests (64 x 6 tokens of the shipped pair) could not be captured.
+Gathered and dense run on CUDA only by default (`gathered_devices`): there the decode step is
+launch-bound, while on CPU the per-expert loop stays the bit-exact reference that the FP4
+`QuantMoE` path reproduces (batched and per-expert GEMMs round differently, ~1e-7 relative).
 """
 import torch
 import torch.nn.functional as F
@@ -107,16 +111,20 @@ class MoE(nn.Module):
         self.shared_experts = Expert(d, inter * cfg.n_shared_experts, cfg.swiglu_limit)
 
     # gathered path limits: bytes of expert weights gathered per call, and bytes of the cached
-    # stack of all routed experts (a second copy of them, so only for small expert sets)
+    # stack of all routed experts (a second copy of them, so only for small expert sets); dense
+    # path limit: bytes of its fp32 activations ([T, E] x (2I gate/up + I + D out))
     gather_max_bytes = 32 << 20
     stack_max_bytes = 16 << 20
+    dense_max_bytes = 256 << 20
     gathered_devices = ("cuda",)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         idx, w = self.gate(x, token_ids)
-        stack = self._expert_stack(idx.numel())
-        if stack is not None:
+        path, stack = self.routed_path(x.shape[0], idx.shape[1])
+        if path == "gathered":
             out = self._routed_gathered(x, idx, w, *stack)
+        elif path == "dense":
+            out = self._routed_dense(x, idx, w, *stack)
         else:
             out = self._routed_per_expert(x, idx, w)
         out += self.shared_experts(x)        # fp32 += x.dtype: added in fp32, no cast launch
@@ -146,10 +154,40 @@ class MoE(nn.Module):
         y = torch.matmul(w2[idx], h.unsqueeze(-1)).squeeze(-1)              # [T, k, D] x.dtype
         return y.float().sum(1)
 
-    def _expert_stack(self, slots: int):
-        """(w13 [E, 2I, D], w2 [E, D, I]) when the gathered path applies to `slots` (token, expert)
-        pairs, else None. The stack is rebuilt whenever an expert weight was replaced or modified
-        in place (data pointer / version counter), so it never serves stale weights."""
+    def _routed_dense(self, x, idx, w, w13, w2):
+        """fp32 [T, D]: every expert on every token, its output zero where the token does not
+        route to it, so the sum over experts adds what `_routed_gathered` adds over the slots
+        (exactly, for k = 2: a two-term fp32 sum does not depend on its order)."""
+        T, E, inter = x.shape[0], w13.shape[0], w2.shape[-1]
+        weight = torch.zeros(T, E, dtype=torch.float32, device=x.device)
+        weight.scatter_add_(1, idx, w.float())                               # [T, E]
+        gu = torch.einsum("td,efd->tef", x, w13)                             # [T, E, 2I] x.dtype
+        g, u = gu.float().split(inter, dim=-1)
+        h = clamped_swiglu(g, u, self.experts[0].limit, weight)
+        h = torch.where(weight.unsqueeze(-1) != 0, h, 0.0).to(x.dtype)       # off the route: 0
+        y = torch.einsum("tei,edi->ted", h, w2)                              # [T, E, D] x.dtype
+        return y.float().sum(1)
+
+    def routed_path(self, tokens: int, k: int):
+        """("gathered" | "dense", (w13, w2)) or ("loop", None): how `forward` runs the routed
+        experts of `tokens` tokens with k slots each."""
+        stack = self._expert_stack()
+        if stack is None:
+            return "loop", None
+        w13, w2 = stack
+        E, I2, D = w13.shape
+        expert_bytes = (I2 * D + w2[0].numel()) * w13.element_size()
+        if tokens * k * expert_bytes <= self.gather_max_bytes:
+            return "gathered", stack
+        if tokens * E * (I2 + I2 // 2 + D) * 4 <= self.dense_max_bytes:
+            return "dense", stack
+        return "loop", None
+
+    def _expert_stack(self):
+        """(w13 [E, 2I, D], w2 [E, D, I]) when the experts are small plain linears on a device of
+        `gathered_devices` and no gradients are wanted, else None. The stack is rebuilt whenever
+        an expert weight was replaced or modified in place (data pointer / version counter), so
+        it never serves stale weights."""
         experts = self.experts
         if not isinstance(experts, nn.ModuleList) or type(experts[0].w1) is not nn.Linear:
             return None                       # sharded or quantized experts
@@ -159,8 +197,7 @@ class MoE(nn.Module):
         if torch.is_grad_enabled() and w0.requires_grad:
             return None                       # the stack is detached: training needs the loop
         expert_bytes = 3 * w0.numel() * w0.element_size()
-        if (slots * expert_bytes > self.gather_max_bytes
-                or len(experts) * expert_bytes > self.stack_max_bytes
+        if (len(experts) * expert_bytes > self.stack_max_bytes
                 or not all(type(lin) is nn.Linear for e in experts for lin in (e.w1, e.w2, e.w3))):
             return None
         weights = [lin.weight for e in experts for lin in (e.w1, e.w3, e.w2)]
