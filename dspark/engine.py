@@ -311,20 +311,7 @@ class Engine:
 
     def _round(self) -> list:
         sch = self.scheduler
-        for req in sch.running:                                   # 1. verify lengths
-            req.verify_len = 0
-        if self.policy is not None and sch.running:
-            # a fixed ℓ needs no confidences: no wait for the draft pass here
-            lens = self.policy.host_lengths(len(sch.running), self.drafter.gamma)
-            if lens is None:
-                lens = self.policy(torch.stack([r.draft.conf_logits for r in sch.running]),
-                                   [r.request_id for r in sch.running]).tolist()
-            for req, n in zip(sch.running, lens):
-                # never verify past max_tokens or the model length: those drafts could not be
-                # emitted, and their cache writes could exceed the pages a request may hold
-                room = min(req.params.max_tokens - len(req.output_ids) - 1,
-                           self.max_model_len - req.num_committed - 1)
-                req.verify_len = max(0, min(int(n), room))
+        self._verify_lengths(sch.running)                         # 1. verify lengths
         plan = sch.schedule()
         for req in plan.preempted:                                # recomputed later from tokens
             req.draft_state = self.runner.new_states()[1]
@@ -337,9 +324,9 @@ class Engine:
             if req.draft is None:
                 toks = [req.anchor]
             elif lazy:
-                toks = BlockTokens(req.anchor, req.draft.tokens[:req.verify_len])
+                toks = BlockTokens(req.anchor, req.draft.tokens[:req.feed_len])
             else:
-                toks = [req.anchor] + req.draft.tokens[:req.verify_len].tolist()
+                toks = [req.anchor] + req.draft.tokens[:req.feed_len].tolist()
             items.append((req.target_state, P, toks))
         for req, n in plan.prefill:
             items.append((req.target_state, req.num_prefilled, req.prefill_ids[req.num_prefilled:][:n]))
@@ -382,6 +369,34 @@ class Engine:
             for req, block in zip(sch.running, self.runner.draft(sch.running)):
                 req.draft = block
         return outputs
+
+    def _verify_lengths(self, running) -> None:
+        """Per running request ℓ = `verify_len`, the drafts acceptance may take (the policy's
+        choice, never past max_tokens or the model length: those drafts could not be emitted),
+        and `feed_len` >= ℓ, the drafts the target forward carries. Where the runner replays
+        uniform steps as CUDA graphs (`uniform_verify`) every block is fed to the widest ℓ of
+        the round with its own next drafts: rows past ℓ change no earlier row (attention is
+        causal, everything else per token) and are rolled back with the rejected ones, so the
+        result is the ragged step's, as one graph replay instead of an eager forward."""
+        for req in running:
+            req.verify_len = req.feed_len = 0
+        if self.policy is None or not running:
+            return
+        # a fixed ℓ needs no confidences: no wait for the draft pass here
+        lens = self.policy.host_lengths(len(running), self.drafter.gamma)
+        if lens is None:
+            lens = self.policy(torch.stack([r.draft.conf_logits for r in running]),
+                               [r.request_id for r in running]).tolist()
+        for req, n in zip(running, lens):
+            room = min(req.params.max_tokens - len(req.output_ids) - 1,
+                       self.max_model_len - req.num_committed - 1)
+            req.verify_len = req.feed_len = max(0, min(int(n), room))
+        if getattr(self.runner, "uniform_verify", False):
+            width = max(r.verify_len for r in running)
+            for req in running:
+                if req.draft is not None:   # pages exist up to the model length, not past it
+                    req.feed_len = max(req.verify_len, min(
+                        width, self.max_model_len - req.num_committed - 1))
 
     def _accept(self, reqs, logits, taps, first_rows, lengths, anchor_pos) -> list:
         if not reqs:

@@ -85,6 +85,10 @@ class ModelRunner:
                                                 q_lens=range(1, gamma + 2), max_batch=max_num_seqs,
                                                 tap_layers=self.tap_layers)
 
+        # the engine pads every verify block of a round to one width where uniform steps replay
+        # as graphs (Engine._verify_lengths): a ragged step would run eagerly
+        self.uniform_verify = self.target_graphs is not None
+
     @property
     def takes_device_tokens(self) -> bool:
         """Verify items may carry BlockTokens (drafts left on the device): the V4 target graphs

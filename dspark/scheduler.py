@@ -18,13 +18,13 @@ from .request import Request, Status
 
 @dataclass
 class StepPlan:
-    verify: list = field(default_factory=list)     # running requests (verify ℓ drafts, ℓ may be 0)
+    verify: list = field(default_factory=list)     # running requests (feed 1 + feed_len tokens)
     prefill: list = field(default_factory=list)    # (request, number of tokens this step)
     preempted: list = field(default_factory=list)  # requests whose cache was freed this step
 
     @property
     def num_tokens(self) -> int:
-        return sum(1 + r.verify_len for r in self.verify) + sum(n for _, n in self.prefill)
+        return sum(1 + r.feed_len for r in self.verify) + sum(n for _, n in self.prefill)
 
 
 class Scheduler:
@@ -48,7 +48,7 @@ class Scheduler:
         for req in list(self.running):                 # oldest first keep their pages
             if req.status != Status.RUNNING:
                 continue                               # preempted earlier in this loop
-            if self._reserve_or_preempt(req, req.num_committed + 1 + req.verify_len, plan):
+            if self._reserve_or_preempt(req, req.num_committed + 1 + req.feed_len, plan):
                 plan.verify.append(req)
         budget = self.max_tokens - plan.num_tokens
         active = len(self.running)

@@ -178,3 +178,38 @@ def test_bad_configuration_errors(tiny_ckpt, tmp_path):
     # a bad request leaves the engine usable
     out = eng.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=3))
     assert len(out.token_ids) == 3
+
+
+@pytest.mark.parametrize("ckpt", ["small_vocab_ckpt", "tiny_ckpt"])
+def test_uniform_verify_width_keeps_greedy_identity(ckpt, request):
+    """Where the runner replays uniform steps as graphs, every verify block of a round is fed to
+    the round's widest ℓ (its own next drafts past ℓ): ragged policies (threshold) and budgets
+    cut short by max_tokens then give uniform steps, and the output stays the target's own."""
+    path = request.getfixturevalue(ckpt)
+    spec, off = _engines(path, verify_policy="threshold", threshold=0.3)
+    spec.runner.uniform_verify = True       # what a runner with target graphs says on CUDA
+    steps = []
+    forward = spec.runner.target_forward
+
+    def recording(items, *a, **kw):
+        running = {id(r.target_state) for r in spec.scheduler.running}
+        steps.append([(len(t), id(st) in running) for st, _, t in items])
+        return forward(items, *a, **kw)
+
+    spec.runner.target_forward = recording
+    padded = []
+    lengths = spec._verify_lengths
+
+    def verify_lengths(running):
+        lengths(running)
+        padded.extend(r.feed_len - r.verify_len for r in running)
+
+    spec._verify_lengths = verify_lengths
+    vocab = spec.cfg.vocab_size
+    prompts = _prompts(5, vocab, seed=4)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (9, 14, 20, 17, 11)]
+    ref = [o.token_ids for o in off.generate(prompts, params)]
+    assert [o.token_ids for o in spec.generate(prompts, params)] == ref
+    assert any(padded), "no block was padded: the test lost its purpose"
+    verify_only = [s for s in steps if all(running for _, running in s) and len(s) > 1]
+    assert verify_only and all(len({n for n, _ in s}) == 1 for s in verify_only)

@@ -468,6 +468,7 @@ def build_engine_components(target_path: str, draft_path: str | None, dtype, dev
         q_lens = range(1, drafter.gamma + 2) if drafter is not None else (1,)
         runner.graphs = DecodeGraphs(model, backend.cache, q_lens, max_batch=max_num_seqs,
                                      tap_layers=runner.tap_layers)
+        runner.uniform_verify = True        # verify blocks padded to one width (Engine)
     return cfg, model, drafter, runner
 
 
