@@ -110,16 +110,8 @@ class DraftPass:
         greedy = all(r.params.greedy for r in reqs)
         size = bucket_size(R)
         fused = self._fused_sampling(greedy, use_top_k, use_top_p, size)
-
-        def capture():
-            ints, floats = self._host_inputs([], size)
-            buffers = (torch.tensor(ints, dtype=torch.long, device=self.device),
-                       torch.tensor(floats, dtype=torch.float32, device=self.device))
-            return buffers, lambda i, f: self._draft(i, f, use_top_k, use_top_p, greedy, quant,
-                                                     fused)
-
-        graph = self._graph(("draft", size, use_top_k, use_top_p, greedy, fused, quant is not None),
-                            bound, capture) if self.cuda_graphs else None
+        graph = self._draft_graph(size, use_top_k, use_top_p, greedy, fused, quant, bound) \
+            if self.cuda_graphs else None
         if graph is None:
             ints, floats = self._host_inputs(reqs, R)
             return self._draft(self.to_device(ints, torch.long),
@@ -133,6 +125,58 @@ class DraftPass:
         toks, probs, confs = graph.outputs
         return toks[:R].clone(), None if greedy else probs[:R].clone(), confs[:R].clone()
 
+    def _draft_graph(self, size, use_top_k, use_top_p, greedy, fused, quant, bound):
+        """The captured draft pass of batch bucket `size` with these sampling features."""
+        def capture():
+            ints, floats = self._host_inputs([], size)
+            buffers = (torch.tensor(ints, dtype=torch.long, device=self.device),
+                       torch.tensor(floats, dtype=torch.float32, device=self.device))
+            return buffers, lambda i, f: self._draft(i, f, use_top_k, use_top_p, greedy, quant,
+                                                     fused)
+
+        return self._graph(("draft", size, use_top_k, use_top_p, greedy, fused, quant is not None),
+                           bound, capture)
+
+    def _context_graph(self, size, dtype, width, quant, bound):
+        """The captured context write of `size` rows (padded) of taps [size, width] in `dtype`."""
+        d = self.drafter
+
+        def capture():
+            # padding rows: scratch slot, position 0, zero taps
+            buffers = (torch.tensor([[self.pool.SCRATCH_SLOT] * size, [0] * size],
+                                    dtype=torch.long, device=self.device),
+                       torch.zeros(size, width, dtype=dtype, device=self.device))
+            return buffers, lambda index, rows: d.commit_rows(
+                self.pool, index[0], rows, index[1], quant, self.max_position)
+
+        return self._graph(("context", size, dtype, quant is not None), bound, capture)
+
+    def capture_all(self, max_batch: int, max_position: int, taps_width: int, taps_dtypes,
+                    quant=None, progress: bool = False) -> int:
+        """Capture ahead of traffic the draft pass of every batch bucket up to `max_batch`
+        (greedy, and sampled without top-k / top-p) and the context write of every row bucket,
+        with the RoPE bound raised to `max_position` first (a later raise would re-capture).
+        Returns how many graphs exist afterwards; 0 when graphs are off."""
+        if not self.cuda_graphs:
+            return 0
+        bound = self.position_bound(max_position)
+        jobs = [("draft", b, greedy) for b in sorted({bucket_size(n) for n in range(1, max_batch + 1)})
+                for greedy in (True, False)]
+        jobs += [("context", b, dt) for b in sorted({bucket_size(n, smallest=8) for n in
+                                                     range(1, MAX_GRAPH_CONTEXT_ROWS + 1)})
+                 for dt in taps_dtypes]
+        from tqdm import tqdm
+        for kind, size, arg in tqdm(jobs, desc="capturing draft graphs", unit="graph",
+                                    disable=not progress):
+            if kind == "draft":
+                fused = self._fused_sampling(arg, False, False, size)
+                graph = self._draft_graph(size, False, False, arg, fused, quant, bound)
+            else:
+                graph = self._context_graph(size, arg, taps_width, quant, bound)
+            if graph is None:
+                return 0
+        return len(self._graphs)
+
     def write_context(self, slots: list, positions: list, taps: list, quant=None):
         """Context rows for committed positions: host lists slots / positions [n] and the taps
         rows as a list of [n_i, taps*D] tensors (n = Σ n_i). (slot, position % capacity) must be
@@ -141,16 +185,7 @@ class DraftPass:
         bound = self.position_bound(max(positions) + 1)
         d = self.drafter
         size, dtype = bucket_size(n, smallest=8), taps[0].dtype
-
-        def capture():
-            # padding rows: scratch slot, position 0, zero taps
-            buffers = (torch.tensor([[self.pool.SCRATCH_SLOT] * size, [0] * size],
-                                    dtype=torch.long, device=self.device),
-                       torch.zeros(size, taps[0].shape[-1], dtype=dtype, device=self.device))
-            return buffers, lambda index, rows: d.commit_rows(
-                self.pool, index[0], rows, index[1], quant, self.max_position)
-
-        graph = self._graph(("context", size, dtype, quant is not None), bound, capture) \
+        graph = self._context_graph(size, dtype, taps[0].shape[-1], quant, bound) \
             if self.cuda_graphs and n <= MAX_GRAPH_CONTEXT_ROWS else None
         if graph is None:
             index = self.to_device([slots, positions], torch.long)

@@ -57,6 +57,7 @@ class ModelRunner:
                  backend=None, cuda_graphs: bool = False, max_num_seqs: int = 8,
                  target_graphs: bool = False):
         self.model, self.drafter, self.device, self.quant = model, drafter, torch.device(device), quant
+        self.max_num_seqs = max_num_seqs
         # paged attention (dspark.attention backend over a PagedKVCache) or None: dense states
         self.backend = backend
         self.tap_layers = tuple(model.cfg.dspark_target_layer_ids) if drafter is not None else ()
@@ -88,6 +89,20 @@ class ModelRunner:
         # the engine pads every verify block of a round to one width where uniform steps replay
         # as graphs (Engine._verify_lengths): a ragged step would run eagerly
         self.uniform_verify = self.target_graphs is not None
+
+    def capture_graphs(self, q_lens, max_position: int, progress: bool = False) -> dict:
+        """Capture ahead of traffic every CUDA graph a round can replay: the target's (batch,
+        q, page) buckets for q in `q_lens`, the draft pass of every batch bucket and the
+        context writes (RoPE bound `max_position`). {"target": n, "draft": n} graphs held."""
+        out = {"target": 0, "draft": 0}
+        if self.target_graphs is not None:
+            out["target"] = self.target_graphs.capture_all(q_lens, progress)
+        if self.draft_pass is not None:
+            width = len(self.tap_layers) * self.model.cfg.hidden_size
+            # taps are fp32 (hc-mean of the streams) in the graph and the eager forward alike
+            out["draft"] = self.draft_pass.capture_all(self.max_num_seqs, max_position, width,
+                                                       (torch.float32,), self.quant, progress)
+        return out
 
     @property
     def takes_device_tokens(self) -> bool:

@@ -10,7 +10,10 @@ of ~30-45 ms. `warm_up(engine)` runs short dummy requests that cover those shape
 * prompt lengths 1, 2, 3 and every power of two p and p + 1 up to the longest chunk one step
   prefills (`max_num_batched_tokens`, bounded by the model length), each generating a few rounds
   greedily and at temperature 1 (argmax vs fused sampling kernels);
-* batches of every power of two up to `max_num_seqs` short requests at once (graph buckets).
+* batches of every power of two up to `max_num_seqs` short requests at once;
+* then every CUDA graph a round can replay, captured on padding rows (`ModelRunner.capture_graphs`:
+  the target's batch x verify width x page buckets, the draft pass and context writes of every
+  batch bucket), so that no request of traffic pays a capture.
 
 Dummy requests go through the public API (add_request / step) and are finished before it
 returns; the engine must be idle (no request added yet) so nothing of a user's request is
@@ -76,5 +79,19 @@ def warm_up(engine, prompt_lengths=None, batch_sizes=None, rounds: int = 3,
         count += len(ids)
         while engine.has_unfinished():
             engine.step()
+    graphs = {}
+    capture = getattr(engine.runner, "capture_graphs", None)
+    if capture is not None:
+        graphs = capture(_verify_widths(engine), engine.max_model_len + gamma + 1, progress)
     return {"requests": count, "seconds": time.perf_counter() - t0, "prompt_lengths": lens,
-            "batch_sizes": sizes}
+            "batch_sizes": sizes, "graphs": graphs}
+
+
+def _verify_widths(engine) -> set:
+    """Tokens per request of the uniform steps the engine runs: 1 without a drafter, the fixed
+    policy's ℓ + 1, else any of 1 .. γ + 1."""
+    if engine.drafter is None:
+        return {1}
+    gamma = engine.drafter.gamma
+    fixed = engine.policy.host_lengths(1, gamma) if engine.policy is not None else None
+    return {fixed[0] + 1} if fixed is not None else set(range(1, gamma + 2))

@@ -348,6 +348,32 @@ def test_engine_greedy_identical_with_target_graphs(policy):
     assert outs[True] == outs[False]
 
 
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("policy", ["fixed", "threshold"])
+def test_warmup_captures_every_round_graph(policy):
+    """Engine.warmup() captures every graph a round replays (target batch x width x pages on
+    padding rows, draft pass and context writes): traffic afterwards captures nothing, replays
+    its steps, and gives the tokens of the engine without graphs."""
+    from dspark import Engine, SamplingParams
+    prompts = ["def fibonacci(n):\n", "import os\n\n\ndef main():\n", "class Stack:\n    def "]
+    sp = [SamplingParams(temperature=0, max_tokens=n) for n in (40, 23, 31)]
+    kw = dict(device=DEV, dtype="fp32", verify_policy=policy, max_num_seqs=4)
+    ref = [o.token_ids for o in Engine(target_cuda_graphs=False, cuda_graphs=False, **kw)
+           .generate(prompts, sp)]
+    eng = Engine(**kw)
+    info = eng.warmup(prompt_lengths=[1, 8], batch_sizes=[2])
+    tg, dp = eng.runner.target_graphs, eng.runner.draft_pass
+    widths = 1 if policy == "fixed" else eng.drafter.gamma + 1
+    assert info["graphs"]["target"] == len(tg.graphs) == \
+        widths * len(tg.batch_buckets) * len(tg.page_buckets)
+    held = (set(tg.graphs), set(dp._graphs))
+    replays = tg.num_replays
+    assert [o.token_ids for o in eng.generate(prompts, sp)] == ref
+    assert (set(tg.graphs), set(dp._graphs)) == held and not tg.disabled
+    assert tg.num_replays > replays
+
+
 @triton_ok
 def test_engine_through_the_fixed_shape_path_on_cpu():
     """The default GPU decode path's engine-level plumbing on CPU: the shipped pair with the

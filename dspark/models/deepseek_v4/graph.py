@@ -593,6 +593,39 @@ class V4DecodeGraphs:
         logits.row_argmax = self.argmax_out[:T].clone() if snapshot else self.argmax_out[:T]
         return logits, taps
 
+    # ---- capturing ahead of traffic -------------------------------------------------------------
+    @torch.inference_mode()
+    def capture_bucket(self, B: int, q: int, P: int) -> bool:
+        """Capture bucket (B, q, P) now on padding rows alone (every row the scratch request's),
+        so no step of traffic pays the capture; True when its graph exists afterwards (False:
+        not capturing, or capturing failed and the graphs are off)."""
+        key = (B, q, P)
+        if key in self.graphs or not self.capture or self.disabled:
+            return key in self.graphs
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+        ids, pos, st, sl, va, pt = self._host_parts
+        ids[:B * q] = 0
+        fields = (pos[:B * q], st[:B], sl[:B], va[:B], pt[:B * P].reshape(B, P))
+        self._fill_positions([], B, q, P, *fields)
+        hp.pack(self._host_plan_views(B, q, P),
+                hp.host_plan(self.cache, B, q, P, *fields, self.scratch_page))
+        end = self._layout(B, q, P).end
+        self.ints[:end].copy_(self._host_t[:end])
+        self._next_plan = None
+        return self._graph(key) is not None
+
+    def capture_all(self, q_lens=None, progress: bool = False) -> int:
+        """Capture every (batch bucket, q, page bucket) for q in `q_lens` (default: all this
+        runner serves); returns how many graphs exist afterwards."""
+        qs = sorted(self.q_lens if q_lens is None else set(q_lens) & self.q_lens)
+        keys = [(B, q, P) for q in qs for B in self.batch_buckets for P in self.page_buckets]
+        from tqdm import tqdm
+        for key in tqdm(keys, desc="capturing target graphs", unit="graph", disable=not progress):
+            if not self.capture_bucket(*key):
+                break
+        return len(self.graphs)
+
     # ---- the step's plan, and the next decode step's computed ahead ----------------------------
     def _fill_positions(self, items, B, q, P, pos, st, sl, va, pt) -> bool:
         """Write the plan's inputs for `items` padded to bucket (B, q, P) into the arrays (views
