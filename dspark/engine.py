@@ -392,7 +392,10 @@ class Engine:
                        self.max_model_len - req.num_committed - 1)
             req.verify_len = req.feed_len = max(0, min(int(n), room))
         if getattr(self.runner, "uniform_verify", False):
-            width = max(r.verify_len for r in running)
+            # the policy's own widest choice, before the budgets cut it: with a fixed ℓ every
+            # round then has one width (its graphs captured by the warm-up), also when all the
+            # requests of a round are near their max_tokens
+            width = min(max(int(n) for n in lens), self.drafter.gamma)
             for req in running:
                 if req.draft is not None:   # pages exist up to the model length, not past it
                     req.feed_len = max(req.verify_len, min(

@@ -213,3 +213,24 @@ def test_uniform_verify_width_keeps_greedy_identity(ckpt, request):
     assert any(padded), "no block was padded: the test lost its purpose"
     verify_only = [s for s in steps if all(running for _, running in s) and len(s) > 1]
     assert verify_only and all(len({n for n, _ in s}) == 1 for s in verify_only)
+
+
+def test_uniform_verify_width_is_the_fixed_policys_block(tiny_ckpt):
+    """With the fixed policy every verify step carries γ + 1 tokens per request, also in the
+    last rounds, where max_tokens leaves room for fewer drafts: one width, one set of graphs."""
+    spec, off = _engines(tiny_ckpt)
+    spec.runner.uniform_verify = True
+    widths = []
+    forward = spec.runner.target_forward
+
+    def recording(items, *a, **kw):
+        if all(st in {r.target_state for r in spec.scheduler.running} for st, _, _ in items):
+            widths.extend(len(t) for _, _, t in items)
+        return forward(items, *a, **kw)
+
+    spec.runner.target_forward = recording
+    prompts = _prompts(3, spec.cfg.vocab_size, seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (4, 9, 13)]
+    assert [o.token_ids for o in spec.generate(prompts, params)] == \
+        [o.token_ids for o in off.generate(prompts, params)]
+    assert widths and set(widths) == {spec.drafter.gamma + 1}

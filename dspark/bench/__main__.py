@@ -155,6 +155,11 @@ def main(argv=None):
     print(f"model {model}  device {spec.device}  dtype {str(spec.dtype).replace('torch.', '')}  "
           f"γ={spec.cfg.dspark_block_size}  policy {a.verify_policy}  temperature {a.temperature}  "
           f"{len(prompts)} prompts × {a.max_tokens} tokens", file=sys.stderr)
+    for eng, name in ((spec, "dspark"), (off, "off")):
+        # every graph a round replays captured, and the eager shapes compiled, before any timing
+        info = eng.warmup(batch_sizes=[b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max(conc)])
+        print(f"warm-up {name}: {info['requests']} requests, graphs {info['graphs']}, "
+              f"{info['seconds']:.1f} s", file=sys.stderr)
     rows = []
     for c in conc:
         # untimed warm-up of BOTH engines at this concurrency: kernel compiles and CUDA-graph
