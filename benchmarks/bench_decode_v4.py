@@ -825,7 +825,7 @@ def main(argv=None):
                          "this one back (the Engine default on CUDA); --no-overlap: one round "
                          "at a time")
     ap.add_argument("--autotune", action="store_true",
-                    help="DSPARK_AUTOTUNE=1: the grouped FP4 MoE kernels time their block configs "
+                    help="the grouped FP4 MoE kernels time their block configs "
                          "on first use and keep the fastest (the picks are reported)")
     ap.add_argument("--kernel-profile", type=int, default=0, metavar="STEPS",
                     help="(c): profile this many decode steps, time per kernel and per category")
@@ -851,7 +851,8 @@ def main(argv=None):
     timings = result["timings"] = {}
 
     if args.autotune:
-        os.environ["DSPARK_AUTOTUNE"] = "1"
+        from dspark.kernels import fp4_moe
+        fp4_moe.AUTOTUNE = True
 
     def save():
         if args.autotune:

@@ -161,11 +161,10 @@ def _moe_cases():
             yield (fn.__name__, f"BLOCK_N={n} BLOCK_G={g} warps={w} stages={st}", fn, sig,
                    {"BLOCK_N": n, "BLOCK_G": g, "DT": "bf16", "BF16_PAIRS": True,
                     "PAIR_DECODE": True, "FULL_GROUPS": True, **extra}, w, st, None)
-        for rx in (False, True):          # the shipped blocks, activation pairs per row or not
-            yield (fn.__name__, f"BLOCK_N=4 BLOCK_G=32 warps=4{' row-x' if rx else ''}", fn,
-                   sig, {"BLOCK_N": 4, "BLOCK_G": 32, "DT": "bf16", "BF16_PAIRS": True,
-                         "PAIR_DECODE": True, "FULL_GROUPS": True, "ROW_X": rx, **extra},
-                   4, 3, None)
+        yield (fn.__name__, "BLOCK_N=4 BLOCK_G=32 warps=4", fn,      # the shipped blocks
+               sig, {"BLOCK_N": 4, "BLOCK_G": 32, "DT": "bf16", "BF16_PAIRS": True,
+                     "PAIR_DECODE": True, "FULL_GROUPS": True, **extra},
+               4, 3, None)
     import dspark.kernels.fp4_moe_mma as mm       # expert-grouped tensor-core kernels
     mcommon = {"table_ptr": "*i32", "bexp_ptr": "*i32", "emap_ptr": "*i32", "w_ptr": "*u8",
                "stride_we": "i32", "stride_wn": "i32", "s_ptr": "*u8", "stride_se": "i32",
@@ -216,12 +215,6 @@ def _fp8_cases():
                + (" PDL preload" if pre else ""), tc._fp8_gemv_tc_kernel, gsig,
                dict(tc._launch_strings(nt, u), SPLIT=split, WARPS=1, NT=nt, UNROLL=u, PDL=pre,
                     PRELOAD=pre), 1, 1, None)
-    tsig = dict(ssig, w_ptr="tensordesc<u8[64,128]>")       # weight tiles by TMA
-    for split, st in ((1, 3), (5, 3), (1, 4)):
-        yield ("_fp8_skinny_kernel", f"BLOCK_N=64 BLOCK_T=16 SPLIT={split} warps=4 tma stages={st}",
-               fg._fp8_skinny_kernel, tsig, {"BLOCK_N": 64, "BLOCK_T": 16, "BLOCK_K": fg.FP8_BLOCK,
-                                             "PRECISION": "bf16", "SPLIT": split, "TMA": True},
-               4, st, None)
 
 
 def _attention_cases():
