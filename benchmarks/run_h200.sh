@@ -41,10 +41,11 @@ quick)   # issue 7: the decode step at context 128 only, no HF side (kernel + ho
   timeout "$(left 120)" python benchmarks/bench_decode_v4.py --context 128 --skip-hf \
     --kernel-profile 5 --host-profile 10 --timeline 5 --json "$R/bench_decode_quick.json" > "$R/bench_decode_quick.txt" 2>&1
   grep -v -i "warn\|it/s\]" "$R/bench_decode_quick.txt" | grep -A22 "^ context\|^(c)\|^(d)" | cut -c1-200 ;;
-ab)      # A/B of env switches on the quick decode row (device ms per forward included):
-         # AB="DSPARK_FP8_SKINNY=0 ..." (each word one variant; join the switches of one variant
-         # with commas); AB_ARGS="--timeline 3": extra bench arguments of every variant
-  for v in ${AB:-DSPARK_FP4_ROW_X=0 DSPARK_FP4_ROW_X=1}; do
+ab)      # A/B of the debug switches (dspark/debug.py) on the quick decode row (device ms per
+         # forward included): AB="DSPARK_NO_PDL=1 ..." (each word one variant; join the switches
+         # of one variant with commas); AB_ARGS="--timeline 3": extra bench arguments of every
+         # variant. A/Bs of a kernel change: two trees (git worktrees) in the same call.
+  for v in ${AB:-DSPARK_NO_PDL=0 DSPARK_NO_PDL=1}; do
     step "bench_decode_v4 quick with ${v//,/ }"; tag="$R/ab_${v//[,=]/_}"
     env ${v//,/ } timeout "$(left 90)" python benchmarks/bench_decode_v4.py --context 128 --skip-hf \
       --iters 30 ${AB_ARGS:-} --json "$tag.json" > "$tag.txt" 2>&1
@@ -121,28 +122,25 @@ sweep)   # issue 7: our sparse MQA kernel vs FlashMLA (side by side when flash_m
   step "sweep_attention"
   timeout "$(left 90)" python benchmarks/sweep_attention.py --grid quick --json "$R/sweep_attention.json" \
     > "$R/sweep.txt" 2>&1; grep -v -i warn "$R/sweep.txt" | tail -12 ;;
-filters) # DSPARK_FUSED_FILTERS: filter_logits vs the torch top-k / top-p path, then the engine A/B
+filters) # filter_logits vs the torch top-k / top-p path, then the engine with top-k / top-p
   step "bench_sampling_filters"
   timeout "$(left 120)" python benchmarks/bench_sampling_filters.py --json "$R/bench_sampling_filters.json" \
     > "$R/bench_sampling_filters.txt" 2>&1; grep -v -i warn "$R/bench_sampling_filters.txt" | tail -11
-  for v in 0 1; do
-    step "bench T=1 top-k 50 top-p 0.9, DSPARK_FUSED_FILTERS=$v"
-    DSPARK_FUSED_FILTERS=$v timeout "$(left 120)" python -m dspark.bench --num-prompts 8 --max-tokens 128 \
-      --temperature 1.0 --top-k 50 --top-p 0.9 --json "$R/bench_filters_$v.json" > "$R/bench_filters_$v.txt" 2>&1
-    tail -c 1500 "$R/bench_filters_$v.txt" | tr '\r' '\n' | grep -v "it/s\]\|req/s\]\|s/req\]" | tail -3
-  done ;;
-pdl)     # session 13: PDL launches (the default since session 19; test_pdl runs both modes),
-         # the 16-bit skinny linears, the Triton row argmax: their tests on CUDA, graph replay ==
-         # eager, then (other steps) the decode step and A/Bs, e.g.
-         # STEPS="pdl quick ab" AB="DSPARK_PDL=1 DSPARK_PDL=0 DSPARK_MHC_SIDE=0"
+  step "bench T=1 top-k 50 top-p 0.9"
+  timeout "$(left 120)" python -m dspark.bench --num-prompts 8 --max-tokens 128 \
+    --temperature 1.0 --top-k 50 --top-p 0.9 --json "$R/bench_filters_engine.json" > "$R/bench_filters_engine.txt" 2>&1
+  tail -c 1500 "$R/bench_filters_engine.txt" | tr '\r' '\n' | grep -v "it/s\]\|req/s\]\|s/req\]" | tail -3 ;;
+pdl)     # PDL launches (test_pdl runs with and without), the 16-bit skinny linears, the Triton
+         # row argmax: their tests on CUDA, graph replay == eager, then (other steps) the decode
+         # step and A/Bs, e.g. STEPS="pdl quick ab" AB="DSPARK_NO_PDL=0 DSPARK_NO_PDL=1"
   step "PDL / linear16 / argmax tests on CUDA"
   timeout "$(left 150)" python -m pytest -q -rfE tests/test_pdl.py tests/test_argmax.py \
     tests/test_qlinear.py -k "pdl or argmax or linear16 or skinny" > "$R/pdl_tests.txt" 2>&1
   tail -3 "$R/pdl_tests.txt" | cut -c1-300; grep -A12 "^=== FAILED\|^E  " "$R/pdl_tests.txt" | cut -c1-200 | head -30
-  DSPARK_PDL=1 timeout "$(left 150)" python -m pytest -q -rfE -m gpu tests/test_pdl.py tests/test_v4_graph.py \
+  timeout "$(left 150)" python -m pytest -q -rfE -m gpu tests/test_pdl.py tests/test_v4_graph.py \
     -k "pdl or (replay_equals_eager and not bites)" > "$R/pdl_graph_tests.txt" 2>&1
   tail -3 "$R/pdl_graph_tests.txt" | cut -c1-300; grep -A12 "^=== FAILED\|^E  " "$R/pdl_graph_tests.txt" | cut -c1-200 | head -30
-  step "bench_pdl_chain (session 18: the FP8 GEMV's PDL preload, a chain of 4 GEMVs)"
+  step "bench_pdl_chain (the FP8 GEMV's PDL preload, a chain of 4 GEMVs)"
   timeout "$(left 90)" python benchmarks/bench_pdl_chain.py --json "$R/bench_pdl_chain.json" \
     > "$R/bench_pdl_chain.txt" 2>&1; grep -v -i warn "$R/bench_pdl_chain.txt" | tail -6 ;;
 mhc)

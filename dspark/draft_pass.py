@@ -77,8 +77,7 @@ class DraftPass:
         """Whether the Markov steps draw through one Triton launch each (fused_sample) instead of
         torch ops: sampled requests, without top-k / top-p or where fused_filters_enabled says
         so for `rows` rows of the vocabulary (then filter_logits first: two launches per step).
-        Part of the graph key, so DSPARK_FUSED_SAMPLING / DSPARK_FUSED_FILTERS switch a captured
-        pass too."""
+        Part of the graph key, so sampling.FUSED_BACKEND switches a captured pass too."""
         if greedy or not fused_sampling_enabled(self.device):
             return False
         return not (use_top_k or use_top_p) or fused_filters_enabled(

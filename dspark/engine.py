@@ -13,7 +13,7 @@ round from the device-side tokens of the one before, then commits that one.
 
 Sampled (temperature > 0) verification without top-k / top-p runs as one fused Triton kernel on
 CUDA (`dspark.kernels.sampling.fused_verify`) instead of a few hundred small torch kernels;
-DSPARK_FUSED_SAMPLING=0 forces the torch path (`probs_from_logits` + `verify`), see
+DSPARK_REFERENCE_KERNELS=1 forces the torch path (`probs_from_logits` + `verify`), see
 `dspark.sampling.fused_sampling_enabled`.
 """
 from __future__ import annotations

@@ -307,7 +307,7 @@ def test_sparse_mqa_fp8_inverse_rope_in_combine(cfg, dtype, monkeypatch):
     output, bit for bit (in the split-KV combine launch; without splits norm_rope follows), the
     combine's head blocks not a multiple of H."""
     from dspark.kernels.norm_rope import norm_rope
-    monkeypatch.setenv("DSPARK_COMBINE_BH", "8")
+    monkeypatch.setattr(smqa, "COMBINE_BLOCK_H", 8)        # head blocks not dividing H
     gen = torch.Generator().manual_seed(13)
     T, H, N, R = 3, 20, 8, 64
     cache, _ = make_fp8_cache(4, N, gen)

@@ -579,8 +579,8 @@ def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr, stride_ot, stride_oh, 
 # through fp32): 72.1 / 136.6 / 260.9 us = 1.48 / 1.49 / 1.50x FlashMLA at 64 / 128 / 256
 # requests (bf16 in the same run 77.3 / 146.1 / 280.5), 38.0 us at 16. fp16 keeps 3 more mantissa
 # bits than bf16; its range (|value| < 65504, scales >= 2^-24) holds for RMS-normed latents.
-# Up to 8 tokens (session 17, the batch-1 V4-Flash decode graph on the H200, 64 heads, 128
-# window + 0 / 512 compressed keys, DSPARK_SMQA_FEW A/B): 16 heads x 8 KV splits per program with
+# Up to 8 tokens (the batch-1 V4-Flash decode graph on the H200, 64 heads, 128 window + 0 / 512
+# compressed keys): 16 heads x 8 KV splits per program with
 # 4 warps (128 programs per token, each reading a quarter of q and writing a quarter of the
 # partials of a 64-head program) took 8.8 / 9.2 us per SWA / compressed layer against 9.7 / 13.9
 # for 64 heads x 4 splits x 8 warps (16 heads x 4 splits: 8.6 / 12.8; 32 heads: 10.6 / 17.7;
@@ -596,25 +596,11 @@ DEFAULT_CONFIGS: list[tuple[int | None, dict]] = [
 ]
 
 
-# heads per program of the split-KV combine (DSPARK_COMBINE_BH). H200, session 17, batch-1
+# heads per program of the split-KV combine. H200, batch-1
 # V4-Flash decode graph (64 heads, 4 splits, inverse RoPE in the launch): 4.9 us at 16 heads,
 # 2.4 at 4, 1.8 at 2 (each program reads its heads' partials: 128 KB at 16 heads); device time
 # per step 0.821 -> 0.808 ms from 16 to 4 heads.
 COMBINE_BLOCK_H = 2
-
-
-def _env_config(name: str) -> dict:
-    """Knobs from the environment variable `name`, "key=int+..." (A/B runs of the decode step:
-    DSPARK_SMQA_FEW replaces knobs of the few-token default rows), else {}."""
-    text = os.environ.get(name, "")
-    out = {}
-    for item in filter(None, text.split("+")):
-        key, _, val = item.partition("=")
-        if key not in ("block_h", "block_k", "kv_splits", "num_warps", "num_stages"):
-            raise ValueError(f"{name}: unknown knob {key!r} (block_h, block_k, kv_splits, "
-                             "num_warps, num_stages)")
-        out[key] = int(val)
-    return out
 
 
 def _resolve_config(T: int, H: int, prec: str, user: dict) -> dict:
@@ -633,8 +619,6 @@ def _resolve_config(T: int, H: int, prec: str, user: dict) -> dict:
         for bound, row in DEFAULT_CONFIGS:
             if bound is None or T <= bound:
                 cfg = dict(row)
-                if bound is not None:
-                    cfg.update(_env_config("DSPARK_SMQA_FEW"))
                 break
     if cfg is None:
         impl = user.get("impl", "v1")
@@ -749,8 +733,7 @@ def _launch(q, sink, scale, fp8, a, b, tuning: dict, precision, rope=None):
             sink, H, float(scale) * LOG2E, *list_args,
             BLOCK_N=cfg["block_k"], NUM_SPLITS=ns, HALVES=cfg["halves"], **flags, **launch_opts)
     if ns > 1:
-        bh = min(int(os.environ.get("DSPARK_COMBINE_BH", COMBINE_BLOCK_H)),
-                 triton.next_power_of_2(H))
+        bh = min(COMBINE_BLOCK_H, triton.next_power_of_2(H))
         cis, pos, dtype, r_half = out, out, out.dtype, 32          # (unread without rope)
         if rope is not None:                  # the inverse RoPE and the cast in this launch
             cis, pos, dtype = rope

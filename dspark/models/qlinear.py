@@ -125,7 +125,7 @@ class QuantMoE(MoE):
         side = side_stream.fork(x.device, 1)
         # with high-priority side lanes (the default, side_stream.high_priority) the router runs
         # on one too: on the main stream it would wait behind the shared expert's GEMV
-        router = side_stream.fork(x.device, 6) if side_stream.high_priority() else None
+        router = side_stream.fork(x.device, 6)
         with side_stream.on(router):
             idx, w = self.gate(x, token_ids)
         side_stream.join(router)

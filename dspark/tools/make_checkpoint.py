@@ -73,7 +73,7 @@ PRESETS = {
 }
 _DEFAULT_LAYERS = {"tiny": 6, "flash": 4, "pro": 4}
 _OFFICIAL_NOISE_ID = 128799
-DSPARK_STAGES = 3
+DRAFTER_STAGES = 3
 
 
 def preset_config(preset: str = "tiny", layers: int | None = None, dtype: str = "bf16",
@@ -97,7 +97,7 @@ def preset_config(preset: str = "tiny", layers: int | None = None, dtype: str = 
         kw["vocab_size"] = int(vocab)
     if dspark:
         V = kw["vocab_size"]
-        kw.update(num_dspark_stages=DSPARK_STAGES,
+        kw.update(num_dspark_stages=DRAFTER_STAGES,
                   dspark_target_layer_ids=tuple(range(max(0, n - 3), n)),   # the last 3 layers
                   dspark_noise_token_id=_OFFICIAL_NOISE_ID if V > _OFFICIAL_NOISE_ID else V - 1)
     else:

@@ -36,7 +36,6 @@ so the warm-up run before a capture and the replay write identical state).
 """
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -268,9 +267,9 @@ class _Kernels:
 
     def fuses_rope(self, window_pool, rope) -> bool:
         """Whether `attend` takes the attention output's inverse RoPE (the split-KV combine does
-        it in its launch; DSPARK_ATTN_ROPE=0: Attention.output's own norm_rope launch)."""
+        it in its launch, else Attention.output's own norm_rope launch follows)."""
         return (self.kind == "triton" and window_pool.dtype == torch.uint8
-                and isinstance(rope, Rope) and os.environ.get("DSPARK_ATTN_ROPE", "1") != "0")
+                and isinstance(rope, Rope))
 
 
 def _plan_key(B: int, q: int, P: int, fields) -> tuple:
