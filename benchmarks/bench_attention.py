@@ -40,7 +40,7 @@ RECORD_BYTES = 584
 
 def build_case(batch, tokens_per_req, heads, window, topk, page, ctx_entries, device, seed=0):
     """Random caches and index lists laid out like a decode step of ``batch`` requests."""
-    from dspark.kvcache.layouts import fp8_ds_mla_page_bytes, write_fp8_ds_mla
+    from dspark.formats.layouts import fp8_ds_mla_page_bytes, write_fp8_ds_mla
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     T = batch * tokens_per_req

@@ -8,8 +8,8 @@
   dot_scaled tensor-core kernels of fp4_moe_mma.py (block configs).
 * Read ceiling (`--read-ceiling`, on by default): one kernel that only streams the same number of
   bytes (16-byte loads, 264 / 528 / 1056 programs, the fastest kept), timed the same way: what a
-  kernel of that size pays for its weights at best, launch, ramp-up and tail included (session
-  11, H200: 8.9 MB 4.0 us = 2.2 TB/s, 53.5 MB 14.9 us = 3.6 TB/s against the 4.2 TB/s of a 2 GB
+  kernel of that size pays for its weights at best, launch, ramp-up and tail included (H200:
+  8.9 MB 4.0 us = 2.2 TB/s, 53.5 MB 14.9 us = 3.6 TB/s against the 4.2 TB/s of a 2 GB
   copy). The per-step sum over the decode step's FP8 / MoE launches is the floor of those
   kernels under the copy-bandwidth roofline's byte count (launch counts of FP8_SHAPES: the new
   path runs wq_a + wkv and the shared w1 + w3 row-stacked, one launch each, as the engine does).
@@ -42,7 +42,7 @@ from dspark.kernels import fp8_gemm as fg  # noqa: E402
 from dspark.kernels.fp4_moe import (fp4_moe, fp4_moe_grouped, stack_fp4_experts)  # noqa: E402
 from dspark.kernels.fp4_moe_mma import fp4_moe_mma  # noqa: E402
 from dspark.kernels.fp4_moe_tc import fp4_moe_tc  # noqa: E402
-from dspark.models.quant import dequant_fp8_blocks, quant_fp4, quant_fp8_blocks  # noqa: E402
+from dspark.formats.quant import dequant_fp8_blocks, quant_fp4, quant_fp8_blocks  # noqa: E402
 
 COPY_BW = 4.3e12
 # (name, N, K, (calls per decode step of the 4-layer V4-Flash checkpoint: old path, new path));

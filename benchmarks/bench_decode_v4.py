@@ -31,7 +31,7 @@ batch 1, each side warmed up first; tok/s = new tokens / wall time of the whole 
 (prefill included), and decode-only tok/s = (N - 1) / (time(N tokens) - time(1 token)).
 HF: `DeepseekV4ForCausalLM` built from config.json (quantization_config dropped) in --hf-dtype
 (bf16 on CUDA) and filled from the same checkpoint, every FP8 / FP4 tensor de-quantized on the
-device with dspark.models.quant (bit-identical to the NumPy formulas of tests/hf_oracle.py, see
+device with dspark.formats.quant (bit-identical to the NumPy formulas of tests/hf_oracle.py, see
 tests/test_quant.py), routed experts merged into HF's gate_up_proj / down_proj exactly like
 transformers' own conversion mapping (checked against from_pretrained in
 tests/test_bench_decode_v4.py). The fill is strict: every HF parameter / persistent buffer must be
@@ -647,7 +647,7 @@ def hf_target(name: str, inter: int) -> tuple:
 
 
 def _dequant(kind, w, s, dtype):
-    from dspark.models.quant import dequant_fp4_experts, dequant_fp8_blocks
+    from dspark.formats.quant import dequant_fp4_experts, dequant_fp8_blocks
     return dequant_fp8_blocks(w, s, dtype) if kind == "fp8" else dequant_fp4_experts(w, s, dtype)
 
 

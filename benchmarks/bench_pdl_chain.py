@@ -1,5 +1,5 @@
 """A decode-step-like chain of weight-streaming FP8 GEMVs (batch 1, V4-Flash shapes) with and
-without programmatic dependent launch (dspark.kernels.pdl), on CUDA.
+without programmatic dependent launch (dspark.cuda.pdl), on CUDA.
 
     norm_rope (q_norm) -> wq_b [32768 x 1024] ; norm_rope -> wo_a-like [8192 x 4096]
     -> wo_b [4096 x 8192] -> wq_a + wkv [1536 x 4096]
@@ -26,10 +26,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_decode_kernels import graph_time  # noqa: E402
 from dspark import debug  # noqa: E402
-from dspark.kernels import pdl  # noqa: E402
+from dspark.cuda import pdl  # noqa: E402
 from dspark.kernels.fp8_gemm import fp8_linear  # noqa: E402
 from dspark.kernels.norm_rope import norm_rope  # noqa: E402
-from dspark.models.quant import quant_fp8_blocks  # noqa: E402
+from dspark.formats.quant import quant_fp8_blocks  # noqa: E402
 
 # (name, N, K): the chain's GEMVs in order; a norm_rope (triggering the next launch) before the
 # first two, as the q_norm / the attention output's combine are in the decode step

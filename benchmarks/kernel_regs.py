@@ -14,12 +14,12 @@ device run spends time on them.
 --sass disassembles the cubin (cuobjdump from the triton wheel) and counts the instructions of
 the longest backward-branch loop by class: for a weight-streaming decode loop that is
 issue-bound on the H200 (the grouped FP4 MoE kernels), instructions per iteration is an offline
-proxy of speed (session 10: the grouped FP4 gate/up loop spends ~12.7 instructions per weight
+proxy of speed (e.g. the grouped FP4 gate/up loop once spent spends ~12.7 instructions per weight
 byte, 5.8 of them integer decode, and 16 barriers per iteration converting the activation pairs
 through shared memory).
 
 The H200 runs Triton 3.6, this machine a newer one. To compile with the GPU's Triton offline
-(it has rejected code the newer one takes, e.g. a nested tuple target in session 12):
+(it has rejected code the newer one takes, e.g. a nested tuple target):
 
     pip download triton==3.6.0 --no-deps -d /tmp/t36
     python -m venv --system-site-packages /tmp/v36 && /tmp/v36/bin/pip install --no-deps /tmp/t36/*.whl

@@ -94,14 +94,14 @@ kernels) # issue 7: the few-token FP8 / grouped FP4 MoE kernels alone (cold L2, 
 bench)   # issue 6: tau and speed-up vs speculation off on the shipped pair, batch 1, engine
          # defaults (on CUDA: target and draft passes as CUDA graphs, fused sampling kernels);
          # run alone: a busy CPU skews it
-  for T in 1.0 0; do      # sampled first: session 9 ran greedy first and its rounds were 1.6x slower (cold compile cache?)
+  for T in 1.0 0; do      # sampled first: a greedy-first run measured its rounds 1.6x slower (cold compile cache?)
     step "bench T=$T"
     timeout "$(left 120)" python -m dspark.bench --num-prompts 16 --max-tokens 128 --temperature $T \
       --concurrency 1 --json "$R/bench_default_T$T.json" \
       --plot "$R/bench_default_T$T.png" > "$R/bench_T$T.txt" 2>&1
     tail -c 2000 "$R/bench_T$T.txt" | tr '\r' '\n' | grep -v "it/s\]\|req/s\]\|s/req\]" | tail -5
   done
-  for T in 1.0 0; do     # T=0: greedy rounds measured ~3.0 ms vs ~1.9 ms sampled (session 9)
+  for T in 1.0 0; do     # T=0: greedy rounds once measured ~3.0 ms vs ~1.9 ms sampled
     step "round profile T=$T"
     timeout "$(left 60)" python -m dspark.bench --profile --temperature $T \
       --json "$R/profile_T$T.json" > "$R/profile_T$T.txt" 2>&1; head -12 "$R/profile_T$T.txt"
@@ -144,8 +144,8 @@ pdl)     # PDL launches (test_pdl runs with and without), the 16-bit skinny line
   timeout "$(left 90)" python benchmarks/bench_pdl_chain.py --json "$R/bench_pdl_chain.json" \
     > "$R/bench_pdl_chain.txt" 2>&1; grep -v -i warn "$R/bench_pdl_chain.txt" | tail -6 ;;
 mhc)
-  step "mhc_bench"
-  timeout "$(left 60)" python -m dspark.kernels.mhc_bench --T 1,2,6,64 --finish-sweep > "$R/mhc.txt" 2>&1; tail -17 "$R/mhc.txt" ;;
+  step "bench_mhc"
+  timeout "$(left 60)" python benchmarks/bench_mhc.py --T 1,2,6,64 --finish-sweep > "$R/mhc.txt" 2>&1; tail -17 "$R/mhc.txt" ;;
 tp)      # issue 9: tokens/s vs world size (multi-GPU kinds only)
   if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
     step "bench_tp"

@@ -159,7 +159,7 @@ GRID_V3C = [
 ]
 
 # small: the batch-1 decode step (1-8 query tokens: a few programs per token) against the shipped
-# small-T row (k32 kv4). Session 9 on the H200 (sweep_attention_small_h200.txt): kv8 = kv4 within
+# small-T row (k32 kv4). On the H200 (sweep_attention_small_h200.txt): kv8 = kv4 within
 # 1 us, 16 / 32 splits 4-8x slower (a cliff, likely the combine kernel's [splits, 16 heads, 512]
 # tile), k16 slower. Still untimed: no split (no combine launch), 2 splits, and 16-head blocks
 # (4 head blocks x splits: 4x the programs at 1 token, each key tile decoded per head block;

@@ -4,7 +4,7 @@
                                  (mHC, RMSNorm / RoPE and the decode fusions built on them,
                                  sampling and verification): to tell a kernel bug from a model bug
     DSPARK_NO_PDL=1              no programmatic dependent launch: every kernel starts after the
-                                 one ahead of it has finished (dspark.kernels.pdl)
+                                 one ahead of it has finished (dspark.cuda.pdl)
     DSPARK_NO_SIDE_STREAMS=1     every branch of the decode step inline on the current stream
                                  (dspark.cuda.side_stream): no concurrency inside a step
 

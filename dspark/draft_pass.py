@@ -18,7 +18,8 @@ import warnings
 
 import torch
 
-from .graph_capture import capture, warm_up
+from .cuda.graph_capture import capture, warm_up
+from .cuda.transfer import to_device
 from .sampling import (Purpose, filters_used, fused_filters_enabled,
                        fused_sampling_enabled, probs_from_logits,
                        sample_from_probs, uniforms)
@@ -26,15 +27,6 @@ from .sampling import (Purpose, filters_used, fused_filters_enabled,
 PAD_INTS = (0, 0, 0, 0, 0)            # slot, anchor, start, seed, top_k: slot 0 = EMPTY_SLOT
 PAD_FLOATS = (1.0, 1.0)               # temperature 1, top_p 1 = off
 MAX_GRAPH_CONTEXT_ROWS = 1024         # larger context writes (prefill of many requests) run eagerly
-
-
-def to_device(rows, dtype, device) -> torch.Tensor:
-    """Host lists -> device tensor without a host sync: on CUDA through pinned memory and an
-    asynchronous copy (the caching host allocator keeps the pinned block until the copy ran)."""
-    t = torch.tensor(rows, dtype=dtype)
-    if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
 
 
 def bucket_size(n: int, smallest: int = 1) -> int:

@@ -110,7 +110,7 @@ class Engine:
             raise ValueError("tensor_parallel_size > 1 is implemented for DeepSeek-V4 checkpoints only")
         if draft is not None or _model_type(path) == "qwen3":
             # Qwen3 target (+ a separate DeepSpec DSpark drafter checkpoint): own loader and runner
-            from .models.qwen3 import build_engine_components
+            from .qwen3_runner import build_engine_components
             cfg, model, drafter, self.runner = build_engine_components(
                 path, draft, dtype, self.device, speculative, num_speculative_tokens,
                 kv_layout=kv_layout, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,

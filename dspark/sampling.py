@@ -7,7 +7,6 @@ values on CPU and CUDA, and replays are deterministic (spec §5.3).
 """
 from __future__ import annotations
 
-import enum
 import math
 import numbers
 from dataclasses import dataclass
@@ -16,17 +15,9 @@ from typing import Sequence
 import torch
 
 from dspark import debug
+from dspark.formats.sampling import _M32, Purpose, _mix32  # noqa: F401 (Purpose: public here)
 
-_M32 = 0xFFFFFFFF
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
-
-
-class Purpose(enum.IntEnum):
-    """Independent random streams. RESIDUAL also covers the bonus token and plain decode samples:
-    exactly one target-side token is sampled per position, so they never collide."""
-    DRAFT = 1
-    ACCEPT = 2
-    RESIDUAL = 3
 
 
 @dataclass(frozen=True)
@@ -204,18 +195,6 @@ def fused_filters_enabled(device, rows: int = 1, vocab: int = 0) -> bool:
     if not fused_sampling_enabled(device):
         return False
     return vocab <= 8192 or rows * 4096 >= vocab
-
-
-def _mix32(x):
-    # 32-bit xorshift-multiply finaliser (a bijection on [0, 2**32) with good avalanche), so
-    # chaining it over the key words gives well-spread outputs. Both multipliers are < 2**31: the
-    # int64 product of a 32-bit value never overflows, so results are exact and identical on every
-    # device (no reliance on signed wrap-around). Works on Python ints too (host-side constants).
-    x = x ^ (x >> 16)
-    x = (x * 0x21F0AAAD) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x735A2D97) & _M32
-    return x ^ (x >> 15)
 
 
 def uniforms(seeds: torch.Tensor, positions: torch.Tensor, purpose: int) -> torch.Tensor:

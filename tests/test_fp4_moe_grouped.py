@@ -17,7 +17,7 @@ from dspark.kernels.fp4_moe import (fp4_moe, fp4_moe_grouped, grouped_applies,  
                                     stack_fp4_experts)
 from dspark.models.deepseek_v4.moe import MoE  # noqa: E402
 from dspark.models.qlinear import QuantLinear, QuantMoE, memory_report  # noqa: E402
-from dspark.models.quant import dequant_fp4_experts, quant_fp4  # noqa: E402
+from dspark.formats.quant import dequant_fp4_experts, quant_fp4  # noqa: E402
 from test_host_sync import SyncGuard  # noqa: E402
 
 D, I, E = 64, 96, 8          # I = 96: a partial column tile and 3 scale groups per w2 row

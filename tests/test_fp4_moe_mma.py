@@ -9,7 +9,7 @@ import torch  # noqa: E402
 
 from dspark.kernels import fp4_moe_mma as mm  # noqa: E402
 from dspark.kernels.fp4_moe import fp4_moe, fp4_moe_grouped, stack_fp4_experts  # noqa: E402
-from dspark.models.quant import quant_fp4  # noqa: E402
+from dspark.formats.quant import quant_fp4  # noqa: E402
 from test_fp4_moe_grouped import (D, I, _dev, _experts, _mv, _reference, _routing,  # noqa: E402
                                   _spread, rel_err)
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import dspark.kernels.fp4_moe_tc as tc  # noqa: E402
 from dspark.kernels.fp4_moe import fp4_moe_grouped, stack_fp4_experts  # noqa: E402
-from dspark.models.quant import dequant_fp4_experts  # noqa: E402
+from dspark.formats.quant import dequant_fp4_experts  # noqa: E402
 from test_fp4_moe_grouped import _experts, rel_err  # noqa: E402
 
 N, D, I = 12, 1024, 512

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 import dspark.kernels.cache_write as cw  # noqa: E402
 import dspark.kernels.indexer as ix  # noqa: E402
 import dspark.kernels.sparse_mqa as smqa  # noqa: E402
-from dspark.kvcache import layouts as L  # noqa: E402
+from dspark.formats import layouts as L  # noqa: E402
 
 SCALE = 512 ** -0.5
 

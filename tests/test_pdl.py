@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (dspark.kernels.pdl): off where it cannot run, compiled into the
+"""Programmatic dependent launch (dspark.cuda.pdl): off where it cannot run, compiled into the
 FP8 skinny kernel with its wait / trigger (offline sm_90 PTX, no GPU needed),
 and on the GPU a chain norm -> GEMV -> GEMV, eager and inside a CUDA graph, equal to the same
 chain without PDL bit for bit (a kernel that read its input before the wait would see the
@@ -13,10 +13,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from dspark import debug  # noqa: E402
-from dspark.kernels import pdl  # noqa: E402
+from dspark.cuda import pdl  # noqa: E402
 from dspark.kernels.fp8_gemm import fp8_linear  # noqa: E402
 from dspark.kernels.norm_rope import norm_rope  # noqa: E402
-from dspark.models.quant import quant_fp8_blocks  # noqa: E402
+from dspark.formats.quant import quant_fp8_blocks  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F  # noqa: E402
 from dspark.kernels.fp4_moe import fp4_linear, fp4_linear_triton, fp4_moe  # noqa: E402
 import dspark.kernels.fp8_gemm as fp8g  # noqa: E402
 from dspark.kernels.fp8_gemm import fp8_linear, fp8_linear_triton  # noqa: E402
-from dspark.models.quant import (dequant_fp4_experts, dequant_fp8_blocks, quant_fp4,  # noqa: E402
+from dspark.formats.quant import (dequant_fp4_experts, dequant_fp8_blocks, quant_fp4,  # noqa: E402
                                  quant_fp8_blocks)
 
 

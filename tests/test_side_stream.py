@@ -10,7 +10,7 @@ import torch
 from triton_env import DEV, gpu, needs_cuda  # noqa: F401  (sets TRITON_INTERPRET on CPU)
 
 from dspark import debug
-from dspark.models import side_stream
+from dspark.cuda import side_stream
 
 
 def test_cpu_runs_inline():
@@ -114,7 +114,7 @@ def test_split_fp8_launches_on_two_lanes_at_once():
     """Split-K skinny FP8 GEMVs (arrival counters) queued on the main stream and on a side lane
     at the same time, many times over: every result equals the one computed alone."""
     from dspark.kernels import fp8_gemm as fg
-    from dspark.models.quant import quant_fp8_blocks
+    from dspark.formats.quant import quant_fp8_blocks
     N, K = 512, 4096                                   # 8 tiles x 32 splits: counters in use
     w, s = quant_fp8_blocks(torch.randn(N, K, device=DEV) * 0.02)
     w, s = w.view(torch.uint8), s.view(torch.uint8)

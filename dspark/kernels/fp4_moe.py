@@ -57,7 +57,7 @@ import triton.language as tl
 
 from dspark.kernels.fp8_gemm import _interpreting, flat_operands
 from dspark.kernels.sparse_mqa import _mma, _pick_precision
-from dspark.models.quant import FP4_GROUP, dequant_fp4_experts, fp4_scale_shape
+from dspark.formats.quant import FP4_GROUP, dequant_fp4_experts, fp4_scale_shape
 
 
 @triton.jit

@@ -39,11 +39,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from dspark.kernels import pdl
+from dspark.cuda import pdl
 from dspark.kernels.argmax import _order_key
 from dspark.kernels.sparse_mqa import _mma, _pick_precision
-from dspark.models import side_stream
-from dspark.models.quant import FP8_BLOCK, dequant_fp8_blocks, fp8_scale_shape
+from dspark.cuda import side_stream
+from dspark.formats.quant import FP8_BLOCK, dequant_fp8_blocks, fp8_scale_shape
 
 
 def _interpreting() -> bool:
@@ -153,7 +153,7 @@ def _fp8_skinny_kernel(
     wait (a runtime loop waited one L2 round trip per partial, at the kernel's tail).
     Grouped weights (attention wo_a): rows g*GROUP_ROWS .. (g+1)*GROUP_ROWS - 1 multiply x's group
     g (x + g * stride_xg); GROUP_ROWS is a multiple of BLOCK_N, and N for plain linears.
-    PDL (dspark.kernels.pdl): launched while the kernel ahead still runs; the program waits for
+    PDL (dspark.cuda.pdl): launched while the kernel ahead still runs; the program waits for
     that kernel and lets the next kernel start once its own weight loop is done.
     W16: 16-bit weights without scales (bf16 / fp16 linears of few tokens, `linear16_skinny`:
     the same kernel, one MMA operand conversion less; s_ptr unused).

@@ -40,7 +40,7 @@ skinny kernel does. K is split over programs when the row tiles alone leave SMs 
 stores its partial to a workspace and the program that arrives last for a tile sums the splits
 in order (deterministic), rounds to x's dtype and stores y.
 
-With PDL (sm_90+: dspark.kernels.pdl) the launch may start
+With PDL (sm_90+: dspark.cuda.pdl) the launch may start
 while the kernel ahead still runs: it lets the next kernel start at once and waits before reading
 x; before that wait each lane loads its first step's weights (`_preload_asm`, a wait predicated
 on them so ptxas keeps the loads ahead of it) and runs that step on them
@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.kernels import pdl
+from dspark.cuda import pdl
 from dspark.kernels.fp8_gemm import _arrival_counters
 
 STEP = 128          # columns per warp step: 4 lanes x 16 bytes x 2 chunks
@@ -315,7 +315,7 @@ def _fp8_gemv_tc_kernel(x_ptr, stride_xt, stride_xg, w_ptr, stride_wn, s_ptr, st
     """ASM / ASM_BF16: `_step_asm(NT, UNROLL)` with f16 / bf16 operands, CONS their
     constraints; STORE / STORE_C: `_store_asm(NT)` and its constraints (asm strings are
     compile-time arguments: Triton takes no string built inside a kernel).
-    PDL (dspark.kernels.pdl, on by default): launched while the kernel ahead still runs, this one
+    PDL (dspark.cuda.pdl, on by default): launched while the kernel ahead still runs, this one
     lets the next start at once and waits for the one ahead before reading x; PRELOAD (UNROLL 1):
     before that wait each lane loads its first step's weight words (PRE, `_preload_asm`; the
     weights are constant), then runs that step on them (GIVEN, `_step_asm(given=True)`)."""

@@ -51,11 +51,10 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.kernels import pdl
+from dspark.cuda import pdl
 from dspark.kernels.cache_write import _bf16_round
 from dspark.kernels.fp8_gemm import _arrival_counters
-from dspark.models import side_stream
-from dspark.models.deepseek_v4.mhc import NextPre
+from dspark.cuda import side_stream
 
 # launch 1 aims at ~256 programs (H200: 132 SMs) split between token blocks and K chunks
 _TARGET_PROGRAMS = 256
@@ -372,7 +371,7 @@ _SIDE = "_dspark_mhc_side"     # (side stream still writing post / comb, what it
 # `_finish_pre` launch (BLOCK_D, num_warps) for few tokens (True) / more (False). The Sinkhorn
 # iterations of the D-block-0 program are a serial chain of tiny n x n reductions: with one
 # warp they stay inside it (shuffles, no shared-memory round trips), which is what a decode step
-# waits for. H200, `python -m dspark.kernels.mhc_bench --finish-sweep` (T = 1, D = 4096, hc_post
+# waits for. H200, `python benchmarks/bench_mhc.py --finish-sweep` (T = 1, D = 4096, hc_post
 # leaving the partials + hc_pre, graph µs per pair): 1 warp 7.3, 2 warps 8.5, 4 warps 9.2-10.1
 # at BLOCK_D 128 / 256 / 512 alike (15.3 without the partials).
 FINISH_LAUNCH = {True: (_BLOCK_D, 1), False: (_BLOCK_D, 4)}
@@ -392,7 +391,7 @@ class _Left(NamedTuple):
     """What hc_post's launch leaves on its output streams for the next collapse."""
     fn: torch.Tensor                # the projection the partials are of
     partials: tuple                 # (part, sq, S, BLOCK_R), as `_mixes` returns them
-    hint: NextPre | None = None     # the collapse it also finished (FINISH), and its result u
+    hint: tuple | None = None       # the NextPre it also finished (FINISH), and its result u
     u: torch.Tensor | None = None
 
 
@@ -449,7 +448,8 @@ def _launch_post(o, X, post, comb, next_fn, n: int, dtype, expand: bool,
     out = torch.empty(T, n, D, dtype=dtype, device=o.device)
     if T == 0:
         return out
-    hint = next_fn if isinstance(next_fn, NextPre) else None
+    # a NextPre (dspark.models.deepseek_v4.mhc: fn, base, scale, norm, eps, head) or a plain fn
+    hint = None if next_fn is None or isinstance(next_fn, torch.Tensor) else next_fn
     if hint is not None:
         next_fn = hint.fn
     nxt = (next_fn is not None and T <= POST_NEXT_MAX_T and next_fn.shape[1] == n * D

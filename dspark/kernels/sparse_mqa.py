@@ -59,9 +59,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.kernels import pdl
+from dspark.cuda import pdl
 from dspark.kernels.norm_rope import _rnd
-from dspark.kvcache.layouts import dequantize_fp8_ds_mla
+from dspark.formats.layouts import dequantize_fp8_ds_mla
 
 D_HEAD = 512        # full record width: 448 NoPE + 64 RoPE dims
 RECORD_STRIDE = 576  # bytes per data row inside a page (448 fp8 + 128 bf16)

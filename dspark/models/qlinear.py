@@ -30,9 +30,9 @@ from torch import nn
 from dspark.kernels.fp4_moe import (GROUPED_MAX_PAIRS, FP4ExpertStack, fp4_linear, fp4_moe,
                                     fp4_moe_grouped, grouped_applies, stack_fp4_experts)
 from dspark.kernels.fp8_gemm import fp8_linear, fp8_linear_grouped
-from dspark.models import side_stream
+from dspark.cuda import side_stream
 from dspark.models.deepseek_v4.moe import MoE
-from dspark.models.quant import (FP8_BLOCK, dequant_fp4_experts, dequant_fp8_blocks,
+from dspark.formats.quant import (FP8_BLOCK, dequant_fp4_experts, dequant_fp8_blocks,
                                  fp4_scale_shape, fp8_scale_shape)
 
 QUANT_KINDS = ("fp8", "fp4")

@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from dspark.config import ModelConfig
 from dspark.models.deepseek_v4.weights import (TensorSpec, scale_name, stored_tensors,
                                                tensor_inventory)
-from dspark.models.quant import (E2M1_VALUES, E4M3_MAX, float_to_e8m0, fp4_scale_shape,
+from dspark.formats.quant import (E2M1_VALUES, E4M3_MAX, float_to_e8m0, fp4_scale_shape,
                                  fp8_scale_shape, quant_fp8_blocks)
 
 # ---- presets ----------------------------------------------------------------------------------

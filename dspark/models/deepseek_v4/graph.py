@@ -43,9 +43,9 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from dspark.graph_capture import capture, pow2_buckets, step_bucket, warm_up
+from dspark.cuda.graph_capture import capture, pow2_buckets, step_bucket, warm_up
 from dspark.kvcache.paged import copy_rows
-from dspark.models import side_stream
+from dspark.cuda import side_stream
 from dspark.request import BlockTokens
 
 from . import host_plan as hp
@@ -200,7 +200,7 @@ class _Kernels:
         if pool.dtype != torch.uint8:
             pool.index_copy_(0, ids, x.to(pool.dtype))
             return
-        from dspark.kvcache import layouts as L
+        from dspark.formats import layouts as L
         if self.kind == "triton":
             from dspark.kernels.cache_write import write_fp8_ds_mla_triton, write_indexer_fp8_triton
             (write_fp8_ds_mla_triton if x.shape[1] == L.HEAD_DIM else write_indexer_fp8_triton)(
