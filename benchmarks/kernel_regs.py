@@ -218,7 +218,6 @@ def _fp8_cases():
 
 
 def _attention_cases():
-    import dspark.kernels.sparse_mqa as sm
     lst = lambda p: {f"{p}_u8_ptr": "*u8", f"{p}_bf16_ptr": "*bf16", f"{p}_page_bytes": "i32",  # noqa: E731
                      f"{p}_N": "i32", f"{p}_idx_ptr": "*i32", f"{p}_stride_it": "i32",
                      f"{p}_K": "i32", f"{p}_len_ptr": "*i32"}
@@ -228,23 +227,6 @@ def _attention_cases():
     # V4-Flash shapes: every pointer 16-byte aligned, every integer argument a multiple of 16
     # (page_bytes = 64 x 584, N = 64, H = 64, K = 128 / 512, strides): the JIT specialises them
     aligned = [a for a, ty in sig.items() if ty != "fp32"]
-    seen = []
-    configs = [row for _, row in sm.DEFAULT_CONFIGS] + [
-        dict(impl="v2", block_h=64, block_k=64, split_d=2, kv_splits=1, num_warps=4, num_stages=1),
-        dict(impl="v2", block_h=64, block_k=32, split_d=1, kv_splits=1, num_warps=8, num_stages=1,
-             halves=True),
-        dict(impl="v2", block_h=32, block_k=64, split_d=1, kv_splits=1, num_warps=8, num_stages=1)]
-    for c in configs:
-        c = {**c, "halves": c.get("halves", False)}
-        if c in seen:
-            continue
-        seen.append(c)
-        const = {"FP8": True, "HAS_B": True, "A_HAS_LEN": True, "B_HAS_LEN": True,
-                 "BLOCK_H": c["block_h"], "BLOCK_N": c["block_k"], "SPLIT_D": c["split_d"],
-                 "NUM_SPLITS": c["kv_splits"], "HALVES": c["halves"], "PRECISION": "bf16"}
-        yield ("_sparse_mqa_v2_kernel", " ".join(f"{k}={v}" for k, v in c.items() if k != "impl"),
-               sm._sparse_mqa_v2_kernel, sig, const, c["num_warps"], c["num_stages"],
-               c.get("maxnreg"), aligned)
     # v3 (dspark/kernels/sparse_mqa_v3.py): log2 of each list's N next to it (power-of-two N)
     import dspark.kernels.sparse_mqa_v3 as v3
     sig3 = {}
