@@ -123,7 +123,7 @@ class QuantMoE(MoE):
         # launches branches in the order they were captured, and the router is on the critical
         # path (H200 timeline: queued second it started ~7 us late, behind the shared GEMV)
         side = side_stream.fork(x.device, 1)
-        # with high-priority side lanes (the default, side_stream.high_priority) the router runs
+        # with high-priority side lanes (side_stream.SIDE_PRIORITY) the router runs
         # on one too: on the main stream it would wait behind the shared expert's GEMV
         router = side_stream.fork(x.device, 6)
         with side_stream.on(router):
