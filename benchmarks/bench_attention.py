@@ -14,10 +14,10 @@ GB/s counts the bytes of the cache records the kernel must read: T · (valid key
 HBM traffic can be lower than this logical count.
 
     python benchmarks/bench_attention.py                    # batches 64/128/256, default config
-    python benchmarks/bench_attention.py --impl v2 --split-d 2 --num-warps 4 --block-k 32
+    python benchmarks/bench_attention.py --impl v3 --kv-splits 4 --num-warps 4 --block-k 32
     python benchmarks/bench_attention.py --sweep --json out/bench_attention.json   # small v1 grid
 
-The full configuration sweep (v1 / v2 kernels, split-D, split-KV, stages; parallel compile; picks
+The full configuration sweep (v1 / v3 kernels, split-D, split-KV, stages; parallel compile; picks
 the default-config table) is benchmarks/sweep_attention.py.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ RECORD_BYTES = 584
 
 def build_case(batch, tokens_per_req, heads, window, topk, page, ctx_entries, device, seed=0):
     """Random caches and index lists laid out like a decode step of ``batch`` requests."""
-    from dspark.kvcache.layouts import fp8_ds_mla_page_bytes, write_fp8_ds_mla
+    from dspark.formats.layouts import fp8_ds_mla_page_bytes, write_fp8_ds_mla
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     T = batch * tokens_per_req
@@ -158,7 +158,7 @@ def main(argv=None):
     ap.add_argument("--split-d", type=int)
     ap.add_argument("--num-warps", type=int)
     ap.add_argument("--num-stages", type=int)
-    ap.add_argument("--impl", choices=["v1", "v2"])
+    ap.add_argument("--impl", choices=["v1", "v3"])
     ap.add_argument("--kv-splits", type=int, help="split-KV (flash-decoding) programs per token")
     ap.add_argument("--maxnreg", type=int, help="register cap per thread")
     ap.add_argument("--sweep", action="store_true",
@@ -242,7 +242,8 @@ def main(argv=None):
     print("\ncompiled variants:")
     from dspark.kernels import sparse_mqa as smqa
     report_compiled(smqa._sparse_mqa_kernel)
-    report_compiled(smqa._sparse_mqa_v2_kernel)
+    from dspark.kernels import sparse_mqa_v3
+    report_compiled(sparse_mqa_v3._sparse_mqa_v3_kernel)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,

@@ -8,8 +8,8 @@
   dot_scaled tensor-core kernels of fp4_moe_mma.py (block configs).
 * Read ceiling (`--read-ceiling`, on by default): one kernel that only streams the same number of
   bytes (16-byte loads, 264 / 528 / 1056 programs, the fastest kept), timed the same way: what a
-  kernel of that size pays for its weights at best, launch, ramp-up and tail included (session
-  11, H200: 8.9 MB 4.0 us = 2.2 TB/s, 53.5 MB 14.9 us = 3.6 TB/s against the 4.2 TB/s of a 2 GB
+  kernel of that size pays for its weights at best, launch, ramp-up and tail included (H200:
+  8.9 MB 4.0 us = 2.2 TB/s, 53.5 MB 14.9 us = 3.6 TB/s against the 4.2 TB/s of a 2 GB
   copy). The per-step sum over the decode step's FP8 / MoE launches is the floor of those
   kernels under the copy-bandwidth roofline's byte count (launch counts of FP8_SHAPES: the new
   path runs wq_a + wkv and the shared w1 + w3 row-stacked, one launch each, as the engine does).
@@ -42,7 +42,7 @@ from dspark.kernels import fp8_gemm as fg  # noqa: E402
 from dspark.kernels.fp4_moe import (fp4_moe, fp4_moe_grouped, stack_fp4_experts)  # noqa: E402
 from dspark.kernels.fp4_moe_mma import fp4_moe_mma  # noqa: E402
 from dspark.kernels.fp4_moe_tc import fp4_moe_tc  # noqa: E402
-from dspark.models.quant import dequant_fp8_blocks, quant_fp4, quant_fp8_blocks  # noqa: E402
+from dspark.formats.quant import dequant_fp8_blocks, quant_fp4, quant_fp8_blocks  # noqa: E402
 
 COPY_BW = 4.3e12
 # (name, N, K, (calls per decode step of the 4-layer V4-Flash checkpoint: old path, new path));
@@ -136,10 +136,8 @@ def _rel(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
 
 
-# FP8 variants timed next to the shipped path. Session 8-12 tuned the skinny kernel (stages, BLOCK_N,
-# splits, TMA, warps: bench_decode_kernels_h200.json, _tma_h200.txt, _fp16_h200.txt); session 16
-# added the tensor-core kernel of fp8_gemv_tc (old = the skinny kernel as shipped before it,
-# fp16 operands; new = fp8_gemv_tc with its default plan). Variants: (name, fp8_gemv_tc kwargs).
+# FP8 variants timed next to the shipped path (old = the skinny kernel, fp16 operands; new =
+# fp8_gemv_tc with its default plan, fp8_gemv_tc.TUNING). Variants: (name, fp8_gemv_tc kwargs).
 TC_VARIANTS = [("u2", dict(unroll=2)), ("u4", dict(unroll=4)),      # (the default: 1 step)
                ("t1024", dict(target=1024)), ("t4096", dict(target=4096)), ("w2", dict(warps=2)),
                ("w4 t4096", dict(warps=4, target=4096))]
@@ -184,18 +182,10 @@ def bench_fp8(tokens, iters, rows):
 
 
 # grouped MoE variants: (name, kind, block, num_warps, num_stages); the first is the baseline
-# (session 8 timed fma 8x16 / 16x8 / 16x16 / 4x32 code-by-code: bench_decode_kernels_h200.json;
-# session 9's register prefetch measured slower in session 10 (256 vs 211 us per step) and is
-# gone; session 10's candidate: the activation pairs loaded per weight row, "fma-pair-rowx")
 MOE_VARIANTS = [("fma 4x32 pair decode", "fma-pair", (4, 32), 4, 3),     # shipped
-                # (session 12's int32 word decode measured 56.9 vs 53.1 us at 1 token on the
-                # H200 in session 13, bench_decode_s13_ab_h200.json, and is gone)
-                ("fma 4x32 pair row-x", "fma-pair-rowx", (4, 32), 4, 3),
-                ("fma 8x32 pair row-x", "fma-pair-rowx", (8, 32), 4, 3),
-                ("fma 8x16 pair row-x", "fma-pair-rowx", (8, 16), 4, 3),
                 ("fma 8x32 pair decode", "fma-pair", (8, 32), 4, 3),
                 # tensor-core decode (fp4_moe_tc: K splits of gate/up and down, warps, steps per
-                # asm block); session 15, H200: 39.6 / 37.2 us per layer at 1 token for split
+                # asm block); H200: 39.6 / 37.2 us per layer at 1 token for split
                 # 4/2 unrolled 1 / 2 vs 51.4 for the CUDA-core kernels above
                 ("tc split 4/2 w1", "tc", None, 1, 0, {"up_split": 4, "down_split": 2,
                                                        "unroll": 1}),
@@ -235,11 +225,9 @@ def bench_moe(tokens, iters, rows, E=256, k=6, D=4096, I=2048, only=()):
             if kind == "tc":
                 fn = lambda a, i, w, warps=warps, opt=opt[0]: fp4_moe_tc(  # noqa: E731
                     a, i, w, stack, 10.0, warps=warps, **opt)
-            elif kind.startswith("fma"):
-                os.environ["DSPARK_MOE_MMA"] = "0"
-                fn = lambda a, i, w, block=block, pd=kind != "fma", rx=kind.endswith(  # noqa: E731
-                    "rowx"): fp4_moe_grouped(
-                        a, i, w, stack, 10.0, block=block, pair_decode=pd, row_x=rx)
+            elif kind.startswith("fma"):          # a given block: the CUDA-core kernels
+                fn = lambda a, i, w, block=block, pd=kind != "fma": fp4_moe_grouped(  # noqa: E731
+                    a, i, w, stack, 10.0, block=block, pair_decode=pd)
             else:
                 fn = lambda a, i, w, block=block, warps=warps, stages=stages: fp4_moe_mma(  # noqa: E731
                     a, i, w, stack, 10.0, block=block, num_warps=warps, num_stages=stages)
@@ -250,8 +238,6 @@ def bench_moe(tokens, iters, rows, E=256, k=6, D=4096, I=2048, only=()):
             except Exception as e:                          # a config that fails is a finding
                 print(f"{name:28s} {T:3d} failed: {type(e).__name__}: {str(e)[:120]}")
                 continue
-            finally:
-                os.environ.pop("DSPARK_MOE_MMA", None)
             base = base or t
             rows.append(dict(kind="fp4 moe", op=name, T=T, N=D, K=I, per_step=4, bytes=nbytes,
                              us=t * 1e6, err=err))

@@ -31,7 +31,7 @@ batch 1, each side warmed up first; tok/s = new tokens / wall time of the whole 
 (prefill included), and decode-only tok/s = (N - 1) / (time(N tokens) - time(1 token)).
 HF: `DeepseekV4ForCausalLM` built from config.json (quantization_config dropped) in --hf-dtype
 (bf16 on CUDA) and filled from the same checkpoint, every FP8 / FP4 tensor de-quantized on the
-device with dspark.models.quant (bit-identical to the NumPy formulas of tests/hf_oracle.py, see
+device with dspark.formats.quant (bit-identical to the NumPy formulas of tests/hf_oracle.py, see
 tests/test_quant.py), routed experts merged into HF's gate_up_proj / down_proj exactly like
 transformers' own conversion mapping (checked against from_pretrained in
 tests/test_bench_decode_v4.py). The fill is strict: every HF parameter / persistent buffer must be
@@ -647,7 +647,7 @@ def hf_target(name: str, inter: int) -> tuple:
 
 
 def _dequant(kind, w, s, dtype):
-    from dspark.models.quant import dequant_fp4_experts, dequant_fp8_blocks
+    from dspark.formats.quant import dequant_fp4_experts, dequant_fp8_blocks
     return dequant_fp8_blocks(w, s, dtype) if kind == "fp8" else dequant_fp4_experts(w, s, dtype)
 
 
@@ -825,7 +825,7 @@ def main(argv=None):
                          "this one back (the Engine default on CUDA); --no-overlap: one round "
                          "at a time")
     ap.add_argument("--autotune", action="store_true",
-                    help="DSPARK_AUTOTUNE=1: the grouped FP4 MoE kernels time their block configs "
+                    help="the grouped FP4 MoE kernels time their block configs "
                          "on first use and keep the fastest (the picks are reported)")
     ap.add_argument("--kernel-profile", type=int, default=0, metavar="STEPS",
                     help="(c): profile this many decode steps, time per kernel and per category")
@@ -851,7 +851,8 @@ def main(argv=None):
     timings = result["timings"] = {}
 
     if args.autotune:
-        os.environ["DSPARK_AUTOTUNE"] = "1"
+        from dspark.kernels import fp4_moe
+        fp4_moe.AUTOTUNE = True
 
     def save():
         if args.autotune:

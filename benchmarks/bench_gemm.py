@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from dspark.kernels.fp4_moe import fp4_linear, fp4_moe  # noqa: E402
 from dspark.kernels.fp8_gemm import fp8_linear  # noqa: E402
-from dspark.models.quant import (dequant_fp4_experts, dequant_fp8_blocks, quant_fp4,  # noqa: E402
+from dspark.formats.quant import (dequant_fp4_experts, dequant_fp8_blocks, quant_fp4,  # noqa: E402
                                  quant_fp8_blocks)
 
 COPY_BW = 4.3e12

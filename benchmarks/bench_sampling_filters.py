@@ -4,7 +4,7 @@
 For each vocabulary size and row count: us per call of (a) probs_from_logits(logits, T, k, p)
 and (b) filter_logits(...) followed by the softmax the fused kernels do on its output (here a
 torch softmax, so both sides produce the same probabilities), and whether the kept token sets
-agree. Decides whether DSPARK_FUSED_FILTERS can become the default.
+agree. The rule of sampling.fused_filters_enabled comes from these numbers.
 
     python benchmarks/bench_sampling_filters.py --json out/bench_sampling_filters.json
 """

@@ -14,12 +14,12 @@ device run spends time on them.
 --sass disassembles the cubin (cuobjdump from the triton wheel) and counts the instructions of
 the longest backward-branch loop by class: for a weight-streaming decode loop that is
 issue-bound on the H200 (the grouped FP4 MoE kernels), instructions per iteration is an offline
-proxy of speed (session 10: the grouped FP4 gate/up loop spends ~12.7 instructions per weight
+proxy of speed (e.g. the grouped FP4 gate/up loop once spent spends ~12.7 instructions per weight
 byte, 5.8 of them integer decode, and 16 barriers per iteration converting the activation pairs
 through shared memory).
 
 The H200 runs Triton 3.6, this machine a newer one. To compile with the GPU's Triton offline
-(it has rejected code the newer one takes, e.g. a nested tuple target in session 12):
+(it has rejected code the newer one takes, e.g. a nested tuple target):
 
     pip download triton==3.6.0 --no-deps -d /tmp/t36
     python -m venv --system-site-packages /tmp/v36 && /tmp/v36/bin/pip install --no-deps /tmp/t36/*.whl
@@ -161,11 +161,10 @@ def _moe_cases():
             yield (fn.__name__, f"BLOCK_N={n} BLOCK_G={g} warps={w} stages={st}", fn, sig,
                    {"BLOCK_N": n, "BLOCK_G": g, "DT": "bf16", "BF16_PAIRS": True,
                     "PAIR_DECODE": True, "FULL_GROUPS": True, **extra}, w, st, None)
-        for rx in (False, True):          # the shipped blocks, activation pairs per row or not
-            yield (fn.__name__, f"BLOCK_N=4 BLOCK_G=32 warps=4{' row-x' if rx else ''}", fn,
-                   sig, {"BLOCK_N": 4, "BLOCK_G": 32, "DT": "bf16", "BF16_PAIRS": True,
-                         "PAIR_DECODE": True, "FULL_GROUPS": True, "ROW_X": rx, **extra},
-                   4, 3, None)
+        yield (fn.__name__, "BLOCK_N=4 BLOCK_G=32 warps=4", fn,      # the shipped blocks
+               sig, {"BLOCK_N": 4, "BLOCK_G": 32, "DT": "bf16", "BF16_PAIRS": True,
+                     "PAIR_DECODE": True, "FULL_GROUPS": True, **extra},
+               4, 3, None)
     import dspark.kernels.fp4_moe_mma as mm       # expert-grouped tensor-core kernels
     mcommon = {"table_ptr": "*i32", "bexp_ptr": "*i32", "emap_ptr": "*i32", "w_ptr": "*u8",
                "stride_we": "i32", "stride_wn": "i32", "s_ptr": "*u8", "stride_se": "i32",
@@ -216,16 +215,9 @@ def _fp8_cases():
                + (" PDL preload" if pre else ""), tc._fp8_gemv_tc_kernel, gsig,
                dict(tc._launch_strings(nt, u), SPLIT=split, WARPS=1, NT=nt, UNROLL=u, PDL=pre,
                     PRELOAD=pre), 1, 1, None)
-    tsig = dict(ssig, w_ptr="tensordesc<u8[64,128]>")       # weight tiles by TMA
-    for split, st in ((1, 3), (5, 3), (1, 4)):
-        yield ("_fp8_skinny_kernel", f"BLOCK_N=64 BLOCK_T=16 SPLIT={split} warps=4 tma stages={st}",
-               fg._fp8_skinny_kernel, tsig, {"BLOCK_N": 64, "BLOCK_T": 16, "BLOCK_K": fg.FP8_BLOCK,
-                                             "PRECISION": "bf16", "SPLIT": split, "TMA": True},
-               4, st, None)
 
 
 def _attention_cases():
-    import dspark.kernels.sparse_mqa as sm
     lst = lambda p: {f"{p}_u8_ptr": "*u8", f"{p}_bf16_ptr": "*bf16", f"{p}_page_bytes": "i32",  # noqa: E731
                      f"{p}_N": "i32", f"{p}_idx_ptr": "*i32", f"{p}_stride_it": "i32",
                      f"{p}_K": "i32", f"{p}_len_ptr": "*i32"}
@@ -235,23 +227,6 @@ def _attention_cases():
     # V4-Flash shapes: every pointer 16-byte aligned, every integer argument a multiple of 16
     # (page_bytes = 64 x 584, N = 64, H = 64, K = 128 / 512, strides): the JIT specialises them
     aligned = [a for a, ty in sig.items() if ty != "fp32"]
-    seen = []
-    configs = [row for _, row in sm.DEFAULT_CONFIGS] + [
-        dict(impl="v2", block_h=64, block_k=64, split_d=2, kv_splits=1, num_warps=4, num_stages=1),
-        dict(impl="v2", block_h=64, block_k=32, split_d=1, kv_splits=1, num_warps=8, num_stages=1,
-             halves=True),
-        dict(impl="v2", block_h=32, block_k=64, split_d=1, kv_splits=1, num_warps=8, num_stages=1)]
-    for c in configs:
-        c = {**c, "halves": c.get("halves", False)}
-        if c in seen:
-            continue
-        seen.append(c)
-        const = {"FP8": True, "HAS_B": True, "A_HAS_LEN": True, "B_HAS_LEN": True,
-                 "BLOCK_H": c["block_h"], "BLOCK_N": c["block_k"], "SPLIT_D": c["split_d"],
-                 "NUM_SPLITS": c["kv_splits"], "HALVES": c["halves"], "PRECISION": "bf16"}
-        yield ("_sparse_mqa_v2_kernel", " ".join(f"{k}={v}" for k, v in c.items() if k != "impl"),
-               sm._sparse_mqa_v2_kernel, sig, const, c["num_warps"], c["num_stages"],
-               c.get("maxnreg"), aligned)
     # v3 (dspark/kernels/sparse_mqa_v3.py): log2 of each list's N next to it (power-of-two N)
     import dspark.kernels.sparse_mqa_v3 as v3
     sig3 = {}

@@ -37,7 +37,7 @@ def main(argv=None):
         torch.cuda.synchronize()
     if args.only in (None, "moe"):
         from dspark.kernels.fp4_moe import fp4_moe_grouped, stack_fp4_experts
-        from dspark.models.quant import quant_fp4
+        from dspark.formats.quant import quant_fp4
         E, k, D, I = 256, 6, 4096, 2048
         gen = torch.Generator(device="cuda").manual_seed(0)
         experts = [tuple(quant_fp4(torch.randn(*s, device="cuda", generator=gen) * 0.02)
@@ -51,7 +51,7 @@ def main(argv=None):
         torch.cuda.synchronize()
     if args.only in (None, "fp8"):
         from dspark.kernels import fp8_gemm as fg
-        from dspark.models.quant import quant_fp8_blocks
+        from dspark.formats.quant import quant_fp8_blocks
         N, K = 4096, 8192
         w, sc = quant_fp8_blocks(torch.randn(N, K, device="cuda") * 0.02)
         x = torch.randn(args.tokens, K, device="cuda", dtype=torch.bfloat16)

@@ -30,21 +30,22 @@ tests)   # correctness first: every kernel / graph against its torch or eager re
   timeout "$(left ${GPU_S:-300})" python -m pytest -q -m gpu -rfE ${GPU_TESTS:-tests} > "$R/gpu_tests.txt" 2>&1
   tail -12 "$R/gpu_tests.txt" | cut -c1-300
   grep -A12 "^=== FAILED" "$R/gpu_tests.txt" | cut -c1-200 | head -40 ;;
-decode)  # issue 7: V4-Flash decode vs HBM roofline and vs HF (grouped FP4 MoE + target graphs: the defaults)
+decode)  # V4-Flash decode vs HBM roofline and vs HF (grouped FP4 MoE + target graphs: the defaults)
   step "bench_decode_v4 (grouped FP4 MoE + target graphs)"
   timeout "$(left 150)" python benchmarks/bench_decode_v4.py --context 128,4096 --new-tokens 32 \
-    --kernel-profile 10 --host-profile 20 --loop-timeline 20 --json "$R/bench_decode_v4_graphs.json" \
-    > "$R/bench_decode_v4_graphs.txt" 2>&1
-  grep -v -i "warn\|it/s\]" "$R/bench_decode_v4_graphs.txt" | tail -40 | cut -c1-250 ;;
-quick)   # issue 7: the decode step at context 128 only, no HF side (kernel + host profiles)
+    --kernel-profile 10 --host-profile 20 --loop-timeline 20 --json "$R/bench_decode_v4.json" \
+    > "$R/bench_decode_v4.txt" 2>&1
+  grep -v -i "warn\|it/s\]" "$R/bench_decode_v4.txt" | tail -40 | cut -c1-250 ;;
+quick)   # the decode step at context 128 only, no HF side (kernel + host profiles)
   step "bench_decode_v4 quick"
   timeout "$(left 120)" python benchmarks/bench_decode_v4.py --context 128 --skip-hf \
     --kernel-profile 5 --host-profile 10 --timeline 5 --json "$R/bench_decode_quick.json" > "$R/bench_decode_quick.txt" 2>&1
   grep -v -i "warn\|it/s\]" "$R/bench_decode_quick.txt" | grep -A22 "^ context\|^(c)\|^(d)" | cut -c1-200 ;;
-ab)      # A/B of env switches on the quick decode row (device ms per forward included):
-         # AB="DSPARK_FP8_SKINNY=0 ..." (each word one variant; join the switches of one variant
-         # with commas); AB_ARGS="--timeline 3": extra bench arguments of every variant
-  for v in ${AB:-DSPARK_FP4_ROW_X=0 DSPARK_FP4_ROW_X=1}; do
+ab)      # A/B of the debug switches (dspark/debug.py) on the quick decode row (device ms per
+         # forward included): AB="DSPARK_NO_PDL=1 ..." (each word one variant; join the switches
+         # of one variant with commas); AB_ARGS="--timeline 3": extra bench arguments of every
+         # variant. A/Bs of a kernel change: two trees (git worktrees) in the same call.
+  for v in ${AB:-DSPARK_NO_PDL=0 DSPARK_NO_PDL=1}; do
     step "bench_decode_v4 quick with ${v//,/ }"; tag="$R/ab_${v//[,=]/_}"
     env ${v//,/ } timeout "$(left 90)" python benchmarks/bench_decode_v4.py --context 128 --skip-hf \
       --iters 30 ${AB_ARGS:-} --json "$tag.json" > "$tag.txt" 2>&1
@@ -53,9 +54,9 @@ ab)      # A/B of env switches on the quick decode row (device ms per forward in
 quick_serial) # the same with one round at a time (no overlapped decode), for comparison
   step "bench_decode_v4 quick --no-overlap"
   timeout "$(left 120)" python benchmarks/bench_decode_v4.py --context 128 --skip-hf --no-overlap \
-    --json "$R/bench_decode_quick_serial.json" > "$R/bench_decode_quick_serial.txt" 2>&1
-  grep -v -i "warn\|it/s\]" "$R/bench_decode_quick_serial.txt" | grep -A4 "^ context" | cut -c1-160 ;;
-ncu)     # issue 7: Nsight Compute sections of the attention and MoE decode kernels
+    --json "$R/bench_decode_v4_no_overlap.json" > "$R/bench_decode_v4_no_overlap.txt" 2>&1
+  grep -v -i "warn\|it/s\]" "$R/bench_decode_v4_no_overlap.txt" | grep -A4 "^ context" | cut -c1-160 ;;
+ncu)     # Nsight Compute sections of the attention and MoE decode kernels
   step "ncu"
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   if [ -z "$NCU" ]; then echo "no ncu on this machine"; else
@@ -72,35 +73,35 @@ ncu)     # issue 7: Nsight Compute sections of the attention and MoE decode kern
       grep -v "^==PROF==\|^    ---\|^ *$" "$f" | grep -i "duration\|throughput\|stall\|warp cycles\|issued\|registers\|occupancy\|eligible\|active warps\|error" | head -40
     done
   fi ;;
-small)   # issue 7: sparse MQA at 1-8 query tokens (the batch-1 decode step): more KV splits
+small)   # sparse MQA at 1-8 query tokens (the batch-1 decode step): more KV splits
   step "sweep_attention --grid small"
   timeout "$(left 150)" python benchmarks/sweep_attention.py --grid small --batches 1 2 4 8 \
     --tokens-per-req 1 --no-flashmla --budget-s 110 --json "$R/sweep_attention_small.json" \
     > "$R/sweep_small.txt" 2>&1; grep -v -i warn "$R/sweep_small.txt" | tail -24 ;;
-v3c)     # issue 7: fp16 MMA operands in the sparse-MQA v3 kernel vs the shipped bf16 rows
+v3c)     # fp16 MMA operands in the sparse-MQA v3 kernel vs the shipped bf16 rows
   step "sweep_attention --grid v3c"
   timeout "$(left 200)" python benchmarks/sweep_attention.py --grid v3c --budget-s 150 \
     --json "$R/sweep_attention_v3c.json" > "$R/sweep_v3c.txt" 2>&1; grep -v -i warn "$R/sweep_v3c.txt" | tail -16 ;;
-moe)     # issue 7: the grouped FP4 MoE kernels at decode / verify token counts
+moe)     # the grouped FP4 MoE kernels at decode / verify token counts
   step "bench_decode_kernels --skip-fp8"
   timeout "$(left 120)" python benchmarks/bench_decode_kernels.py --skip-fp8 --moe-tokens 1 6 16 \
     --json "$R/bench_moe.json" > "$R/bench_moe.txt" 2>&1; grep -v -i warn "$R/bench_moe.txt" | tail -22 ;;
-kernels) # issue 7: the few-token FP8 / grouped FP4 MoE kernels alone (cold L2, graph replay)
+kernels) # the few-token FP8 / grouped FP4 MoE kernels alone (cold L2, graph replay)
   step "bench_decode_kernels (few-token FP8 / grouped FP4 MoE kernels, old vs new)"
   timeout "$(left 150)" python benchmarks/bench_decode_kernels.py ${KERNEL_ARGS:-} \
     --json "$R/bench_decode_kernels.json" > "$R/bench_decode_kernels.txt" 2>&1
   grep -v -i warn "$R/bench_decode_kernels.txt" | tail -12 ;;
-bench)   # issue 6: tau and speed-up vs speculation off on the shipped pair, batch 1, engine
+bench)   # tau and speed-up vs speculation off on the shipped pair, batch 1, engine
          # defaults (on CUDA: target and draft passes as CUDA graphs, fused sampling kernels);
          # run alone: a busy CPU skews it
-  for T in 1.0 0; do      # sampled first: session 9 ran greedy first and its rounds were 1.6x slower (cold compile cache?)
+  for T in 1.0 0; do      # sampled first: a greedy-first run measured its rounds 1.6x slower (cold compile cache?)
     step "bench T=$T"
     timeout "$(left 120)" python -m dspark.bench --num-prompts 16 --max-tokens 128 --temperature $T \
       --concurrency 1 --json "$R/bench_default_T$T.json" \
       --plot "$R/bench_default_T$T.png" > "$R/bench_T$T.txt" 2>&1
     tail -c 2000 "$R/bench_T$T.txt" | tr '\r' '\n' | grep -v "it/s\]\|req/s\]\|s/req\]" | tail -5
   done
-  for T in 1.0 0; do     # T=0: greedy rounds measured ~3.0 ms vs ~1.9 ms sampled (session 9)
+  for T in 1.0 0; do     # T=0: greedy rounds once measured ~3.0 ms vs ~1.9 ms sampled
     step "round profile T=$T"
     timeout "$(left 60)" python -m dspark.bench --profile --temperature $T \
       --json "$R/profile_T$T.json" > "$R/profile_T$T.txt" 2>&1; head -12 "$R/profile_T$T.txt"
@@ -113,42 +114,39 @@ draft)
   step "bench_draft"
   timeout "$(left 60)" python benchmarks/bench_draft.py --batch 1 8 --json "$R/bench_draft.json" \
     > "$R/bench_draft.txt" 2>&1; tail -4 "$R/bench_draft.txt" ;;
-qwen3)   # issue 8's numbers
+qwen3)   # Qwen3-4B-width decode and the DSpark round split
   step "bench_qwen3"
   timeout "$(left 120)" python benchmarks/bench_qwen3.py --json "$R/bench_qwen3.json" \
     > "$R/bench_qwen3.txt" 2>&1; tail -14 "$R/bench_qwen3.txt" ;;
-sweep)   # issue 7: our sparse MQA kernel vs FlashMLA (side by side when flash_mla imports)
+sweep)   # our sparse MQA kernel vs FlashMLA (side by side when flash_mla imports)
   step "sweep_attention"
   timeout "$(left 90)" python benchmarks/sweep_attention.py --grid quick --json "$R/sweep_attention.json" \
     > "$R/sweep.txt" 2>&1; grep -v -i warn "$R/sweep.txt" | tail -12 ;;
-filters) # DSPARK_FUSED_FILTERS: filter_logits vs the torch top-k / top-p path, then the engine A/B
+filters) # filter_logits vs the torch top-k / top-p path, then the engine with top-k / top-p
   step "bench_sampling_filters"
   timeout "$(left 120)" python benchmarks/bench_sampling_filters.py --json "$R/bench_sampling_filters.json" \
     > "$R/bench_sampling_filters.txt" 2>&1; grep -v -i warn "$R/bench_sampling_filters.txt" | tail -11
-  for v in 0 1; do
-    step "bench T=1 top-k 50 top-p 0.9, DSPARK_FUSED_FILTERS=$v"
-    DSPARK_FUSED_FILTERS=$v timeout "$(left 120)" python -m dspark.bench --num-prompts 8 --max-tokens 128 \
-      --temperature 1.0 --top-k 50 --top-p 0.9 --json "$R/bench_filters_$v.json" > "$R/bench_filters_$v.txt" 2>&1
-    tail -c 1500 "$R/bench_filters_$v.txt" | tr '\r' '\n' | grep -v "it/s\]\|req/s\]\|s/req\]" | tail -3
-  done ;;
-pdl)     # session 13: PDL launches (the default since session 19; test_pdl runs both modes),
-         # the 16-bit skinny linears, the Triton row argmax: their tests on CUDA, graph replay ==
-         # eager, then (other steps) the decode step and A/Bs, e.g.
-         # STEPS="pdl quick ab" AB="DSPARK_PDL=1 DSPARK_PDL=0 DSPARK_MHC_SIDE=0"
+  step "bench T=1 top-k 50 top-p 0.9"
+  timeout "$(left 120)" python -m dspark.bench --num-prompts 8 --max-tokens 128 \
+    --temperature 1.0 --top-k 50 --top-p 0.9 --json "$R/bench_filters_engine.json" > "$R/bench_filters_engine.txt" 2>&1
+  tail -c 1500 "$R/bench_filters_engine.txt" | tr '\r' '\n' | grep -v "it/s\]\|req/s\]\|s/req\]" | tail -3 ;;
+pdl)     # PDL launches (test_pdl runs with and without), the 16-bit skinny linears, the Triton
+         # row argmax: their tests on CUDA, graph replay == eager, then (other steps) the decode
+         # step and A/Bs, e.g. STEPS="pdl quick ab" AB="DSPARK_NO_PDL=0 DSPARK_NO_PDL=1"
   step "PDL / linear16 / argmax tests on CUDA"
   timeout "$(left 150)" python -m pytest -q -rfE tests/test_pdl.py tests/test_argmax.py \
     tests/test_qlinear.py -k "pdl or argmax or linear16 or skinny" > "$R/pdl_tests.txt" 2>&1
   tail -3 "$R/pdl_tests.txt" | cut -c1-300; grep -A12 "^=== FAILED\|^E  " "$R/pdl_tests.txt" | cut -c1-200 | head -30
-  DSPARK_PDL=1 timeout "$(left 150)" python -m pytest -q -rfE -m gpu tests/test_pdl.py tests/test_v4_graph.py \
+  timeout "$(left 150)" python -m pytest -q -rfE -m gpu tests/test_pdl.py tests/test_v4_graph.py \
     -k "pdl or (replay_equals_eager and not bites)" > "$R/pdl_graph_tests.txt" 2>&1
   tail -3 "$R/pdl_graph_tests.txt" | cut -c1-300; grep -A12 "^=== FAILED\|^E  " "$R/pdl_graph_tests.txt" | cut -c1-200 | head -30
-  step "bench_pdl_chain (session 18: the FP8 GEMV's PDL preload, a chain of 4 GEMVs)"
+  step "bench_pdl_chain (the FP8 GEMV's PDL preload, a chain of 4 GEMVs)"
   timeout "$(left 90)" python benchmarks/bench_pdl_chain.py --json "$R/bench_pdl_chain.json" \
     > "$R/bench_pdl_chain.txt" 2>&1; grep -v -i warn "$R/bench_pdl_chain.txt" | tail -6 ;;
 mhc)
-  step "mhc_bench"
-  timeout "$(left 60)" python -m dspark.kernels.mhc_bench --T 1,2,6,64 --finish-sweep > "$R/mhc.txt" 2>&1; tail -17 "$R/mhc.txt" ;;
-tp)      # issue 9: tokens/s vs world size (multi-GPU kinds only)
+  step "bench_mhc"
+  timeout "$(left 60)" python benchmarks/bench_mhc.py --T 1,2,6,64 --finish-sweep > "$R/mhc.txt" 2>&1; tail -17 "$R/mhc.txt" ;;
+tp)      # tokens/s vs world size (multi-GPU kinds only)
   if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
     step "bench_tp"
     timeout "$(left 250)" python benchmarks/bench_tp.py --world 1,2 --json "$R/bench_tp.json" \

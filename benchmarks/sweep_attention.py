@@ -24,7 +24,7 @@ dspark/kernels/sparse_mqa.py; writes everything to --json.
 
     python benchmarks/sweep_attention.py --json out/sweep_attention.json     # < 3 min on an H200
     python benchmarks/sweep_attention.py --grid quick                        # 7 configurations
-    python benchmarks/sweep_attention.py --grid v3 --json out/sweep_v3.json  # v2 best vs v3
+    python benchmarks/sweep_attention.py --grid v3 --json out/sweep_v3.json  # the v3 configs
     python benchmarks/sweep_attention.py --grid v3b --batches 64 128 256 --budget-s 90  # v3 knobs
     python benchmarks/sweep_attention.py --grid small --batches 1 2 4 8 --tokens-per-req 1
 """
@@ -81,54 +81,20 @@ TOL = 2e-2
 DEVICE = "cuda"
 
 
-def _c(impl="v2", block_h=64, block_k=64, split_d=1, kv_splits=1, num_warps=8, num_stages=1,
-       maxnreg=None, halves=False, **v3_knobs):
+def _c(impl="v3", block_h=64, block_k=64, split_d=1, kv_splits=1, num_warps=8, num_stages=1,
+       maxnreg=None, **v3_knobs):
     cfg = dict(impl=impl, block_h=block_h, block_k=block_k, split_d=split_d, kv_splits=kv_splits,
                num_warps=num_warps, num_stages=num_stages)
     if maxnreg is not None:
         cfg["maxnreg"] = maxnreg
-    if halves:
-        cfg["halves"] = True
     cfg.update(v3_knobs)         # early_decode (v3)
     return cfg
 
 
-# Pruned by offline sm_90 compiles (ptxas register / spill / shared-memory reports): BLOCK_H 64
-# everywhere (one wgmma M-tile; BLOCK_H 32 spills > 1 KB/thread), BLOCK_K x stages kept within
-# 227 KB of shared memory. Families:
-#   A  v2, full 512 columns per program, 8 warps (two warpgroups split the 64x512 accumulator);
-#      'hv': decoded / accumulated as two 256-column halves (fewer spills with stages >= 2)
-#   B  v2, split_d 2, 4 warps: 64x256 accumulator, 2 CTAs/SM where smem <= ~110 KB (BLOCK_K 16/32)
-#   C  v2, split_d 2, 8 warps (optionally capped at 128 registers -> 2 CTAs/SM, some spills)
-#   S  split-KV (flash-decoding) on top of A / B: fills the GPU at small batches
-GRID_FULL = [
-    _c("v1", block_k=64, num_warps=8, num_stages=1),                       # current default
-    _c(block_k=64, num_stages=1), _c(block_k=64, num_stages=2),           # A
-    _c(block_k=32, num_stages=1), _c(block_k=32, num_stages=2), _c(block_k=32, num_stages=3),
-    _c(block_k=64, num_stages=2, halves=True), _c(block_k=32, num_stages=2, halves=True),
-    _c(block_k=32, num_stages=3, halves=True),
-    _c(block_k=16, split_d=2, num_warps=4, num_stages=1),                 # B
-    _c(block_k=16, split_d=2, num_warps=4, num_stages=2),
-    _c(block_k=16, split_d=2, num_warps=4, num_stages=3),
-    _c(block_k=32, split_d=2, num_warps=4, num_stages=1),
-    _c(block_k=32, split_d=2, num_warps=4, num_stages=2),
-    _c(block_k=64, split_d=2, num_warps=4, num_stages=1),
-    _c(block_k=32, split_d=2, num_warps=8, num_stages=1),                 # C
-    _c(block_k=64, split_d=2, num_warps=8, num_stages=1),
-    _c(block_k=64, split_d=2, num_warps=8, num_stages=2),
-    _c(block_k=32, split_d=2, num_warps=8, num_stages=1, maxnreg=128),
-    _c(block_k=16, split_d=2, num_warps=8, num_stages=2, maxnreg=128),
-    _c(block_k=64, num_stages=1, kv_splits=2),                            # S
-    _c(block_k=64, num_stages=1, kv_splits=4),
-    _c(block_k=32, split_d=2, num_warps=4, num_stages=1, kv_splits=2),
-    _c(block_k=16, split_d=2, num_warps=4, num_stages=2, kv_splits=4),
-]
-GRID_QUICK = [GRID_FULL[i] for i in (0, 1, 2, 7, 10, 12, 21)]
-# v3 (dspark/kernels/sparse_mqa_v3.py: chunked decode into shared memory, one loop over both lists),
-# against v2's shipped rows (DEFAULT_CONFIGS). Offline sm_90 / triton 3.6 spills per thread:
-# k64 s1 240 B, k64 s2 192 B, k32 s1 36 B, k32 s2 16 B, k16 s2 0 B.
+# v3 (dspark/kernels/sparse_mqa_v3.py: chunked decode into shared memory, one loop over both
+# lists). Offline sm_90 / triton 3.6 spills per thread: k64 s1 240 B, k64 s2 192 B, k32 s1 36 B,
+# k32 s2 16 B, k16 s2 0 B. BLOCK_H 64 everywhere (one wgmma M-tile).
 GRID_V3 = [
-    _c(block_k=64, num_stages=1), _c(block_k=64, num_stages=1, kv_splits=4),     # v2 shipped
     _c("v3", block_k=64, num_stages=1), _c("v3", block_k=64, num_stages=2),
     _c("v3", block_k=32, num_stages=1), _c("v3", block_k=32, num_stages=2),
     _c("v3", block_k=32, num_stages=3), _c("v3", block_k=16, num_stages=2),
@@ -136,6 +102,9 @@ GRID_V3 = [
     _c("v3", block_k=32, num_stages=2, kv_splits=2), _c("v3", block_k=32, num_stages=2, kv_splits=4),
     _c("v3", block_k=16, num_stages=2, kv_splits=4),
 ]
+# full: the v1 fallback kernel next to the v3 family; quick: a few of them
+GRID_FULL = [_c("v1", block_k=64, num_warps=8, num_stages=1)] + GRID_V3
+GRID_QUICK = [GRID_FULL[i] for i in (0, 1, 2, 4, 9)]
 
 # v3b: early_decode (the tile's 4 chunks decoded before the first score wgmma; offline spills
 # 164 -> 48 B/thread) against the shipped v3 row, at 2 and 3 stages. The other v3b candidates
@@ -159,7 +128,7 @@ GRID_V3C = [
 ]
 
 # small: the batch-1 decode step (1-8 query tokens: a few programs per token) against the shipped
-# small-T row (k32 kv4). Session 9 on the H200 (sweep_attention_small_h200.txt): kv8 = kv4 within
+# small-T row (k32 kv4). On the H200 (sweep_attention_small_h200.txt): kv8 = kv4 within
 # 1 us, 16 / 32 splits 4-8x slower (a cliff, likely the combine kernel's [splits, 16 heads, 512]
 # tile), k16 slower. Still untimed: no split (no combine launch), 2 splits, and 16-head blocks
 # (4 head blocks x splits: 4x the programs at 1 token, each key tile decoded per head block;
@@ -180,7 +149,6 @@ def cfg_name(cfg: dict) -> str:
     s = (f"{cfg['impl']} h{cfg['block_h']} k{cfg['block_k']} d{cfg['split_d']} "
          f"kv{cfg['kv_splits']} w{cfg['num_warps']} s{cfg['num_stages']}")
     return (s + (f" r{cfg['maxnreg']}" if cfg.get("maxnreg") else "")
-            + (" hv" if cfg.get("halves") else "")
             + (" early" if cfg.get("early_decode") else "")
             + (f" {cfg['precision']}" if cfg.get("precision") else ""))
 
@@ -408,8 +376,7 @@ def main(argv=None):
     ap.add_argument("--ctx-entries", type=int, default=2048)
     ap.add_argument("--grid", choices=["full", "quick", "v3", "v3b", "v3c", "small"],
                     default="full",
-                    help="full / quick: v1 + v2 families; v3: v2's shipped rows vs the v3 "
-                         "configs; v3b: v3 k64 s2 vs its candidate knobs (GRID_V3B); v3c: fp16 "
+                    help="full / quick: the v1 kernel and the v3 configs; v3: the v3 configs; v3b: v3 k64 s2 vs its candidate knobs (GRID_V3B); v3c: fp16 "
                          "operands (GRID_V3C)")
     ap.add_argument("--iters", type=int, default=30, help="timed replays per config and shape")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the configs")

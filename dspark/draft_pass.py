@@ -18,7 +18,8 @@ import warnings
 
 import torch
 
-from .graph_capture import capture, warm_up
+from .cuda.graph_capture import capture, warm_up
+from .cuda.transfer import to_device
 from .sampling import (Purpose, filters_used, fused_filters_enabled,
                        fused_sampling_enabled, probs_from_logits,
                        sample_from_probs, uniforms)
@@ -26,15 +27,6 @@ from .sampling import (Purpose, filters_used, fused_filters_enabled,
 PAD_INTS = (0, 0, 0, 0, 0)            # slot, anchor, start, seed, top_k: slot 0 = EMPTY_SLOT
 PAD_FLOATS = (1.0, 1.0)               # temperature 1, top_p 1 = off
 MAX_GRAPH_CONTEXT_ROWS = 1024         # larger context writes (prefill of many requests) run eagerly
-
-
-def to_device(rows, dtype, device) -> torch.Tensor:
-    """Host lists -> device tensor without a host sync: on CUDA through pinned memory and an
-    asynchronous copy (the caching host allocator keeps the pinned block until the copy ran)."""
-    t = torch.tensor(rows, dtype=dtype)
-    if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
 
 
 def bucket_size(n: int, smallest: int = 1) -> int:
@@ -77,8 +69,7 @@ class DraftPass:
         """Whether the Markov steps draw through one Triton launch each (fused_sample) instead of
         torch ops: sampled requests, without top-k / top-p or where fused_filters_enabled says
         so for `rows` rows of the vocabulary (then filter_logits first: two launches per step).
-        Part of the graph key, so DSPARK_FUSED_SAMPLING / DSPARK_FUSED_FILTERS switch a captured
-        pass too."""
+        Part of the graph key, so sampling.FUSED_BACKEND switches a captured pass too."""
         if greedy or not fused_sampling_enabled(self.device):
             return False
         return not (use_top_k or use_top_p) or fused_filters_enabled(

@@ -13,7 +13,7 @@ round from the device-side tokens of the one before, then commits that one.
 
 Sampled (temperature > 0) verification without top-k / top-p runs as one fused Triton kernel on
 CUDA (`dspark.kernels.sampling.fused_verify`) instead of a few hundred small torch kernels;
-DSPARK_FUSED_SAMPLING=0 forces the torch path (`probs_from_logits` + `verify`), see
+DSPARK_REFERENCE_KERNELS=1 forces the torch path (`probs_from_logits` + `verify`), see
 `dspark.sampling.fused_sampling_enabled`.
 """
 from __future__ import annotations
@@ -110,7 +110,7 @@ class Engine:
             raise ValueError("tensor_parallel_size > 1 is implemented for DeepSeek-V4 checkpoints only")
         if draft is not None or _model_type(path) == "qwen3":
             # Qwen3 target (+ a separate DeepSpec DSpark drafter checkpoint): own loader and runner
-            from .models.qwen3 import build_engine_components
+            from .qwen3_runner import build_engine_components
             cfg, model, drafter, self.runner = build_engine_components(
                 path, draft, dtype, self.device, speculative, num_speculative_tokens,
                 kv_layout=kv_layout, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,

@@ -32,7 +32,7 @@ class QuantSim:
             # times per round); bit-identical (tests/test_kernels.py)
             from .kernels.cache_write import fp8_ds_mla_roundtrip_triton
             return fp8_ds_mla_roundtrip_triton(x)
-        from .kvcache.layouts import (FP8_AMAX_FLOOR, FP8_MAX, HEAD_DIM, NOPE_DIM, TILE,
+        from .formats.layouts import (FP8_AMAX_FLOOR, FP8_MAX, HEAD_DIM, NOPE_DIM, TILE,
                                       _ceil_log2, _pow2)
         xb = x.reshape(-1, HEAD_DIM).to(torch.bfloat16).float()   # records hold bf16 activations
         tiles = xb[:, :NOPE_DIM].unflatten(-1, (-1, TILE))
@@ -42,7 +42,7 @@ class QuantSim:
         return torch.cat([q.flatten(-2), xb[:, NOPE_DIM:]], -1).to(x.dtype).reshape(x.shape)
 
     def indexer(self, x):
-        from .kvcache.layouts import fp4_roundtrip, hadamard128
+        from .formats.layouts import fp4_roundtrip, hadamard128
         return fp4_roundtrip(hadamard128(x.float()))
 
 

@@ -7,25 +7,17 @@ values on CPU and CUDA, and replays are deterministic (spec §5.3).
 """
 from __future__ import annotations
 
-import enum
 import math
 import numbers
-import os
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-_M32 = 0xFFFFFFFF
+from dspark import debug
+from dspark.formats.sampling import _M32, Purpose, _mix32  # noqa: F401 (Purpose: public here)
+
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
-
-
-class Purpose(enum.IntEnum):
-    """Independent random streams. RESIDUAL also covers the bonus token and plain decode samples:
-    exactly one target-side token is sampled per position, so they never collide."""
-    DRAFT = 1
-    ACCEPT = 2
-    RESIDUAL = 3
 
 
 @dataclass(frozen=True)
@@ -170,46 +162,39 @@ def _argmax_torch(x: torch.Tensor, two_pass: bool | None) -> torch.Tensor:
     return (c * chunk + where.gather(-1, c)).squeeze(-1)
 
 
+# "auto": the fused sampling kernels on CUDA; "reference": the torch ops here everywhere (the
+# default with dspark.debug.REFERENCE_KERNELS); "triton": the kernels everywhere (tests: on CPU
+# they need TRITON_INTERPRET=1 before triton is imported, and are slow).
+FUSED_BACKEND = "reference" if debug.REFERENCE_KERNELS else "auto"
+
+
 def fused_sampling_enabled(device) -> bool:
     """Whether sampled draft tokens / sampled verification use the fused Triton kernels
     (dspark/kernels/sampling.py, both validated against this module on an H200) instead of the
-    torch ops here: on CUDA by default. The environment variable DSPARK_FUSED_SAMPLING=0 forces
-    the torch path (debugging, A/B timing); =1 forces the kernels, on CPU too (needs
-    TRITON_INTERPRET=1 before triton is imported: slow, for tests). Read on every call (a draft
-    pass captured as a CUDA graph keys its graphs by the answer). Requests with top-k / top-p
-    take the torch path unless `fused_filters_enabled` too."""
-    flag = os.environ.get("DSPARK_FUSED_SAMPLING", "")
-    return flag == "1" or (torch.device(device).type == "cuda" and flag != "0")
+    torch ops here (FUSED_BACKEND). Read on every call (a draft pass captured as a CUDA graph
+    keys its graphs by the answer). Requests with top-k / top-p take the torch path unless
+    `fused_filters_enabled` too."""
+    if FUSED_BACKEND not in ("auto", "reference", "triton"):
+        raise ValueError(f"sampling FUSED_BACKEND {FUSED_BACKEND!r}: use auto, reference or "
+                         "triton")
+    return FUSED_BACKEND == "triton" or (FUSED_BACKEND == "auto"
+                                         and torch.device(device).type == "cuda")
 
 
 def fused_filters_enabled(device, rows: int = 1, vocab: int = 0) -> bool:
     """Whether `rows` rows of `vocab` logits with top-k / top-p take the fused kernels as well,
     first filtered by `kernels.sampling_filters.filter_logits` (one launch; the same kept tokens
-    as probs_from_logits' top-k, top-p within rounding), when fused sampling is on.
-    DSPARK_FUSED_FILTERS=1 / =0 force it on / off; by default it is on where it measured faster
-    than the torch path's sort: one program per row streams its row a few times, so it wins on
-    small vocabularies and on many rows, not on one long row. H200, session 12
+    as probs_from_logits' top-k, top-p within rounding), when fused sampling is on, where it
+    measured faster than the torch path's sort: one program per row streams its row a few
+    times, so it wins on small vocabularies and on many rows, not on one long row. H200
     (benchmarks/bench_sampling_filters.py, top-k 50 + top-p 0.9; us torch / fused):
     V 512: 83 / 39 (1 row), 94 / 37 (48 rows); V 32768: 144 / 191 (1), 214 / 190 (6), 371 / 191
     (48); V 129280: 252 / 722 (1), 516 / 723 (6), 1168 / 803 (48). Rule: vocab <= 8192 or
     rows * 4096 >= vocab. Engine, the shipped pair (V 512), batch 1, T = 1, top-k 50, top-p
     0.9: 505 -> 988 tokens/s."""
-    flag = os.environ.get("DSPARK_FUSED_FILTERS", "")
-    if flag == "0" or not fused_sampling_enabled(device):
+    if not fused_sampling_enabled(device):
         return False
-    return flag == "1" or vocab <= 8192 or rows * 4096 >= vocab
-
-
-def _mix32(x):
-    # 32-bit xorshift-multiply finaliser (a bijection on [0, 2**32) with good avalanche), so
-    # chaining it over the key words gives well-spread outputs. Both multipliers are < 2**31: the
-    # int64 product of a 32-bit value never overflows, so results are exact and identical on every
-    # device (no reliance on signed wrap-around). Works on Python ints too (host-side constants).
-    x = x ^ (x >> 16)
-    x = (x * 0x21F0AAAD) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x735A2D97) & _M32
-    return x ^ (x >> 15)
+    return vocab <= 8192 or rows * 4096 >= vocab
 
 
 def uniforms(seeds: torch.Tensor, positions: torch.Tensor, purpose: int) -> torch.Tensor:

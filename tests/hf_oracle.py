@@ -5,7 +5,7 @@ Nothing from `dspark` is used here. transformers maps the official (REF) tensor 
 modules through its `conversion_mapping` rules for model_type "deepseek_v4" (renames, and the merge
 of per-expert w1/w3/w2 into `gate_up_proj` / `down_proj`). Its FP8 path needs `accelerate` and a
 GPU, so quantized tensors are de-quantized here first, with NumPy bit formulas written from spec
-§5.2 (not dspark.models.quant), into a temporary plain-float copy of the checkpoint that
+§5.2 (not dspark.formats.quant), into a temporary plain-float copy of the checkpoint that
 `from_pretrained` then loads. `mtp.*` (DSpark / MTP) tensors are left out: HF has no module for them.
 
 Loading is strict: any HF parameter or buffer not filled from the checkpoint (missing key, shape

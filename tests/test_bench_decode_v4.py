@@ -100,7 +100,7 @@ def test_kernel_profile_splits_a_decode_step(tiny_pair):
     assert abs(sum(kp["categories"].values()) - kp["total_us_per_step"]) < 1e-6 * kp["total_us_per_step"] + 1e-6
     assert kp["top"] and all(r["category"] == bd.kernel_category(r["name"]) for r in kp["top"])
     assert not eng.has_unfinished()
-    assert bd.kernel_category("_sparse_mqa_v2_kernel") == "attention"
+    assert bd.kernel_category("_sparse_mqa_v3_kernel") == "attention"
     assert bd.kernel_category("_fp4_moe_grouped_kernel") == "fp4 MoE"
     assert bd.kernel_category("sm90_xmma_gemm_bf16bf16_bf16f32") == "GEMM / GEMV (bf16)"
 

@@ -129,7 +129,7 @@ def test_gather_pool_ape_and_persist(ratio):
                                      pytest.param(5001, 1.0, marks=needs_cuda)])  # 4-row blocks
 def test_hadamard_fp4(n, scale):
     from dspark.kernels.decode_fused import hadamard_fp4
-    from dspark.kvcache.layouts import fp4_roundtrip, hadamard128
+    from dspark.formats.layouts import fp4_roundtrip, hadamard128
     torch.manual_seed(n)
     x = torch.randn(n, 2, 128, device=DEV) * scale
     x[0, 0] = 0.0                                  # an all-zero row: the amax floor
@@ -149,7 +149,7 @@ def test_hadamard_fp4_exact_on_grid():
     only by the one shared 1/sqrt(128) multiply, so the FP4 round trip (ties included) must be
     identical. (H g / sqrt(128) inputs are not: they are rounded, and ties then fall either way.)"""
     from dspark.kernels.decode_fused import hadamard_fp4
-    from dspark.kvcache.layouts import fp4_roundtrip, hadamard128
+    from dspark.formats.layouts import fp4_roundtrip, hadamard128
     torch.manual_seed(3)
     x = torch.randint(-12, 13, (9, 128), device=DEV).float() * 0.25
     want = fp4_roundtrip(hadamard128(x))
@@ -187,7 +187,7 @@ def test_gate_route(hashed):
 @triton_ok
 def test_copy_records():
     from dspark.kernels.decode_fused import copy_records
-    from dspark.kvcache.layouts import DATA_ROW_BYTES, SCALE_ROW_BYTES
+    from dspark.formats.layouts import DATA_ROW_BYTES, SCALE_ROW_BYTES
     from dspark.kvcache.paged import copy_rows
     per_page, pages = 4, 6
     page_bytes = per_page * (DATA_ROW_BYTES + SCALE_ROW_BYTES) + 32      # padded pages

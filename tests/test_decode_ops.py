@@ -201,7 +201,7 @@ def test_gpu_moe_dense_matches_loop_and_captures():
         got, want = routed_both_ways(moe, x, ids, lambda m: m._routed_dense)
         assert_close_to_scale(got, want, 1e-3)
         eager = moe(x, ids)
-        from dspark.graph_capture import capture, warm_up
+        from dspark.cuda.graph_capture import capture, warm_up
         warm_up(lambda: moe(x, ids))
         graph, out = capture(lambda: moe(x, ids), torch.cuda.graph_pool_handle())
         graph.replay()

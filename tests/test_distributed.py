@@ -121,7 +121,7 @@ def test_sharded_loader_keeps_quantized_slices(tiny_quant_ckpt, world, monkeypat
     tiles under them (de-quantized, they equal the slice of the de-quantized tensor), reads only
     its slices, and never opens other ranks' experts."""
     from dspark.models.deepseek_v4.weights import scale_name, tensor_inventory
-    from dspark.models.quant import dequant_fp4_experts, dequant_fp8_blocks
+    from dspark.formats.quant import dequant_fp4_experts, dequant_fp8_blocks
     cfg = ModelConfig.from_path(tiny_quant_ckpt)
     inv = tensor_inventory(cfg)
     full = load_checkpoint(tiny_quant_ckpt, cfg, progress=False)

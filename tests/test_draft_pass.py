@@ -8,7 +8,7 @@ import torch
 
 from dspark import Engine, SamplingParams
 from dspark.draft_pass import DraftPass
-from dspark.kvcache.layouts import fp8_ds_mla_roundtrip
+from dspark.formats.layouts import fp8_ds_mla_roundtrip
 from dspark.models.deepseek_v4.attention import sparse_attention_with_sink
 from dspark.models.deepseek_v4.mhc import hc_head
 from dspark.models.deepseek_v4.rope import Rope
@@ -267,8 +267,8 @@ def test_gpu_graph_replay_equals_eager(dtype):
     # fp32: same tokens; values to fp32 GEMM reproducibility (cuBLAS may pick another algorithm
     # for the captured stream's workspace: ~1e-5 relative, seen on the H200)
     # (a moved token changes every later position's input: padded bf16 rows are compared up to
-    # their first differing token, and most positions must still be compared; session 10's H200
-    # run saw one such flip at R = 3)
+    # their first differing token, and most positions must still be compared; an H200 run
+    # saw one such flip at R = 3)
     exact = dict(rtol=2e-4, atol=2e-4)
     padded = exact if dtype == "fp32" else dict(rtol=5e-2, atol=2e-2)
     compared = total = 0

@@ -26,7 +26,7 @@ import pytest  # noqa: E402
 
 import dspark.attention as A  # noqa: E402
 from dspark.attention import get_backend, resolve_backend  # noqa: E402
-from dspark.kvcache import layouts as L  # noqa: E402
+from dspark.formats import layouts as L  # noqa: E402
 from dspark.kvcache.paged import PagedKVCache  # noqa: E402
 from dspark.models.deepseek_v4.model import Batch  # noqa: E402
 from dspark.runner import ModelRunner  # noqa: E402

@@ -9,7 +9,7 @@ import torch  # noqa: E402
 
 from dspark.kernels import fp4_moe_mma as mm  # noqa: E402
 from dspark.kernels.fp4_moe import fp4_moe, fp4_moe_grouped, stack_fp4_experts  # noqa: E402
-from dspark.models.quant import quant_fp4  # noqa: E402
+from dspark.formats.quant import quant_fp4  # noqa: E402
 from test_fp4_moe_grouped import (D, I, _dev, _experts, _mv, _reference, _routing,  # noqa: E402
                                   _spread, rel_err)
 
@@ -69,22 +69,13 @@ def test_mma_not_held_experts_and_block_choice(experts):
         mm.fp4_moe_mma(*_dev(x, idx, w), st, 0.7, block=(32, 64))   # I = 96
 
 
-def test_mma_dispatch_thresholds(monkeypatch):
-    monkeypatch.delenv("DSPARK_MOE_MMA", raising=False)
-    assert mm.mma_enabled() and mm.mma_min_tokens() == mm.MMA_MIN_TOKENS
-    monkeypatch.setenv("DSPARK_MOE_MMA", "1")
-    assert mm.mma_enabled() and mm.mma_min_tokens() == 2
-    monkeypatch.setenv("DSPARK_MOE_MMA", "0")
-    assert not mm.mma_enabled()
-
-
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("T", [1, 6, 40])
-def test_mma_flash_shapes_gpu(T, monkeypatch):
-    """V4-Flash widths: == the per-expert loop to bf16 rounding, == the CUDA-core grouped kernels,
-    fp4_moe_grouped dispatches to it under DSPARK_MOE_MMA=1, and a CUDA-graph replay with new
-    inputs == eager."""
+def test_mma_flash_shapes_gpu(T):
+    """V4-Flash widths: == the per-expert loop to bf16 rounding, == the CUDA-core grouped kernels
+    (a given block: fp4_moe_grouped's CUDA-core path), fp4_moe_grouped dispatches to it from
+    MMA_MIN_TOKENS tokens on, and a CUDA-graph replay with new inputs == eager."""
     gen = torch.Generator().manual_seed(T)
     n, k, d, inter = 8, 6, 4096, 2048
     # quantized on the GPU (the CPU quantization of flash-width experts takes most of a minute)
@@ -97,11 +88,9 @@ def test_mma_flash_shapes_gpu(T, monkeypatch):
     y = mm.fp4_moe_mma(x, idx, w, st, 10.0)
     loop = fp4_moe(x, idx, w, cu, 10.0, grouped=False)
     assert rel_err(y, loop.float()) < 2e-2
-    monkeypatch.setenv("DSPARK_MOE_MMA", "0")
-    fma = fp4_moe_grouped(x, idx, w, st, 10.0)
+    fma = fp4_moe_grouped(x, idx, w, st, 10.0, block=(4, 32))
     assert rel_err(y, fma) < 2e-2
-    monkeypatch.setenv("DSPARK_MOE_MMA", "1")
-    if T >= 2:
+    if T >= mm.MMA_MIN_TOKENS:
         assert torch.equal(fp4_moe_grouped(x, idx, w, st, 10.0), y)   # dispatch, deterministic
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())

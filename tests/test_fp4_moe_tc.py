@@ -1,4 +1,4 @@
-"""Tensor-core few-token FP4 MoE (`fp4_moe_tc`, DSPARK_FP4_TC=1): inline PTX (mma.sync), so CUDA
+"""Tensor-core few-token FP4 MoE (`fp4_moe_tc`): inline PTX (mma.sync), so CUDA
 sm_90 only; on CPU only the pure-Python parts run. On the GPU: h of the gate/up kernel within one
 bf16 step of a float64 computation from the de-quantized weights, the down kernel's output
 against float64 from that h, every e2m1 code and several K splits / warps per program, experts
@@ -12,7 +12,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import dspark.kernels.fp4_moe_tc as tc  # noqa: E402
 from dspark.kernels.fp4_moe import fp4_moe_grouped, stack_fp4_experts  # noqa: E402
-from dspark.models.quant import dequant_fp4_experts  # noqa: E402
+from dspark.formats.quant import dequant_fp4_experts  # noqa: E402
 from test_fp4_moe_grouped import _experts, rel_err  # noqa: E402
 
 N, D, I = 12, 1024, 512
@@ -107,16 +107,17 @@ def test_tc_gate_up_and_down_gpu(case, T, k, split, warps, unroll):
             w2 = dequant_fp4_experts(*exps[int(idx[t, j])][2]).double()
             want[t] += (w2 @ h[t * k + j].double().cpu()).to(torch.bfloat16).double()
     assert rel_err(y.cpu(), want) < 4e-3
-    # the whole call through fp4_moe_grouped (DSPARK_FP4_TC=1) vs the CUDA-core kernels
+    # the whole call through fp4_moe_grouped (its tensor-core dispatch) vs this kernel
     grouped = fp4_moe_grouped(x.cuda(), idx.cuda(), w.cuda(), st, 0.7)
     assert rel_err(y.cpu(), grouped.cpu()) < 1e-2
 
 
 @pytest.mark.gpu
 @needs_cuda
-def test_tc_not_held_add_cast_and_graph_gpu(case, monkeypatch):
+def test_tc_not_held_add_cast_and_graph_gpu(case):
+    """Experts not held, the shared expert's add and the cast in the down launch, a graph
+    replay: against the CUDA-core kernels (fp4_moe_grouped with a given block)."""
     exps, st = case
-    monkeypatch.setenv("DSPARK_FP4_TC", "1")
     gen = torch.Generator().manual_seed(5)
     T, k = 2, 6
     x = torch.randn(T, D, generator=gen).to(torch.bfloat16).cuda()
@@ -127,11 +128,10 @@ def test_tc_not_held_add_cast_and_graph_gpu(case, monkeypatch):
     full = fp4_moe_grouped(x, idx, w, st, 0.7)
     part = st._replace(emap=torch.where(st.emap % 2 == 0, st.emap, -1))
     y = fp4_moe_grouped(x, idx, w, part, 0.7)
-    monkeypatch.setenv("DSPARK_FP4_TC", "0")
-    assert rel_err(y.cpu(), fp4_moe_grouped(x, idx, w, part, 0.7).cpu()) < 1e-2
+    cuda_core = dict(block=(4, 32))
+    assert rel_err(y.cpu(), fp4_moe_grouped(x, idx, w, part, 0.7, **cuda_core).cpu()) < 1e-2
     assert not torch.equal(y, full)
-    ycast = fp4_moe_grouped(x, idx, w, st, 0.7, add=add, out_dtype=torch.bfloat16)
-    monkeypatch.setenv("DSPARK_FP4_TC", "1")
+    ycast = fp4_moe_grouped(x, idx, w, st, 0.7, add=add, out_dtype=torch.bfloat16, **cuda_core)
     got = fp4_moe_grouped(x, idx, w, st, 0.7, add=add, out_dtype=torch.bfloat16)
     assert got.dtype == torch.bfloat16 and rel_err(got.cpu(), ycast.cpu()) < 1e-2
     assert torch.equal(got, (full + add.float()).to(torch.bfloat16))

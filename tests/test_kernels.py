@@ -18,7 +18,7 @@ import torch  # noqa: E402
 import dspark.kernels.cache_write as cw  # noqa: E402
 import dspark.kernels.indexer as ix  # noqa: E402
 import dspark.kernels.sparse_mqa as smqa  # noqa: E402
-from dspark.kvcache import layouts as L  # noqa: E402
+from dspark.formats import layouts as L  # noqa: E402
 
 SCALE = 512 ** -0.5
 
@@ -233,15 +233,12 @@ def test_sparse_mqa_dense_kernel(kv_dtype, qdtype, split_d):
 
 @triton_ok
 @pytest.mark.parametrize("cfg", [
-    dict(impl="v2", block_h=16, block_k=16),                      # full width, 2 head blocks
-    dict(impl="v2", block_h=16, block_k=16, split_d=2),           # split-D: own + other half
-    dict(impl="v2", block_h=32, block_k=16, kv_splits=3),         # flash-decoding + combine
-    dict(impl="v2", block_h=16, block_k=32, split_d=2, kv_splits=4),  # splits with no keys
-    dict(impl="v2", block_h=16, block_k=16, halves=True, kv_splits=2),  # two 256-col halves
+    dict(impl="v3", block_h=32, block_k=16, kv_splits=3),         # flash-decoding + combine
+    dict(impl="v3", block_h=16, block_k=32, kv_splits=4),         # splits with no keys
 ])
-def test_sparse_mqa_fp8_kernel_v2(cfg):
-    """Every v2 variant: two lists over two caches (different N), lengths, masked ids, an
-    all-masked token, heads not a multiple of BLOCK_H."""
+def test_sparse_mqa_fp8_kernel_split_kv(cfg):
+    """Split-KV: two lists over two caches (different N), lengths, masked ids, an all-masked
+    token, heads not a multiple of BLOCK_H, splits left without keys."""
     gen = torch.Generator().manual_seed(7)
     T, H = 5, 20
     cache, _ = make_fp8_cache(3, 8, gen)
@@ -307,7 +304,7 @@ def test_sparse_mqa_fp8_inverse_rope_in_combine(cfg, dtype, monkeypatch):
     output, bit for bit (in the split-KV combine launch; without splits norm_rope follows), the
     combine's head blocks not a multiple of H."""
     from dspark.kernels.norm_rope import norm_rope
-    monkeypatch.setenv("DSPARK_COMBINE_BH", "8")
+    monkeypatch.setattr(smqa, "COMBINE_BLOCK_H", 8)        # head blocks not dividing H
     gen = torch.Generator().manual_seed(13)
     T, H, N, R = 3, 20, 8, 64
     cache, _ = make_fp8_cache(4, N, gen)
@@ -343,11 +340,10 @@ def test_sparse_mqa_fp8_kernel_v3_single_list_bf16():
 
 
 @triton_ok
-@pytest.mark.parametrize("cfg", [dict(impl="v2", split_d=2),
-                                 dict(impl="v2", kv_splits=2),
+@pytest.mark.parametrize("cfg", [dict(impl="v1", split_d=2),
                                  dict(impl="v3", kv_splits=2),
                                  dict(impl="v3", early_decode=True)])
-def test_sparse_mqa_dense_kernel_v2(cfg):
+def test_sparse_mqa_dense_kernel_configs(cfg):
     gen = torch.Generator().manual_seed(8)
     T, H, E = 4, 12, 50
     kv = torch.randn(E, 512, generator=gen).to(DEV)
@@ -365,32 +361,31 @@ def test_sparse_mqa_dense_kernel_v2(cfg):
 
 def test_sparse_mqa_default_config_table(monkeypatch):
     """No knobs + bf16 + H >= 64: the DEFAULT_CONFIGS row for T; any knob: heuristic + knobs."""
-    v2a = dict(impl="v2", block_h=64, block_k=32, split_d=2, kv_splits=2, num_warps=4,
+    few = dict(impl="v3", block_h=64, block_k=32, split_d=1, kv_splits=2, num_warps=4,
                num_stages=2)
-    v2b = dict(impl="v2", block_h=64, block_k=64, split_d=1, kv_splits=1, num_warps=8,
-               num_stages=1, maxnreg=None)
-    monkeypatch.setattr(smqa, "DEFAULT_CONFIGS", [(32, v2a), (None, v2b)])
+    many = dict(impl="v3", block_h=64, block_k=64, split_d=1, kv_splits=1, num_warps=8,
+                num_stages=1, maxnreg=None)
+    monkeypatch.setattr(smqa, "DEFAULT_CONFIGS", [(32, few), (None, many)])
     new = dict(early_decode=False, fp16_operands=False)              # v3 knobs, default values
-    assert smqa._resolve_config(32, 64, "bf16", {}) == {**v2a, "maxnreg": None, "halves": False,
-                                                          **new}
-    assert smqa._resolve_config(33, 64, "bf16", {}) == {**v2b, "halves": False, **new}
+    assert smqa._resolve_config(32, 64, "bf16", {}) == {**few, "maxnreg": None, **new}
+    assert smqa._resolve_config(33, 64, "bf16", {}) == {**many, **new}
     # fp32 operands / few heads / any explicit knob: the heuristic, knobs on top
     assert smqa._resolve_config(8, 64, "ieee", {})["block_k"] == 32
     assert smqa._resolve_config(8, 16, "bf16", {})["impl"] == "v1"
-    cfg = smqa._resolve_config(8, 64, "bf16", dict(impl="v2", split_d=2, block_k=None))
-    assert cfg["impl"] == "v2" and cfg["split_d"] == 2 and cfg["kv_splits"] == 1
+    cfg = smqa._resolve_config(8, 64, "bf16", dict(impl="v1", split_d=2, block_k=None))
+    assert cfg["impl"] == "v1" and cfg["split_d"] == 2 and cfg["kv_splits"] == 1
     with pytest.raises(AssertionError):
-        smqa._resolve_config(8, 64, "bf16", dict(impl="v2", split_d=4))
+        smqa._resolve_config(8, 64, "bf16", dict(impl="v1", split_d=3))
     with pytest.raises(AssertionError):
         smqa._resolve_config(8, 64, "bf16", dict(kv_splits=2))      # v1 has no split-KV
     with pytest.raises(AssertionError):
-        smqa._resolve_config(8, 64, "bf16", dict(impl="v2", split_d=2, halves=True))
+        smqa._resolve_config(8, 64, "bf16", dict(impl="v2"))        # no such kernel
     cfg = smqa._resolve_config(8, 64, "bf16", dict(impl="v3", block_k=32, num_stages=2))
     assert cfg["impl"] == "v3" and cfg["split_d"] == 1 and cfg["kv_splits"] == 1
     with pytest.raises(AssertionError):
         smqa._resolve_config(8, 64, "bf16", dict(impl="v3", split_d=2))
     with pytest.raises(AssertionError):
-        smqa._resolve_config(8, 64, "bf16", dict(impl="v2", early_decode=True))
+        smqa._resolve_config(8, 64, "bf16", dict(impl="v1", early_decode=True))
     for bound, row in smqa.DEFAULT_CONFIGS:                          # shipped rows are valid
         smqa._resolve_config(1, 64, "bf16", dict(row))
 
@@ -651,11 +646,6 @@ def test_gpu_sparse_mqa_fp8_realistic(T):
                                 extra_indices=top, precision="ieee")
     assert rel_err(got32, want) < 1e-4
     for cfg in (dict(split_d=2), dict(block_k=32, split_d=1), dict(block_h=32, split_d=4),
-                dict(impl="v2", block_k=64), dict(impl="v2", block_k=32, num_stages=2),
-                dict(impl="v2", split_d=2, num_warps=4, block_k=32),
-                dict(impl="v2", split_d=2, num_warps=4, block_k=16, num_stages=3),
-                dict(impl="v2", kv_splits=3), dict(impl="v2", split_d=2, kv_splits=2),
-                dict(impl="v2", block_k=32, num_stages=2, halves=True),
                 dict(impl="v3", block_k=64), dict(impl="v3", block_k=32, num_stages=2),
                 dict(impl="v3", block_k=16, num_stages=2), dict(impl="v3", kv_splits=3),
                 dict(impl="v3", num_stages=2, early_decode=True),

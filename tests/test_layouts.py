@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.kvcache import layouts as L
+from dspark.formats import layouts as L
 
 # ---- independent NumPy oracle ------------------------------------------------------------------
 

@@ -154,14 +154,12 @@ def test_post_leaves_partials_for_next_pre(T, D, dtype):
 
 @triton_ok
 @pytest.mark.parametrize("T,D", [(1, 64), (20, 64)])
-def test_deferred_sinkhorn_launch_gives_the_same_streams(T, D, monkeypatch):
-    """DSPARK_MHC_SIDE=1 and hc_pre(deferred=True): post / comb come from a launch on a side
+def test_deferred_sinkhorn_launch_gives_the_same_streams(T, D):
+    """hc_pre(deferred=True): post / comb come from a launch on a side
     stream (CUDA; inline here) that hc_post joins. The hc_post result is bit-identical to the
     plain path, also when main-stream allocations right after hc_pre reuse freed memory (T > 16:
     the partials come from _mix_partials, not from a previous hc_post), and the side record
     is dropped after the join."""
-    monkeypatch.setenv("DSPARK_MHC_SIDE", "1")
-    assert kernels.defer_enabled()
     X, fn, base, scale, _, o = make_case(T, 4, D, torch.bfloat16, seed=T)
     u0, post0, comb0 = kernels.hc_pre(X, fn, base, scale, 4, ITERS, HC_EPS, NORM_EPS)
     want = kernels.hc_post(o, X, post0, comb0)
@@ -170,36 +168,33 @@ def test_deferred_sinkhorn_launch_gives_the_same_streams(T, D, monkeypatch):
     got = kernels.hc_post(o, X, post, comb)
     assert torch.equal(u, u0) and torch.equal(got, want) and len(scratch) == 8
     assert getattr(post, kernels._SIDE, None) is None
-    monkeypatch.setenv("DSPARK_MHC_SIDE", "0")
-    assert not kernels.defer_enabled()
 
 
 @triton_ok
 @pytest.mark.parametrize("T,D,dtype", [(1, 64, torch.bfloat16), (3, 200, torch.float32),
                                        (20, 64, torch.bfloat16)])
-def test_norm_in_the_u_launch(T, D, dtype, monkeypatch):
+def test_norm_in_the_u_launch(T, D, dtype):
     """hc_pre(deferred) / hc_head given the RMSNorm that reads u: for few tokens the u launch
-    applies it (DSPARK_MHC_NORM, on by default), within one rounding step of norm(u) (only the
-    sum-of-squares order differs); DSPARK_MHC_NORM=0 and many tokens give norm(u) exactly."""
+    applies it, within one rounding step of norm(u) (only the sum-of-squares order differs);
+    without the norm (its own launch after) and for many tokens they give norm(u) exactly."""
     from dspark.models.deepseek_v4.norm import RMSNorm
     X, fn, base, scale, head_fn, o = make_case(T, 4, D, dtype, seed=D)
     norm = RMSNorm(D, 1e-6).to(X.device)
     with torch.no_grad():
         norm.weight.copy_(1 + 0.2 * torch.randn(D, generator=torch.Generator().manual_seed(1)))
-        monkeypatch.setenv("DSPARK_MHC_SIDE", "1")
         u, post0, comb0 = kernels.hc_pre(X, fn, base, scale, 4, ITERS, HC_EPS, NORM_EPS)
         h = kernels.hc_head(X, head_fn, base[:4], scale[:1], HC_EPS, NORM_EPS)
         want, want_h = norm(u), norm(h)
         outs = {}
-        for flag in ("1", "0"):
-            monkeypatch.setenv("DSPARK_MHC_NORM", flag)
-            assert kernels.norm_fusable(X, norm) == (flag == "1" and T <= kernels.POST_NEXT_MAX_T)
+        assert kernels.norm_fusable(X, norm) == (T <= kernels.POST_NEXT_MAX_T)
+        for flag in ("1", "0"):         # "0": the norm as its own launch after the u launch
+            given = norm if flag == "1" else None
             x, post, comb = kernels.hc_pre(X, fn, base, scale, 4, ITERS, HC_EPS, NORM_EPS,
-                                           deferred=True, norm=norm)
+                                           deferred=True, norm=given)
             assert torch.equal(kernels.hc_post(o, X, post, comb), kernels.hc_post(o, X, post0,
                                                                                    comb0))
-            outs[flag] = x, kernels.hc_head(X, head_fn, base[:4], scale[:1], HC_EPS, NORM_EPS,
-                                            norm=norm)
+            hx = kernels.hc_head(X, head_fn, base[:4], scale[:1], HC_EPS, NORM_EPS, norm=given)
+            outs[flag] = (x, hx) if given is not None else (norm(x), norm(hx))
     assert torch.equal(outs["0"][0], want) and torch.equal(outs["0"][1], want_h)
     assert_out_close(outs["1"][0], want)
     assert_out_close(outs["1"][1], want_h)
@@ -207,14 +202,14 @@ def test_norm_in_the_u_launch(T, D, dtype, monkeypatch):
         assert torch.equal(outs["1"][0], want) and torch.equal(outs["1"][1], want_h)
 
 
-def check_post_finishes_next(T, D, dtype, monkeypatch, seed=0):
+def check_post_finishes_next(T, D, dtype, seed=0):
     """hc_post / hc_expand given a `NextPre` hint (the next hc_pre with its RMSNorm, or hc_head
     with the final norm): the launch's last program per token finishes that collapse, the
     hc_pre / hc_head then launches nothing for u and returns it, bit-equal to the same kernels
-    without the hint (DSPARK_MHC_POST_FINISH=0) and within one rounding step of the reference;
+    given the plain fn instead of the hint (its partials only) and within one rounding step of
+    the reference;
     post / comb (the side launch) unchanged. A hint for other arguments is not used."""
     from dspark.models.deepseek_v4.norm import RMSNorm
-    monkeypatch.setenv("DSPARK_MHC_SIDE", "1")
     n = 4
     X, fn, base, scale, head_fn, o = make_case(T, n, D, dtype, seed=seed)
     norm = RMSNorm(D, 1e-5).to(X.device)
@@ -231,15 +226,15 @@ def check_post_finishes_next(T, D, dtype, monkeypatch, seed=0):
         for make in (lambda h: kernels.hc_post(o, X, post0, comb0, h),
                      lambda h: kernels.hc_expand(table, n, h, ids=ids)):
             got = {}
-            for flag in ("1", "0"):
-                monkeypatch.setenv("DSPARK_MHC_POST_FINISH", flag)
-                Y = make(pre_hint)
+            for flag in ("1", "0"):     # "0": the plain fn, the finish left to the hc_pre
+                hinted = flag == "1"
+                Y = make(pre_hint if hinted else pre_hint.fn)
                 finished = kernels._finished_left_on(Y, fn, base, scale, norm, False)
                 assert (finished is not None) == (flag == "1" and T <= kernels.POST_NEXT_MAX_T)
                 x, post, comb = kernels.hc_pre(Y, fn, base, scale, n, ITERS, HC_EPS, NORM_EPS,
                                                deferred=True, norm=norm)
                 assert finished is None or x is finished
-                Z = make(head_hint)
+                Z = make(head_hint if hinted else head_hint.fn)
                 assert kernels._finished_left_on(Z, head_fn, hb, hs, norm, True) is not None \
                     or flag == "0" or T > kernels.POST_NEXT_MAX_T
                 h = kernels.hc_head(Z, head_fn, hb, hs, HC_EPS, NORM_EPS, norm=norm)
@@ -263,7 +258,6 @@ def check_post_finishes_next(T, D, dtype, monkeypatch, seed=0):
         assert torch.equal(kernels.hc_expand(table, n, None, ids=ids),
                            table[ids].unsqueeze(1).expand(-1, n, -1))
         # a hint for another norm / base is ignored: the hc_pre computes its own
-        monkeypatch.setenv("DSPARK_MHC_POST_FINISH", "1")
         other = RMSNorm(D, 1e-5).to(X.device)
         Y = kernels.hc_post(o, X, post0, comb0, mhc.NextPre(fn, base, scale, other, HC_EPS,
                                                              NORM_EPS))
@@ -279,8 +273,8 @@ def check_post_finishes_next(T, D, dtype, monkeypatch, seed=0):
 @triton_ok
 @pytest.mark.parametrize("T,D,dtype", [(1, 64, torch.bfloat16), (3, 200, torch.float32),
                                        (20, 64, torch.bfloat16)])
-def test_post_finishes_the_next_collapse(T, D, dtype, monkeypatch):
-    check_post_finishes_next(T, D, dtype, monkeypatch, seed=T)
+def test_post_finishes_the_next_collapse(T, D, dtype):
+    check_post_finishes_next(T, D, dtype, seed=T)
 
 
 @triton_ok
@@ -309,7 +303,7 @@ def test_dispatch_reference_on_cpu_and_for_gradients(backend):
     backend("reference")
     assert mhc._kernels(X.to(DEV)) is None
     backend("fast")
-    with pytest.raises(ValueError, match="DSPARK_MHC_BACKEND"):
+    with pytest.raises(ValueError, match="mHC backend 'fast'"):
         mhc.hc_post(o, X, post, comb)
 
 
@@ -366,5 +360,5 @@ def test_gpu_kernels_realistic(T, D):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("T", [1, 4, 16])
-def test_gpu_post_finishes_the_next_collapse(T, monkeypatch):
-    check_post_finishes_next(T, 4096, torch.bfloat16, monkeypatch, seed=T)
+def test_gpu_post_finishes_the_next_collapse(T):
+    check_post_finishes_next(T, 4096, torch.bfloat16, seed=T)

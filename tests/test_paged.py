@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dspark.attention import get_backend
-from dspark.kvcache import layouts as L
+from dspark.formats import layouts as L
 from dspark.kvcache.block_manager import OutOfPages, OutOfSlots
 from dspark.kvcache.paged import CacheTooSmall, PagedKVCache, copy_rows
 from dspark.models.deepseek_v4.model import Batch

@@ -1,5 +1,5 @@
-"""Programmatic dependent launch (dspark.kernels.pdl): off where it cannot run, compiled into the
-FP8 skinny kernel with its wait / trigger / weight prefetch (offline sm_90 PTX, no GPU needed),
+"""Programmatic dependent launch (dspark.cuda.pdl): off where it cannot run, compiled into the
+FP8 skinny kernel with its wait / trigger (offline sm_90 PTX, no GPU needed),
 and on the GPU a chain norm -> GEMV -> GEMV, eager and inside a CUDA graph, equal to the same
 chain without PDL bit for bit (a kernel that read its input before the wait would see the
 previous replay's values)."""
@@ -12,28 +12,24 @@ import sys  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from dspark.kernels import pdl  # noqa: E402
+from dspark import debug  # noqa: E402
+from dspark.cuda import pdl  # noqa: E402
 from dspark.kernels.fp8_gemm import fp8_linear  # noqa: E402
 from dspark.kernels.norm_rope import norm_rope  # noqa: E402
-from dspark.models.quant import quant_fp8_blocks  # noqa: E402
+from dspark.formats.quant import quant_fp8_blocks  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_off_on_cpu_and_by_switch(monkeypatch):
-    monkeypatch.setenv("DSPARK_PDL", "1")
+    monkeypatch.setattr(debug, "NO_PDL", False)
     assert not pdl.enabled(torch.device("cpu"))
     assert pdl.launch_kwargs(False) == {} and pdl.launch_kwargs(True) == {"launch_pdl": True}
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not pdl.enabled(torch.device("cuda", 0))     # the interpreter has no PDL
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setenv("DSPARK_PDL", "0")                 # the switch turns it off
+    monkeypatch.setattr(debug, "NO_PDL", True)            # the debug switch turns it off
     assert not pdl.enabled(torch.device("cuda", 0))
-    monkeypatch.delenv("DSPARK_PDL")                      # on by default
-    assert pdl.mode() == "1"
-    monkeypatch.setenv("DSPARK_PDL", "yes")
-    with pytest.raises(ValueError, match="DSPARK_PDL"):
-        pdl.mode()
 
 
 # what both offline-compile scripts below start with: sm_90 compiles of the FP8 GEMV kernels
@@ -62,17 +58,16 @@ def compile90(fn, split, ce, warps, stages):
 _PTX = _COMPILE + r"""
 import dspark.kernels.fp8_gemm as fg
 fn = fg._fp8_skinny_kernel
-for name, pdl_on, prefetch in (("off", False, False), ("on", True, False),
-                               ("prefetch", True, True)):
+for name, pdl_on in (("off", False), ("on", True)):
     ce = {{"BLOCK_N": 64, "BLOCK_T": 16, "BLOCK_K": 128, "PRECISION": "fp16", "SPLIT": 8,
-          "PDL": pdl_on, "PREFETCH": prefetch}}
+          "PDL": pdl_on}}
     for p in fn.params:     # defaults: constexprs, and optional pointers (None) as constexprs
         if ((p.is_constexpr or p.default is None) and p.name not in ce
                 and p.default is not inspect.Parameter.empty):
             ce[p.name] = p.default
     ptx = compile90(fn, "K_PER_SPLIT", ce, 4, 3).asm["ptx"]
     print("row", name, ptx.count("griddepcontrol.wait"),
-          ptx.count("griddepcontrol.launch_dependents"), ptx.count("cp.async.bulk.prefetch.L2"))
+          ptx.count("griddepcontrol.launch_dependents"))
 """
 
 
@@ -86,13 +81,11 @@ def _rows_of(script: str) -> dict:
             for line in r.stdout.splitlines() if line.startswith("row ")}
 
 
-def test_fp8_skinny_ptx_has_wait_trigger_and_prefetch_only_when_asked():
+def test_fp8_skinny_ptx_has_wait_and_trigger_only_with_pdl():
     rows = _rows_of(_PTX)
-    assert rows["off"] == [0, 0, 0], rows
-    wait, trigger, prefetch = rows["on"]
-    assert wait >= 1 and trigger >= 1 and prefetch == 0, rows
-    wait, trigger, prefetch = rows["prefetch"]
-    assert wait >= 1 and trigger >= 1 and prefetch >= 1, rows
+    assert rows["off"] == [0, 0], rows
+    wait, trigger = rows["on"]
+    assert wait >= 1 and trigger >= 1, rows
 
 
 def _chain(x, nw, w1, s1, w2, s2):
@@ -102,9 +95,8 @@ def _chain(x, nw, w1, s1, w2, s2):
 
 @needs_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["1", "prefetch"])
-def test_pdl_chain_equals_plain_launches_eager_and_in_a_graph(monkeypatch, mode):
-    monkeypatch.setenv("DSPARK_PDL", mode)
+def test_pdl_chain_equals_plain_launches_eager_and_in_a_graph(monkeypatch):
+    monkeypatch.setattr(debug, "NO_PDL", False)
     if not pdl.enabled(torch.device("cuda")):
         pytest.skip("PDL not available on this GPU / Triton")
     gen = torch.Generator().manual_seed(3)
@@ -115,9 +107,9 @@ def test_pdl_chain_equals_plain_launches_eager_and_in_a_graph(monkeypatch, mode)
     nw = (1 + 0.1 * torch.randn(K, generator=gen)).to(torch.bfloat16).cuda()
     xs = [torch.randn(1, K, generator=gen).to(torch.bfloat16).cuda() * (i + 1) for i in range(4)]
 
-    monkeypatch.setenv("DSPARK_PDL", "0")
+    monkeypatch.setattr(debug, "NO_PDL", True)
     want = [_chain(x, nw, w1, s1, w2, s2) for x in xs]
-    monkeypatch.setenv("DSPARK_PDL", mode)
+    monkeypatch.setattr(debug, "NO_PDL", False)
     for x, y in zip(xs, want):
         assert torch.equal(_chain(x, nw, w1, s1, w2, s2), y)
     static = xs[0].clone()
@@ -147,14 +139,14 @@ def test_pdl_changes_no_token(quant_ckpt, monkeypatch):
     with its decode / verify CUDA graphs: greedy tokens with PDL == without."""
     from dspark import Engine, SamplingParams
     outs = {}
-    for flag in ("0", "1", "prefetch"):
-        monkeypatch.setenv("DSPARK_PDL", flag)
+    for flag in ("0", "1"):
+        monkeypatch.setattr(debug, "NO_PDL", flag == "0")
         eng = Engine(quant_ckpt, device=DEV, speculative="none", target_cuda_graphs=True,
                      weight_format="quantized", max_num_seqs=3)
         res = eng.generate([[5, 9, 2, 7] * 5, [11, 3] * 9 + [4], [8] * 33],
                            SamplingParams(temperature=0, max_tokens=24))
         outs[flag] = [o.token_ids for o in res]
-    assert outs["1"] == outs["0"] and outs["prefetch"] == outs["0"]
+    assert outs["1"] == outs["0"]
 
 
 _TC_SASS = _COMPILE + r"""

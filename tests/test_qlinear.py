@@ -12,7 +12,7 @@ import torch.nn.functional as F  # noqa: E402
 from dspark.kernels.fp4_moe import fp4_linear, fp4_linear_triton, fp4_moe  # noqa: E402
 import dspark.kernels.fp8_gemm as fp8g  # noqa: E402
 from dspark.kernels.fp8_gemm import fp8_linear, fp8_linear_triton  # noqa: E402
-from dspark.models.quant import (dequant_fp4_experts, dequant_fp8_blocks, quant_fp4,  # noqa: E402
+from dspark.formats.quant import (dequant_fp4_experts, dequant_fp8_blocks, quant_fp4,  # noqa: E402
                                  quant_fp8_blocks)
 
 
@@ -55,7 +55,7 @@ def test_fp8_linear_triton_matches_dequant(T, N, K, block):
     (6, 96, 384, (32, 16, 2)),     # a verify block's 6 tokens, 2 splits
     (20, 136, 260, (64, 16, 3)),   # two token tiles, last split 4 columns wide
 ])
-def test_fp8_skinny_matches_dequant(T, N, K, block, monkeypatch):
+def test_fp8_skinny_matches_dequant(T, N, K, block):
     """The few-token swap-AB kernel (split K reduced in-kernel by the last-arriving split): ==
     F.linear with the de-quantized weight to fp32 summation order, through fp8_linear_triton's
     dispatch too (bf16 x -> bf16 y); the arrival counters are re-armed after every launch (a
@@ -69,21 +69,14 @@ def test_fp8_skinny_matches_dequant(T, N, K, block, monkeypatch):
         y = fp8g.fp8_skinny_triton(x2, wu, su, N, K, torch.float32, "ieee", block=block)
         assert y.shape == (T, N) and rel_err(y.cpu(), ref) < 1e-5
         assert int(fp8g._arrival_counters(y.device, 1).abs().sum()) == 0
-    # weight tiles by TMA (16-byte aligned rows; K = 300: the cp.async path): same sums
-    yt = fp8g.fp8_skinny_triton(x2, wu, su, N, K, torch.float32, "ieee", block=block, tma=True)
-    assert torch.equal(yt, y)
     y2 = fp8_linear_triton(x.view(1, T, K).to(DEV), w.to(DEV), s.to(DEV))
     # default precision: fp32 x runs as TF32 MMA operands on a GPU (H200: rel 4e-4)
     assert y2.shape == (1, T, N) and rel_err(y2[0].cpu(), ref) < (1e-5 if DEV == "cpu" else 2e-3)
     yb = fp8_linear_triton(x.to(DEV).bfloat16(), w.to(DEV), s.to(DEV))
     assert yb.dtype == torch.bfloat16 and rel_err(yb.float().cpu(), ref) < 1e-2
-    monkeypatch.setenv("DSPARK_FP8_TMA", "1")              # the A/B switch of the TMA tiles
-    assert fp8g.skinny_pipeline() == dict(tma=True)
-    assert torch.equal(fp8_linear_triton(x.to(DEV).bfloat16(), w.to(DEV), s.to(DEV)), yb)
-    monkeypatch.delenv("DSPARK_FP8_TMA")
-    monkeypatch.setenv("DSPARK_FP8_SKINNY", "0")           # the split-K MMA kernel + sum
-    assert not fp8g.skinny_enabled()
-    y3 = fp8_linear_triton(x.to(DEV), w.to(DEV), s.to(DEV), precision="ieee")
+    # the split-K MMA kernel + sum (what more than SKINNY_MAX_T tokens take) on the same rows
+    y3 = fp8_linear_triton(x.to(DEV), w.to(DEV), s.to(DEV), precision="ieee",
+                           block=fp8g._pick_blocks(T, N, K, fp8g._interpreting()))
     assert rel_err(y3.cpu(), ref) < (1e-5 if DEV == "cpu" else 2e-3)
 
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.models.quant import (dequant_fp4_experts, dequant_fp8_blocks, e8m0_to_float,
+from dspark.formats.quant import (dequant_fp4_experts, dequant_fp8_blocks, e8m0_to_float,
                                  quant_fp4, quant_fp8_blocks)
 from hf_oracle import np_dequant_fp4, np_dequant_fp8, np_e2m1, np_e4m3, np_e8m0
 

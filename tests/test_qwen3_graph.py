@@ -16,7 +16,8 @@ import triton
 from dspark import Engine, SamplingParams
 from dspark.kernels.paged_gqa_decode import paged_gqa_attention, paged_gqa_attention_torch
 from dspark.kernels.qwen3_norm import head_norm_rope, rms_norm
-from dspark.kvcache.paged_gqa import PagedGQABackend, PagedGQACache
+from dspark.attention.gqa import PagedGQABackend
+from dspark.kvcache.paged_gqa import PagedGQACache
 from dspark.models.deepseek_v4.model import Batch
 from dspark.models.qwen3 import RMSNorm, apply_rope, load_qwen3, rope_cos_sin
 from dspark.models.qwen3_graph import DecodeGraphs

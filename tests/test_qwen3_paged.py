@@ -9,11 +9,12 @@ import random
 import pytest
 import torch
 
-import dspark.models.qwen3 as qwen3_mod
+import dspark.qwen3_runner as qwen3_runner
 from dspark import Engine, SamplingParams
 from dspark.kvcache.block_manager import CacheFull, OutOfPages
 from dspark.kvcache.paged import CacheTooSmall
-from dspark.kvcache.paged_gqa import PagedGQABackend, PagedGQACache
+from dspark.attention.gqa import PagedGQABackend
+from dspark.kvcache.paged_gqa import PagedGQACache
 from dspark.models.deepseek_v4.model import Batch
 from dspark.models.qwen3 import load_qwen3
 from dspark.tools.make_qwen3_checkpoint import make_qwen3_checkpoint
@@ -182,8 +183,8 @@ def test_engine_preemption_tiny_cache(pair, monkeypatch):
     """8-token pages and 10 of them for 4 requests that need ~7 each: requests are preempted
     and recomputed, and the greedy output is still identical to the dense reference."""
     t, d = pair
-    monkeypatch.setattr(qwen3_mod, "build_engine_components",
-                        functools.partial(qwen3_mod.build_engine_components, kv_block_size=8))
+    monkeypatch.setattr(qwen3_runner, "build_engine_components",
+                        functools.partial(qwen3_runner.build_engine_components, kv_block_size=8))
     prompts = _prompts(4, seed=3)
     sp = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
     ref = [o.token_ids for o in Engine(t, device="cpu", dtype="fp32", kv_layout="dense")

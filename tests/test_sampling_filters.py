@@ -1,5 +1,5 @@
 """kernels.sampling_filters.filter_logits (top-k / top-p in one launch) against probs_from_logits,
-and the fused verify / draft paths that take it with DSPARK_FUSED_FILTERS=1.
+and the fused verify / draft paths that take it (sampling.fused_filters_enabled).
 
 Without CUDA the kernel runs under TRITON_INTERPRET=1 with a small BLOCK, so every row spans
 several chunks (the tie ranks are carried across chunk boundaries). Logits rounded to a few
@@ -107,8 +107,9 @@ def test_fused_verify_on_filtered_logits_matches_the_torch_path():
 
 
 def test_engine_with_top_k_top_p_through_the_fused_kernels(monkeypatch):
-    """The speculative engine with top-k and top-p: DSPARK_FUSED_FILTERS=1 (filter_logits + the
-    fused draft / verify kernels, interpreted on CPU) gives the tokens of the torch path."""
+    """The speculative engine with top-k and top-p: filter_logits + the fused draft / verify
+    kernels (interpreted on CPU) give the tokens of the torch path."""
+    import dspark.sampling as sampling
     from dspark import Engine, SamplingParams
     from dspark.bench.datasets import load_prompts
     from dspark.engine import default_model_path
@@ -120,9 +121,8 @@ def test_engine_with_top_k_top_p_through_the_fused_kernels(monkeypatch):
     params = [SamplingParams(temperature=0.8, top_k=12, top_p=0.9, max_tokens=6, seed=7)]
     eng = Engine(device=DEV, dtype="fp32", speculative="dspark")
     outs = {}
-    for mode in ("0", "1"):
-        monkeypatch.setenv("DSPARK_FUSED_SAMPLING", "1")
-        monkeypatch.setenv("DSPARK_FUSED_FILTERS", mode)
+    for mode in ("0", "1"):             # "0": the torch path, "1": the kernels
+        monkeypatch.setattr(sampling, "FUSED_BACKEND", "triton" if mode == "1" else "reference")
         n = len(calls)
         outs[mode] = [o.token_ids for o in eng.generate(prompts, params)]
         assert (len(calls) > n) == (mode == "1")
@@ -131,20 +131,16 @@ def test_engine_with_top_k_top_p_through_the_fused_kernels(monkeypatch):
 
 def test_fused_filters_rule(monkeypatch):
     """By default the fused filters take small vocabularies and many rows (where they measured
-    faster), not one long row; DSPARK_FUSED_FILTERS=0 / 1 force the choice; never without fused
-    sampling."""
+    faster), not one long row; never without fused sampling."""
+    import dspark.sampling as sampling
     from dspark.sampling import fused_filters_enabled
-    monkeypatch.setenv("DSPARK_FUSED_SAMPLING", "1")
-    monkeypatch.delenv("DSPARK_FUSED_FILTERS", raising=False)
+    monkeypatch.setattr(sampling, "FUSED_BACKEND", "triton")
     assert fused_filters_enabled("cpu", 1, 512) and fused_filters_enabled("cpu", 48, 129280)
     assert not fused_filters_enabled("cpu", 1, 129280) and not fused_filters_enabled("cpu", 6, 129280)
-    monkeypatch.setenv("DSPARK_FUSED_FILTERS", "1")
-    assert fused_filters_enabled("cpu", 1, 129280)
-    monkeypatch.setenv("DSPARK_FUSED_FILTERS", "0")
+    monkeypatch.setattr(sampling, "FUSED_BACKEND", "reference")
     assert not fused_filters_enabled("cpu", 48, 512)
-    monkeypatch.setenv("DSPARK_FUSED_SAMPLING", "0")
-    monkeypatch.delenv("DSPARK_FUSED_FILTERS")
-    assert not fused_filters_enabled("cpu", 48, 512)
+    monkeypatch.setattr(sampling, "FUSED_BACKEND", "auto")
+    assert not fused_filters_enabled("cpu", 48, 512) and fused_filters_enabled("cuda", 48, 512)
 
 
 def test_candidate_list_overflow_falls_back_to_the_row():

@@ -11,6 +11,7 @@ import torch  # noqa: E402
 from scipy import stats  # noqa: E402
 
 import dspark.kernels.sampling as ks  # noqa: E402
+import dspark.sampling as sampling  # noqa: E402
 from dspark import Engine, SamplingParams  # noqa: E402
 from dspark.bench.datasets import load_prompts  # noqa: E402
 from dspark.engine import default_model_path  # noqa: E402
@@ -184,8 +185,8 @@ def test_hash_is_bit_identical_to_uniforms():
 
 
 def test_engine_outputs_agree_with_the_torch_path(monkeypatch):
-    """The whole engine at temperature 1 through the kernels (DSPARK_FUSED_SAMPLING=1, interpreted
-    on CPU) and through the torch path: same seeds, same tokens. Speculative (draft probs) and
+    """The whole engine at temperature 1 through the kernels (sampling.FUSED_BACKEND "triton",
+    interpreted on CPU) and through the torch path: same seeds, same tokens. Speculative (draft probs) and
     speculation-off (length 0, no q) engines."""
     calls, draws = [], []
     real, real_sample = ks.fused_verify, ks.fused_sample
@@ -197,7 +198,7 @@ def test_engine_outputs_agree_with_the_torch_path(monkeypatch):
         eng = Engine(device=DEV, dtype="fp32", speculative=speculative)
         outs = {}
         for mode in ("0", "1"):
-            monkeypatch.setenv("DSPARK_FUSED_SAMPLING", mode)
+            monkeypatch.setattr(sampling, "FUSED_BACKEND", "triton" if mode == "1" else "reference")
             n, d = len(calls), len(draws)
             outs[mode] = [o.token_ids for o in eng.generate(prompts, params)]
             assert (len(calls) > n) == (mode == "1")
@@ -257,11 +258,14 @@ def test_fused_sample_draws_follow_q():
 
 
 def test_fused_switch(monkeypatch):
-    """Default: the kernels on CUDA only; 0 / 1 force."""
+    """Default: the kernels on CUDA only; "reference" / "triton" force; anything else fails."""
     from dspark.sampling import fused_sampling_enabled as on
-    monkeypatch.delenv("DSPARK_FUSED_SAMPLING", raising=False)
+    monkeypatch.setattr(sampling, "FUSED_BACKEND", "auto")
     assert on("cuda") and not on("cpu")
-    monkeypatch.setenv("DSPARK_FUSED_SAMPLING", "0")
+    monkeypatch.setattr(sampling, "FUSED_BACKEND", "reference")
     assert not on("cuda") and not on("cpu")
-    monkeypatch.setenv("DSPARK_FUSED_SAMPLING", "1")
+    monkeypatch.setattr(sampling, "FUSED_BACKEND", "triton")
     assert on("cpu") and on("cuda")
+    monkeypatch.setattr(sampling, "FUSED_BACKEND", "fast")
+    with pytest.raises(ValueError, match="FUSED_BACKEND 'fast'"):
+        on("cpu")

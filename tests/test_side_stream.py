@@ -2,14 +2,15 @@
 
 On CPU the helpers run everything inline (checked here); on a GPU the decode step with side
 streams must produce exactly the tokens and logits it produces with every branch inline
-(DSPARK_SIDE_STREAM=0), eagerly and replayed from CUDA graphs (the same kernels on the same data,
+(dspark.debug.NO_SIDE_STREAMS), eagerly and replayed from CUDA graphs (the same kernels on the same data,
 only their order across streams differs)."""
 import pytest
 import torch
 
 from triton_env import DEV, gpu, needs_cuda  # noqa: F401  (sets TRITON_INTERPRET on CPU)
 
-from dspark.models import side_stream
+from dspark import debug
+from dspark.cuda import side_stream
 
 
 def test_cpu_runs_inline():
@@ -22,10 +23,10 @@ def test_cpu_runs_inline():
 
 
 def test_switch_off(monkeypatch):
-    monkeypatch.setenv("DSPARK_SIDE_STREAM", "0")
+    monkeypatch.setattr(debug, "NO_SIDE_STREAMS", True)
     assert not side_stream.enabled()
     assert side_stream.fork(torch.device("cuda", 0)) is None   # no CUDA call when off
-    monkeypatch.setenv("DSPARK_SIDE_STREAM", "1")
+    monkeypatch.setattr(debug, "NO_SIDE_STREAMS", False)
     assert side_stream.enabled()
 
 
@@ -54,12 +55,10 @@ def _generate(ckpt, graphs: bool):
 @pytest.mark.parametrize("graphs", [False, True])
 def test_side_streams_change_no_token(quant_ckpt, graphs, monkeypatch):
     outs = {}
-    for flag in ("0", "1", "priority"):
-        monkeypatch.setenv("DSPARK_SIDE_STREAM", "0" if flag == "0" else "1")
-        monkeypatch.setenv("DSPARK_SIDE_PRIORITY", "1" if flag == "priority" else "0")
-        monkeypatch.setattr(side_stream, "_STREAMS", {})   # lanes made anew (their priority)
+    for flag in ("0", "1"):
+        monkeypatch.setattr(debug, "NO_SIDE_STREAMS", flag == "0")
         outs[flag] = _generate(quant_ckpt, graphs)
-    assert outs["1"] == outs["0"] and outs["priority"] == outs["0"]
+    assert outs["1"] == outs["0"]
 
 
 @gpu
@@ -74,13 +73,11 @@ def test_quant_moe_side_stream_bitwise(quant_ckpt, monkeypatch):
     D = moe.shared_experts.w2.out_features
     x = torch.randn(2, D, device=DEV, dtype=torch.bfloat16)
     tok = torch.tensor([3, 17], device=DEV)
-    monkeypatch.setenv("DSPARK_SIDE_STREAM", "0")
+    monkeypatch.setattr(debug, "NO_SIDE_STREAMS", True)
     ref = moe(x, tok)
-    monkeypatch.setenv("DSPARK_SIDE_STREAM", "1")
-    assert torch.equal(moe(x, tok), ref)
-    monkeypatch.setenv("DSPARK_SIDE_PRIORITY", "1")       # high-priority lanes, router on one
+    monkeypatch.setattr(debug, "NO_SIDE_STREAMS", False)
     monkeypatch.setattr(side_stream, "_STREAMS", {})       # (lanes made anew)
-    assert torch.equal(moe(x, tok), ref)
+    assert torch.equal(moe(x, tok), ref)                   # high-priority lanes, router on one
     assert {6, 1} <= {lane for _, lane in side_stream._STREAMS}
     assert all(s.priority < 0 for s in side_stream._STREAMS.values())
     s = torch.cuda.Stream()
@@ -117,7 +114,7 @@ def test_split_fp8_launches_on_two_lanes_at_once():
     """Split-K skinny FP8 GEMVs (arrival counters) queued on the main stream and on a side lane
     at the same time, many times over: every result equals the one computed alone."""
     from dspark.kernels import fp8_gemm as fg
-    from dspark.models.quant import quant_fp8_blocks
+    from dspark.formats.quant import quant_fp8_blocks
     N, K = 512, 4096                                   # 8 tiles x 32 splits: counters in use
     w, s = quant_fp8_blocks(torch.randn(N, K, device=DEV) * 0.02)
     w, s = w.view(torch.uint8), s.view(torch.uint8)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dspark.attention import get_backend
-from dspark.kvcache import layouts as L
+from dspark.formats import layouts as L
 from dspark.kvcache.paged import PagedKVCache
 from dspark.models.deepseek_v4.graph import SCRATCH_RID, V4DecodeGraphs, reserve_scratch
 from dspark.request import BlockTokens
@@ -317,7 +317,7 @@ def test_cuda_graph_replay_equals_eager(wide_topk_ckpt, kv_dtype):
 @gpu
 @needs_cuda
 @pytest.mark.xfail(strict=False, reason=(
-    "with index_topk 4 the CSA top-k bites from position 19 on; on the H200 (session 3) one "
+    "with index_topk 4 the CSA top-k bites from position 19 on; on the H200 one "
     "verify step (request 2 at positions 33-38) differed on 4 rows (rel 0.2 fp32 / 0.35 fp8 "
     "cache), with capture on and off alike, while every other step agreed to ~1e-3 (TF32). "
     "Most likely near-tie top-k flips: the indexer scores of the fixed-shape and the eager "

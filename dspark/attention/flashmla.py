@@ -45,7 +45,7 @@ import inspect
 
 import torch
 
-from dspark.kvcache.layouts import HEAD_DIM, NOPE_DIM, PAGE_ALIGN, RECORD_BYTES, ROPE_DIM
+from dspark.formats.layouts import HEAD_DIM, NOPE_DIM, PAGE_ALIGN, RECORD_BYTES, ROPE_DIM
 
 from .triton import TritonBackend
 

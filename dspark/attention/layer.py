@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.kvcache.layouts import INDEXER_DIM, fp4_roundtrip, hadamard128
+from dspark.formats.layouts import INDEXER_DIM, fp4_roundtrip, hadamard128
 
 
 class RecordQuant:

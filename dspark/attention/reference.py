@@ -1,7 +1,7 @@
 """Reference backend: plain torch (CPU or GPU), the oracle for the other backends.
 
 Per request it gathers the keys from the paged pools, de-quantizing records with
-``dspark.kvcache.layouts`` (fp8) or reading them as-is (bf16/fp32), lays them out as the dense
+``dspark.formats.layouts`` (fp8) or reading them as-is (bf16/fp32), lays them out as the dense
 reference path does and calls the model's own ``sparse_attention_with_sink`` and
 ``Indexer.select``; the per-token index lists from the plan decide the mask (and are checked to
 name only that request's keys). Result: the paged path reproduces the dense path bit for bit
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.kvcache import layouts as L
+from dspark.formats import layouts as L
 from dspark.models.deepseek_v4.attention import sparse_attention_with_sink
 from dspark.models.deepseek_v4.indexer import Indexer
 

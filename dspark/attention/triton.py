@@ -13,7 +13,7 @@ import torch
 from dspark.kernels.cache_write import write_fp8_ds_mla_triton, write_indexer_fp8_triton
 from dspark.kernels.indexer import indexer_topk
 from dspark.kernels.sparse_mqa import sparse_mqa_dense, sparse_mqa_fp8
-from dspark.kvcache.layouts import HEAD_DIM
+from dspark.formats.layouts import HEAD_DIM
 
 from .reference import ReferenceBackend
 

@@ -28,7 +28,7 @@ from dspark.models.deepseek_v4.weights import scale_name, tensor_inventory
 from dspark.models.loader import (_REGENERATE, CheckpointError, _headers, _open, _shard_map,
                                   _validate, cast_float, held_dtype, load_checkpoint,
                                   log_float_casts)
-from dspark.models.quant import FP4_GROUP, FP8_BLOCK, dequant_fp4_experts, dequant_fp8_blocks
+from dspark.formats.quant import FP4_GROUP, FP8_BLOCK, dequant_fp4_experts, dequant_fp8_blocks
 
 from .sharding import SKIP, ShardPlan, quantized_split_problem
 

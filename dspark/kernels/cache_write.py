@@ -1,6 +1,6 @@
 """Fused quantise-and-scatter kernels for the paged KV caches (spec §6.1, §6.2).
 
-Both kernels write exactly the bytes that ``dspark.kvcache.layouts.write_fp8_ds_mla`` /
+Both kernels write exactly the bytes that ``dspark.formats.layouts.write_fp8_ds_mla`` /
 ``write_indexer_fp8`` write (that torch code is the byte-level reference):
 
 * input rounded to bf16 first (REF/vLLM quantise bf16 activations),
@@ -162,7 +162,7 @@ def _fp8_ds_mla_roundtrip_kernel(x_ptr, stride_x, out_ptr, stride_o):
 
 
 def fp8_ds_mla_roundtrip_triton(x: torch.Tensor) -> torch.Tensor:
-    """``dspark.kvcache.layouts.fp8_ds_mla_roundtrip`` of ``x`` [..., 512] in one launch (the
+    """``dspark.formats.layouts.fp8_ds_mla_roundtrip`` of ``x`` [..., 512] in one launch (the
     dense path's fp8 storage rounding, `QuantSim.kv`): bf16 rounding, 7 FP8 tiles of 64 with
     UE8M0 scales, the 64 RoPE dims kept as bf16; same dtype and shape as x, bit-identical to the
     torch formula."""

@@ -49,7 +49,7 @@ import triton.language as tl
 
 from triton.language.extra import libdevice
 
-from dspark.kernels import pdl
+from dspark.cuda import pdl
 from dspark.kernels.fp4_moe import _DT_NAME as _DT, _round_to
 
 
@@ -268,7 +268,7 @@ def _hadamard_fp4_kernel(x_ptr, out_ptr, N, stride_x, inv_sqrt, amax_floor,
 
 def hadamard_fp4(x: torch.Tensor) -> torch.Tensor:
     """fp32 fp4_roundtrip(hadamard128(x.float())) for x [..., 128] (see the module doc)."""
-    from dspark.kvcache.layouts import FP4_AMAX_FLOOR, FP4_BLOCK, INDEXER_DIM
+    from dspark.formats.layouts import FP4_AMAX_FLOOR, FP4_BLOCK, INDEXER_DIM
     assert x.shape[-1] == INDEXER_DIM
     x2 = x.reshape(-1, INDEXER_DIM)
     if x2.stride(-1) != 1:
@@ -407,7 +407,7 @@ def copy_records(pool: torch.Tensor, per_page: int, split: torch.Tensor) -> None
     """`paged.copy_rows(pool, per_page, src, dst, split)` for an fp8_ds_mla uint8 pool
     [pages, page_bytes] and split int64 [4, n] = (src page, src row, dst page, dst row); distinct
     destinations that are no source row (staging -> ring)."""
-    from dspark.kvcache.layouts import DATA_ROW_BYTES, SCALE_ROW_BYTES
+    from dspark.formats.layouts import DATA_ROW_BYTES, SCALE_ROW_BYTES
     assert pool.dtype == torch.uint8 and pool.stride(1) == 1 and split.shape[0] == 4
     split = split.contiguous()
     n = split.shape[1]

@@ -48,7 +48,6 @@ layout of the experts (`FP4ExpertStack`, built once by `stack_fp4_experts`):
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -56,9 +55,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from dspark.kernels.fp8_gemm import _arrival_counters, _interpreting, flat_operands
+from dspark.kernels.fp8_gemm import _interpreting, flat_operands
 from dspark.kernels.sparse_mqa import _mma, _pick_precision
-from dspark.models.quant import FP4_GROUP, dequant_fp4_experts, fp4_scale_shape
+from dspark.formats.quant import FP4_GROUP, dequant_fp4_experts, fp4_scale_shape
 
 
 @triton.jit
@@ -336,17 +335,16 @@ def _x_pairs(x_row_ptr, kb, b_ok, K, BF16_PAIRS: tl.constexpr):
 
 
 @triton.jit
-def _byte_dot(wb, xe, xo, PAIR_DECODE: tl.constexpr, ROW_X: tl.constexpr = False):
+def _byte_dot(wb, xe, xo, PAIR_DECODE: tl.constexpr):
     """sum over the 16 bytes of each group of e2m1(lo) * xe + e2m1(hi) * xo (times 2^-14); xe /
-    xo [G, 16] (shared by the rows) or [N, G, 16] (ROW_X: one copy per row)."""
+    xo [G, 16] (shared by the rows)."""
     if PAIR_DECODE:
         lo, hi = _e2m1_pair_times_2pow14(wb)
     else:
         lo = _e2m1_times_2pow14(wb & 0xF)
         hi = _e2m1_times_2pow14(wb >> 4)
-    if not ROW_X:
-        xe = xe[None, :, :]
-        xo = xo[None, :, :]
+    xe = xe[None, :, :]
+    xo = xo[None, :, :]
     return tl.sum(lo * xe + hi * xo, axis=2)
 
 
@@ -383,18 +381,14 @@ def _fp4_gemv_tile(x_row_ptr, w_rows_ptr, stride_wn, s_rows_ptr, stride_sn, n_ok
                    second_w, second_s,
                    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, TWO: tl.constexpr,
                    BF16_PAIRS: tl.constexpr, PAIR_DECODE: tl.constexpr = False,
-                   FULL_GROUPS: tl.constexpr = False, ROW_X: tl.constexpr = False):
+                   FULL_GROUPS: tl.constexpr = False):
     """fp32 [BLOCK_N]: x[0:K] . W[n, 0:K] for BLOCK_N packed FP4 rows (row n at w_rows_ptr +
     n * stride_wn, its UE8M0 scales at s_rows_ptr + n * stride_sn; n_ok masks rows). Works on
     [BLOCK_N, BLOCK_G groups, 16 bytes] tiles: 32 columns share one scale. TWO: also the rows
     second_w / second_s elements further on (gate and up rows of an expert) in the same loop,
-    sharing the x loads; returns (first, second) (second = zeros when not TWO).
-    ROW_X: the activation pairs are loaded in the weight tile's [BLOCK_N, G, 16] shape (each
-    row's threads load their own copy, from L1) instead of once as [G, 16]: the [G, 16] load
-    is spread over the warps while every warp (a row of the tile) needs all of it, which costs a
-    shared-memory exchange with 16 barriers per loop iteration (offline sm_90 SASS, 4 x 32
-    blocks; with ROW_X: none, and 56 / 40 registers instead of 72 / 62). Same values, same
-    order of the sums."""
+    sharing the x loads; returns (first, second) (second = zeros when not TWO). The activation
+    pairs are loaded once per tile as [G, 16] (a per-row copy, which saves the shared-memory
+    exchange offline, measured no faster on the H200: decode device time 1.154 vs 1.148 ms)."""
     NG = (K + 31) // 32
     acc = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
@@ -402,16 +396,11 @@ def _fp4_gemv_tile(x_row_ptr, w_rows_ptr, stride_wn, s_rows_ptr, stride_sn, n_ok
         wb, sb, wb2, sb2, kb, b_ok = _fp4_tile_load(
             w_rows_ptr, stride_wn, s_rows_ptr, stride_sn, n_ok, K, g0, second_w, second_s,
             BLOCK_N, BLOCK_G, TWO, FULL_GROUPS)
-        if ROW_X:
-            rows0 = tl.zeros((BLOCK_N, 1, 1), dtype=tl.int32)
-            xe, xo = _x_pairs(x_row_ptr, kb[None, :, :] + rows0, b_ok[None, :, :] & (rows0 == 0),
-                              K, BF16_PAIRS)
-        else:
-            xe, xo = _x_pairs(x_row_ptr, kb, b_ok, K, BF16_PAIRS)
-        part = _byte_dot(wb, xe, xo, PAIR_DECODE, ROW_X)                    # [N, G]
+        xe, xo = _x_pairs(x_row_ptr, kb, b_ok, K, BF16_PAIRS)
+        part = _byte_dot(wb, xe, xo, PAIR_DECODE)                           # [N, G]
         acc += part * ((sb + 14) << 23).to(tl.float32, bitcast=True)  # 2^(b-127) * 2^14
         if TWO:
-            part2 = _byte_dot(wb2, xe, xo, PAIR_DECODE, ROW_X)
+            part2 = _byte_dot(wb2, xe, xo, PAIR_DECODE)
             acc2 += part2 * ((sb2 + 14) << 23).to(tl.float32, bitcast=True)
     return tl.sum(acc, axis=1), tl.sum(acc2, axis=1)
 
@@ -437,7 +426,6 @@ def _fp4_moe_gate_up_kernel(
     KSLOTS, I, D, limit, NP,                    # NP: programs along axis 0, bucketed (tuning key)
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, DT: tl.constexpr, BF16_PAIRS: tl.constexpr,
     PAIR_DECODE: tl.constexpr = False, FULL_GROUPS: tl.constexpr = False,
-    ROW_X: tl.constexpr = False,
 ):
     p = tl.program_id(0)                                    # (token, slot) pair
     pid_n = tl.program_id(1)
@@ -453,7 +441,7 @@ def _fp4_moe_gate_up_kernel(
     s_base = s_ptr + row * stride_se + (pid_n * BLOCK_N).to(tl.int64) * stride_sn
     g, u = _fp4_gemv_tile(x_row, w_base, stride_wn, s_base, stride_sn, n_ok, D,
                           I * stride_wn, I * stride_sn, BLOCK_N, BLOCK_G, True, BF16_PAIRS,
-                          PAIR_DECODE, FULL_GROUPS, ROW_X)
+                          PAIR_DECODE, FULL_GROUPS)
     h = _swiglu_h(g, u, limit, tl.load(rw_ptr + p).to(tl.float32), DT)
     tl.store(h_ptr + p.to(tl.int64) * stride_hp + rn, h, mask=rn < I)
 
@@ -466,47 +454,24 @@ def _fp4_moe_down_kernel(
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, DT: tl.constexpr, BF16_PAIRS: tl.constexpr,
     PAIR_DECODE: tl.constexpr = False, FULL_GROUPS: tl.constexpr = False,
     add_ptr=None, stride_at=0, HAS_ADD: tl.constexpr = False, OUT_DT: tl.constexpr = "fp32",
-    ROW_X: tl.constexpr = False, SLOT_SPLIT: tl.constexpr = False, KS: tl.constexpr = 1,
-    ws_ptr=None, cnt_ptr=None,
 ):
-    """SLOT_SPLIT (grid axis 2 = slot; KS == KSLOTS): program (t, n-tile, j) computes slot j's
-    rounded output alone and stores it to the workspace ws [T * KS, D] fp32; the program that
-    arrives last for its (t, n-tile) (a per-tile counter, as in fp8_gemm's split-K skinny
-    kernel) sums the KS slots in slot order, adds, rounds and stores, then re-arms the counter:
-    the same values and order as the slot loop, k times the programs."""
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if SLOT_SPLIT:
-        j = tl.program_id(2)
-        y = _fp4_down_slot(h_ptr, stride_hp, idx_ptr, emap_ptr, w_ptr, stride_we, stride_wn,
-                           s_ptr, stride_se, stride_sn, t * KSLOTS + j, rn, pid_n, D, I,
-                           BLOCK_N, BLOCK_G, DT, BF16_PAIRS, PAIR_DECODE, FULL_GROUPS, ROW_X)
-        slot_rows = ws_ptr + (t * KSLOTS).to(tl.int64) * D + rn
-        tl.store(slot_rows + j * D, y, mask=rn < D)
-        tl.debug_barrier()                                  # all of this program's stores first
-        tile = cnt_ptr + t * tl.num_programs(1) + pid_n
-        if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == KS - 1:    # the last slot
-            for jj in tl.static_range(KS):
-                out += tl.load(slot_rows + jj * D, mask=rn < D, other=0.0, cache_modifier=".cg")
-            _fp4_down_finish(out, add_ptr, stride_at, out_ptr, stride_ot, t, rn, D, HAS_ADD,
-                             OUT_DT)
-            tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")              # re-arm
-    else:
-        for j in range(KSLOTS):
-            out += _fp4_down_slot(h_ptr, stride_hp, idx_ptr, emap_ptr, w_ptr, stride_we,
-                                  stride_wn, s_ptr, stride_se, stride_sn, t * KSLOTS + j, rn,
-                                  pid_n, D, I, BLOCK_N, BLOCK_G, DT, BF16_PAIRS, PAIR_DECODE,
-                                  FULL_GROUPS, ROW_X)
-        _fp4_down_finish(out, add_ptr, stride_at, out_ptr, stride_ot, t, rn, D, HAS_ADD, OUT_DT)
+    for j in range(KSLOTS):
+        out += _fp4_down_slot(h_ptr, stride_hp, idx_ptr, emap_ptr, w_ptr, stride_we,
+                              stride_wn, s_ptr, stride_se, stride_sn, t * KSLOTS + j, rn,
+                              pid_n, D, I, BLOCK_N, BLOCK_G, DT, BF16_PAIRS, PAIR_DECODE,
+                              FULL_GROUPS)
+    _fp4_down_finish(out, add_ptr, stride_at, out_ptr, stride_ot, t, rn, D, HAS_ADD, OUT_DT)
 
 
 @triton.jit
 def _fp4_down_slot(h_ptr, stride_hp, idx_ptr, emap_ptr, w_ptr, stride_we, stride_wn, s_ptr,
                    stride_se, stride_sn, p, rn, pid_n, D, I, BLOCK_N: tl.constexpr,
                    BLOCK_G: tl.constexpr, DT: tl.constexpr, BF16_PAIRS: tl.constexpr,
-                   PAIR_DECODE: tl.constexpr, FULL_GROUPS: tl.constexpr, ROW_X: tl.constexpr):
+                   PAIR_DECODE: tl.constexpr, FULL_GROUPS: tl.constexpr):
     """Pair p's expert output on the rows rn (0 for an expert not held), rounded to x.dtype (as
     the per-expert path's GEMM output), fp32 [BLOCK_N]."""
     row = tl.load(emap_ptr + tl.load(idx_ptr + p))
@@ -516,7 +481,7 @@ def _fp4_down_slot(h_ptr, stride_hp, idx_ptr, emap_ptr, w_ptr, stride_we, stride
     s_base = s_ptr + row * stride_se + (pid_n * BLOCK_N).to(tl.int64) * stride_sn
     y, _ = _fp4_gemv_tile(h_ptr + p.to(tl.int64) * stride_hp, w_base, stride_wn,
                           s_base, stride_sn, n_ok, I, 0, 0, BLOCK_N, BLOCK_G, False,
-                          BF16_PAIRS, PAIR_DECODE, FULL_GROUPS, ROW_X)
+                          BF16_PAIRS, PAIR_DECODE, FULL_GROUPS)
     return _round_to(y, DT)
 
 
@@ -537,25 +502,23 @@ _DT_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"
 def _grouped_blocks(programs_per_col: int, n: int) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_G): 4 rows x 32 scale groups (1024 columns, 512 bytes per row) per K step.
     H200 at V4-Flash widths (benchmarks/bench_decode_kernels.py, cold L2, graph replay; gate_up
-    + down per layer): 8 x 16 (the earlier DSPARK_AUTOTUNE pick) 100.4 / 553 / 1449 us at 1 / 6
+    + down per layer): 8 x 16 (the earlier autotuned pick) 100.4 / 553 / 1449 us at 1 / 6
     / 16 tokens, 4 x 32 94.4 / 485 / 1273, 16 x 8 and 16 x 16 twice as slow (the kernels are
     latency-bound: more, smaller programs keep more loads in flight).
-    Session 14 (decode graph timeline, per layer at 1 token, gate/up | down): 4 x 32 35 | 21 us;
-    whole rows per step, gate/up 4 x 128 (128 registers, 40 KB of loads in flight per program)
-    48 us, 2 x 128 with row-x pairs 39 us; down 4 x 64 with the slot loop unrolled at compile
-    time 21 us, 4 x 32 unrolled 25 us, and the k slots' stack rows looked up once up front
-    instead of per slot 25 us (all bit-identical or fp32-order equal; not kept)."""
+    Decode graph timeline, per layer at 1 token, gate/up | down: 4 x 32 35 | 21 us; whole rows
+    per step, gate/up 4 x 128 (128 registers, 40 KB of loads in flight per program) 48 us; down
+    4 x 64 with the slot loop unrolled at compile time 21 us, 4 x 32 unrolled 25 us. One program
+    per (token, row tile, slot) for the down kernel, the last to arrive summing the slots,
+    measured slower: 54.7 vs 51.1 us per layer."""
     if _interpreting():
         return 64, 2          # few programs (the interpreter's cost is per program)
     return 4, 32
 
 
-# ---- opt-in autotuning (DSPARK_AUTOTUNE=1) ---------------------------------------------------
-# With DSPARK_AUTOTUNE=1 Triton times the configs below once per (program-count bucket, shape) on
-# first use and keeps the fastest; `autotune_report()` lists the picks. On the H200 at V4-Flash
-# widths it picked (8, 16, 4 warps, 3 stages) for 1, 6 and 768 pairs, now the fixed default above
-# (~0.65 TB/s at batch 1: still latency-bound, far from the ~4 TB/s the bytes allow). Never under
-# the interpreter.
+# ---- autotuning, for tuning runs (bench_decode_v4.py --autotune sets AUTOTUNE) ---------------
+# With AUTOTUNE Triton times the configs below once per (program-count bucket, shape) on first
+# use and keeps the fastest; `autotune_report()` lists the picks. Never under the interpreter.
+AUTOTUNE = False
 _GEMV_CONFIGS = [(16, 8, 4, 3), (16, 16, 4, 3), (16, 16, 8, 3), (16, 32, 8, 3), (8, 16, 4, 3),
                  (16, 8, 2, 3), (16, 8, 4, 1), (32, 8, 4, 3), (32, 16, 8, 3), (32, 32, 8, 2),
                  (64, 8, 4, 3), (64, 16, 8, 2)]        # (BLOCK_N, BLOCK_G, warps, stages)
@@ -563,7 +526,7 @@ _TUNED: dict = {}
 
 
 def autotune_enabled() -> bool:
-    return os.environ.get("DSPARK_AUTOTUNE", "") == "1" and not _interpreting()
+    return AUTOTUNE and not _interpreting()
 
 
 def _bench_quick(fn, quantiles=None):
@@ -594,7 +557,7 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                     stack: FP4ExpertStack, swiglu_limit: float, block=None,
                     pair_decode: bool = True, add: torch.Tensor | None = None,
                     out_dtype: torch.dtype = torch.float32,
-                    row_x: bool | None = None, add_stream=None) -> torch.Tensor:
+                    add_stream=None) -> torch.Tensor:
     """Routed-expert output [T, D] by the two grouped kernels (module docstring): fp32, or with
     ``add`` ([T, D], e.g. the shared expert's output) and ``out_dtype``: out_dtype(routed + add)
     with the sum in fp32 (the down kernel does both: no add / cast launch). Fixed
@@ -602,20 +565,14 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     weights [T, k] routing weights. Expert ids must be < len(stack.emap) (not checked: that would
     sync). block = (BLOCK_N, BLOCK_G) for both FMA kernels (tests), else picked by shape. On the
     GPU, bf16 batches of MMA_MIN_TOKENS tokens or more go to the expert-grouped tensor-core kernels
-    of fp4_moe_mma.py (DSPARK_MOE_MMA=0: never, =1: from 2 tokens), smaller bf16 batches on sm_90+
-    to the per-pair tensor-core kernels of fp4_moe_tc.py (DSPARK_FP4_TC=0: never), the rest to
-    the CUDA-core kernels below. pair_decode: the CUDA-core
+    of fp4_moe_mma.py, smaller bf16 batches on sm_90+ to the per-pair tensor-core kernels of
+    fp4_moe_tc.py, the rest to the CUDA-core kernels below. pair_decode: the CUDA-core
     kernels decode both codes of a byte together (_e2m1_pair_times_2pow14; same values, fewer
     integer ops for the issue-bound decode kernels: 1.5x at 1 and 6 tokens on an H200, see
-    benchmarks/bench_decode_kernels.py); False decodes code by code (the reference). row_x: the
-    CUDA-core kernels load the activation pairs per weight row (`_fp4_gemv_tile`; same values;
-    None: DSPARK_FP4_ROW_X=1; from offline SASS, measured no faster on the H200 in session 11:
-    decode device time 1.154 vs 1.148 ms, 53.7 vs 52.7 us per layer). (A
-    register prefetch of the next weight tile measured slower on the H200 in session 10, 256 vs
-    211 us per decode step, and was removed. So was, in session 13, a decode of whole int32
-    weight words, 8 codes at a time with inline-PTX f16 conversions: fewer instructions offline,
-    but 56.9 vs 53.1 us per layer at 1 token and 0.968 vs 0.953 ms per decode step on the
-    H200.) add_stream: the CUDA stream still producing
+    benchmarks/bench_decode_kernels.py); False decodes code by code (the reference). (A
+    register prefetch of the next weight tile measured slower on the H200, 256 vs 211 us per
+    decode step; so did a decode of whole int32 weight words, 8 codes at a time with inline-PTX
+    f16 conversions: 56.9 vs 53.1 us per layer at 1 token.) add_stream: the CUDA stream still producing
     ``add`` (side_stream.fork): the current stream waits for it right before the first kernel
     that reads ``add`` (the down kernel), so the gate/up kernel overlaps it."""
     def add_ready():
@@ -635,8 +592,8 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                          f", w2 {tuple(stack.w2.shape)}")
     if block is None and x.dtype == torch.bfloat16 and not _interpreting():
         from dspark.kernels import fp4_moe_mma as mma      # tokens grouped by expert on tensor
-        if (mma.mma_enabled() and T >= mma.mma_min_tokens()   # cores (bf16 x only: exact
-                and mma.mma_applies(D, I)):                  # operands need bf16)
+        if T >= mma.MMA_MIN_TOKENS and mma.mma_applies(D, I):   # cores (bf16 x only: exact
+            # operands need bf16)
             routed = mma.fp4_moe_mma(x, idx, weights, stack, swiglu_limit)
             add_ready()
             return _finish(routed, add, out_dtype)
@@ -644,7 +601,7 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
         add_ready()
         return _finish(torch.zeros(T, D, dtype=torch.float32, device=x.device), add, out_dtype)
     if block is None and x.is_cuda and not _interpreting():
-        from dspark.kernels import fp4_moe_tc as tc       # tensor-core decode (DSPARK_FP4_TC)
+        from dspark.kernels import fp4_moe_tc as tc       # tensor-core decode
         if tc.tc_applies(x, stack, k) and out_dtype in _DT_NAME and (
                 add is None or (add.shape == (T, D) and add.stride(-1) == 1)):
             if x.stride(-1) != 1:
@@ -668,8 +625,6 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     # bf16 activations read as int32 pairs: even widths, 4-byte aligned rows (h is ours)
     pairs = (dt == "bf16" and D % 2 == 0 and I % 2 == 0 and x.stride(0) % 2 == 0
              and x.data_ptr() % 4 == 0)
-    if row_x is None:
-        row_x = os.environ.get("DSPARK_FP4_ROW_X", "0") == "1"
     w13, s13, w2, s2, emap = stack
     up_args = (x, x.stride(0), idx, weights, emap, w13, w13.stride(0), w13.stride(1), s13,
                s13.stride(0), s13.stride(1), h, h.stride(0), k, I, D, float(swiglu_limit),
@@ -681,40 +636,24 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     if block is None and autotune_enabled():
         _tuned(_fp4_moe_gate_up_kernel, ["NP", "KSLOTS", "I", "D"])[
             lambda m: (P, triton.cdiv(I, m["BLOCK_N"]))](*up_args, DT=dt, BF16_PAIRS=pairs,
-                                                          PAIR_DECODE=pair_decode, FULL_GROUPS=full,
-                                                          ROW_X=row_x)
+                                                          PAIR_DECODE=pair_decode, FULL_GROUPS=full)
         add_ready()
         _tuned(_fp4_moe_down_kernel, ["NP", "KSLOTS", "D", "I"])[
             lambda m: (T, triton.cdiv(D, m["BLOCK_N"]))](*down_args, DT=dt,
                                                           BF16_PAIRS=pairs,
                                                           PAIR_DECODE=pair_decode, FULL_GROUPS=full,
-                                                          ROW_X=row_x, **down_kw)
+                                                          **down_kw)
         return out
     bn1, bg1 = block or _grouped_blocks(P, I)
     bn2, bg2 = block or _grouped_blocks(T, D)
     _fp4_moe_gate_up_kernel[(P, triton.cdiv(I, bn1))](*up_args, BLOCK_N=bn1, BLOCK_G=bg1, DT=dt,
                                                       BF16_PAIRS=pairs, PAIR_DECODE=pair_decode,
-                                                      FULL_GROUPS=full, ROW_X=row_x)
+                                                      FULL_GROUPS=full)
     add_ready()
     grid = (T, triton.cdiv(D, bn2))
-    if down_split_enabled() and k > 1:        # one program per slot, the last one sums
-        down_kw.update(SLOT_SPLIT=True, KS=k, ws_ptr=torch.empty(P, D, dtype=torch.float32,
-                                                                 device=x.device),
-                       cnt_ptr=_arrival_counters(x.device, grid[0] * grid[1]))
-        grid = grid + (k,)
     _fp4_moe_down_kernel[grid](*down_args, BLOCK_N=bn2, BLOCK_G=bg2, DT=dt, BF16_PAIRS=pairs,
-                               PAIR_DECODE=pair_decode, FULL_GROUPS=full, ROW_X=row_x,
-                               **down_kw)
+                               PAIR_DECODE=pair_decode, FULL_GROUPS=full, **down_kw)
     return out
-
-
-def down_split_enabled() -> bool:
-    """DSPARK_FP4_DOWN_SPLIT=1: the down kernel runs one program per (token, row tile, slot)
-    and the last slot of a tile to arrive sums them (`_fp4_moe_down_kernel` SLOT_SPLIT; the
-    same output bit for bit). An opt-in staged for an H200 A/B: the slot loop of 1024 programs
-    takes 21 us per layer at 1 token, and more, smaller programs have measured faster for these
-    latency-bound kernels (see _grouped_blocks); not timed yet."""
-    return os.environ.get("DSPARK_FP4_DOWN_SPLIT", "0") == "1"
 
 
 def _finish(routed: torch.Tensor, add, out_dtype) -> torch.Tensor:

@@ -25,7 +25,6 @@ Blocks past the last used one (the grid is sized for the worst case) and experts
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -39,16 +38,6 @@ BLOCK_T = 16          # token columns per program (the MMA's N side)
 # benchmarks/results/bench_moe_h200.json: at 16 tokens the CUDA-core kernels (int32 pair loads,
 # 4 x 32 blocks) take 1273 us per layer vs 1526 here, so 32.
 MMA_MIN_TOKENS = 32
-
-
-def mma_enabled() -> bool:
-    """DSPARK_MOE_MMA=0: never (the CUDA-core kernels for every size); =1: from 2 tokens on;
-    unset: from MMA_MIN_TOKENS tokens on."""
-    return os.environ.get("DSPARK_MOE_MMA", "") != "0"
-
-
-def mma_min_tokens() -> int:
-    return 2 if os.environ.get("DSPARK_MOE_MMA", "") == "1" else MMA_MIN_TOKENS
 
 
 def align_pairs(idx: torch.Tensor, num_experts: int, block_t: int = BLOCK_T):

@@ -1,14 +1,14 @@
 """Few-token routed experts on tensor cores, one warp per 16 weight rows (`fp4_moe_grouped`'s
 contract; the default for decode / verify batches below the expert-grouped MMA path on CUDA
-sm_90+, bf16 activations; DSPARK_FP4_TC=0 falls back to the CUDA-core kernels).
+sm_90+, bf16 activations; elsewhere the CUDA-core kernels of fp4_moe.py).
 
-H200, session 15 (benchmarks/results/bench_decode_s15_tc_h200.json): the grouped MoE of one
+H200 (benchmarks/results/bench_decode_fp4_moe_tc_ab_h200.json): the grouped MoE of one
 V4-Flash layer at 1 token takes 38.0 us (K split 4 / 2, 2 steps per asm block) vs 51.4 us for
 the CUDA-core kernels; the 4-layer decode step's device time 0.883 vs 0.909 ms. Still below the
 HBM's rate (~2.1 TB/s): ncu's top stall is global-memory latency (long scoreboard 34-39% of
-warp cycles, benchmarks/results/ncu_s15_h200.txt), each warp waiting on its loads once per asm
+warp cycles, benchmarks/results/ncu_fp4_moe_tc_h200.txt), each warp waiting on its loads once per asm
 block (2 steps; 4 steps, more K splits, more warps per program or 4 independent MMA chains
-measured no better; session 16: the next step's weight words loaded one asm block ahead and
+measured no better; the next step's weight words loaded one asm block ahead and
 carried in registers, was slower, 39.2 vs 37.5 us, and its first version wrong: removed).
 
     out = fp4_moe_tc(x, idx, weights, stack, swiglu_limit, add=None, out_dtype=torch.float32)
@@ -49,7 +49,6 @@ equal to the other paths up to fp32 summation order.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -320,9 +319,9 @@ def _tc_down_kernel(h_ptr, stride_hp, idx_ptr, emap_ptr, w_ptr, stride_we, strid
         tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
-def tc_enabled() -> bool:
-    """DSPARK_FP4_TC=0 turns the tensor-core path off (the CUDA-core kernels of fp4_moe.py)."""
-    return os.environ.get("DSPARK_FP4_TC", "1") != "0"
+# Tuning (H200, V4-Flash widths, 1 token; see the module docstring): steps per asm block, warps
+# per program, K chunks of the gate/up and of the down launch.
+TUNING = dict(unroll=2, warps=1, up_split=4, down_split=2)
 
 
 def tc_scales_ok(stack: FP4ExpertStack) -> bool:
@@ -341,7 +340,7 @@ def tc_scales_ok(stack: FP4ExpertStack) -> bool:
 def tc_applies(x: torch.Tensor, stack: FP4ExpertStack, k: int) -> bool:
     """bf16 x on an sm_90+ GPU, widths in whole 128-column steps and 16-row tiles, aligned rows,
     the scales in range."""
-    if not (x.is_cuda and x.dtype == torch.bfloat16 and tc_enabled()):
+    if not (x.is_cuda and x.dtype == torch.bfloat16):
         return False
     if torch.cuda.get_device_capability(x.device) < (9, 0):
         return False
@@ -362,14 +361,14 @@ def _split(K: int, n: int, unroll: int = 1) -> tuple[int, int]:
 
 
 def _unroll(K: int, unroll: int | None) -> int:
-    """Steps per asm block (DSPARK_FP4_TC_UNROLL: 1, 2 (default) or 4), the largest of those
-    <= the request that divides K's steps."""
-    u = unroll or int(os.environ.get("DSPARK_FP4_TC_UNROLL", "2"))
+    """Steps per asm block (1, 2 or 4; None: TUNING's), the largest of those <= the request
+    that divides K's steps."""
+    u = unroll or TUNING["unroll"]
     return next(v for v in (4, 2, 1) if v <= u and (K // STEP) % v == 0)
 
 
 def _warps(W, n: int) -> int:
-    W = W or int(os.environ.get("DSPARK_FP4_TC_WARPS", "1"))
+    W = W or TUNING["warps"]
     if n % (16 * W):
         raise ValueError(f"fp4_moe_tc: {W} warps of 16 rows do not tile {n} rows")
     return W
@@ -394,7 +393,7 @@ def fp4_moe_tc_gate_up(x, idx, weights, stack: FP4ExpertStack, swiglu_limit: flo
     I = stack.w13.shape[1] // 2
     W = _warps(warps, I)
     un = _unroll(D, unroll)
-    ks_up, kch_up = _split(D, up_split or int(os.environ.get("DSPARK_FP4_TC_UP_SPLIT", "4")), un)
+    ks_up, kch_up = _split(D, up_split or TUNING["up_split"], un)
     idx = idx.contiguous()
     weights = weights.contiguous()
     P = T * k
@@ -422,7 +421,7 @@ def fp4_moe_tc_down(h: torch.Tensor, idx, stack: FP4ExpertStack, x_dtype,
     D = w2.shape[1]
     W = _warps(warps, D)
     un = _unroll(I, unroll)
-    nch, kch_dn = _split(I, down_split or int(os.environ.get("DSPARK_FP4_TC_DOWN_SPLIT", "2")), un)
+    nch, kch_dn = _split(I, down_split or TUNING["down_split"], un)
     idx = idx.contiguous()
     dev = h.device
     out = torch.empty(T, D, dtype=out_dtype, device=dev)

@@ -28,7 +28,7 @@ side, split K reduced inside the same launch, output written in x's dtype (one l
 (A fp32-FMA GEMV variant measured 4x slower than the MMA kernel on the H200 and was removed.)
 1-8 bf16 tokens go one step further, to fp8_gemv_tc's tensor-core GEMV (MMA fragments loaded
 per lane straight from global memory, no shared memory; same numerics as the skinny kernel's
-fp16 mode; DSPARK_FP8_TC=0: the skinny kernel).
+fp16 mode).
 """
 from __future__ import annotations
 
@@ -39,11 +39,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from dspark.kernels import pdl
+from dspark.cuda import pdl
 from dspark.kernels.argmax import _order_key
 from dspark.kernels.sparse_mqa import _mma, _pick_precision
-from dspark.models import side_stream
-from dspark.models.quant import FP8_BLOCK, dequant_fp8_blocks, fp8_scale_shape
+from dspark.cuda import side_stream
+from dspark.formats.quant import FP8_BLOCK, dequant_fp8_blocks, fp8_scale_shape
 
 
 def _interpreting() -> bool:
@@ -108,8 +108,8 @@ def _fp8_linear_kernel(
 
 @triton.jit
 def _skinny_tiles(x_base, stride_xt, w_ptr, stride_wn, s_ptr, stride_sn, rn, n_ok, rt, t_ok, rk,
-                  s_row, k_lo, k_hi, K, n0, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
-                  PRECISION: tl.constexpr, TMA: tl.constexpr, UNPIPELINED: tl.constexpr = False,
+                  s_row, k_lo, k_hi, K, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+                  PRECISION: tl.constexpr, UNPIPELINED: tl.constexpr = False,
                   W16: tl.constexpr = False):
     """fp32 [BLOCK_N, BLOCK_T]: the weight rows rn times x^T over columns k_lo..k_hi, each
     128-column tile's scale applied to its partial sum. UNPIPELINED: no cp.async stages (the
@@ -123,9 +123,6 @@ def _skinny_tiles(x_base, stride_xt, w_ptr, stride_wn, s_ptr, stride_sn, rn, n_o
             w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :],
                         mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             scale = 1.0
-        elif TMA:
-            w = w_ptr.load([n0, k0]).to(tl.float8e4nv, bitcast=True)
-            scale = _e8m0_to_f32(tl.load(s_ptr + s_row * stride_sn + k0 // 128).to(tl.int32))
         else:
             w, scale = _fp8_tile(w_ptr, stride_wn, rn, n_ok, kk, k_ok, s_ptr, stride_sn, s_row,
                                  k0)
@@ -140,9 +137,9 @@ def _fp8_skinny_kernel(
     x_ptr, stride_xt, stride_xg, w_ptr, stride_wn, s_ptr, stride_sn, y_ptr, stride_yt, ws_ptr,
     cnt_ptr, T, N, K, K_PER_SPLIT, GROUP_ROWS,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr = False,
+    PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     RESCUE: tl.constexpr = "bf16", PDL: tl.constexpr = False, W16: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False, key_ptr=None, idx_ptr=None,
+    key_ptr=None, idx_ptr=None,
 ):
     """Few tokens (decode, verify): y^T = W x^T with the weight rows as the MMA's M side
     ("swap AB": a [BLOCK_N, 128] weight tile against x^T [128, BLOCK_T], so 64-128 weight rows
@@ -156,12 +153,8 @@ def _fp8_skinny_kernel(
     wait (a runtime loop waited one L2 round trip per partial, at the kernel's tail).
     Grouped weights (attention wo_a): rows g*GROUP_ROWS .. (g+1)*GROUP_ROWS - 1 multiply x's group
     g (x + g * stride_xg); GROUP_ROWS is a multiple of BLOCK_N, and N for plain linears.
-    TMA: w_ptr is a tensor descriptor of the [N, K] weight bytes with [BLOCK_N, BLOCK_K] boxes:
-    each tile arrives as one bulk copy (rows / columns past the weight read as zero), pipelined
-    over num_stages by Triton.
-    PDL (dspark.kernels.pdl): launched while the kernel ahead still runs; the program waits for
-    that kernel (PREFETCH: after asking L2 for its weight slice) and lets the next kernel start
-    once its own weight loop is done.
+    PDL (dspark.cuda.pdl): launched while the kernel ahead still runs; the program waits for
+    that kernel and lets the next kernel start once its own weight loop is done.
     W16: 16-bit weights without scales (bf16 / fp16 linears of few tokens, `linear16_skinny`:
     the same kernel, one MMA operand conversion less; s_ptr unused).
     key_ptr / idx_ptr (fp32 y only; the vocabulary head): also each token's argmax over the
@@ -180,13 +173,9 @@ def _fp8_skinny_kernel(
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     x_base = x_ptr + ((pid_n * BLOCK_N) // GROUP_ROWS).to(tl.int64) * stride_xg
-    if PDL and PREFETCH and not TMA:    # the weights are constant: fetch before the wait (each
-        # row's K_PER_SPLIT bytes in one bulk prefetch; rows / K are 16-byte multiples here)
-        pdl.prefetch_l2(w_ptr + tl.minimum(rn, N - 1) * stride_wn + k_lo,
-                        (k_hi - k_lo) * (2 if W16 else 1), PDL)
     pdl.wait(PDL)
     acc = _skinny_tiles(x_base, stride_xt, w_ptr, stride_wn, s_ptr, stride_sn, rn, n_ok, rt, t_ok,
-                        rk, s_row, k_lo, k_hi, K, pid_n * BLOCK_N, BLOCK_N, BLOCK_T, PRECISION, TMA,
+                        rk, s_row, k_lo, k_hi, K, BLOCK_N, BLOCK_T, PRECISION,
                         False, W16)
     pdl.launch_dependents(PDL)
     if PRECISION == "fp16" and not W16:
@@ -197,8 +186,8 @@ def _fp8_skinny_kernel(
         bad = tl.sum(tl.where(tl.abs(acc) < float("inf"), 0, 1), axis=1)
         if tl.sum(bad, axis=0) > 0:
             acc = _skinny_tiles(x_base, stride_xt, w_ptr, stride_wn, s_ptr, stride_sn, rn, n_ok,
-                                rt, t_ok, rk, s_row, k_lo, k_hi, K, pid_n * BLOCK_N, BLOCK_N,
-                                BLOCK_T, RESCUE, TMA, True)
+                                rt, t_ok, rk, s_row, k_lo, k_hi, K, BLOCK_N,
+                                BLOCK_T, RESCUE, True)
     out = y_ptr + rt[None, :] * stride_yt + rn[:, None]
     ok = n_ok[:, None] & t_ok[None, :]
     if SPLIT == 1:
@@ -258,24 +247,6 @@ def _unused_workspace(device) -> torch.Tensor:
     return _DEVICE_BUFFERS[key]
 
 
-def _tma_fits(wu: torch.Tensor) -> bool:
-    """TMA needs 16-byte aligned rows (base and row stride) and contiguous columns."""
-    return wu.data_ptr() % 16 == 0 and wu.stride(0) % 16 == 0 and wu.stride(1) == 1
-
-
-def _weight_descriptor(wu: torch.Tensor, block_n: int):
-    """TMA descriptor of the weight bytes [N, K] in [block_n, 128] boxes, cached per weight
-    (building one costs host time on every eager launch; the cache keeps the weight alive, fine
-    for model weights, the only users)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-    key = ("tma", wu.data_ptr(), tuple(wu.shape), wu.stride(0), block_n)
-    desc = _DEVICE_BUFFERS.get(key)
-    if desc is None:
-        desc = _DEVICE_BUFFERS[key] = TensorDescriptor(wu, list(wu.shape), [wu.stride(0), 1],
-                                                       [block_n, FP8_BLOCK])
-    return desc
-
-
 def _fill_splits(programs: int, K: int) -> int:
     """K splits that bring `programs` (output tiles) up to ~2 per H200 SM (132), at most one per
     128-column K block."""
@@ -292,59 +263,38 @@ def _skinny_blocks(T: int, N: int, K: int, interp: bool):
     return bn, bt, _fill_splits(triton.cdiv(N, bn) * triton.cdiv(T, bt), K)
 
 
-def skinny_pipeline() -> dict:
-    """The skinny kernel's weight-tile loads: the cp.async pipeline (default) or, with
-    DSPARK_FP8_TMA=1, TMA tile copies (an A/B switch, measured no faster on the H200: see
-    fp8_skinny_triton). (A register prefetch of the next tile with one stage measured slower in
-    session 10, 360 vs 314 us per decode step, and was removed.)"""
-    if os.environ.get("DSPARK_FP8_TMA", "0") == "1":
-        return dict(tma=True)
-    return {}
-
-
 def skinny_precision(x_dtype: torch.dtype, precision: str | None = None) -> str:
-    """The skinny kernel's MMA operands: fp16 for bf16 x (DSPARK_FP8_FP16=0: bf16). e4m3 -> f16
-    is one conversion per value pair (-> bf16 goes through fp32: 96 instead of 48 conversions
-    per thread and tile, 312 vs 225 loop instructions offline on sm_90). H200, session 12
-    (bench_decode_kernels, cold L2, T = 1): wq_b 15.8 -> 12.9 us, wo_b 20.0 -> 15.4, wq_a + wkv
-    7.2 -> 6.1, shared w1 + w3 11.2 -> 9.3. x in fp16 is exact inside its normal range and off by
-    < 2^-25 below it; a tile partial that overflowed is redone in bf16 (see the kernel)."""
-    if precision is None and x_dtype == torch.bfloat16 and not _interpreting() \
-            and os.environ.get("DSPARK_FP8_FP16", "1") != "0":
+    """The skinny kernel's MMA operands: fp16 for bf16 x. e4m3 -> f16 is one conversion per
+    value pair (-> bf16 goes through fp32: 96 instead of 48 conversions per thread and tile, 312
+    vs 225 loop instructions offline on sm_90). H200 (bench_decode_kernels, cold L2, T = 1):
+    wq_b 15.8 -> 12.9 us, wo_b 20.0 -> 15.4, wq_a + wkv 7.2 -> 6.1, shared w1 + w3 11.2 -> 9.3
+    against bf16 operands. x in fp16 is exact inside its normal range and off by < 2^-25 below
+    it; a tile partial that overflowed is redone in bf16 (see the kernel)."""
+    if precision is None and x_dtype == torch.bfloat16 and not _interpreting():
         return "fp16"
     return _pick_precision(x_dtype, precision)
 
 
-def skinny_enabled() -> bool:
-    """The swap-AB few-token kernel is the default for T <= SKINNY_MAX_T (DSPARK_FP8_SKINNY=0
-    switches back to the split-K MMA kernel + host-side sum, for A/B runs)."""
-    return os.environ.get("DSPARK_FP8_SKINNY", "1") != "0"
-
-
 def fp8_skinny_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: int, K: int,
                       out_dtype, precision: str, block=None, groups: int = 1, num_warps: int = 4,
-                      num_stages: int = 3, tma: bool = False, tc: bool = True,
+                      num_stages: int = 3, tc: bool = True,
                       argmax_out: torch.Tensor | None = None,
                       out: torch.Tensor | None = None) -> torch.Tensor:
     """[T, N] in out_dtype from x2 [T, K] (unit column stride) and the weight / scale bytes.
     groups > 1: x2 is [T, groups, K] and weight rows g*N/groups.. use x2[:, g] ([T, N] is then
     [T, groups, N/groups]). block = (BLOCK_N, BLOCK_T, K splits), else picked by shape.
-    tma: the weight tiles by TMA bulk copies (a tensor descriptor of wu; weights whose rows are
-    not 16-byte aligned take the cp.async path; H200, session 10: wq_b 15.8 vs 16.1 us, wo_b
-    19.6 vs 20.0, wkv 6.0 vs 5.5, device time of the decode step unchanged, 1.154 vs 1.152 ms:
-    an opt-in, DSPARK_FP8_TMA=1).
     tc: few tokens of bf16 x with fp16 operands (the default precision) run the tensor-core GEMV
-    of fp8_gemv_tc where it applies (the same numerics; block / tma given: this kernel; 16-bit
+    of fp8_gemv_tc where it applies (the same numerics; block given: this kernel; 16-bit
     weights stay here: a 16-bit variant of that GEMV measured no faster, 0.88-1.0x, on the
-    compressor shapes in session 16).
+    compressor shapes).
     argmax_out: int64 [T]: also y.argmax(-1) into it (fp32 y, 16-bit weights: the vocabulary
     head), the chunk pass of kernels/argmax.py done per program in this launch. out: y there
     ([T, N] of out_dtype, unit column stride)."""
     if argmax_out is not None:
-        assert su is None and out_dtype == torch.float32 and groups == 1 and not tma, \
+        assert su is None and out_dtype == torch.float32 and groups == 1, \
             "argmax_out: fp32 logits of 16-bit weights only"
         assert argmax_out.shape == (x2.shape[0],) and argmax_out.dtype == torch.long
-    if tc and block is None and not tma and su is not None and precision == "fp16":
+    if tc and block is None and su is not None and precision == "fp16":
         from dspark.kernels import fp8_gemv_tc
         if fp8_gemv_tc.tc_applies(x2, wu, N, K, groups):
             return fp8_gemv_tc.fp8_gemv_tc(x2, wu, su, N, K, groups, out_dtype)
@@ -368,11 +318,7 @@ def fp8_skinny_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: i
           else _unused_workspace(x2.device))
     cnt = _arrival_counters(x2.device, grid[0] * grid[2])
     w16 = su is None                         # 16-bit weights (linear16_skinny)
-    tma = tma and not w16 and _tma_fits(wu)  # else the cp.async path
     on = pdl.enabled(x2.device)
-    # the weight prefetch's bulk copies need 16-byte aligned rows and splits
-    prefetch = on and pdl.prefetch_enabled(x2.device) and _tma_fits(wu) and K % 16 == 0
-    w_arg = _weight_descriptor(wu, BN) if tma else wu
     if w16:
         su = wu                              # (never read)
     keys = idx = None
@@ -380,11 +326,11 @@ def fp8_skinny_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: i
         keys = torch.empty(T, grid[0], dtype=torch.int32, device=x2.device)
         idx = torch.empty(T, grid[0], dtype=torch.int32, device=x2.device)
     _fp8_skinny_kernel[grid](
-        x2, x2.stride(0), stride_xg, w_arg, wu.stride(0), su, su.stride(0), y, y.stride(0), ws,
+        x2, x2.stride(0), stride_xg, wu, wu.stride(0), su, su.stride(0), y, y.stride(0), ws,
         cnt,
         T, N, K, k_per, R, BLOCK_N=BN, BLOCK_T=BT, BLOCK_K=FP8_BLOCK, PRECISION=precision,
-        SPLIT=split, TMA=tma, RESCUE=_pick_precision(x2.dtype, None), PDL=on, W16=w16,
-        PREFETCH=prefetch, key_ptr=keys, idx_ptr=idx,
+        SPLIT=split, RESCUE=_pick_precision(x2.dtype, None), PDL=on, W16=w16,
+        key_ptr=keys, idx_ptr=idx,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_kwargs(on))
     if argmax_out is not None:
         from dspark.kernels.argmax import row_argmax_of_chunks
@@ -393,8 +339,8 @@ def fp8_skinny_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: i
 
 
 LINEAR16_MAX_BYTES = 64 << 20     # larger 16-bit weights stay on cuBLAS, but for the head:
-# the vocabulary head (V4-Flash: 1.06 GB bf16) of a decode / verify step. H200, session 17,
-# batch-1 decode graph: 236.8 us (4.47 TB/s) here vs 244-245 us for cuBLAS's nvjet kernel, which
+# the vocabulary head (V4-Flash: 1.06 GB bf16) of a decode / verify step. H200, batch-1 decode
+# graph: 236.8 us (4.47 TB/s) here vs 244-245 us for cuBLAS's nvjet kernel, which
 # also started ~4.5 us after the kernel before it; device time per step 0.810 -> 0.798 ms.
 HEAD_SKINNY_MAX_T = 16
 
@@ -402,16 +348,13 @@ HEAD_SKINNY_MAX_T = 16
 def linear16_skinny_applies(x: torch.Tensor, w: torch.Tensor, head: bool = False) -> bool:
     """Whether `linear16_skinny` takes x [..., K] @ w [N, K]^T: CUDA, x and w of one 16-bit
     dtype, few tokens, unit column strides, w up to LINEAR16_MAX_BYTES (head: the vocabulary
-    head, any size, up to HEAD_SKINNY_MAX_T tokens; DSPARK_HEAD_SKINNY=0: never)
-    (DSPARK_LINEAR16_SKINNY=0: never, for A/B runs)."""
-    if head and (x.numel() // max(x.shape[-1], 1) > HEAD_SKINNY_MAX_T
-                 or os.environ.get("DSPARK_HEAD_SKINNY", "1") == "0"):
+    head, any size, up to HEAD_SKINNY_MAX_T tokens)."""
+    if head and x.numel() // max(x.shape[-1], 1) > HEAD_SKINNY_MAX_T:
         return False
     return (x.is_cuda and not _interpreting() and w.dim() == 2 and x.dtype == w.dtype
             and w.dtype in (torch.bfloat16, torch.float16) and x.shape[-1] == w.shape[1]
             and 0 < x.numel() // max(x.shape[-1], 1) <= SKINNY_MAX_T and w.stride(1) == 1
-            and (head or w.numel() * 2 <= LINEAR16_MAX_BYTES)
-            and os.environ.get("DSPARK_LINEAR16_SKINNY", "1") != "0")
+            and (head or w.numel() * 2 <= LINEAR16_MAX_BYTES))
 
 
 def linear16_skinny(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype,
@@ -471,9 +414,9 @@ def fp8_linear_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     T = x2.shape[0]
     if T == 0:
         return x.new_zeros(*lead, N)
-    if block is None and T <= SKINNY_MAX_T and skinny_enabled():
-        return fp8_skinny_triton(x2, wu, su, N, K, x.dtype, skinny_precision(x.dtype, precision),
-                                 **skinny_pipeline()).reshape(*lead, N)
+    if block is None and T <= SKINNY_MAX_T:
+        return fp8_skinny_triton(x2, wu, su, N, K, x.dtype,
+                                 skinny_precision(x.dtype, precision)).reshape(*lead, N)
     BM, BN, split = block or _pick_blocks(T, N, K, _interpreting())
     assert FP8_BLOCK % BN == 0, BN
     nk = triton.cdiv(K, FP8_BLOCK)
@@ -500,12 +443,12 @@ def fp8_linear_grouped(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, gr
     N, K = _check(x, w, scale)
     T = x.shape[0]
     if (backend != "triton" or x.dim() != 3 or x.shape[1] != groups or T == 0
-            or T > SKINNY_MAX_T or not skinny_enabled() or (N // groups) % FP8_BLOCK
+            or T > SKINNY_MAX_T or (N // groups) % FP8_BLOCK
             or x.stride(-1) != 1):
         return None
     _, wu, su = flat_operands(x[:, 0], K, w, scale)
     y = fp8_skinny_triton(x, wu, su, N, K, x.dtype, skinny_precision(x.dtype),
-                          groups=groups, **skinny_pipeline())
+                          groups=groups)
     return y.view(T, groups, N // groups)
 
 

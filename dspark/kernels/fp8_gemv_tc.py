@@ -1,7 +1,7 @@
 """Few-token FP8 linears on tensor cores, one warp per 16 weight rows, no shared memory: y = x W^T
 with W kept as e4m3 + UE8M0 128 x 128 tile scales (fp8_gemm's contract), for up to 16 tokens
 (decode, verify). The default for bf16 x on CUDA sm_90+ where it applies (`tc_applies`);
-DSPARK_FP8_TC=0 falls back to fp8_gemm's skinny kernel.
+elsewhere fp8_gemm's skinny kernel.
 
     y = fp8_gemv_tc(x2, wu, su, N, K, groups=1)     # x2 [T, K] (or [T, groups, K]) bf16
 
@@ -26,7 +26,7 @@ lane loads its MMA fragments straight from global memory into registers, as fp4_
 * the whole step is one inline-PTX block per lane that reads %laneid / %tid itself, so nothing
   depends on Triton's layout of the [32 * warps, 4] accumulator tensors.
 
-H200, session 16 (benchmarks/results/bench_decode_kernels_s16_fp8tc_h200.txt, cold L2, 1 token):
+H200 (benchmarks/results/bench_decode_kernels_fp8_gemv_tc_h200.txt, cold L2, 1 token):
 wq_b 12.5 -> 11.7 us (2.86 TB/s), wo_b 15.5 -> 13.0, wo_a's 8 groups 13.8 -> 12.7, shared w1 + w3
 9.6 -> 8.1, w2 7.0 -> 6.0 vs the skinny kernel; the V4-Flash 4-layer decode step's device time
 0.880 -> 0.823 ms. ~1.5 SASS instructions per weight byte, 68 registers. Measured slower: 2 or 4
@@ -40,7 +40,7 @@ skinny kernel does. K is split over programs when the row tiles alone leave SMs 
 stores its partial to a workspace and the program that arrives last for a tile sums the splits
 in order (deterministic), rounds to x's dtype and stores y.
 
-With PDL (the default on sm_90+, DSPARK_PDL=0 off: dspark.kernels.pdl) the launch may start
+With PDL (sm_90+: dspark.cuda.pdl) the launch may start
 while the kernel ahead still runs: it lets the next kernel start at once and waits before reading
 x; before that wait each lane loads its first step's weights (`_preload_asm`, a wait predicated
 on them so ptxas keeps the loads ahead of it) and runs that step on them
@@ -49,18 +49,17 @@ on them so ptxas keeps the loads ahead of it) and runs that step on them
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from dspark.kernels import pdl
+from dspark.cuda import pdl
 from dspark.kernels.fp8_gemm import _arrival_counters
 
 STEP = 128          # columns per warp step: 4 lanes x 16 bytes x 2 chunks
 MAX_T = 16          # two n8 B fragments
-# fp8_linear takes this kernel up to this many tokens. H200, session 16 (bench_decode_kernels,
+# fp8_linear takes this kernel up to this many tokens. H200 (bench_decode_kernels,
 # cold L2): at 1 and 6 tokens 1.07-1.21x faster than the skinny kernel on every decode shape; at
 # 16 (two n-tiles) 0.71-1.0x, so the skinny kernel keeps 9-64 tokens.
 DISPATCH_MAX_T = 8
@@ -316,7 +315,7 @@ def _fp8_gemv_tc_kernel(x_ptr, stride_xt, stride_xg, w_ptr, stride_wn, s_ptr, st
     """ASM / ASM_BF16: `_step_asm(NT, UNROLL)` with f16 / bf16 operands, CONS their
     constraints; STORE / STORE_C: `_store_asm(NT)` and its constraints (asm strings are
     compile-time arguments: Triton takes no string built inside a kernel).
-    PDL (dspark.kernels.pdl, on by default): launched while the kernel ahead still runs, this one
+    PDL (dspark.cuda.pdl, on by default): launched while the kernel ahead still runs, this one
     lets the next start at once and waits for the one ahead before reading x; PRELOAD (UNROLL 1):
     before that wait each lane loads its first step's weight words (PRE, `_preload_asm`; the
     weights are constant), then runs that step on them (GIVEN, `_step_asm(given=True)`)."""
@@ -378,23 +377,18 @@ def _fp8_gemv_tc_kernel(x_ptr, stride_xt, stride_xg, w_ptr, stride_wn, s_ptr, st
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
-def tc_enabled() -> bool:
-    """DSPARK_FP8_TC=0 turns this path off (fp8_gemm's skinny kernel)."""
-    return os.environ.get("DSPARK_FP8_TC", "1") != "0"
-
-
-def preload_enabled() -> bool:
-    """With PDL on (the default; DSPARK_PDL=0 off): each lane loads its first step's weights
-    before waiting for the kernel ahead (DSPARK_FP8_TC_PRELOAD=0: it waits first, then loads)."""
-    return os.environ.get("DSPARK_FP8_TC_PRELOAD", "1") != "0"
+# Tuning (H200, V4-Flash shapes, 1-6 tokens): 1 warp per program, 1 step per asm block, K split
+# until the launch has ~2048 warps (~16 per SM); 2-4 warps, 2 / 4 steps and 1024 / 4096 warps
+# measured slower (see the module docstring). One step per block is also what the PDL preload
+# needs (the kernel preloads only with UNROLL 1).
+TUNING = dict(warps=1, unroll=1, target_warps=2048)
 
 
 def tc_applies(x2: torch.Tensor, wu: torch.Tensor, N: int, K: int, groups: int = 1,
                max_t: int | None = None) -> bool:
     """bf16 x of 1..max_t tokens (default DISPATCH_MAX_T) on an sm_90+ GPU, e4m3 weight bytes,
     16-row tiles (inside each group), whole 128-column steps, 16-byte aligned weight and x rows."""
-    if not (x2.is_cuda and x2.dtype == torch.bfloat16 and wu.element_size() == 1
-            and tc_enabled()):
+    if not (x2.is_cuda and x2.dtype == torch.bfloat16 and wu.element_size() == 1):
         return False
     if torch.cuda.get_device_capability(x2.device) < (9, 0):
         return False
@@ -408,14 +402,14 @@ def tc_applies(x2: torch.Tensor, wu: torch.Tensor, N: int, K: int, groups: int =
 def _plan(N: int, K: int, groups: int, warps: int | None, unroll: int | None,
           target: int | None) -> tuple[int, int, int, int]:
     """(warps per program, steps per asm block, K splits, columns per split): K split until the
-    launch has ~`target` warps (DSPARK_FP8_TC_TARGET, default 2048: ~16 per H200 SM)."""
-    W = warps or int(os.environ.get("DSPARK_FP8_TC_WARPS", "1"))
+    launch has ~`target` warps; each None: TUNING's value."""
+    W = warps or TUNING["warps"]
     while W > 1 and (N // groups) % (16 * W):
         W //= 2
     steps = K // STEP
-    u = unroll or int(os.environ.get("DSPARK_FP8_TC_UNROLL", "1"))
+    u = unroll or TUNING["unroll"]
     u = next(v for v in (4, 2, 1) if v <= u and steps % v == 0)
-    target = target or int(os.environ.get("DSPARK_FP8_TC_TARGET", "2048"))
+    target = target or TUNING["target_warps"]
     units = steps // u
     split = max(1, min(units, target // max(1, N // 16)))
     per = triton.cdiv(units, split)
@@ -439,6 +433,6 @@ def fp8_gemv_tc(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: int, K:
     _fp8_gemv_tc_kernel[(programs, split)](
         x2, x2.stride(0), x2.stride(1) if groups > 1 else 0, wu, wu.stride(0), su, su.stride(0),
         y, y.stride(0), ws, _arrival_counters(x2.device, programs), T, N, K, kch, N // groups,
-        SPLIT=split, WARPS=W, NT=nt, UNROLL=u, PDL=on, PRELOAD=on and u == 1 and preload_enabled(),
+        SPLIT=split, WARPS=W, NT=nt, UNROLL=u, PDL=on, PRELOAD=on and u == 1,
         num_warps=W, **_launch_strings(nt, u), **pdl.launch_kwargs(on))
     return y

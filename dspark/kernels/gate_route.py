@@ -24,7 +24,7 @@ import triton.language as tl
 
 from dspark.kernels.decode_fused import _route_rows
 from dspark.kernels.sparse_mqa import _mma, _pick_precision
-from dspark.models import side_stream
+from dspark.cuda import side_stream
 
 MAX_T = 16              # token counts taken (decode, verify); more: GEMM + `route`
 MAX_E = 1024            # experts held by the routing program's [T, E] tile

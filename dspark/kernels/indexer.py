@@ -28,8 +28,7 @@ import triton.language as tl
 
 from dspark.kernels.sparse_mqa import (_interpreting, _mma, _pick_precision,
                                        global_indices_from_page_table)
-from dspark.kvcache.layouts import dequantize_indexer_fp8
-from dspark.models.deepseek_v4.indexer import topk_lowest_ties
+from dspark.formats.layouts import dequantize_indexer_fp8
 
 D_INDEX = 128
 
@@ -207,7 +206,9 @@ def _select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     out = torch.full((T, topk), -1, dtype=torch.int32, device=scores.device)
     k = min(topk, n)
     if k > 0:
-        vals, idx = topk_lowest_ties(scores, k)      # ties: lowest entry id (shape-independent)
+        # ties: lowest entry id, whatever the row length (the model's topk_lowest_ties rule)
+        vals, idx = torch.sort(scores, dim=-1, descending=True, stable=True)
+        vals, idx = vals[:, :k], idx[:, :k]
         out[:, :k] = torch.where(vals == float("-inf"), -1, idx).to(torch.int32)
     return out
 

@@ -34,9 +34,9 @@ blocks pass them), the program of each token that arrives last (an arrival count
 GEMVs use) then finishes that hc_pre / hc_head itself, u and its norm (launch 2's NORM form), and
 the hc_pre only queues the Sinkhorn launch on its side lane: one launch fewer per sub-block again.
 `hc_expand(table, n, hint, ids=)` does the same for the first layer with the embedding lookup in
-its loads. H200, session 18 (bench_decode_s18_ab_h200.json, 4-layer V4-Flash decode graph): the
-hc_post launch with the finish 6.0-6.6 us where hc_post + launch 2 took 2.8 + 3.3 us (+ a gap),
-device time per step 0.765 vs 0.768 ms (DSPARK_MHC_POST_FINISH=0: launch 2 of its own); the
+its loads. H200 (benchmarks/results/bench_decode_mhc_finish_ab_h200.json, 4-layer V4-Flash
+decode graph): the hc_post launch with the finish 6.0-6.6 us where hc_post + launch 2 took 2.8 +
+3.3 us (+ a gap), device time per step 0.765 vs 0.768 ms with launch 2 of its own; the
 embedding's own kernel (2.6 us) is gone. The finish is one program's serial tail (an acq_rel
 arrival, then the streams' loads from L2 and two row reductions): most of what the launch saved.
 
@@ -45,18 +45,16 @@ whose float down-cast does not round correctly, gives the same bytes as the GPU.
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from dspark.kernels import pdl
+from dspark.cuda import pdl
 from dspark.kernels.cache_write import _bf16_round
 from dspark.kernels.fp8_gemm import _arrival_counters
-from dspark.models import side_stream
-from dspark.models.deepseek_v4.mhc import NextPre
+from dspark.cuda import side_stream
 
 # launch 1 aims at ~256 programs (H200: 132 SMs) split between token blocks and K chunks
 _TARGET_PROGRAMS = 256
@@ -288,10 +286,9 @@ def _mixes(X: torch.Tensor, fn: torch.Tensor):
 
 
 def norm_fusable(X: torch.Tensor, norm) -> bool:
-    """Whether the u launch also applies the RMSNorm `norm` that reads u next (DSPARK_MHC_NORM,
-    on by default; few tokens, D up to 8192: one program holds a token's whole row)."""
-    return (norm is not None and os.environ.get("DSPARK_MHC_NORM", "1") != "0"
-            and X.shape[0] <= POST_NEXT_MAX_T and X.shape[2] <= 8192
+    """Whether the u launch also applies the RMSNorm `norm` that reads u next (few tokens, D up
+    to 8192: one program holds a token's whole row)."""
+    return (norm is not None and X.shape[0] <= POST_NEXT_MAX_T and X.shape[2] <= 8192
             and norm.weight.shape == (X.shape[2],) and norm.weight.is_contiguous()
             and norm.weight.device == X.device)
 
@@ -302,7 +299,7 @@ def _collapse(X, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, head: bool,
     u launch when `norm_fusable`. Not deferred (and not head) the one launch stays as tuned for
     the Sinkhorn chain, and the norm runs after it."""
     T, n, D = X.shape
-    fuse = norm_fusable(X, norm) and (head or (deferred and defer_enabled()))
+    fuse = norm_fusable(X, norm) and (head or deferred)
     done = _finished_left_on(X, fn, base, scale, norm, head) if fuse else None
     left = _partials_left_on(X, fn)
     X, fn = X.contiguous(), fn.contiguous()
@@ -328,11 +325,11 @@ def _collapse(X, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, head: bool,
         if not head:                    # post / comb on the side lane, as below
             _sinkhorn_aside(X, args, meta, post, part, sq, base, scale, comb)
         return u, post, comb
-    if head or not (deferred and defer_enabled()):
+    if head or not deferred:
         # one launch: u, and (not head) post / comb by each token's D-block-0 program
         _finish_pre[(T, triton.cdiv(D, block_d))](*args, HEAD=head, **meta)
     else:
-        # deferred (the default; DSPARK_MHC_SIDE=0: the one launch above): u (what the
+        # deferred (what the model's blocks ask for): u (what the
         # sub-block needs now) alone, then post / comb (the Sinkhorn chain, read by hc_post at
         # the sub-block's end) by one more program per token on a side stream that hc_post
         # joins (side_stream.py: inline off CUDA), so the decode step waits for u only (the
@@ -357,8 +354,7 @@ def _sinkhorn_aside(X, args, meta, post, part, sq, base, scale, comb):
         setattr(post, _SIDE, (side, (X, part, sq, base, scale, comb)))
 
 
-# the fused u + RMSNorm launch: one program holds a token's n x D streams. H200, session 14
-# (8 warps): 3.3 us where the u launch (1.7 us) and the RMSNorm launch (2.9 us) ran one after
+# the fused u + RMSNorm launch: one program holds a token's n x D streams. H200 (8 warps): 3.3 us where the u launch (1.7 us) and the RMSNorm launch (2.9 us) ran one after
 # the other; 0.924 vs 0.926 ms device time per decode step (16 warps 0.914, 4 warps 0.920 ms
 # against 0.913 in the same call: noise).
 NORM_WARPS = 8
@@ -368,18 +364,14 @@ _SINKHORN_LANE = 5
 _SIDE = "_dspark_mhc_side"     # (side stream still writing post / comb, what it reads)
 
 
-def defer_enabled() -> bool:
-    """hc_pre(deferred=True) runs the Sinkhorn launch on a side stream (DSPARK_MHC_SIDE=0:
-    inline, for A/B runs). H200, session 13, decode graph device time per step: 0.953 ms
-    without, 0.937 with; the graph replay == eager tests (verify steps of 48 tokens included,
-    where the first version freed its inputs early, see _collapse) pass with it."""
-    return os.environ.get("DSPARK_MHC_SIDE", "1") != "0"
+# hc_pre(deferred=True) runs the Sinkhorn launch on a side stream. H200, decode graph device
+# time per step: 0.953 ms inline, 0.937 on the side lane.
 
 
 # `_finish_pre` launch (BLOCK_D, num_warps) for few tokens (True) / more (False). The Sinkhorn
 # iterations of the D-block-0 program are a serial chain of tiny n x n reductions: with one
 # warp they stay inside it (shuffles, no shared-memory round trips), which is what a decode step
-# waits for. H200, `python -m dspark.kernels.mhc_bench --finish-sweep` (T = 1, D = 4096, hc_post
+# waits for. H200, `python benchmarks/bench_mhc.py --finish-sweep` (T = 1, D = 4096, hc_post
 # leaving the partials + hc_pre, graph µs per pair): 1 warp 7.3, 2 warps 8.5, 4 warps 9.2-10.1
 # at BLOCK_D 128 / 256 / 512 alike (15.3 without the partials).
 FINISH_LAUNCH = {True: (_BLOCK_D, 1), False: (_BLOCK_D, 4)}
@@ -399,7 +391,7 @@ class _Left(NamedTuple):
     """What hc_post's launch leaves on its output streams for the next collapse."""
     fn: torch.Tensor                # the projection the partials are of
     partials: tuple                 # (part, sq, S, BLOCK_R), as `_mixes` returns them
-    hint: NextPre | None = None     # the collapse it also finished (FINISH), and its result u
+    hint: tuple | None = None       # the NextPre it also finished (FINISH), and its result u
     u: torch.Tensor | None = None
 
 
@@ -419,12 +411,6 @@ def _finished_left_on(X, fn, base, scale, norm, head: bool):
     h = left.hint
     return left.u if (h.base is base and h.scale is scale and h.norm is norm
                       and h.head == head) else None
-
-
-def finish_enabled() -> bool:
-    """hc_post finishes the next hc_pre / hc_head in its launch when given a `NextPre` hint
-    (DSPARK_MHC_POST_FINISH=0: a launch of its own, for A/B runs)."""
-    return os.environ.get("DSPARK_MHC_POST_FINISH", "1") != "0"
 
 
 def hc_post(o: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
@@ -462,13 +448,13 @@ def _launch_post(o, X, post, comb, next_fn, n: int, dtype, expand: bool,
     out = torch.empty(T, n, D, dtype=dtype, device=o.device)
     if T == 0:
         return out
-    hint = next_fn if isinstance(next_fn, NextPre) else None
+    # a NextPre (dspark.models.deepseek_v4.mhc: fn, base, scale, norm, eps, head) or a plain fn
+    hint = None if next_fn is None or isinstance(next_fn, torch.Tensor) else next_fn
     if hint is not None:
         next_fn = hint.fn
     nxt = (next_fn is not None and T <= POST_NEXT_MAX_T and next_fn.shape[1] == n * D
            and dtype in (torch.bfloat16, torch.float32) and next_fn.is_contiguous())
-    finish = (nxt and hint is not None and finish_enabled() and norm_fusable(out, hint.norm)
-              and (hint.head or defer_enabled()))
+    finish = nxt and hint is not None and norm_fusable(out, hint.norm)
     if nxt:
         block_d = min(_POST_NEXT_BLOCK_D, triton.next_power_of_2(D))
         R = next_fn.shape[0]

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.kernels import pdl
+from dspark.cuda import pdl
 from dspark.kernels.cache_write import _bf16_round
 
 ROUNDINGS = {torch.float32: 0, torch.bfloat16: 1}
@@ -46,7 +46,7 @@ def _norm_rope_kernel(x_ptr, w_ptr, cis_ptr, out_ptr, H, D, R_HALF,
                       ROPE: tl.constexpr, ROUND: tl.constexpr,
                       BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, GATHER: tl.constexpr,
                       PDL: tl.constexpr = False):
-    # PDL (dspark.kernels.pdl): the next kernel (a weight-streaming GEMV) may start now;
+    # PDL (dspark.cuda.pdl): the next kernel (a weight-streaming GEMV) may start now;
     # it waits for this grid before reading anything this one writes
     pdl.launch_dependents(PDL)
     row = tl.program_id(0)

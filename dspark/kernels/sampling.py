@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.sampling import _M32, Purpose, _mix32
-from dspark.spec.verify import Q_FLOOR, RESIDUAL_EPS, VerifyResult, _check
+from dspark.formats.sampling import (_M32, Q_FLOOR, RESIDUAL_EPS, Purpose, VerifyResult,
+                                     _check, _mix32)
 
 # Lowest start for the running max: finite, so a chunk of -inf logits gives exp(-inf - m) = 0
 # instead of exp(-inf + inf) = nan, and below any finite tempered logit.
@@ -49,8 +49,8 @@ def hash_start(purpose: int) -> int:
 
 @triton.jit
 def _mix32_jit(x):
-    # `dspark.sampling._mix32` in int64: inputs < 2**32 and multipliers < 2**31, so every product
-    # fits in int64 exactly and the results match torch's bit for bit.
+    # `dspark.formats.sampling._mix32` in int64: inputs < 2**32 and multipliers < 2**31, so
+    # every product fits in int64 exactly and the results match torch's bit for bit.
     m32 = tl.full([], 0xFFFFFFFF, tl.int64)
     x = x ^ (x >> 16)
     x = (x * 0x21F0AAAD) & m32

@@ -31,7 +31,7 @@ when they hold that much.
 Top-k's set equals the torch path's exactly; top-p's boundary sums run in another order than
 torch's cumsum, so a token whose prefix mass is within rounding of p can go the other way (as
 for the fused kernels' own sums). Offline sm_90 compile: BLOCK 512 with 8 warps, 160 registers,
-no spills (1024 spills). H200, session 12 (benchmarks/bench_sampling_filters.py): faster than
+no spills (1024 spills). H200 (benchmarks/bench_sampling_filters.py): faster than
 the torch path on small vocabularies and many rows (V 512: 39 vs 83 us; V 32768 x 48 rows: 191
 vs 371), slower on one long row (V 129280: 722 vs 252 us: one program streams it ~3 times);
 sampling.fused_filters_enabled picks per call.

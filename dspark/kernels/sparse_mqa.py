@@ -32,23 +32,17 @@ tiles of BLOCK_K, fp32 statistics and accumulator; the sink joins at the end. Tw
 chosen per call (``impl``) or by the DEFAULT_CONFIGS table (keyed by the number of query tokens,
 filled from benchmarks/sweep_attention.py):
 
-* ``v1``: the first kernel; split_d > 1 re-gathers the value slice.
-* ``v2``: the tile is decoded in one 3-D [BLOCK_K, groups, 64] shape (fp8 bytes; scale byte and
-  one [BLOCK_K, 64] RoPE load broadcast over it) with int32 page arithmetic: at BLOCK_K 64 /
-  8 warps an offline sm_90 compile (triton 3.9 ptxas) spills 92 B/thread instead of v1's 452 and
-  issues 1768 instead of 2221 SASS instructions per key tile. ``split_d=2`` gives each program
-  half of the 512 output columns (a 64×256 accumulator: with 4 warps and ≤ 110 KB of shared
-  memory two CTAs fit an SM) and computes the scores from its own half plus the other half, so
-  every byte is gathered once per program and the value tile is its own half (no re-gather).
-  ``kv_splits>1`` is flash-decoding: each split takes an equal share of the token's key tiles and
-  writes a normalised partial output and log-sum-exp; a small combine kernel merges the splits
-  with the sink (fills the GPU when T is small). ``halves=True`` (split_d 1) decodes and
-  accumulates the 512 columns as two 256-column halves in the same program (same work, fewer
-  live decode registers: no spills at BLOCK_K 32 with 2 stages).
-* ``v3`` (sparse_mqa_v3.py): the key tile is decoded as four 128-column chunks, each written once
-  to shared memory and read there by both wgmmas (four 64x128 accumulators), one loop over both
-  index lists, shift/mask page math; spill-free at BLOCK_K 16-32 (offline, triton 3.6).
-Knobs: impl, block_h, block_k, split_d, kv_splits, halves, num_warps, num_stages, maxnreg,
+* ``v1``: the first kernel, the fallback off the production case (fp32 q, fewer than 64 heads);
+  split_d > 1 re-gathers the value slice.
+* ``v3`` (sparse_mqa_v3.py), every DEFAULT_CONFIGS row: the key tile is decoded as four
+  128-column chunks, each written once to shared memory and read there by both wgmmas (four
+  64x128 accumulators), one loop over both index lists, shift/mask page math; spill-free at
+  BLOCK_K 16-32 (offline, triton 3.6). ``kv_splits>1`` is flash-decoding: each split takes an
+  equal share of the token's key tiles and writes a normalised partial output and log-sum-exp;
+  a small combine kernel merges the splits with the sink (fills the GPU when T is small).
+(A v2 kernel, a 3-D tile decode with split-D and split-KV, measured 2.25-2.32x FlashMLA's time
+where v3 took 1.64-1.68x in the same H200 sweep, and 49.9 vs 39.4 us at 16 requests.)
+Knobs: impl, block_h, block_k, split_d (v1), kv_splits (v3), num_warps, num_stages, maxnreg,
 precision.
 """
 from __future__ import annotations
@@ -59,9 +53,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.kernels import pdl
+from dspark.cuda import pdl
 from dspark.kernels.norm_rope import _rnd
-from dspark.kvcache.layouts import dequantize_fp8_ds_mla
+from dspark.formats.layouts import dequantize_fp8_ds_mla
 
 D_HEAD = 512        # full record width: 448 NoPE + 64 RoPE dims
 RECORD_STRIDE = 576  # bytes per data row inside a page (448 fp8 + 128 bf16)
@@ -285,7 +279,7 @@ def _sparse_mqa_kernel(
 
 
 # ----------------------------------------------------------------------------------------------
-# Triton kernel v2: lean tile decode, split-D without re-gather, split-KV (flash-decoding)
+# Shared by the v3 kernel (sparse_mqa_v3.py) and the split-KV combine
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
@@ -297,219 +291,6 @@ def _dot(a, b, acc, PRECISION: tl.constexpr):
         return tl.dot(a, b, acc, input_precision="tf32")
     else:
         return tl.dot(a, b, acc, input_precision="ieee")
-
-
-@triton.jit
-def _v2_load_groups(ent, valid, g0, cache_u8_ptr, cache_bf16_ptr, page_bytes, N,
-                    FP8: tl.constexpr, BLOCK_N: tl.constexpr, NG: tl.constexpr,
-                    PRECISION: tl.constexpr):
-    """Columns [64·g0, 64·(g0 + NG)) of BLOCK_N keys -> MMA operand [BLOCK_N, 64·NG].
-
-    ent: int32 [BLOCK_N] global entry ids (0 where invalid); valid: bool [BLOCK_N].
-    FP8: the decode works in one 3-D [BLOCK_N, NG, 64] shape (fp8 bytes; the scale byte and
-    the 64 bf16 RoPE values broadcast over it), so only the raw fp8 bytes may be re-laid-out
-    (v1 moved the decoded fp32 tile); with num_stages >= 2 they reach shared memory by cp.async
-    anyway. Page/row arithmetic is int32 (ids < 2^31); only the byte offset is int64. Invalid
-    keys come back as zero rows.
-    Dense: cache_u8_ptr is the kv base pointer (bf16 or fp32), page_bytes its row stride."""
-    if FP8:
-        page = ent // N
-        row = ent - page * N
-        base = page.to(tl.int64) * page_bytes
-        rec = base + row * 576                                     # data row (bytes)
-        sc = base + N * 576 + row * 8                              # its scale row (bytes)
-        g = g0 + tl.arange(0, NG)[None, :, None]                   # global 64-wide group
-        i = tl.arange(0, 64)[None, None, :]
-        v3 = valid[:, None, None]
-        rec3 = rec[:, None, None]
-        is_nope = g < 7
-        f8 = tl.load(cache_u8_ptr + rec3 + g * 64 + i, mask=v3 & is_nope, other=0)
-        sbyte = tl.load(cache_u8_ptr + sc[:, None, None] + g, mask=v3 & is_nope, other=127)
-        scale = (sbyte.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # UE8M0 -> 2^(b-127)
-        # RoPE: 64 bf16 at byte rec + 448 = bf16 element rec/2 + 224 (rec is even); one
-        # [BLOCK_N, 1, 64] load broadcast over the groups (read only if group 7 is in range)
-        rope = tl.load(cache_bf16_ptr + ((rec3 >> 1) + 224) + i,
-                       mask=v3 & (i * 0 + g0 + NG > 7), other=0.0)
-        # fp32 decode, then one packed cast to the MMA type (fewer instructions than decoding
-        # to bf16 directly, which sm_90 does element by element); e4m3 · 2^k is exact in bf16
-        kv = tl.where(is_nope, f8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale,
-                      rope.to(tl.float32))
-        kv = tl.reshape(kv, (BLOCK_N, NG * 64))
-    else:
-        d = g0 * 64 + tl.arange(0, NG * 64)[None, :]
-        kv = tl.load(cache_u8_ptr + ent.to(tl.int64)[:, None] * page_bytes + d,
-                     mask=valid[:, None], other=0.0)
-    return _mma_operand(kv, PRECISION)
-
-
-@triton.jit
-def _v2_attend(q_own, q_oth, m_i, l_i, acc, g_own, g_oth, idx_row_ptr, k_lo, k_hi,
-               cache_u8_ptr, cache_bf16_ptr, page_bytes, N, qk_scale_log2,
-               FP8: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_D: tl.constexpr,
-               BLOCK_H: tl.constexpr, PRECISION: tl.constexpr):
-    """Online softmax (base 2) over keys [k_lo, k_hi) of one index list.
-
-    Scores use all 512 dims: the program's own column groups (q_own · k_ownᵀ, which is also the
-    value tile) plus, with SPLIT_D = 2, the other half (q_oth · k_othᵀ). So a split-D program
-    gathers every byte once and never re-gathers its value slice."""
-    NG: tl.constexpr = 8 // SPLIT_D
-    for k0 in range(k_lo, k_hi, BLOCK_N):
-        offs = k0 + tl.arange(0, BLOCK_N)
-        ent = tl.load(idx_row_ptr + offs, mask=offs < k_hi, other=-1)
-        valid = ent >= 0
-        ent = tl.where(valid, ent, 0)
-        k_own = _v2_load_groups(ent, valid, g_own, cache_u8_ptr, cache_bf16_ptr, page_bytes, N,
-                                FP8, BLOCK_N, NG, PRECISION)
-        s = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
-        s = _dot(q_own, tl.trans(k_own), s, PRECISION)
-        if SPLIT_D == 2:
-            k_oth = _v2_load_groups(ent, valid, g_oth, cache_u8_ptr, cache_bf16_ptr, page_bytes,
-                                    N, FP8, BLOCK_N, NG, PRECISION)
-            s = _dot(q_oth, tl.trans(k_oth), s, PRECISION)
-        p, alpha, m_i, l_i = _softmax_step(s, valid, qk_scale_log2, m_i, l_i)
-        acc = _dot(_mma_operand(p, PRECISION), k_own, acc * alpha[:, None], PRECISION)
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _v2_attend_halves(q_lo, q_hi, m_i, l_i, acc_lo, acc_hi, idx_row_ptr, k_lo, k_hi,
-                      cache_u8_ptr, cache_bf16_ptr, page_bytes, N, qk_scale_log2,
-                      FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-                      PRECISION: tl.constexpr):
-    """Like _v2_attend with SPLIT_D = 1, but the key tile is decoded, multiplied and accumulated
-    as two 256-column halves (two 64x256 accumulators): the same work with half the decode
-    registers live at a time."""
-    for k0 in range(k_lo, k_hi, BLOCK_N):
-        offs = k0 + tl.arange(0, BLOCK_N)
-        ent = tl.load(idx_row_ptr + offs, mask=offs < k_hi, other=-1)
-        valid = ent >= 0
-        ent = tl.where(valid, ent, 0)
-        k_a = _v2_load_groups(ent, valid, 0, cache_u8_ptr, cache_bf16_ptr, page_bytes, N,
-                              FP8, BLOCK_N, 4, PRECISION)
-        s = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
-        s = _dot(q_lo, tl.trans(k_a), s, PRECISION)
-        k_b = _v2_load_groups(ent, valid, 4, cache_u8_ptr, cache_bf16_ptr, page_bytes, N,
-                              FP8, BLOCK_N, 4, PRECISION)
-        s = _dot(q_hi, tl.trans(k_b), s, PRECISION)
-        s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        p = _mma_operand(p, PRECISION)
-        acc_lo = _dot(p, k_a, acc_lo * alpha[:, None], PRECISION)
-        acc_hi = _dot(p, k_b, acc_hi * alpha[:, None], PRECISION)
-        m_i = m_new
-    return m_i, l_i, acc_lo, acc_hi
-
-
-@triton.jit
-def _sparse_mqa_v2_kernel(
-    q_ptr, stride_qt, stride_qh,
-    out_ptr, stride_ot, stride_oh,
-    part_ptr, lse_ptr,
-    sink_ptr, H, qk_scale_log2,
-    a_u8_ptr, a_bf16_ptr, a_page_bytes, a_N, a_idx_ptr, a_stride_it, a_K, a_len_ptr,
-    b_u8_ptr, b_bf16_ptr, b_page_bytes, b_N, b_idx_ptr, b_stride_it, b_K, b_len_ptr,
-    FP8: tl.constexpr, HAS_B: tl.constexpr, A_HAS_LEN: tl.constexpr, B_HAS_LEN: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HALVES: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """1-D grid over T × NUM_SPLITS × cdiv(H, BLOCK_H) × SPLIT_D (split-D fastest, so the
-    programs sharing a token's keys run side by side and the second gather hits L2).
-    HALVES (SPLIT_D = 1 only): the program's 512 columns are decoded and accumulated as two
-    256-column halves (_v2_attend_halves).
-
-    NUM_SPLITS == 1: writes the final output (sink applied). NUM_SPLITS > 1 (flash-decoding):
-    split s takes an equal share of the token's key tiles (list a, then list b) and writes its
-    normalised partial output part[t, s, h, :] and log2-sum-exp lse[t, s, h] (−inf if it saw no
-    valid key); _combine_kernel merges the splits and the sink."""
-    pid = tl.program_id(0)
-    n_hb = tl.cdiv(H, BLOCK_H)
-    dsel = pid % SPLIT_D
-    rest = pid // SPLIT_D
-    hb = rest % n_hb
-    rest = rest // n_hb
-    split = rest % NUM_SPLITS
-    t = (rest // NUM_SPLITS).to(tl.int64)
-
-    NG: tl.constexpr = 8 // SPLIT_D if not HALVES else 4
-    D_OUT: tl.constexpr = 512 // SPLIT_D if not HALVES else 256
-    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = h < H
-    g_own = dsel * NG
-    g_oth = (1 - dsel) * NG
-    dq = tl.arange(0, D_OUT)
-    q_rows = q_ptr + t * stride_qt + h[:, None] * stride_qh
-    q_own = _mma_operand(tl.load(q_rows + (g_own * 64 + dq)[None, :], mask=h_ok[:, None],
-                                 other=0.0), PRECISION)
-    if SPLIT_D == 2:
-        q_oth = _mma_operand(tl.load(q_rows + (g_oth * 64 + dq)[None, :], mask=h_ok[:, None],
-                                     other=0.0), PRECISION)
-    elif HALVES:
-        q_oth = _mma_operand(tl.load(q_rows + (256 + dq)[None, :], mask=h_ok[:, None],
-                                     other=0.0), PRECISION)
-    else:
-        q_oth = q_own
-    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, D_OUT), tl.float32)
-    acc2 = tl.zeros((BLOCK_H, D_OUT), tl.float32)    # second half (HALVES only)
-
-    n_a, n_b = _list_lengths(t, a_K, a_len_ptr, b_K, b_len_ptr, HAS_B, A_HAS_LEN, B_HAS_LEN)
-    if NUM_SPLITS == 1:
-        lo_a = 0
-        hi_a = n_a
-        lo_b = 0
-        hi_b = n_b
-    else:
-        ta = tl.cdiv(n_a, BLOCK_N)
-        tb = tl.cdiv(n_b, BLOCK_N)
-        per = tl.cdiv(ta + tb, NUM_SPLITS)
-        t0 = split * per
-        t1 = t0 + per
-        lo_a = tl.minimum(t0, ta) * BLOCK_N
-        hi_a = tl.minimum(t1 * BLOCK_N, n_a)
-        lo_b = tl.maximum(t0 - ta, 0) * BLOCK_N
-        hi_b = tl.minimum(tl.maximum(t1 - ta, 0) * BLOCK_N, n_b)
-
-    if HALVES:
-        m_i, l_i, acc, acc2 = _v2_attend_halves(
-            q_own, q_oth, m_i, l_i, acc, acc2, a_idx_ptr + t * a_stride_it, lo_a, hi_a,
-            a_u8_ptr, a_bf16_ptr, a_page_bytes, a_N, qk_scale_log2,
-            FP8, BLOCK_N, BLOCK_H, PRECISION)
-        if HAS_B:
-            m_i, l_i, acc, acc2 = _v2_attend_halves(
-                q_own, q_oth, m_i, l_i, acc, acc2, b_idx_ptr + t * b_stride_it, lo_b, hi_b,
-                b_u8_ptr, b_bf16_ptr, b_page_bytes, b_N, qk_scale_log2,
-                FP8, BLOCK_N, BLOCK_H, PRECISION)
-    else:
-        m_i, l_i, acc = _v2_attend(q_own, q_oth, m_i, l_i, acc, g_own, g_oth,
-                                   a_idx_ptr + t * a_stride_it, lo_a, hi_a,
-                                   a_u8_ptr, a_bf16_ptr, a_page_bytes, a_N, qk_scale_log2,
-                                   FP8, BLOCK_N, SPLIT_D, BLOCK_H, PRECISION)
-        if HAS_B:
-            m_i, l_i, acc = _v2_attend(q_own, q_oth, m_i, l_i, acc, g_own, g_oth,
-                                       b_idx_ptr + t * b_stride_it, lo_b, hi_b,
-                                       b_u8_ptr, b_bf16_ptr, b_page_bytes, b_N, qk_scale_log2,
-                                       FP8, BLOCK_N, SPLIT_D, BLOCK_H, PRECISION)
-
-    do = g_own * 64 + dq
-    if NUM_SPLITS == 1:
-        # sink: one extra logit per head, only in the denominator; pivot on max(m, sink)
-        f = _sink_factor(sink_ptr, h, h_ok, m_i, l_i)
-        o_rows = out_ptr + t * stride_ot + h[:, None] * stride_oh
-    else:
-        has = l_i > 0.0
-        f = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        row = (t * NUM_SPLITS + split) * H + h                    # [BLOCK_H] rows of part/lse
-        o_rows = part_ptr + row[:, None] * 512
-        tl.store(lse_ptr + row, lse, mask=h_ok)   # split-D twins store the same values
-    tl.store(o_rows + do[None, :], acc * f[:, None], mask=h_ok[:, None])
-    if HALVES:
-        tl.store(o_rows + (256 + dq)[None, :], acc2 * f[:, None], mask=h_ok[:, None])
 
 
 @triton.jit
@@ -579,8 +360,8 @@ def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr, stride_ot, stride_oh, 
 # through fp32): 72.1 / 136.6 / 260.9 us = 1.48 / 1.49 / 1.50x FlashMLA at 64 / 128 / 256
 # requests (bf16 in the same run 77.3 / 146.1 / 280.5), 38.0 us at 16. fp16 keeps 3 more mantissa
 # bits than bf16; its range (|value| < 65504, scales >= 2^-24) holds for RMS-normed latents.
-# Up to 8 tokens (session 17, the batch-1 V4-Flash decode graph on the H200, 64 heads, 128
-# window + 0 / 512 compressed keys, DSPARK_SMQA_FEW A/B): 16 heads x 8 KV splits per program with
+# Up to 8 tokens (the batch-1 V4-Flash decode graph on the H200, 64 heads, 128 window + 0 / 512
+# compressed keys): 16 heads x 8 KV splits per program with
 # 4 warps (128 programs per token, each reading a quarter of q and writing a quarter of the
 # partials of a 64-head program) took 8.8 / 9.2 us per SWA / compressed layer against 9.7 / 13.9
 # for 64 heads x 4 splits x 8 warps (16 heads x 4 splits: 8.6 / 12.8; 32 heads: 10.6 / 17.7;
@@ -596,25 +377,11 @@ DEFAULT_CONFIGS: list[tuple[int | None, dict]] = [
 ]
 
 
-# heads per program of the split-KV combine (DSPARK_COMBINE_BH). H200, session 17, batch-1
+# heads per program of the split-KV combine. H200, batch-1
 # V4-Flash decode graph (64 heads, 4 splits, inverse RoPE in the launch): 4.9 us at 16 heads,
 # 2.4 at 4, 1.8 at 2 (each program reads its heads' partials: 128 KB at 16 heads); device time
 # per step 0.821 -> 0.808 ms from 16 to 4 heads.
 COMBINE_BLOCK_H = 2
-
-
-def _env_config(name: str) -> dict:
-    """Knobs from the environment variable `name`, "key=int+..." (A/B runs of the decode step:
-    DSPARK_SMQA_FEW replaces knobs of the few-token default rows), else {}."""
-    text = os.environ.get(name, "")
-    out = {}
-    for item in filter(None, text.split("+")):
-        key, _, val = item.partition("=")
-        if key not in ("block_h", "block_k", "kv_splits", "num_warps", "num_stages"):
-            raise ValueError(f"{name}: unknown knob {key!r} (block_h, block_k, kv_splits, "
-                             "num_warps, num_stages)")
-        out[key] = int(val)
-    return out
 
 
 def _resolve_config(T: int, H: int, prec: str, user: dict) -> dict:
@@ -624,8 +391,8 @@ def _resolve_config(T: int, H: int, prec: str, user: dict) -> dict:
     DEFAULT_CONFIGS row for T. Otherwise a simple heuristic for the chosen implementation (v1
     unless ``impl`` says otherwise) with the given knobs on top: BLOCK_H = all heads up to 64 (one
     wgmma M-tile; every key tile is shared by all of them), BLOCK_K 64 for bf16 operands and
-    32 (v1) / 16 (v2) for fp32 ones (an fp32 K tile of 64 rows next to q exceeds the 227 KB of an
-    H200 SM), 8 warps for 64 heads, one stage, no splits.
+    32 for fp32 ones (an fp32 K tile of 64 rows next to q exceeds the 227 KB of an H200 SM), 8
+    warps for 64 heads, one stage, no splits.
     """
     user = {k: v for k, v in user.items() if v is not None}
     cfg = None
@@ -633,40 +400,28 @@ def _resolve_config(T: int, H: int, prec: str, user: dict) -> dict:
         for bound, row in DEFAULT_CONFIGS:
             if bound is None or T <= bound:
                 cfg = dict(row)
-                if bound is not None:
-                    cfg.update(_env_config("DSPARK_SMQA_FEW"))
                 break
     if cfg is None:
         impl = user.get("impl", "v1")
         bh = user.get("block_h", min(64, max(16, triton.next_power_of_2(H))))
-        # fp32 operands: v2 keeps q and the key tile in shared memory (and a layout-conversion
-        # scratch), so 16 keys per tile there (32 would need 256 KB at tf32)
-        bk = 64 if prec in ("bf16", "fp16") else (32 if impl == "v1" else 16)
+        bk = 64 if prec in ("bf16", "fp16") else 32
         cfg = dict(impl=impl, block_h=bh, block_k=bk, split_d=1, kv_splits=1,
                    num_warps=8 if bh >= 64 else 4, num_stages=1)
     cfg.update(user)
     cfg.setdefault("kv_splits", 1)
     cfg.setdefault("split_d", 1)
     cfg.setdefault("maxnreg", None)
-    cfg.setdefault("halves", False)
     cfg.setdefault("early_decode", False)
     cfg.setdefault("fp16_operands", False)
     assert cfg["impl"] == "v3" or not cfg["early_decode"], "early_decode needs impl='v3'"
-    assert cfg["impl"] in ("v1", "v2", "v3"), \
-        f"impl must be 'v1', 'v2' or 'v3', got {cfg['impl']!r}"
+    assert cfg["impl"] in ("v1", "v3"), f"impl must be 'v1' or 'v3', got {cfg['impl']!r}"
     assert cfg["block_h"] >= 16 and cfg["block_k"] >= 16, "tl.dot needs tiles of at least 16"
     if cfg["impl"] == "v1":
         assert cfg["split_d"] in (1, 2, 4), "split_d must be 1, 2 or 4"
-        assert cfg["kv_splits"] == 1, "kv_splits > 1 needs impl='v2'"
-        assert not cfg["halves"], "halves needs impl='v2'"
-    elif cfg["impl"] == "v3":
-        assert cfg["split_d"] == 1 and not cfg["halves"], \
-            "impl='v3' always covers the 512 columns in one program (no split_d / halves)"
-        assert cfg["kv_splits"] >= 1, "kv_splits must be >= 1"
+        assert cfg["kv_splits"] == 1, "kv_splits > 1 needs impl='v3'"
     else:
-        assert cfg["split_d"] in (1, 2), "impl='v2': split_d must be 1 or 2"
+        assert cfg["split_d"] == 1, "impl='v3' always covers the 512 columns in one program"
         assert cfg["kv_splits"] >= 1, "kv_splits must be >= 1"
-        assert not (cfg["halves"] and cfg["split_d"] != 1), "halves needs split_d=1"
     return cfg
 
 
@@ -737,20 +492,12 @@ def _launch(q, sink, scale, fp8, a, b, tuning: dict, precision, rope=None):
         lse = torch.empty((T, ns, H), dtype=torch.float32, device=q.device)
     else:
         part = lse = out  # never read or written
-    if cfg["impl"] == "v3":
-        from dspark.kernels.sparse_mqa_v3 import launch_v3
-        flags.pop("SPLIT_D")
-        LAST_LAUNCH["kernel"] = launch_v3(q, out, part, lse, sink, float(scale) * LOG2E, a, b,
-                                          has_b, cfg, flags, launch_opts)
-    else:
-        grid = (T * ns * triton.cdiv(H, cfg["block_h"]) * cfg["split_d"],)
-        LAST_LAUNCH["kernel"] = _sparse_mqa_v2_kernel[grid](
-            q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), part, lse,
-            sink, H, float(scale) * LOG2E, *list_args,
-            BLOCK_N=cfg["block_k"], NUM_SPLITS=ns, HALVES=cfg["halves"], **flags, **launch_opts)
+    from dspark.kernels.sparse_mqa_v3 import launch_v3
+    flags.pop("SPLIT_D")
+    LAST_LAUNCH["kernel"] = launch_v3(q, out, part, lse, sink, float(scale) * LOG2E, a, b,
+                                      has_b, cfg, flags, launch_opts)
     if ns > 1:
-        bh = min(int(os.environ.get("DSPARK_COMBINE_BH", COMBINE_BLOCK_H)),
-                 triton.next_power_of_2(H))
+        bh = min(COMBINE_BLOCK_H, triton.next_power_of_2(H))
         cis, pos, dtype, r_half = out, out, out.dtype, 32          # (unread without rope)
         if rope is not None:                  # the inverse RoPE and the cast in this launch
             cis, pos, dtype = rope
@@ -795,7 +542,6 @@ def sparse_mqa_fp8(q: torch.Tensor, cache: torch.Tensor, entries_per_page: int,
                    num_warps: int | None = None, num_stages: int | None = None,
                    precision: str | None = None, kv_splits: int | None = None,
                    impl: str | None = None, maxnreg: int | None = None,
-                   halves: bool | None = None,
                    early_decode: bool | None = None, rope=None) -> torch.Tensor:
     """Sparse MQA with sink over a paged ``fp8_ds_mla`` cache (Triton).
 
@@ -809,12 +555,13 @@ def sparse_mqa_fp8(q: torch.Tensor, cache: torch.Tensor, entries_per_page: int,
               skipped, not just masked — use it when lists are padded with long −1 tails).
     extra_*:  optional second cache / index list (e.g. compressed entries next to the SWA
               window), joined into the same softmax. ``extra_cache`` defaults to ``cache``.
-    impl ('v1' | 'v2' | 'v3'), block_h, block_k, split_d, kv_splits, halves, num_warps, num_stages,
+    impl ('v1' | 'v3'), block_h, block_k, split_d, kv_splits, num_warps, num_stages,
     maxnreg, early_decode, precision ('bf16' | 'fp16' | 'tf32' | 'ieee'; None: bf16 operands for
     bf16 q, fp16 where the DEFAULT_CONFIGS row says fp16_operands, tf32 for fp32 q):
               tuning knobs (none given: the DEFAULT_CONFIGS row for T). split_d > 1 splits the
-              512 output columns over that many programs (scores computed by each); kv_splits > 1
-              (v2) splits each token's keys over that many programs plus a combine kernel.
+              512 output columns over that many programs (v1; scores computed by each);
+              kv_splits > 1 (v3) splits each token's keys over that many programs plus a
+              combine kernel.
               v3 only: early_decode (default False): decode all four chunks of a key tile
               before its first product. See sparse_mqa_v3.py.
     rope:     optional (cis, positions, dtype): the output then comes back as
@@ -838,7 +585,7 @@ def sparse_mqa_fp8(q: torch.Tensor, cache: torch.Tensor, entries_per_page: int,
                             else extra_entries_per_page,
                             extra_indices, extra_lengths, T, "extra_cache")
     tuning = dict(impl=impl, block_h=block_h, block_k=block_k, split_d=split_d,
-                  kv_splits=kv_splits, halves=halves, num_warps=num_warps,
+                  kv_splits=kv_splits, num_warps=num_warps,
                   num_stages=num_stages, maxnreg=maxnreg, early_decode=early_decode)
     return _launch(q, sink, scale, True, a, b, tuning, precision, rope)
 
@@ -863,8 +610,7 @@ def sparse_mqa_dense(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
                      num_warps: int | None = None, num_stages: int | None = None,
                      precision: str | None = None, kv_splits: int | None = None,
                      impl: str | None = None, maxnreg: int | None = None,
-                     halves: bool | None = None,
-                     early_decode: bool | None = None) -> torch.Tensor:
+                       early_decode: bool | None = None) -> torch.Tensor:
     """Sparse MQA with sink over a non-quantised cache ``kv`` [num_entries, 512] (bf16/fp32).
 
     Same contract as :func:`sparse_mqa_fp8` with row ids into ``kv`` as indices (−1 = masked);
@@ -878,7 +624,7 @@ def sparse_mqa_dense(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
         b = _dense_args(kv if extra_kv is None else extra_kv, extra_indices, extra_lengths, T,
                         "extra_kv")
     tuning = dict(impl=impl, block_h=block_h, block_k=block_k, split_d=split_d,
-                  kv_splits=kv_splits, halves=halves, num_warps=num_warps,
+                  kv_splits=kv_splits, num_warps=num_warps,
                   num_stages=num_stages, maxnreg=maxnreg, early_decode=early_decode)
     return _launch(q, sink, scale, False, a, b, tuning, precision)
 

@@ -1,12 +1,11 @@
 """Sparse-MQA decode kernel v3 (``impl="v3"`` of :func:`dspark.kernels.sparse_mqa.sparse_mqa_fp8`).
 
-Same contract, grid and split-KV scheme as v2 (see sparse_mqa.py); what changes is how a key tile
-flows through the program, to keep the live registers of a 64-head program under the 255 of a
-Hopper thread (v2 at BLOCK_K 64 / 8 warps spills 1.3 KB per thread under triton 3.6: its whole
-[BLOCK_K, 512] tile is decoded in fp32 registers next to the 64x512 fp32 accumulator):
+The contract of sparse_mqa.py; the kernel is shaped to keep the live registers of a 64-head
+program under the 255 of a Hopper thread (a whole [BLOCK_K, 512] tile decoded in fp32 registers
+next to the 64x512 fp32 accumulator spills 1.3 KB per thread at BLOCK_K 64 / 8 warps):
 
 * The 512 dims are four 128-column *chunks* (fp8 groups 0-1, 2-3, 4-5, and group 6 + RoPE). Each
-  chunk of the key tile is decoded on its own ([BLOCK_K, 128]: a quarter of v2's transient) and
+  chunk of the key tile is decoded on its own ([BLOCK_K, 128]: a quarter of a whole tile's transient) and
   written once to shared memory as bf16 (its ``local_alloc``), where both wgmmas read it: the score
   S = sum_c Q_c K_c^T is accumulated chunk by chunk, and after the softmax each chunk's
   accumulator takes O_c += P K_c from the same shared-memory copy (K = V: nothing is decoded or
@@ -14,7 +13,7 @@ Hopper thread (v2 at BLOCK_K 64 / 8 warps spills 1.3 KB per thread under triton 
   tensors (the same 128 registers per thread at 8 warps, but no [64, 512] temporaries around it).
 * One loop over the token's combined tile sequence (window list, then the extra list): the list's
   cache pointers and page geometry are per-tile scalar selects, so the loop body and its state
-  exist once (v2's second loop re-derived its invariants and spilled there); with power-of-two
+  exist once (a second loop per list re-derives its invariants and spills); with power-of-two
   entries per page (64 in production) page / row are a shift and a mask, computed once per tile
   for all four chunks, instead of a runtime integer division per key, chunk and layout.
 * The next tile's index entries are loaded one iteration ahead (one dependent global round trip
@@ -22,15 +21,15 @@ Hopper thread (v2 at BLOCK_K 64 / 8 warps spills 1.3 KB per thread under triton 
 With fp16 operands (precision 'fp16', the shipped default rows) an e4m3 pair becomes an f16 pair
 in one conversion and the power-of-two scale is one f16 multiply (the bf16 path goes through
 fp32 and back): 1.48-1.50x FlashMLA instead of 1.58-1.61x at 64-256 requests.
-Knobs as v2: block_h, block_k, kv_splits (flash-decoding + the shared combine kernel), num_warps,
-num_stages, maxnreg; split_d and halves do not apply (always the full 512 columns); early_decode=True
+Knobs: block_h, block_k, kv_splits (flash-decoding + the shared combine kernel), num_warps,
+num_stages, maxnreg; split_d does not apply (always the full 512 columns); early_decode=True
 decodes the tile's four chunks before its first score product (more loads and decode in flight;
 offline the k64 s2 spills drop from 164 to 48 B/thread; on the H200 77.3 vs 79.5 us at 64
 requests: the default for long batches). Tried on the H200 and removed as slower (sweep --grid v3b,
 benchmarks/results/sweep_attention_v3b_h200.json, code in commit a218409): e4m3 decoded by bit
 operations (1.80x FlashMLA vs 1.63x), lazy accumulator rescaling (2.00x), 64-column chunks (2.33x).
 Offline sm_90 compile (triton 3.6 = the H200's, benchmarks/kernel_regs.py), 64 heads, 8 warps:
-v2 BLOCK_K 64 spills 1.3 KB/thread; v3 BLOCK_K 64: 240 B, 32 (2 stages): 16 B, 16 (2 stages): 0,
+v3 BLOCK_K 64: 240 B, 32 (2 stages): 16 B, 16 (2 stages): 0,
 the loads of the next tile's chunks then go to shared memory by cp.async while this tile computes.
 """
 from __future__ import annotations
@@ -103,7 +102,7 @@ def _sparse_mqa_v3_kernel(
     NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     EARLY: tl.constexpr = False,
 ):
-    """1-D grid over T × NUM_SPLITS × cdiv(H, BLOCK_H) (head blocks fastest). Outputs as v2:
+    """1-D grid over T × NUM_SPLITS × cdiv(H, BLOCK_H) (head blocks fastest). Outputs:
     the final rows (NUM_SPLITS == 1) or normalised partials + log2-sum-exp for _combine_kernel.
 
     One loop over the token's combined tile sequence (list a's tiles, then list b's; a split

@@ -39,7 +39,7 @@ import torch
 
 from .block_manager import OutOfPages  # noqa: F401  (re-exported for callers)
 from .requests import CacheTooSmall, PagedRequests  # noqa: F401
-from .layouts import (DATA_ROW_BYTES, HEAD_DIM, INDEXER_DIM, SCALE_ROW_BYTES,
+from ..formats.layouts import (DATA_ROW_BYTES, HEAD_DIM, INDEXER_DIM, SCALE_ROW_BYTES,
                       fp8_ds_mla_page_bytes, indexer_page_bytes)
 
 KV_DTYPES = {"fp8": torch.uint8, "auto": torch.uint8, "bf16": torch.bfloat16,

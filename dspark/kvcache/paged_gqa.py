@@ -8,16 +8,12 @@ the whole pages past the committed length; stale rows inside the last kept page 
 by the next forward before anything reads them (a forward over [s, e) writes rows s..e-1 first,
 then reads 0..e-1). No rings, no fixed-size per-request state.
 
-``PagedGQABackend`` is the attention hook: ``forward_fn(batch)`` validates the batch against the
-cache (contiguous positions, pages reserved), advances each request's length, and returns the
-``attn_fn(attn, x, batch, layer_id, quant)`` that ``Qwen3Model.forward_hidden`` accepts. It is
-the reference torch path: scatter the batch's K/V into their slots, gather each request's rows
-0..end-1 and run the same causal GQA ``attend`` as the dense path (identical numerics).
+The attention over these pools is dspark.attention.gqa.PagedGQABackend (the cache holds bytes
+and page tables only).
 """
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
 
 import torch
 
@@ -68,61 +64,4 @@ class PagedGQACache(PagedRequests):
         return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.device)
 
 
-@dataclass
-class _SegPlan:
-    rows: slice            # this segment's rows in the flat batch
-    start: int
-    end: int
-    read: torch.Tensor     # int64 [end] slots of positions 0..end-1
-    mask: torch.Tensor     # bool [end - start, end] causal visibility
-
-
-class PagedGQABackend:
-    """Reference torch attention over a ``PagedGQACache`` (see the module docstring)."""
-
-    name = "paged-gqa-reference"
-
-    def __init__(self, cache: PagedGQACache):
-        self.cache = cache
-
-    def plan(self, batch) -> tuple[torch.Tensor, list]:
-        """Check every segment, then advance lengths; (write slots [T], per-segment plans)."""
-        c, seen = self.cache, set()
-        for s in batch.segments:
-            if s.state in seen:
-                raise ValueError(f"request {s.state!r} appears twice in one forward")
-            seen.add(s.state)
-            c.check_forward(s.state, s.start, s.start + s.length)
-        writes, segs = [], []
-        dev = c.device
-        for s in batch.segments:
-            end = s.start + s.length
-            c.begin_forward(s.state, s.start, end)
-            read = c.slots_for(s.state, 0, end)
-            writes.append(read[s.start:])
-            qpos = torch.arange(s.start, end, device=dev)
-            mask = torch.arange(end, device=dev)[None, :] <= qpos[:, None]
-            segs.append(_SegPlan(slice(s.offset, s.offset + s.length), s.start, end, read, mask))
-        write = torch.cat(writes) if writes else torch.zeros(0, dtype=torch.long, device=dev)
-        return write, segs
-
-    def forward_fn(self, batch):
-        from ..models.qwen3 import attend
-        write, segs = self.plan(batch)
-        c = self.cache
-
-        def attn_fn(attn, x, batch, layer_id, quant=None):
-            q = attn.project_q(x, batch.positions)
-            k, v = attn.project_kv(x, batch.positions)
-            K, V = c.k[layer_id], c.v[layer_id]
-            K[write], V[write] = k.to(K.dtype), v.to(V.dtype)
-            out = torch.empty_like(q)
-            for sp in segs:
-                out[sp.rows] = attend(q[sp.rows], K[sp.read], V[sp.read], sp.mask)
-            return attn.output(out)
-
-        return attn_fn
-
-
-__all__ = ["PagedGQACache", "PagedGQABackend", "CacheTooSmall", "CacheFull", "OutOfPages",
-           "OutOfSlots"]
+__all__ = ["PagedGQACache", "CacheTooSmall", "CacheFull", "OutOfPages", "OutOfSlots"]

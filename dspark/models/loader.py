@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from dspark.config import SUPPORTED_MODEL_TYPES, ConfigError, ModelConfig
 from dspark.models.deepseek_v4.weights import (FLOAT_KINDS, scale_name, stored_inventory,
                                                stored_tensors, tensor_inventory)
-from dspark.models.quant import dequant_fp4_experts, dequant_fp8_blocks
+from dspark.formats.quant import dequant_fp4_experts, dequant_fp8_blocks
 
 log = logging.getLogger(__name__)
 

@@ -30,9 +30,9 @@ from torch import nn
 from dspark.kernels.fp4_moe import (GROUPED_MAX_PAIRS, FP4ExpertStack, fp4_linear, fp4_moe,
                                     fp4_moe_grouped, grouped_applies, stack_fp4_experts)
 from dspark.kernels.fp8_gemm import fp8_linear, fp8_linear_grouped
-from dspark.models import side_stream
+from dspark.cuda import side_stream
 from dspark.models.deepseek_v4.moe import MoE
-from dspark.models.quant import (FP8_BLOCK, dequant_fp4_experts, dequant_fp8_blocks,
+from dspark.formats.quant import (FP8_BLOCK, dequant_fp4_experts, dequant_fp8_blocks,
                                  fp4_scale_shape, fp8_scale_shape)
 
 QUANT_KINDS = ("fp8", "fp4")
@@ -123,9 +123,9 @@ class QuantMoE(MoE):
         # launches branches in the order they were captured, and the router is on the critical
         # path (H200 timeline: queued second it started ~7 us late, behind the shared GEMV)
         side = side_stream.fork(x.device, 1)
-        # with high-priority side lanes (the default, side_stream.high_priority) the router runs
+        # with high-priority side lanes (side_stream.SIDE_PRIORITY) the router runs
         # on one too: on the main stream it would wait behind the shared expert's GEMV
-        router = side_stream.fork(x.device, 6) if side_stream.high_priority() else None
+        router = side_stream.fork(x.device, 6)
         with side_stream.on(router):
             idx, w = self.gate(x, token_ids)
         side_stream.join(router)

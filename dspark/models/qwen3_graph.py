@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..graph_capture import capture, pow2_buckets, step_bucket, warm_up
+from ..cuda.graph_capture import capture, pow2_buckets, step_bucket, warm_up
 from ..kernels.paged_gqa_decode import paged_gqa_attention_torch
 from .qwen3 import apply_rope, rope_cos_sin
 

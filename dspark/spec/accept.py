@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..draft_pass import to_device
+from ..cuda.transfer import to_device
 from ..sampling import (argmax_rows, filters_used, fused_filters_enabled,
                         fused_sampling_enabled, probs_from_logits,
                         stack_params)

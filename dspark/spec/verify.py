@@ -22,29 +22,8 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from dspark.formats.sampling import Q_FLOOR, RESIDUAL_EPS, VerifyResult, _check  # noqa: F401
 from dspark.sampling import Purpose, sample_from_probs, uniforms
-
-RESIDUAL_EPS = 1e-8  # below this residual mass, fall back to p (DeepSpec sample_residual)
-Q_FLOOR = 1e-8       # q is clamped so p/q stays finite for a token q (wrongly) gave ~0 mass
-
-
-class VerifyResult(NamedTuple):
-    accepted: torch.Tensor    # int64 [R]: leading run of accepted drafts, 0..ℓ_r
-    next_token: torch.Tensor  # int64 [R]: corrected (a < ℓ) or bonus (a = ℓ) token, next anchor
-
-
-def _check(draft_tokens, target_rows, lengths):
-    if draft_tokens.dim() != 2:
-        raise ValueError(f"draft_tokens must be [R, γ], got shape {tuple(draft_tokens.shape)}")
-    r, g = draft_tokens.shape
-    if g < 1:
-        raise ValueError("draft_tokens must have γ >= 1 columns (pass lengths 0 to verify none)")
-    if target_rows.shape[:2] != (r, g + 1):
-        raise ValueError(f"target rows must be [R, γ+1, ...] = [{r}, {g + 1}, ...], "
-                         f"got {tuple(target_rows.shape)}")
-    if lengths.shape != (r,):
-        raise ValueError(f"lengths must be [R] = [{r}], got {tuple(lengths.shape)}")
-
 
 def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
            lengths: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> VerifyResult:

@@ -42,7 +42,7 @@ from dspark.config import ModelConfig
 from dspark.models.deepseek_v4.weights import (FLOAT_KINDS, TensorSpec, scale_name, stored_tensors,
                                                tensor_inventory)
 from dspark.models.loader import cast_float
-from dspark.models.quant import (E2M1_VALUES, E4M3_MAX, float_to_e8m0, fp4_scale_shape,
+from dspark.formats.quant import (E2M1_VALUES, E4M3_MAX, float_to_e8m0, fp4_scale_shape,
                                  fp8_scale_shape, quant_fp8_blocks)
 
 # ---- presets ----------------------------------------------------------------------------------
@@ -80,7 +80,7 @@ PRESETS = {
 }
 _DEFAULT_LAYERS = {"tiny": 6, "flash": 4, "pro": 4}
 _OFFICIAL_NOISE_ID = 128799
-DSPARK_STAGES = 3
+DRAFTER_STAGES = 3
 
 
 def preset_config(preset: str = "tiny", layers: int | None = None, dtype: str = "bf16",
@@ -104,7 +104,7 @@ def preset_config(preset: str = "tiny", layers: int | None = None, dtype: str = 
         kw["vocab_size"] = int(vocab)
     if dspark:
         V = kw["vocab_size"]
-        kw.update(num_dspark_stages=DSPARK_STAGES,
+        kw.update(num_dspark_stages=DRAFTER_STAGES,
                   dspark_target_layer_ids=tuple(range(max(0, n - 3), n)),   # the last 3 layers
                   dspark_noise_token_id=_OFFICIAL_NOISE_ID if V > _OFFICIAL_NOISE_ID else V - 1)
     else:

@@ -152,11 +152,11 @@ class QATQuant:
     straight-through gradients. Forward values equal `dspark.runner.QuantSim`."""
 
     def kv(self, x):
-        from dspark.kvcache.layouts import fp8_ds_mla_roundtrip
+        from dspark.formats.layouts import fp8_ds_mla_roundtrip
         return x + (fp8_ds_mla_roundtrip(x.detach()) - x.detach())
 
     def indexer(self, x):
-        from dspark.kvcache.layouts import fp4_roundtrip, hadamard128
+        from dspark.formats.layouts import fp4_roundtrip, hadamard128
         h = hadamard128(x.float())
         return h + (fp4_roundtrip(h.detach()) - h.detach())
 

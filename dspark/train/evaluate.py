@@ -34,11 +34,11 @@ class EvalQuant:
     """Forward values of `dspark.runner.QuantSim` (no gradients needed here)."""
 
     def kv(self, x):
-        from dspark.kvcache.layouts import fp8_ds_mla_roundtrip
+        from dspark.formats.layouts import fp8_ds_mla_roundtrip
         return fp8_ds_mla_roundtrip(x)
 
     def indexer(self, x):
-        from dspark.kvcache.layouts import fp4_roundtrip, hadamard128
+        from dspark.formats.layouts import fp4_roundtrip, hadamard128
         return fp4_roundtrip(hadamard128(x.float()))
 
 

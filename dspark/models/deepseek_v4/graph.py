@@ -36,7 +36,6 @@ so the warm-up run before a capture and the replay write identical state).
 """
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -44,9 +43,9 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from dspark.graph_capture import capture, pow2_buckets, step_bucket, warm_up
+from dspark.cuda.graph_capture import capture, pow2_buckets, step_bucket, warm_up
 from dspark.kvcache.paged import copy_rows
-from dspark.models import side_stream
+from dspark.cuda import side_stream
 from dspark.request import BlockTokens
 
 from . import host_plan as hp
@@ -201,7 +200,7 @@ class _Kernels:
         if pool.dtype != torch.uint8:
             pool.index_copy_(0, ids, x.to(pool.dtype))
             return
-        from dspark.kvcache import layouts as L
+        from dspark.formats import layouts as L
         if self.kind == "triton":
             from dspark.kernels.cache_write import write_fp8_ds_mla_triton, write_indexer_fp8_triton
             (write_fp8_ds_mla_triton if x.shape[1] == L.HEAD_DIM else write_indexer_fp8_triton)(
@@ -268,9 +267,9 @@ class _Kernels:
 
     def fuses_rope(self, window_pool, rope) -> bool:
         """Whether `attend` takes the attention output's inverse RoPE (the split-KV combine does
-        it in its launch; DSPARK_ATTN_ROPE=0: Attention.output's own norm_rope launch)."""
+        it in its launch, else Attention.output's own norm_rope launch follows)."""
         return (self.kind == "triton" and window_pool.dtype == torch.uint8
-                and isinstance(rope, Rope) and os.environ.get("DSPARK_ATTN_ROPE", "1") != "0")
+                and isinstance(rope, Rope))
 
 
 def _plan_key(B: int, q: int, P: int, fields) -> tuple:

@@ -7,25 +7,26 @@ sub-block output back into n streams.
 Each public function dispatches: CUDA tensors go to the fused Triton kernels in
 `dspark.kernels.mhc` (hc_pre: two launches instead of ~130 small ops with 20 Sinkhorn
 iterations); anything else, and anything that needs gradients (the kernels have no backward),
-runs the `*_reference` torch code below. `BACKEND` (initialised from the environment variable
-DSPARK_MHC_BACKEND) overrides this: "reference" forces torch everywhere (debugging), "triton"
-forces the kernels everywhere (CPU tensors then need TRITON_INTERPRET=1).
+runs the `*_reference` torch code below. `BACKEND` overrides this: "reference" forces torch
+everywhere (the default with dspark.debug.REFERENCE_KERNELS), "triton" forces the kernels
+everywhere (tests; CPU tensors then need TRITON_INTERPRET=1).
 """
-import os
 from typing import NamedTuple
 
 import torch
 
+from dspark import debug
+
 from .norm import fp32, rms_normalize
 
 BACKENDS = ("auto", "reference", "triton")
-BACKEND = os.environ.get("DSPARK_MHC_BACKEND", "auto")
+BACKEND = "reference" if debug.REFERENCE_KERNELS else "auto"
 
 
 def _kernels(*tensors):
     """The dspark.kernels.mhc module when the kernels should run on these tensors, else None."""
     if BACKEND not in BACKENDS:
-        raise ValueError(f"mHC backend {BACKEND!r} (DSPARK_MHC_BACKEND): use one of {BACKENDS}")
+        raise ValueError(f"mHC backend {BACKEND!r}: use one of {BACKENDS}")
     if BACKEND == "reference" or (BACKEND == "auto" and not tensors[0].is_cuda):
         return None
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):

@@ -6,28 +6,27 @@ also happens in fp32 and the result is rounded to x.dtype once, as the reference
 
 On CUDA (no autograd) the cast / norm / cast chain is one Triton launch instead
 (`dspark.kernels.norm_rope`, which also fuses the RoPE that follows most norms: see
-`fused.norm_rope`). NORM_BACKEND (environment variable DSPARK_NORM_BACKEND) overrides the choice
-like mhc.BACKEND: "reference" = torch everywhere, "triton" = the kernel everywhere (CPU tensors
-then need TRITON_INTERPRET=1).
+`fused.norm_rope`). NORM_BACKEND overrides the choice like mhc.BACKEND: "reference" = torch
+everywhere (the default with dspark.debug.REFERENCE_KERNELS), "triton" = the kernel everywhere
+(tests; CPU tensors then need TRITON_INTERPRET=1).
 """
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark import debug
+
 
 FP32_CACHE_MAX_NUMEL = 1 << 22    # larger weights (e.g. a big vocab head) are cast per call
 NORM_BACKENDS = ("auto", "reference", "triton")
-NORM_BACKEND = os.environ.get("DSPARK_NORM_BACKEND", "auto")
+NORM_BACKEND = "reference" if debug.REFERENCE_KERNELS else "auto"
 
 
 def fused_backend(x: torch.Tensor, *tensors) -> bool:
     """Whether the fused Triton kernels (norm / RoPE, dspark.kernels.decode_fused) should run on
     x and the other tensors: NORM_BACKEND "triton", or "auto" on CUDA; never under autograd."""
     if NORM_BACKEND not in NORM_BACKENDS:
-        raise ValueError(f"norm backend {NORM_BACKEND!r} (DSPARK_NORM_BACKEND): use one of "
-                         f"{NORM_BACKENDS}")
+        raise ValueError(f"norm backend {NORM_BACKEND!r}: use one of {NORM_BACKENDS}")
     if NORM_BACKEND == "reference" or (NORM_BACKEND == "auto" and not x.is_cuda):
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *tensors)):
@@ -91,16 +90,12 @@ def linear_fp32(x: torch.Tensor, w: torch.Tensor, skinny: bool = False,
     compressor projections and (head) the vocabulary head, where the H200 measured it, not by
     the router). Elsewhere: ``F.linear(x.float(), fp32(w))``.
     argmax_out (int64 [T], x [T, K]): also the rows' argmax into it (`sampling.argmax_rows`'s
-    result; on the head's skinny kernel its first pass runs in the GEMV's launch,
-    DSPARK_HEAD_ARGMAX=0: a launch of its own). out (fp32 [T, N]): the result there (the skinny
+    result; on the head's skinny kernel its first pass runs in the GEMV's launch). out (fp32 [T, N]): the result there (the skinny
     kernel writes it in place; else a copy)."""
     if (skinny or head) and x.is_cuda and not torch.is_grad_enabled():
         from dspark.kernels import fp8_gemm      # (Triton: not imported by the CPU reference)
         if fp8_gemm.linear16_skinny_applies(x, w, head):
-            fused = argmax_out is not None and os.environ.get("DSPARK_HEAD_ARGMAX", "1") != "0"
-            y = fp8_gemm.linear16_skinny(x, w, torch.float32, argmax_out if fused else None,
-                                         out=out)
-            return y if fused else _finish(y, argmax_out, out)
+            return fp8_gemm.linear16_skinny(x, w, torch.float32, argmax_out, out=out)
     if (x.is_cuda and w.dtype in (torch.bfloat16, torch.float16) and x.dtype == w.dtype
             and _MM_OUT_DTYPE[0] and not torch.is_grad_enabled()):
         try:

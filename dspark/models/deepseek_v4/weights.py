@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.config import ModelConfig
-from dspark.models.quant import fp4_scale_shape, fp8_scale_shape
+from dspark.formats.quant import fp4_scale_shape, fp8_scale_shape
 
 KINDS = ("bf16", "fp32", "int64", "fp8", "fp4")
 

@@ -6,7 +6,7 @@ tail cost that no single kernel can hide (H200: a pure read of 9 MB in one kerne
 from a cold L2, 2.2 TB/s). Branches of the step that do not depend on each other (the shared
 expert next to the router and the routed experts) can run side by side instead:
 
-    side = fork(x.device)                    # None: run inline (CPU, or DSPARK_SIDE_STREAM=0)
+    side = fork(x.device)                    # None: run inline (CPU, or debug.NO_SIDE_STREAMS)
     with on(side):
         shared = shared_expert(x)            # kernels queued on the side stream
     routed = ...                             # kernels queued on the current stream meanwhile
@@ -32,10 +32,11 @@ after `join` (the caller holds them).
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 
 import torch
+
+from dspark import debug
 
 _STREAMS: dict = {}          # (device index, lane) -> stream
 _LANE_OF: dict = {}          # stream -> lane
@@ -48,29 +49,25 @@ def lane() -> int:
 
 
 def enabled() -> bool:
-    """DSPARK_SIDE_STREAM=0 runs every branch inline on the current stream (A/B switch). Off in
-    a tensor-parallel process group too: a branch may hold a collective (the TP indexer's
-    all-gather), and collectives stay on the one stream they are ordered on."""
-    if os.environ.get("DSPARK_SIDE_STREAM", "1") == "0":
+    """Whether branches run on side streams: not with dspark.debug.NO_SIDE_STREAMS, nor in a
+    tensor-parallel process group (a branch may hold a collective, the TP indexer's all-gather,
+    and collectives stay on the one stream they are ordered on)."""
+    if debug.NO_SIDE_STREAMS:
         return False
     dist = torch.distributed
     return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
-def high_priority() -> bool:
-    """DSPARK_SIDE_PRIORITY (default 1; 0: off, for A/B runs): the side lanes' streams are
-    created with a higher priority than the main stream's, so the block scheduler hands SMs to
-    their (small, latency-bound) kernels before the remaining programs of a big main-stream
-    kernel. In a CUDA graph the priority is
-    each kernel node's (PyTorch instantiates graphs with cudaGraphInstantiateFlagUseNodePriority).
-    Motivation (H200 timeline, batch-1 decode): the shared expert's SwiGLU and down GEMV waited
-    ~20 us behind the routed experts' 3072-program gate/up kernel, and the routed down kernel,
-    which adds the shared output, then waited 4-7 us for them (with this switch alone the router
-    beside the shared GEMV took 15 instead of 7 us: QuantMoE puts it on a high-priority lane as
-    well). H200, session 14 (V4-Flash widths, 4 layers, batch-1 decode graph): device time per
-    step 0.916 ms with it vs 0.924 without; the shared expert now ends before the routed gate/up
-    kernel, whose down kernel starts right after it. Read when a lane's stream is created."""
-    return os.environ.get("DSPARK_SIDE_PRIORITY", "1") != "0"
+# The side lanes' streams have a higher priority than the main stream's, so the block scheduler
+# hands SMs to their (small, latency-bound) kernels before the remaining programs of a big
+# main-stream kernel; in a CUDA graph the priority is each kernel node's (PyTorch instantiates
+# graphs with cudaGraphInstantiateFlagUseNodePriority). Why (H200 timeline, batch-1 decode): the
+# shared expert's SwiGLU and down GEMV waited ~20 us behind the routed experts' 3072-program
+# gate/up kernel, and the routed down kernel, which adds the shared output, then waited 4-7 us
+# for them (with the priority alone the router beside the shared GEMV took 15 instead of 7 us:
+# QuantMoE puts it on a high-priority lane as well). V4-Flash widths, 4 layers, batch-1 decode
+# graph: device time per step 0.916 ms with it vs 0.924 without.
+SIDE_PRIORITY = -1
 
 
 def fork(device: torch.device, lane: int = 1) -> torch.cuda.Stream | None:
@@ -84,7 +81,7 @@ def fork(device: torch.device, lane: int = 1) -> torch.cuda.Stream | None:
     side = _STREAMS.get((index, lane))
     if side is None:
         side = _STREAMS[index, lane] = torch.cuda.Stream(
-            device=index, priority=-1 if high_priority() else 0)
+            device=index, priority=SIDE_PRIORITY)
         _LANE_OF[side] = lane
     side.wait_stream(torch.cuda.current_stream(index))
     return side

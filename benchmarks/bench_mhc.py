@@ -1,8 +1,8 @@
 """Check and time the fused mHC kernels (dspark/kernels/mhc.py) against the torch reference on
 one CUDA device; prints one row per token count T.
 
-    python -m dspark.kernels.mhc_bench                   # V4-Flash width: n = 4, D = 4096, bf16 X
-    python -m dspark.kernels.mhc_bench --D 7168 --T 1,6,512
+    python benchmarks/bench_mhc.py                   # V4-Flash width: n = 4, D = 4096, bf16 X
+    python benchmarks/bench_mhc.py --D 7168 --T 1,6,512
 
 Two timings per op: `eager` = back-to-back calls timed on the wall clock, which is what a
 launch-bound decode step pays (CPU issue cost included); `graph` = the same calls replayed from a
@@ -11,12 +11,16 @@ CUDA graph, i.e. GPU time alone. Errors: u / X' as max |Δ| over max |ref|, post
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import torch
 
-from dspark.kernels import mhc as kernels
-from dspark.models.deepseek_v4 import mhc as reference
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from dspark.kernels import mhc as kernels  # noqa: E402
+from dspark.models.deepseek_v4 import mhc as reference  # noqa: E402
 
 HC_EPS, NORM_EPS, ITERS = 1e-6, 1e-6, 20
 
