@@ -17,6 +17,7 @@ too; they land in `policy_options`. Checks happen in three places, each as early
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import os
 import warnings
@@ -76,12 +77,7 @@ class EngineConfig:
         base = config or cls()
         fields = {f.name for f in dataclasses.fields(cls)}
         options = {k: kw.pop(k) for k in list(kw) if k not in fields and k in policy_option_names()}
-        unknown = sorted(set(kw) - fields)
-        if unknown:
-            raise EngineConfigError(
-                f"unknown Engine setting(s) {', '.join(unknown)}; valid settings: "
-                f"{', '.join(sorted(fields - {'policy_options'}))}; verify-policy options: "
-                f"{', '.join(policy_option_names())}")
+        _check_names(kw)
         if options:
             kw["policy_options"] = {**base.policy_options, **kw.get("policy_options", {}), **options}
         return dataclasses.replace(base, **kw) if kw else base
@@ -257,6 +253,30 @@ class EngineConfig:
                 n, limit = pages * size, (f"what the KV cache holds: {pages} page(s) of {size} "
                                           f"tokens; raise {sizing} for longer requests")
         return n, limit
+
+
+def _check_names(kw: dict) -> None:
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(kw) - fields)
+    if unknown:
+        options = [k for k in unknown if k in policy_option_names()]
+        raise EngineConfigError(
+            f"unknown Engine setting(s) {', '.join(unknown)}; valid settings: "
+            f"{', '.join(sorted(fields))}; verify-policy options (Engine keywords, or "
+            f"EngineConfig(policy_options={{...}})): {', '.join(policy_option_names())}"
+            + (f"; {', '.join(options)}: pass in policy_options" if options else ""))
+
+
+_dataclass_init = EngineConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init(self, *args, **kw):
+    _check_names(kw)                     # EngineConfig(tpyo=1): the valid names, not a TypeError
+    _dataclass_init(self, *args, **kw)
+
+
+EngineConfig.__init__ = _init
 
 
 def policy_option_names(policy: str | None = None) -> tuple[str, ...]:

@@ -48,6 +48,16 @@ def test_unknown_setting_lists_the_valid_ones(extra):
     assert "FixedPolicy" not in msg
 
 
+def test_unknown_field_of_engine_config_lists_the_valid_ones():
+    with pytest.raises(EngineConfigError, match=r"unknown Engine setting\(s\) tpyo; valid settings: "
+                                                r"allow_long_max_model_len, attention_backend"):
+        EngineConfig(tpyo=1)
+    with pytest.raises(EngineConfigError, match="threshold: pass in policy_options"):
+        EngineConfig(threshold=0.3)
+    cfg = EngineConfig(verify_policy="threshold", policy_options={"threshold": 0.3})
+    assert cfg == EngineConfig.from_kwargs(verify_policy="threshold", threshold=0.3)
+
+
 def test_policy_option_of_another_policy_names_its_policy():
     with pytest.raises(EngineConfigError) as e:
         EngineConfig.from_kwargs(threshold=0.3)
