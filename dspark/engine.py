@@ -27,21 +27,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import ModelConfig
+from .build import build_parts
 from .engine_config import EngineConfig
 from .detok import IncrementalDetokenizer
 from .metrics import SpecMetrics
-from .models.deepseek_v4.model import DeepseekV4Model
-from .models.drafter import DSparkDrafter
-from .models.loader import load_checkpoint
 from .overlap import OverlappedDecode
 from .request import BlockTokens, Request, Status
-from .runner import ModelRunner, QuantSim
+from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .spec.policy import make_policy
 from .spec.accept import decide
 from .spec.verify import FinishReason, accept_greedy_host, emit_and_stop_host
+
 
 @dataclass
 class RequestOutput:
@@ -84,12 +82,12 @@ class Engine:
         self.dtype = c.torch_dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.weight_format, self.kv_cache_dtype = c.weight_format, c.kv_cache_dtype
         self.tensor_parallel_size = c.tensor_parallel_size
-        if model_type == "qwen3":
-            cfg, model, drafter = self._build_qwen3(c)
-        else:
-            cfg, model, drafter = self._build_deepseek_v4(c)
-        c.check_drafter(drafter is not None)
-        self.cfg, self.model, self.drafter = cfg, model, drafter
+        # model, drafter, KV cache, attention backend and runner: dspark/build.py
+        parts = build_parts(path, c, self.device, self.dtype, model_type)
+        c.check_drafter(parts.drafter is not None)
+        cfg = self.cfg = parts.cfg
+        self.model, self.drafter, self.runner = parts.model, parts.drafter, parts.runner
+        self.speculative = parts.speculative
         backend = getattr(self.runner, "backend", None)
         self.cache = getattr(backend, "cache", None)          # None: the dense layout
         self.overlap = OverlappedDecode(self) if self._overlap_decode(c) else None
@@ -99,7 +97,7 @@ class Engine:
             torch.set_num_threads(c.cpu_threads or 1)
         self.scheduler = Scheduler(c.max_num_seqs, c.max_num_batched_tokens, self.cache)
         self.sts = self._load_sts(path)
-        self.policy = self._make_policy(c) if drafter is not None else None
+        self.policy = self._make_policy(c) if self.drafter is not None else None
         self.telemetry = collections.deque(maxlen=4096)   # per-step batch composition
         self.round_log = None     # set to a list to record (conf logits, verified, accepted) per round
         # (the prompt-length error names what set the limit: the model or the cache)
@@ -110,49 +108,6 @@ class Engine:
         self._seed = c.seed
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}
-
-    def _build_qwen3(self, c: EngineConfig):
-        """Qwen3 target (+ a separate DeepSpec DSpark drafter checkpoint): own loader and runner."""
-        from .models.qwen3 import build_engine_components
-        cfg, model, drafter, self.runner = build_engine_components(
-            self.path, c.draft, self.dtype, self.device, c.speculative, c.num_speculative_tokens,
-            kv_layout=c.kv_layout, num_kv_blocks=c.num_kv_blocks, max_num_seqs=c.max_num_seqs,
-            cuda_graphs=c.cuda_graphs)
-        self.speculative = "dspark" if drafter is not None else "none"
-        return cfg, model, drafter
-
-    def _build_deepseek_v4(self, c: EngineConfig):
-        """DeepSeek-V4 target (+ its mtp.* DSpark stages): model, drafter, cache and runner."""
-        if c.cuda_graphs and c.tensor_parallel_size > 1:
-            raise ValueError("cuda_graphs=True is single-device only for DeepSeek-V4 (the "
-                             "tensor-parallel draft pass runs eagerly); leave it unset")
-        cfg, model, drafter = self._load_deepseek_v4(self.path, self.dtype, c.speculative,
-                                                     c.num_speculative_tokens, c.progress)
-        quant = QuantSim() if c.kv_cache_dtype in ("fp8", "auto") else None
-        # the V4 target's decode / verify steps as CUDA graphs (fixed-shape plan on the Triton
-        # kernels): on by default (None) on one CUDA device with the Triton backend, where
-        # the step allows it (experts not routed on the host); True also under "flashmla"
-        # (graph steps then run the Triton attention kernel); False forces the eager target
-        target_graphs = c.target_cuda_graphs
-        if target_graphs is None:
-            from .attention import resolve_backend
-            target_graphs = (self.device.type == "cuda" and c.tensor_parallel_size == 1
-                             and c.kv_layout == "paged" and resolve_backend(
-                                 c.attention_backend, self.device, c.kv_cache_dtype) == "triton")
-        backend = None
-        if c.kv_layout == "paged":
-            backend = self._paged_backend(cfg, drafter, c.kv_cache_dtype, c.attention_backend,
-                                          c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
-                                          c.num_kv_blocks, c.kv_cache_memory, target_graphs)
-        if c.tensor_parallel_size > 1:
-            self.runner = self._tp_runner.configure(quant, backend)
-        else:
-            # the draft pass as CUDA graphs (dspark/draft_pass.py); default on CUDA
-            graphs = self.device.type == "cuda" if c.cuda_graphs is None else c.cuda_graphs
-            self.runner = ModelRunner(model, drafter, self.device, quant, backend=backend,
-                                      cuda_graphs=graphs, max_num_seqs=c.max_num_seqs,
-                                      target_graphs=bool(target_graphs))
-        return cfg, model, drafter
 
     def _overlap_decode(self, c: EngineConfig) -> bool:
         """Plain decode steps (no drafter) launch the next round before reading this one back
@@ -435,80 +390,6 @@ class Engine:
         return min(req.params.max_tokens, self.max_model_len - len(req.prompt_ids))
 
     # ---- helpers -------------------------------------------------------------------------
-    def _paged_backend(self, cfg, drafter, kv_cache_dtype, name, max_num_seqs, max_batched,
-                       max_model_len, num_blocks, memory, target_graphs=False):
-        from .attention import get_backend, resolve_backend
-        from .kvcache.paged import PagedKVCache
-        name = resolve_backend(name, self.device, kv_cache_dtype)
-        # V4 target CUDA graphs (ModelRunner) park padding rows in one scratch request: one
-        # more sequence slot and one more block than the scheduler hands out
-        extra = int(bool(target_graphs) and self.device.type == "cuda"
-                    and name in ("triton", "flashmla"))
-        lookahead = drafter.gamma + 1 if drafter is not None else 0
-        if num_blocks is None and memory is None:
-            # room for every sequence at a moderate length (or one at the full model length)
-            per_seq = min(max_model_len or cfg.max_position_embeddings, 2048)
-            num_blocks = max(max_num_seqs * -(-per_seq // 256),
-                             -(-min(max_model_len or 0, cfg.max_position_embeddings) // 256), 1)
-        if num_blocks is not None:
-            num_blocks += extra
-        cache = PagedKVCache(cfg, device=self.device, kv_cache_dtype=kv_cache_dtype,
-                             num_blocks=num_blocks, memory_bytes=memory,
-                             max_num_seqs=max_num_seqs + extra,
-                             lookahead=lookahead,
-                             max_batch_tokens=max_batched + max_num_seqs * (lookahead + 1))
-        return get_backend(name)(cache)
-
-    def _load_deepseek_v4(self, path, dtype, speculative, num_speculative_tokens, progress):
-        """(cfg, model, drafter | None) from a DeepSeek-V4 checkpoint (mtp.* = DSpark stages)."""
-        cfg = ModelConfig.from_path(path)
-
-        if speculative is None:
-            speculative = "dspark" if cfg.has_dspark else "none"
-        if speculative not in ("dspark", "none"):
-            raise ValueError(f"speculative={speculative!r}: use 'dspark' or 'none'")
-        if speculative == "dspark" and not cfg.has_dspark:
-            raise ValueError(f"{path}: speculative='dspark' needs a DSpark checkpoint (mtp.* draft "
-                             f"stages and dspark_block_size in config.json); this one has none. "
-                             f"Use speculative='none' or a *-DSpark checkpoint.")
-        if speculative == "dspark" and num_speculative_tokens not in (None, cfg.dspark_block_size):
-            raise ValueError(
-                f"num_speculative_tokens={num_speculative_tokens} does not match the checkpoint's "
-                f"dspark_block_size={cfg.dspark_block_size}: the drafter's block is bidirectional and "
-                f"trained at exactly that width, so other widths change every draft position (and "
-                f"collapse acceptance). Leave it unset; to verify fewer tokens per round use a "
-                f"verify_policy such as 'threshold' or 'scheduled'.")
-        self.speculative = speculative
-
-        if self.tensor_parallel_size > 1:       # every rank reads only its slices
-            from .distributed.engine import DistributedRunner
-            self._tp_runner = DistributedRunner.launch(
-                path, cfg, self.tensor_parallel_size, self.device, dtype,
-                drafter=speculative == "dspark", progress=progress,
-                weight_format=self.weight_format)
-            return cfg, self._tp_runner.model, self._tp_runner.drafter
-        if self.weight_format == "quantized":
-            from .models.qlinear import build_quantized_models, format_memory_report
-            model, drafter = build_quantized_models(path, cfg, dtype, self.device,
-                                                    speculative == "dspark", progress)
-            if progress:
-                print(format_memory_report(self.memory_report(model, drafter)))
-            return cfg, model, drafter
-        weights = load_checkpoint(path, cfg, dtype=dtype, device=self.device, progress=progress)
-        with torch.device("meta"):
-            model = DeepseekV4Model(cfg)
-            drafter = DSparkDrafter(cfg) if speculative == "dspark" else None
-        model.load_state_dict({k: v for k, v in weights.items() if not k.startswith("mtp.")},
-                              strict=True, assign=True)
-        if drafter is not None:
-            drafter.load_state_dict({DSparkDrafter.param_name(k): v for k, v in weights.items()
-                                     if k.startswith("mtp.")}, strict=True, assign=True)
-        del weights
-        if progress:
-            from .models.qlinear import format_memory_report
-            print(format_memory_report(self.memory_report(model, drafter)))
-        return cfg, model.eval(), drafter.eval() if drafter is not None else None
-
     def memory_report(self, model=None, drafter=None) -> dict:
         """Weight bytes held by this process by storage format: {"fp8", "fp4" (codes + e8m0
         scales), "bf16", "fp32", "int64", ..., "total"}; tensors shared by target and drafter

@@ -226,7 +226,7 @@ class EngineConfig:
         capacity when that is smaller."""
         n = self.max_model_len
         limit = (f"set by max_model_len={n}; raise it for longer requests" if n is not None
-                 else f"the model's max_position_embeddings")
+                 else "the model's max_position_embeddings")
         if n is not None and n > max_position_embeddings:
             if not self.allow_long_max_model_len:
                 raise EngineConfigError(
