@@ -188,14 +188,12 @@ class EngineConfig:
         (each names what it applies to) rather than silently ignored."""
         changed = self._changed
         if model_type == "qwen3":
-            only_v4 = [n for n in ("kv_cache_dtype", "attention_backend", "kv_cache_memory",
-                                   "target_cuda_graphs", "weight_format", "tensor_parallel_size",
-                                   "overlap_decode") if changed(n)]
+            only_v4 = [n for n in _ONLY_V4 if changed(n)]
             if only_v4:
                 raise EngineConfigError(
                     f"{', '.join(f'{n}={getattr(self, n)!r}' for n in only_v4)}: DeepSeek-V4 "
-                    f"setting(s) that a Qwen3 checkpoint does not use (its paged K/V cache is "
-                    f"in the model dtype, sized by num_kv_blocks); leave them unset")
+                    f"setting(s) that a Qwen3 checkpoint does not use ("
+                    + "; ".join(_ONLY_V4[n] for n in only_v4) + "); leave them unset")
         elif self.draft is not None:
             raise EngineConfigError(
                 f"draft={self.draft!r}: a separate drafter applies to Qwen3 targets only; a "
@@ -289,5 +287,15 @@ def policy_option_names(policy: str | None = None) -> tuple[str, ...]:
 
 
 _DEFAULTS = EngineConfig()
+# settings of the DeepSeek-V4 path only, and why a Qwen3 target has no use for them
+_ONLY_V4 = {
+    "kv_cache_dtype": "its K/V cache is in the model dtype",
+    "attention_backend": "it has one paged GQA attention path",
+    "kv_cache_memory": "its cache is sized by num_kv_blocks",
+    "target_cuda_graphs": "its steps run as graphs under cuda_graphs",
+    "weight_format": "its weights load as stored",
+    "tensor_parallel_size": "tensor parallelism is implemented for DeepSeek-V4 only",
+    "overlap_decode": "the overlapped decode runs on the DeepSeek-V4 runner only",
+}
 
 __all__ = ["EngineConfig", "EngineConfigError", "DTYPES", "policy_option_names"]
