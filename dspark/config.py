@@ -3,6 +3,11 @@
 Both key spellings are accepted: the HF `config.json` keys (`hidden_size`, `num_hidden_layers`, ...)
 and the reference `inference/config.json` keys (`dim`, `n_layers`, ...). Everything downstream reads
 `ModelConfig`, never the raw JSON.
+
+Keys that differ between DeepSeek-V4 models (Flash vs Pro: widths, layer and head counts, experts)
+are required (REQUIRED_KEYS); the family's constants (head_dim 512, rope dims 64, one shared
+expert, ...) default to their V4 values. Every field is checked for its type and range before any
+arithmetic on it, and an error names the field, the value and what is accepted.
 """
 from __future__ import annotations
 
@@ -32,6 +37,66 @@ _REF_ALIASES = {
     "num_hash_layers": "n_hash_layers",
     "rms_norm_eps": "norm_eps",
 }
+
+# shapes that differ between DeepSeek-V4 checkpoints: never defaulted (a missing hidden_size must not
+# become 4096 and surface as hundreds of tensor-shape mismatches)
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                 "q_lora_rank", "o_lora_rank", "o_groups", "n_routed_experts",
+                 "num_experts_per_tok", "moe_intermediate_size", "index_n_heads", "index_topk")
+
+# range of each numeric field: ">0" (positive) or ">=0"
+_RANGES = {
+    **{k: ">0" for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                         "head_dim", "qk_rope_head_dim", "q_lora_rank", "o_lora_rank", "o_groups",
+                         "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+                         "sliding_window", "original_seq_len", "max_position_embeddings",
+                         "index_n_heads", "index_head_dim", "index_topk", "hc_mult",
+                         "hc_sinkhorn_iters", "routed_scaling_factor", "compress_rope_theta",
+                         "rope_theta", "rope_factor", "hc_eps", "rms_norm_eps")},
+    **{k: ">=0" for k in ("n_shared_experts", "num_hash_layers", "bos_token_id", "eos_token_id",
+                          "num_dspark_stages", "dspark_block_size", "dspark_markov_rank",
+                          "dspark_noise_token_id", "swiglu_limit", "beta_fast", "beta_slow")},
+}
+_CHOICES = {"weight_dtype": ("bf16", "fp8"), "expert_dtype": ("same", "bf16", "fp8", "fp4"),
+            "model_type": SUPPORTED_MODEL_TYPES}
+
+
+def _bad(name, value, want):
+    raise ConfigError(f"config.json: {name} = {value!r} is not supported: {want}")
+
+
+def check_value(name: str, value, kind: str, rng: str | None = None, where: str = "config.json"):
+    """One field's type (kind: int | float | bool | str | tuple) and range, before any use of it.
+    JSON has no int/float distinction for whole numbers, so 4.0 is taken as the int 4."""
+    given = value
+
+    def bad(want):
+        raise ConfigError(f"{where}: {name} = {given!r} is not supported: {want}")
+    if kind == "int":
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            bad("an integer" + {">0": " > 0", ">=0": " >= 0"}.get(rng, ""))
+    elif kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            bad("a number" + {">0": " > 0", ">=0": " >= 0"}.get(rng, ""))
+        value = float(value)
+    elif kind == "bool":
+        if not isinstance(value, bool):
+            bad("true or false")
+    elif kind == "str":
+        if not isinstance(value, str):
+            bad("a string")
+    elif kind == "tuple":
+        if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+            bad("a list")
+        value = tuple(value)
+    if rng == ">0" and not value > 0:
+        bad(f"a {'positive integer' if kind == 'int' else 'number > 0'}")
+    if rng == ">=0" and not value >= 0:
+        bad(f"{'an integer' if kind == 'int' else 'a number'} >= 0")
+    return value
+
 
 _LAYER_TYPE_TO_RATIO = {"sliding_attention": 0, "compressed_sparse_attention": None,
                         "heavily_compressed_attention": None}
@@ -125,7 +190,7 @@ class ModelConfig:
             raise ConfigError(f"config.json: unsupported model_type {mt!r}{hint}; "
                               f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
 
-        if int(raw.get("num_key_value_heads", 1)) != 1:
+        if check_value("num_key_value_heads", raw.get("num_key_value_heads", 1), "int", ">0") != 1:
             raise ConfigError(f"config.json: num_key_value_heads = {raw['num_key_value_heads']!r} is not "
                               f"supported: DeepSeek-V4 has one shared 512-d KV head (1)")
 
@@ -137,19 +202,29 @@ class ModelConfig:
                 return raw[alias]
             return default
 
+        missing = [k for k in REQUIRED_KEYS if get(k) is None]
+        if missing:
+            names = [k + (f" (or {_REF_ALIASES[k]})" if k in _REF_ALIASES else "") for k in missing]
+            raise ConfigError(f"config.json: missing required key(s) {', '.join(names)}: these "
+                              f"shapes differ between DeepSeek-V4 checkpoints and have no default; "
+                              f"add them to config.json (the checkpoint's tensors fix their values)")
         kw = {}
         for f in dataclasses.fields(cls):
             v = get(f.name, None)
             if v is not None and f.name not in ("compress_ratios", "dspark_target_layer_ids"):
-                kw[f.name] = v
-        n_layers = int(get("num_hidden_layers", cls.num_hidden_layers))
+                kw[f.name] = check_value(f.name, v, f.type, _RANGES.get(f.name))
+        n_layers = kw["num_hidden_layers"]
 
         # compression schedule: legacy `compress_ratios` (may carry MTP/draft tail entries)
         # or HF `layer_types` + `compress_rates`
         ratios = get("compress_ratios")
         if ratios is None and "layer_types" in raw:
+            check_value("layer_types", raw["layer_types"], "tuple")
             rates = raw.get("compress_rates") or {"compressed_sparse_attention": 4,
                                                   "heavily_compressed_attention": 128}
+            if not isinstance(rates, dict):
+                _bad("compress_rates", rates, "an object {layer type: compression ratio}")
+            rates = {k: check_value(f"compress_rates[{k!r}]", v, "int", ">0") for k, v in rates.items()}
             short = {"csa": "compressed_sparse_attention", "hca": "heavily_compressed_attention"}
             rates = {short.get(k, k): v for k, v in rates.items()}
             ratios = []
@@ -157,7 +232,7 @@ class ModelConfig:
                 if t == "sliding_attention":
                     ratios.append(0)
                 elif t in rates:
-                    ratios.append(int(rates[t]))
+                    ratios.append(rates[t])
                 else:
                     raise ConfigError(f"config.json: layer_types[{i}] = {t!r} is not supported; "
                                       f"expected one of sliding_attention, "
@@ -165,7 +240,8 @@ class ModelConfig:
         if ratios is None:
             raise ConfigError("config.json: missing `compress_ratios` (or HF `layer_types`); "
                               "DeepSeek-V4 needs one compression ratio per layer")
-        ratios = [int(r) for r in ratios]
+        ratios = [check_value(f"compress_ratios[{i}]", r, "int", ">=0")
+                  for i, r in enumerate(check_value("compress_ratios", ratios, "tuple"))]
         if len(ratios) < n_layers:
             raise ConfigError(f"config.json: compress_ratios has {len(ratios)} entries but "
                               f"num_hidden_layers is {n_layers}; need at least one per layer")
@@ -174,26 +250,37 @@ class ModelConfig:
         # rope / YaRN (HF rope_scaling or rope_parameters, or REF flat keys)
         rs = raw.get("rope_scaling") or {}
         rp = raw.get("rope_parameters") or {}
-        if isinstance(rp, dict) and "compress" in rp:
+        for name, d in (("rope_scaling", rs), ("rope_parameters", rp)):
+            if not isinstance(d, dict):
+                _bad(name, d, "an object of rope settings")
+        if "compress" in rp:
             rs = rp["compress"]
         if rs:
-            kw["rope_factor"] = float(rs.get("factor", kw.get("rope_factor", cls.rope_factor)))
-            kw["original_seq_len"] = int(rs.get("original_max_position_embeddings",
-                                                kw.get("original_seq_len", cls.original_seq_len)))
-            kw["beta_fast"] = float(rs.get("beta_fast", cls.beta_fast))
-            kw["beta_slow"] = float(rs.get("beta_slow", cls.beta_slow))
+            def num(key, field, kind="float"):
+                return check_value(f"rope_scaling.{key}", rs.get(key, kw.get(field, getattr(cls, field))),
+                                   kind, _RANGES[field])
+            kw["rope_factor"] = num("factor", "rope_factor")
+            kw["original_seq_len"] = num("original_max_position_embeddings", "original_seq_len", "int")
+            kw["beta_fast"] = check_value("rope_scaling.beta_fast", rs.get("beta_fast", cls.beta_fast),
+                                          "float", ">=0")
+            kw["beta_slow"] = check_value("rope_scaling.beta_slow", rs.get("beta_slow", cls.beta_slow),
+                                          "float", ">=0")
             if "rope_theta" in rs and "compress_rope_theta" not in raw:
-                kw["compress_rope_theta"] = float(rs["rope_theta"])
-        if isinstance(rp, dict) and "main" in rp and "rope_theta" not in raw:
-            kw["rope_theta"] = float(rp["main"].get("rope_theta", cls.rope_theta))
+                kw["compress_rope_theta"] = check_value("rope_scaling.rope_theta", rs["rope_theta"],
+                                                        "float", ">0")
+        if isinstance(rp.get("main"), dict) and "rope_theta" not in raw:
+            kw["rope_theta"] = check_value("rope_parameters.main.rope_theta",
+                                           rp["main"].get("rope_theta", cls.rope_theta), "float", ">0")
         if "original_seq_len" in raw:
-            kw["original_seq_len"] = int(raw["original_seq_len"])
+            kw["original_seq_len"] = check_value("original_seq_len", raw["original_seq_len"], "int", ">0")
         if "rope_factor" in raw:
-            kw["rope_factor"] = float(raw["rope_factor"])
+            kw["rope_factor"] = check_value("rope_factor", raw["rope_factor"], "float", ">0")
 
         # storage formats
         qc = raw.get("quantization_config")
         if qc:
+            if not isinstance(qc, dict):
+                _bad("quantization_config", qc, "an object with quant_method fp8")
             if qc.get("quant_method") != "fp8":
                 raise ConfigError(f"config.json: quantization_config.quant_method "
                                   f"{qc.get('quant_method')!r} is not supported; supported: fp8 "
@@ -212,10 +299,12 @@ class ModelConfig:
 
         # DSpark draft stages: ratios tail beyond the backbone, else n_mtp_layers, else 3
         if "dspark_block_size" in raw:
-            kw["dspark_target_layer_ids"] = tuple(int(x) for x in raw.get("dspark_target_layer_ids", ()))
+            ids = check_value("dspark_target_layer_ids", raw.get("dspark_target_layer_ids", ()), "tuple")
+            kw["dspark_target_layer_ids"] = tuple(
+                check_value(f"dspark_target_layer_ids[{i}]", x, "int") for i, x in enumerate(ids))
             tail = len(ratios) - n_layers
-            kw["num_dspark_stages"] = int(raw.get("num_dspark_stages") or
-                                          (tail if tail > 0 else raw.get("n_mtp_layers") or 3))
+            stages = raw.get("num_dspark_stages") or (tail if tail > 0 else raw.get("n_mtp_layers") or 3)
+            kw["num_dspark_stages"] = check_value("num_dspark_stages", stages, "int", ">=0")
         cfg = cls(**{k: v for k, v in kw.items() if k in {f.name for f in dataclasses.fields(cls)}})
         cfg.validate()
         return cfg
@@ -234,8 +323,21 @@ class ModelConfig:
         return cls.from_dict(raw)
 
     def validate(self) -> None:
-        def bad(name, value, want):
-            raise ConfigError(f"config.json: {name} = {value!r} is not supported: {want}")
+        """Types and ranges of every field, then the relations between fields."""
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name in _CHOICES and v not in _CHOICES[f.name]:
+                _bad(f.name, v, f"one of {', '.join(_CHOICES[f.name])}")
+            got = check_value(f.name, v, f.type, _RANGES.get(f.name))
+            if f.type == "tuple":
+                for i, x in enumerate(got):
+                    check_value(f"{f.name}[{i}]", x, "int", ">=0")
+            if got != v or type(got) is not type(v):
+                object.__setattr__(self, f.name, got)      # 4.0 -> 4, [..] -> (..): frozen copy
+        bad = _bad
+        for name in ("bos_token_id", "eos_token_id") + (("dspark_noise_token_id",) if self.has_dspark else ()):
+            if getattr(self, name) >= self.vocab_size:
+                bad(name, getattr(self, name), f"a token id below vocab_size={self.vocab_size}")
         if self.scoring_func != "sqrtsoftplus":
             bad("scoring_func", self.scoring_func, "only 'sqrtsoftplus' (DeepSeek-V4)")
         if self.qk_rope_head_dim <= 0 or self.qk_rope_head_dim % 2 or self.qk_rope_head_dim >= self.head_dim:

@@ -27,23 +27,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import ModelConfig
+from .build import build_parts
+from .engine_config import EngineConfig
 from .detok import IncrementalDetokenizer
 from .metrics import SpecMetrics
-from .models.deepseek_v4.model import DeepseekV4Model
-from .models.drafter import DSparkDrafter
-from .models.loader import load_checkpoint
 from .overlap import OverlappedDecode
 from .request import BlockTokens, Request, Status
-from .runner import ModelRunner, QuantSim
+from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .spec.policy import make_policy
 from .spec.accept import decide
 from .spec.verify import FinishReason, accept_greedy_host, emit_and_stop_host
-
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-          "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -75,117 +70,63 @@ def _model_type(path: str) -> str | None:
 
 
 class Engine:
-    def __init__(self, path: str | None = None, device: str | None = None, dtype=None,
-                 speculative: str | None = None, num_speculative_tokens: int | None = None,
-                 verify_policy: str = "fixed", kv_cache_dtype: str = "fp8",
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 max_model_len: int | None = None, seed: int = 0, progress: bool = False,
-                 sps_table=None, draft: str | None = None, cpu_threads: int | None = None,
-                 kv_layout: str = "paged", attention_backend: str = "auto",
-                 num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
-                 tensor_parallel_size: int = 1, weight_format: str = "bf16",
-                 cuda_graphs: bool | None = None, target_cuda_graphs: bool | None = None,
-                 overlap_decode: bool | None = None, **policy_kwargs):
-        path = path or default_model_path()
-        # "bf16": fp8/fp4 checkpoint weights de-quantized at load to `dtype` (default; the debug
-        # reference). "quantized": kept as FP8 / packed FP4 + e8m0 scales (dspark.models.qlinear)
-        if weight_format not in ("bf16", "quantized"):
-            raise ValueError(f"weight_format={weight_format!r}: use 'bf16' (de-quantize at load) "
-                             f"or 'quantized' (keep FP8 / FP4 weights quantized in memory)")
-        self.weight_format = weight_format
-        # > 1: one process per device, attention heads / routed experts split over them
-        # (dspark/distributed); this process is rank 0 and drives the others
-        self.tensor_parallel_size = int(tensor_parallel_size)
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if isinstance(dtype, str):
-            if dtype not in DTYPES:
-                raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(DTYPES)}")
-            dtype = DTYPES[dtype]
-        dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-        if kv_cache_dtype not in ("fp8", "auto", "bf16", "fp32"):
-            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: use 'fp8' (fp8_ds_mla records, the "
-                             f"reference numerics) or 'bf16'/'fp32' (unquantized cache)")
-        self.path, self.device, self.dtype = path, torch.device(device), dtype
-        if (draft is not None or _model_type(path) == "qwen3") and self.tensor_parallel_size > 1:
-            raise ValueError("tensor_parallel_size > 1 is implemented for DeepSeek-V4 checkpoints only")
-        if draft is not None or _model_type(path) == "qwen3":
-            # Qwen3 target (+ a separate DeepSpec DSpark drafter checkpoint): own loader and runner
-            from .qwen3_runner import build_engine_components
-            cfg, model, drafter, self.runner = build_engine_components(
-                path, draft, dtype, self.device, speculative, num_speculative_tokens,
-                kv_layout=kv_layout, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
-                cuda_graphs=cuda_graphs)
-            self.speculative = "dspark" if drafter is not None else "none"
-        else:
-            if cuda_graphs and self.tensor_parallel_size > 1:
-                raise ValueError("cuda_graphs=True is single-device only for DeepSeek-V4 (the "
-                                 "tensor-parallel draft pass runs eagerly); leave it unset")
-            cfg, model, drafter = self._load_deepseek_v4(path, dtype, speculative,
-                                                         num_speculative_tokens, progress)
-            quant = QuantSim() if kv_cache_dtype in ("fp8", "auto") else None
-            # the V4 target's decode / verify steps as CUDA graphs (fixed-shape plan on the Triton
-            # kernels): on by default (None) on one CUDA device with the Triton backend, where
-            # the step allows it (experts not routed on the host); True also under "flashmla"
-            # (graph steps then run the Triton attention kernel); False forces the eager target
-            if target_cuda_graphs is None:
-                from .attention import resolve_backend
-                target_cuda_graphs = (self.device.type == "cuda" and self.tensor_parallel_size == 1
-                                      and kv_layout == "paged" and resolve_backend(
-                                          attention_backend, self.device, kv_cache_dtype) == "triton")
-            backend = None
-            if kv_layout == "paged":
-                backend = self._paged_backend(cfg, drafter, kv_cache_dtype, attention_backend,
-                                              max_num_seqs, max_num_batched_tokens, max_model_len,
-                                              num_kv_blocks, kv_cache_memory,
-                                              target_cuda_graphs)
-            elif kv_layout != "dense":
-                raise ValueError(f"kv_layout={kv_layout!r}: use 'paged' (fp8_ds_mla pages, the "
-                                 f"serving layout) or 'dense' (the per-request reference state)")
-            if self.tensor_parallel_size > 1:
-                self.runner = self._tp_runner.configure(quant, backend)
-            else:
-                # the draft pass as CUDA graphs (dspark/draft_pass.py); default on CUDA
-                graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
-                self.runner = ModelRunner(model, drafter, self.device, quant, backend=backend,
-                                          cuda_graphs=graphs, max_num_seqs=max_num_seqs,
-                                          target_graphs=bool(target_cuda_graphs))
-        self.cache = getattr(self.runner.backend, "cache", None) if hasattr(self.runner, "backend") \
-            else None
-        # plain decode steps (no drafter) launch the next round before reading this one back
-        # (dspark/overlap.py): on by default on CUDA with the single-device DeepSeek-V4 runner
-        plain_runner = type(self.runner) is ModelRunner
-        if overlap_decode is None:
-            overlap_decode = self.device.type == "cuda" and plain_runner
-        elif overlap_decode and not plain_runner:
-            raise ValueError("overlap_decode=True needs the single-device DeepSeek-V4 runner "
-                             "(not Qwen3 or tensor-parallel); leave it unset")
-        self.overlap = OverlappedDecode(self) if overlap_decode else None
-        self.cfg = cfg
-        self.model, self.drafter = model, drafter
-        if self.device.type == "cpu" and (cpu_threads or cfg.hidden_size <= 1024):
+    def __init__(self, path: str | None = None, config: EngineConfig | None = None, **settings):
+        """Load `path` (default: the shipped model) with `config`, or with keyword settings
+        (EngineConfig's fields and the verify policy's options; they replace config's)."""
+        c = self.config = EngineConfig.from_kwargs(config, **settings)
+        path = self.path = os.fspath(path or default_model_path())
+        self.device = torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        c.check_environment(self.device)
+        model_type = _model_type(path)
+        c.check_model_type(model_type)
+        self.dtype = c.torch_dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.weight_format, self.kv_cache_dtype = c.weight_format, c.kv_cache_dtype
+        self.tensor_parallel_size = c.tensor_parallel_size
+        # model, drafter, KV cache, attention backend and runner: dspark/build.py
+        parts = build_parts(path, c, self.device, self.dtype, model_type)
+        c.check_drafter(parts.drafter is not None)
+        cfg = self.cfg = parts.cfg
+        self.model, self.drafter, self.runner = parts.model, parts.drafter, parts.runner
+        self.speculative = parts.speculative
+        backend = getattr(self.runner, "backend", None)
+        self.cache = getattr(backend, "cache", None)          # None: the dense layout
+        self.overlap = OverlappedDecode(self) if self._overlap_decode(c) else None
+        if self.device.type == "cpu" and (c.cpu_threads or cfg.hidden_size <= 1024):
             # small models on CPU are bound by per-op overhead: intra-op threads only add
             # synchronisation (measured 10-100x slower with 2 threads on a busy 2-core box)
-            torch.set_num_threads(cpu_threads or 1)
-        self.kv_cache_dtype = kv_cache_dtype
-        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, self.cache)
+            torch.set_num_threads(c.cpu_threads or 1)
+        self.scheduler = Scheduler(c.max_num_seqs, c.max_num_batched_tokens, self.cache)
         self.sts = self._load_sts(path)
-        self.policy = None
-        if drafter is not None:
-            if verify_policy in ("scheduled", "scheduled-async", "alg1", "zos"):
-                policy_kwargs["sps"] = self._sps_table(sps_table, max_num_seqs, progress)
-            if self.sts is not None:
-                policy_kwargs.setdefault("temperatures", self.sts.temperatures)
-            self.policy = make_policy(verify_policy, **policy_kwargs)
+        self.policy = self._make_policy(c) if self.drafter is not None else None
         self.telemetry = collections.deque(maxlen=4096)   # per-step batch composition
         self.round_log = None     # set to a list to record (conf logits, verified, accepted) per round
-        self.max_model_len = max_model_len or cfg.max_position_embeddings
-        if self.cache is not None:       # one request alone must always fit in the cache
-            self.max_model_len = min(self.max_model_len, self.cache.num_blocks * self.cache.block_size)
+        # (the prompt-length error names what set the limit: the model or the cache)
+        self.max_model_len, self._max_model_len_limit = c.check_max_model_len(
+            cfg.max_position_embeddings, self.cache)
         self.tokenizer = self._load_tokenizer(path)
         self.eos_token_ids = (cfg.eos_token_id,) if cfg.eos_token_id is not None else ()
-        self._seed = seed
+        self._seed = c.seed
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}
+
+    def _overlap_decode(self, c: EngineConfig) -> bool:
+        """Plain decode steps (no drafter) launch the next round before reading this one back
+        (dspark/overlap.py): on by default on CUDA with the single-device DeepSeek-V4 runner."""
+        plain_runner = type(self.runner) is ModelRunner
+        if c.overlap_decode is None:
+            return self.device.type == "cuda" and plain_runner
+        if c.overlap_decode and not plain_runner:
+            raise ValueError("overlap_decode=True needs the single-device DeepSeek-V4 runner "
+                             "(not Qwen3 or tensor-parallel); leave it unset")
+        return c.overlap_decode
+
+    def _make_policy(self, c: EngineConfig):
+        options = dict(c.policy_options)
+        if c.verify_policy in ("scheduled", "scheduled-async", "alg1", "zos"):
+            options["sps"] = self._sps_table(c.sps_table, c.max_num_seqs, c.progress)
+        if self.sts is not None:
+            options.setdefault("temperatures", self.sts.temperatures)
+        return make_policy(c.verify_policy, **options)
 
     # ---- public API --------------------------------------------------------------------
     def score(self, token_ids) -> torch.Tensor:
@@ -238,8 +179,8 @@ class Engine:
         params = (params or SamplingParams()).validate(self.cfg.vocab_size)
         ids = self._check_prompt(prompt)
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
-                             f"shorten the prompt or raise Engine(max_model_len=...)")
+            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
+                             f"({self._max_model_len_limit}): shorten the prompt")
         rid = str(request_id if request_id is not None else next(self._ids))
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
@@ -467,80 +408,6 @@ class Engine:
         return min(req.params.max_tokens, self.max_model_len - len(req.prompt_ids))
 
     # ---- helpers -------------------------------------------------------------------------
-    def _paged_backend(self, cfg, drafter, kv_cache_dtype, name, max_num_seqs, max_batched,
-                       max_model_len, num_blocks, memory, target_graphs=False):
-        from .attention import get_backend, resolve_backend
-        from .kvcache.paged import PagedKVCache
-        name = resolve_backend(name, self.device, kv_cache_dtype)
-        # V4 target CUDA graphs (ModelRunner) park padding rows in one scratch request: one
-        # more sequence slot and one more block than the scheduler hands out
-        extra = int(bool(target_graphs) and self.device.type == "cuda"
-                    and name in ("triton", "flashmla"))
-        lookahead = drafter.gamma + 1 if drafter is not None else 0
-        if num_blocks is None and memory is None:
-            # room for every sequence at a moderate length (or one at the full model length)
-            per_seq = min(max_model_len or cfg.max_position_embeddings, 2048)
-            num_blocks = max(max_num_seqs * -(-per_seq // 256),
-                             -(-min(max_model_len or 0, cfg.max_position_embeddings) // 256), 1)
-        if num_blocks is not None:
-            num_blocks += extra
-        cache = PagedKVCache(cfg, device=self.device, kv_cache_dtype=kv_cache_dtype,
-                             num_blocks=num_blocks, memory_bytes=memory,
-                             max_num_seqs=max_num_seqs + extra,
-                             lookahead=lookahead,
-                             max_batch_tokens=max_batched + max_num_seqs * (lookahead + 1))
-        return get_backend(name)(cache)
-
-    def _load_deepseek_v4(self, path, dtype, speculative, num_speculative_tokens, progress):
-        """(cfg, model, drafter | None) from a DeepSeek-V4 checkpoint (mtp.* = DSpark stages)."""
-        cfg = ModelConfig.from_path(path)
-
-        if speculative is None:
-            speculative = "dspark" if cfg.has_dspark else "none"
-        if speculative not in ("dspark", "none"):
-            raise ValueError(f"speculative={speculative!r}: use 'dspark' or 'none'")
-        if speculative == "dspark" and not cfg.has_dspark:
-            raise ValueError(f"{path}: speculative='dspark' needs a DSpark checkpoint (mtp.* draft "
-                             f"stages and dspark_block_size in config.json); this one has none. "
-                             f"Use speculative='none' or a *-DSpark checkpoint.")
-        if speculative == "dspark" and num_speculative_tokens not in (None, cfg.dspark_block_size):
-            raise ValueError(
-                f"num_speculative_tokens={num_speculative_tokens} does not match the checkpoint's "
-                f"dspark_block_size={cfg.dspark_block_size}: the drafter's block is bidirectional and "
-                f"trained at exactly that width, so other widths change every draft position (and "
-                f"collapse acceptance). Leave it unset; to verify fewer tokens per round use a "
-                f"verify_policy such as 'threshold' or 'scheduled'.")
-        self.speculative = speculative
-
-        if self.tensor_parallel_size > 1:       # every rank reads only its slices
-            from .distributed.engine import DistributedRunner
-            self._tp_runner = DistributedRunner.launch(
-                path, cfg, self.tensor_parallel_size, self.device, dtype,
-                drafter=speculative == "dspark", progress=progress,
-                weight_format=self.weight_format)
-            return cfg, self._tp_runner.model, self._tp_runner.drafter
-        if self.weight_format == "quantized":
-            from .models.qlinear import build_quantized_models, format_memory_report
-            model, drafter = build_quantized_models(path, cfg, dtype, self.device,
-                                                    speculative == "dspark", progress)
-            if progress:
-                print(format_memory_report(self.memory_report(model, drafter)))
-            return cfg, model, drafter
-        weights = load_checkpoint(path, cfg, dtype=dtype, device=self.device, progress=progress)
-        with torch.device("meta"):
-            model = DeepseekV4Model(cfg)
-            drafter = DSparkDrafter(cfg) if speculative == "dspark" else None
-        model.load_state_dict({k: v for k, v in weights.items() if not k.startswith("mtp.")},
-                              strict=True, assign=True)
-        if drafter is not None:
-            drafter.load_state_dict({DSparkDrafter.param_name(k): v for k, v in weights.items()
-                                     if k.startswith("mtp.")}, strict=True, assign=True)
-        del weights
-        if progress:
-            from .models.qlinear import format_memory_report
-            print(format_memory_report(self.memory_report(model, drafter)))
-        return cfg, model.eval(), drafter.eval() if drafter is not None else None
-
     def memory_report(self, model=None, drafter=None) -> dict:
         """Weight bytes held by this process by storage format: {"fp8", "fp4" (codes + e8m0
         scales), "bf16", "fp32", "int64", ..., "total"}; tensors shared by target and drafter

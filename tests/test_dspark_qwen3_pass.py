@@ -118,8 +118,11 @@ def test_padding_rows_and_warmup_inputs(pairs):
     a = dp._draft(torch.tensor(exact[0]), torch.tensor(exact[1]), max(POSITIONS), *args)
     b = dp._draft(torch.tensor(padded[0]), torch.tensor(padded[1]), ctx, *args)
     assert torch.equal(a[0], b[0][:R])
+    # padding changes the GEMM shapes (8 rows, a 1024-position context), so the BLAS may block
+    # the fp32 sums differently: the same fp32 tolerance as the batch-vs-alone rows above
+    # (AVX2 MKL measured 1.3e-6 on a 7e-3 probability)
     for x, y in zip(a[1:], b[1:]):
-        torch.testing.assert_close(y[:R], x, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(y[:R], x, rtol=1e-5, atol=1e-5)
     # capture warm-up: zero requests padded to a bucket, all greedy / sampled
     for greedy in (True, False):
         ints, floats = dp._host_inputs([], 4)

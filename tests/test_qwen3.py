@@ -131,7 +131,11 @@ def test_strict_loading_errors(target, tmp_path):
     for i, (edit, msg) in enumerate([(lambda c: c.update(model_type="qwen3_moe"), "not 'qwen3'"),
                                      (lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4}), "yarn"),
                                      (lambda c: c.update(use_sliding_window=True), "sliding"),
-                                     (lambda c: c.pop("hidden_size"), "hidden_size")]):
+                                     (lambda c: c.pop("hidden_size"), "hidden_size"),
+                                     (lambda c: c.update(num_attention_heads="four"),
+                                      "num_attention_heads = 'four' is not supported: an integer > 0"),
+                                     (lambda c: c.update(hidden_size=-192),
+                                      "hidden_size = -192 is not supported: a positive integer")]):
         with pytest.raises(ConfigError, match=msg):
             load_qwen3(_rewrite(target, str(tmp_path / f"c{i}"), edit_config=edit))
 

@@ -86,19 +86,32 @@ class Qwen3Config:
         if rtype not in (None, "default"):
             raise ConfigError(f"{where}: rope type {rtype!r} is not supported (plain RoPE only)")
         theta = raw.get("rope_theta") or rp.get("rope_theta") or 10000.0
-        heads = int(raw["num_attention_heads"])
+
+        def num(key, value, kind="int", rng=">0"):
+            try:
+                return _config.check_value(key, value, kind, rng, where)
+            except _config.ConfigError as e:
+                raise ConfigError(str(e)) from None
+        heads = num("num_attention_heads", raw["num_attention_heads"])
+        hidden = num("hidden_size", raw["hidden_size"])
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        kw = dict(vocab_size=int(raw["vocab_size"]), hidden_size=int(raw["hidden_size"]),
-                  intermediate_size=int(raw["intermediate_size"]),
-                  num_hidden_layers=int(raw["num_hidden_layers"]), num_attention_heads=heads,
-                  num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-                  head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
-                  rope_theta=float(theta), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                  attention_bias=bool(raw.get("attention_bias", False)),
-                  tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                  max_position_embeddings=int(raw.get("max_position_embeddings", 40960)),
-                  bos_token_id=raw.get("bos_token_id"),
+        eos_ids = tuple(num("eos_token_id", e, rng=">=0") for e in eos_ids)
+        bos = raw.get("bos_token_id")
+        kw = dict(vocab_size=num("vocab_size", raw["vocab_size"]), hidden_size=hidden,
+                  intermediate_size=num("intermediate_size", raw["intermediate_size"]),
+                  num_hidden_layers=num("num_hidden_layers", raw["num_hidden_layers"]),
+                  num_attention_heads=heads,
+                  num_key_value_heads=num("num_key_value_heads", raw.get("num_key_value_heads") or heads),
+                  head_dim=num("head_dim", raw.get("head_dim") or hidden // heads),
+                  rope_theta=num("rope_theta", theta, "float"),
+                  rms_norm_eps=num("rms_norm_eps", raw.get("rms_norm_eps", 1e-6), "float"),
+                  attention_bias=num("attention_bias", raw.get("attention_bias", False), "bool", None),
+                  tie_word_embeddings=num("tie_word_embeddings", raw.get("tie_word_embeddings", False),
+                                          "bool", None),
+                  max_position_embeddings=num("max_position_embeddings",
+                                              raw.get("max_position_embeddings", 40960)),
+                  bos_token_id=None if bos is None else num("bos_token_id", bos, rng=">=0"),
                   eos_token_id=eos_ids[0] if eos_ids else None, eos_token_ids=eos_ids)
         if kw["num_attention_heads"] % kw["num_key_value_heads"]:
             raise ConfigError(f"{where}: num_key_value_heads={kw['num_key_value_heads']} must divide "
