@@ -595,11 +595,12 @@ class V4DecodeGraphs:
     # ---- capturing ahead of traffic -------------------------------------------------------------
     @torch.inference_mode()
     def capture_bucket(self, B: int, q: int, P: int) -> bool:
-        """Capture bucket (B, q, P) now on padding rows alone (every row the scratch request's),
-        so no step of traffic pays the capture; True when its graph exists afterwards (False:
-        not capturing, or capturing failed and the graphs are off)."""
+        """Capture bucket (B, q, P) now on padding rows alone (every row the scratch request's,
+        so no other request's state is touched), and no step of traffic pays the capture; True
+        when its graph exists afterwards (False: capturing failed and the graphs are off, or
+        not capturing: then that forward runs eagerly once)."""
         key = (B, q, P)
-        if key in self.graphs or not self.capture or self.disabled:
+        if key in self.graphs or self.disabled:
             return key in self.graphs
         if self._uploaded is not None:
             self._uploaded.synchronize()
@@ -612,6 +613,9 @@ class V4DecodeGraphs:
         end = self._layout(B, q, P).end
         self.ints[:end].copy_(self._host_t[:end])
         self._next_plan = None
+        if not self.capture:                 # eagerly what a capture's warm-up runs (tests)
+            self._forward(B, q, P)
+            return False
         return self._graph(key) is not None
 
     def capture_all(self, q_lens=None, progress: bool = False) -> int:
