@@ -116,14 +116,18 @@ class DraftPass:
         toks, probs, confs = graph.outputs
         return toks[:R].clone(), None if greedy else probs[:R].clone(), confs[:R].clone()
 
+    def _padding_inputs(self, size: int) -> tuple:
+        """(ints, floats) device buffers of a draft pass over `size` padding rows: what a capture
+        records on, refilled before each replay."""
+        ints, floats = self._host_inputs([], size)
+        return (torch.tensor(ints, dtype=torch.long, device=self.device),
+                torch.tensor(floats, dtype=torch.float32, device=self.device))
+
     def _draft_graph(self, size, use_top_k, use_top_p, greedy, fused, quant, bound):
         """The captured draft pass of batch bucket `size` with these sampling features."""
         def capture():
-            ints, floats = self._host_inputs([], size)
-            buffers = (torch.tensor(ints, dtype=torch.long, device=self.device),
-                       torch.tensor(floats, dtype=torch.float32, device=self.device))
-            return buffers, lambda i, f: self._draft(i, f, use_top_k, use_top_p, greedy, quant,
-                                                     fused)
+            return self._padding_inputs(size), lambda i, f: self._draft(
+                i, f, use_top_k, use_top_p, greedy, quant, fused)
 
         return self._graph(("draft", size, use_top_k, use_top_p, greedy, fused, quant is not None),
                            bound, capture)

@@ -127,11 +127,8 @@ class Qwen3DraftPass(DraftPass):
             self.pool.reserve(ctx)
 
             def capture():
-                ints, floats = self._host_inputs([], size)
-                buffers = (torch.tensor(ints, dtype=torch.long, device=self.device),
-                           torch.tensor(floats, dtype=torch.float32, device=self.device))
-                return buffers, lambda i, f: self._draft(i, f, ctx, use_top_k, use_top_p, greedy,
-                                                         fused)
+                return self._padding_inputs(size), lambda i, f: self._draft(
+                    i, f, ctx, use_top_k, use_top_p, greedy, fused)
 
             graph = self._graph(("draft", size, ctx, use_top_k, use_top_p, greedy, fused), 0,
                                 capture)
