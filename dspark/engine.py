@@ -251,26 +251,15 @@ class Engine:
         return outs + self._round()
 
     def _round(self) -> list:
+        """1. ℓ per request (policy) and its pages; 2. one flattened target forward of the
+        verify blocks and prompt chunks; 3. accept / reject with one read back; 4. commit the
+        accepted tokens, roll every cache back past them; 5. draft the next blocks."""
         sch = self.scheduler
-        self._verify_lengths(sch.running)                         # 1. verify lengths
+        self._verify_lengths(sch.running)                                       # 1.
         plan = sch.schedule()
-        for req in plan.preempted:                                # recomputed later from tokens
+        for req in plan.preempted:                       # recomputed later from their tokens
             req.draft_state = self.runner.new_states()[1]
-        items = []                                                # 2. one flattened forward
-        # runners that take the drafts as device tensors (V4 target graphs) get them without a
-        # host read, so this step is scheduled while the draft pass still runs on the GPU
-        lazy = getattr(self.runner, "takes_device_tokens", False)
-        for req in plan.verify:
-            P = req.num_committed
-            if req.draft is None:
-                toks = [req.anchor]
-            elif lazy:
-                toks = BlockTokens(req.anchor, req.draft.tokens[:req.feed_len])
-            else:
-                toks = [req.anchor] + req.draft.tokens[:req.feed_len].tolist()
-            items.append((req.target_state, P, toks))
-        for req, n in plan.prefill:
-            items.append((req.target_state, req.num_prefilled, req.prefill_ids[req.num_prefilled:][:n]))
+        items = self._forward_items(plan)                                       # 2.
         if not items:
             if sch.has_unfinished():    # cannot happen when admission checks hold; never spin
                 raise RuntimeError("scheduler could not place any work although requests are "
@@ -282,14 +271,42 @@ class Engine:
         self.telemetry.append({"batch_tokens": plan.num_tokens, "num_verify": len(plan.verify),
                                "verify_tokens": [r.verify_len for r in plan.verify],
                                "prefill_tokens": sum(n for _, n in plan.prefill)})
-        offsets = list(itertools.accumulate([len(t) for _, _, t in items], initial=0))
+        producers = self._producers(plan, items, logits, taps)
+        outputs = self._accept(*producers, logits, taps)                       # 3. + 4.
+        if self.drafter is not None and sch.running:                            # 5.
+            for req, block in zip(sch.running, self.runner.draft(sch.running)):
+                req.draft = block
+        return outputs
 
-        # 3. accept / reject: every request that produces tokens this step (verify, or the
-        #    last chunk of a prompt, which is a verify of length 0 at the last prompt row)
-        producers, first_rows, lengths, anchors_pos = [], [], [], []
+    def _forward_items(self, plan) -> list:
+        """(target state, first position, tokens) per verify block (anchor + `feed_len` drafts)
+        and per prompt chunk, in the forward's row order."""
+        items = []
+        # runners that take the drafts as device tensors (V4 target graphs) get them without a
+        # host read, so this step is scheduled while the draft pass still runs on the GPU
+        lazy = getattr(self.runner, "takes_device_tokens", False)
+        for req in plan.verify:
+            if req.draft is None:
+                toks = [req.anchor]
+            elif lazy:
+                toks = BlockTokens(req.anchor, req.draft.tokens[:req.feed_len])
+            else:
+                toks = [req.anchor] + req.draft.tokens[:req.feed_len].tolist()
+            items.append((req.target_state, req.num_committed, toks))
+        for req, n in plan.prefill:
+            items.append((req.target_state, req.num_prefilled,
+                          req.prefill_ids[req.num_prefilled:][:n]))
+        return items
+
+    def _producers(self, plan, items, logits, taps) -> tuple:
+        """(requests, first row, ℓ, anchor position) of every request that emits tokens this
+        round: each verify block, and each prompt whose last chunk this was (a verify of length
+        0 at the last prompt row). Prompt chunks commit their draft context here."""
+        offsets = list(itertools.accumulate([len(t) for _, _, t in items], initial=0))
+        reqs, first_rows, lengths, anchors = [], [], [], []
         for i, req in enumerate(plan.verify):
-            producers.append(req), first_rows.append(offsets[i]), lengths.append(req.verify_len)
-            anchors_pos.append(req.num_committed)
+            reqs.append(req), first_rows.append(offsets[i]), lengths.append(req.verify_len)
+            anchors.append(req.num_committed)
         for j, (req, n) in enumerate(plan.prefill):
             i = len(plan.verify) + j
             if self.drafter is not None:
@@ -299,17 +316,11 @@ class Engine:
             if req.num_prefilled < len(req.prefill_ids):
                 continue
             if req.output_ids:                  # recomputed after preemption: anchor known
-                sch.promote(req)
+                self.scheduler.promote(req)
             else:
-                producers.append(req), first_rows.append(offsets[i + 1] - 1), lengths.append(0)
-                anchors_pos.append(req.num_prefilled - 1)
-        outputs = self._accept(producers, logits, taps, first_rows, lengths, anchors_pos)
-
-        # 4. draft the next block for every request still running
-        if self.drafter is not None and sch.running:
-            for req, block in zip(sch.running, self.runner.draft(sch.running)):
-                req.draft = block
-        return outputs
+                reqs.append(req), first_rows.append(offsets[i + 1] - 1), lengths.append(0)
+                anchors.append(req.num_prefilled - 1)
+        return reqs, first_rows, lengths, anchors
 
     def _verify_lengths(self, running) -> None:
         """Per running request ℓ = `verify_len`, the drafts acceptance may take (the policy's
@@ -342,7 +353,7 @@ class Engine:
                     req.feed_len = max(req.verify_len, min(
                         width, self.max_model_len - req.num_committed - 1))
 
-    def _accept(self, reqs, logits, taps, first_rows, lengths, anchor_pos) -> list:
+    def _accept(self, reqs, first_rows, lengths, anchor_pos, logits, taps) -> list:
         if not reqs:
             return []
         dec = decide(reqs, logits, first_rows, lengths, anchor_pos, self.gamma)
