@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .compile_stats import install_triton_hook
 from .config import ModelConfig
 from .detok import IncrementalDetokenizer
 from .metrics import SpecMetrics
@@ -86,6 +87,7 @@ class Engine:
                  tensor_parallel_size: int = 1, weight_format: str = "bf16",
                  cuda_graphs: bool | None = None, target_cuda_graphs: bool | None = None,
                  overlap_decode: bool | None = None, **policy_kwargs):
+        install_triton_hook()          # count Triton compiles (process-wide, once)
         path = path or default_model_path()
         # "bf16": fp8/fp4 checkpoint weights de-quantized at load to `dtype` (default; the debug
         # reference). "quantized": kept as FP8 / packed FP4 + e8m0 scales (dspark.models.qlinear)
@@ -260,6 +262,13 @@ class Engine:
         request is added (dummy requests; dspark/warmup.py). Returns what ran and how long."""
         from .warmup import warm_up
         return warm_up(self, prompt_lengths, batch_sizes, progress=progress)
+
+    def compile_stats(self) -> dict:
+        """One-time costs so far (dspark/compile_stats.py): {"triton_compiles": n (process-wide;
+        "unavailable" without Triton's hook), "graph_captures": n, "eager_fallbacks":
+        {"target: ragged lengths": n, ...}} (steps a graph-capable runner ran eagerly, by why)."""
+        from .compile_stats import runner_stats, triton_compiles
+        return {"triton_compiles": triton_compiles(), **runner_stats(self.runner)}
 
     def close(self) -> None:
         """Stop the worker processes of a tensor-parallel engine and leave its process group
