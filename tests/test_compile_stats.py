@@ -1,7 +1,6 @@
 """dspark/compile_stats.py: Engine.compile_stats() counts Triton compiles, CUDA-graph captures and
 eager fallbacks (by reason) of graph-capable steps; the Triton hook is Triton's own."""
 import triton_env  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
-import pytest
 import torch
 
 from dspark import Engine, SamplingParams

@@ -190,7 +190,7 @@ def test_sampling_distribution_is_exact_under_the_scheduler(small_vocab_ckpt, po
                   verify_policy=policy)
     off = Engine(small_vocab_ckpt, device="cpu", dtype="fp32", kv_cache_dtype="fp32",
                  speculative="none")
-    prompt, steps, T, n = [3, 1, 4, 1, 5], 2, 1.0, 800
+    prompt, steps, T, n = [3, 1, 4, 1, 5], 2, 1.0, 480
     law = _target_law(off, prompt, steps, T)
     spec.round_log = []
     counts = _sample_counts(spec, prompt, steps, T, n)

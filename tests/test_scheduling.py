@@ -122,8 +122,8 @@ def test_sps_profile_fits_small_caches(small_vocab_ckpt, tmp_path, monkeypatch, 
     table = eng.policy.sps
     assert table.buckets == plan.buckets and table.buckets[-1] == plan.requests * g1
     assert all(a <= b for a, b in zip(table.ms, table.ms[1:]))
-    prompts = _prompts(4, seed=3)
-    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = _prompts(3, seed=3)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     off = Engine(small_vocab_ckpt, device="cpu", dtype="fp32", speculative="none", **kw)
     assert [o.token_ids for o in eng.generate(prompts, sp)] == \
         [o.token_ids for o in off.generate(prompts, sp)]

@@ -70,7 +70,7 @@ def split_rounds(engine, prompts, sp, concurrency: int, run_once) -> dict:
 def print_split(rows, gamma: int, acceptance, source: str) -> None:
     """rows: [{"concurrency", "policy", "split", "off_split", "tau"}]."""
     e = tokens_per_round(acceptance, gamma)
-    print(f"\nround split per batch (ms, device synced around each phase; full-batch decode steps)")
+    print("\nround split per batch (ms, device synced around each phase; full-batch decode steps)")
     print(f"projection at {source}: {' / '.join(f'{x:.3f}' for x in acceptance[:gamma])} "
           f"-> {e:.2f} tokens per request-round")
     head = (f"{'batch':>5} {'policy':<16} {'draft':>7} {'verify':>7} {'accept':>7} {'commit':>7} "

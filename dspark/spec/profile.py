@@ -30,7 +30,10 @@ from tqdm import tqdm
 
 from .policy import SpsTable
 
-PROFILE_CONTEXT = 64          # warm context of every profiled request (tokens)
+# warm context of every profiled request (tokens); on CPU the warm-up prefill of up to
+# max_num_seqs requests would dominate the profile's cost, and a CPU step's time hardly depends
+# on a short context
+PROFILE_CONTEXT = {"cuda": 64, "cpu": 16}
 
 
 def default_buckets(max_tokens: int, midpoints: bool = True) -> list:
@@ -60,13 +63,15 @@ def _gamma(engine) -> int:
     return int(getattr(d, "gamma", 0) or engine.cfg.dspark_block_size or 1)
 
 
-def plan_profile(engine, max_tokens: int, context: int = PROFILE_CONTEXT,
+def plan_profile(engine, max_tokens: int, context: int | None = None,
                  midpoints: bool | None = None) -> ProfilePlan:
     """The (B, R, q) steps that fit `engine`'s cache and scheduler, up to max_tokens verify
     tokens (R <= ceil(max_tokens / (γ+1)) requests). Bucket midpoints by default on CUDA only
     (on CPU a step costs about its token count: fewer buckets keep the profile cheap)."""
     if midpoints is None:
         midpoints = engine.device.type == "cuda"
+    if context is None:
+        context = PROFILE_CONTEXT.get(engine.device.type, PROFILE_CONTEXT["cuda"])
     g = max(_gamma(engine), 1)
     q_full = g + 1
     cache = getattr(engine, "cache", None)
