@@ -31,6 +31,7 @@ def test_bench_policies_counts_and_split_on_a_random_checkpoint(tiny_quant_ckpt,
                 "--plot", str(tmp_path / "bench.png")])
     text = capsys.readouterr().out
     assert "round split per batch" in text and "WARNING" not in text
+    assert "SPS profile of scheduled (B verify tokens: step ms): 1: " in text
     d = json.loads(out.read_text())
     assert d["args"]["weight_format"] == "auto"
     rows = d["results"]
@@ -49,6 +50,7 @@ def test_bench_policies_counts_and_split_on_a_random_checkpoint(tiny_quant_ckpt,
         assert sp["steps"] > 0 and off["steps"] > 0 and sp["batch"] == off["batch"]
         assert all(v >= 0 for v in sp["ms"].values()) and sp["ms"]["draft"] > 0
         assert sr["projected_speedup"] == pytest.approx(e * off["round_ms"] / sp["round_ms"])
+    assert list(d["sps_ms"]) == ["scheduled"] and d["sps_ms"]["scheduled"][0][0] == 1
     assert (tmp_path / "bench.png").stat().st_size > 0
 
 

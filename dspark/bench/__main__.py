@@ -233,6 +233,10 @@ def main(argv=None):
           f"{','.join(policies)}  temperature {a.temperature}  {len(prompts)} prompts × "
           f"{a.max_tokens} tokens", file=sys.stderr)
     split = a.split if a.split is not None else a.model is not None
+    sps = {pol: e.policy.sps.to_list() for pol, e in specs.items() if hasattr(e.policy, "sps")}
+    for pol, pts in sps.items():       # what the scheduled policies weigh: step ms at B tokens
+        print(f"SPS profile of {pol} (B verify tokens: step ms): "
+              + ", ".join(f"{b}: {ms:.2f}" for b, ms in pts))
     rows, split_rows = [], []
     for c in conc:
         # untimed warm-up of EVERY engine at this concurrency: kernel compiles and CUDA-graph
@@ -256,8 +260,8 @@ def main(argv=None):
     print(f"sample: {rows[0]['dspark']['sample']!r}"[:300])
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "results": rows, "split": split_rows}, f, indent=2,
-                      default=str)
+            json.dump({"args": vars(a), "results": rows, "split": split_rows, "sps_ms": sps}, f,
+                      indent=2, default=str)
     if a.plot:
         plot(rows, a.plot)
     r = rows[-1]
