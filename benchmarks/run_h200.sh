@@ -15,7 +15,7 @@ set -uo pipefail
 OUT=${OUT:-out}; R="$OUT/r"; mkdir -p "$R"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 DSPARK_INSTAFAIL=1
 BUDGET=${BUDGET:-570}; T0=$SECONDS
-STEPS=${STEPS:-"tests decode kernels bench trace draft qwen3 sweep mhc tp"}   # also: pdl (PDL off / on)
+STEPS=${STEPS:-"tests decode kernels bench trace draft qwen3 sweep mhc tp"}   # also: pdl (PDL off / on), flash
 left() { local l=$((BUDGET - SECONDS + T0)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 1 ] && l=1; echo $l; }
 step() { echo "[t=$((SECONDS - T0))s] $1"; }
 for s in $STEPS; do case $s in
@@ -91,21 +91,33 @@ kernels) # the few-token FP8 / grouped FP4 MoE kernels alone (cold L2, graph rep
   timeout "$(left 150)" python benchmarks/bench_decode_kernels.py ${KERNEL_ARGS:-} \
     --json "$R/bench_decode_kernels.json" > "$R/bench_decode_kernels.txt" 2>&1
   grep -v -i warn "$R/bench_decode_kernels.txt" | tail -12 ;;
-bench)   # tau and speed-up vs speculation off on the shipped pair, batch 1, engine
-         # defaults (on CUDA: target and draft passes as CUDA graphs, fused sampling kernels);
-         # run alone: a busy CPU skews it
-  for T in 1.0 0; do      # sampled first: a greedy-first run measured its rounds 1.6x slower (cold compile cache?)
+bench)   # DSpark vs speculation off on the shipped pair, per concurrency and policy, with the
+         # compiles / captures / eager fallbacks inside each timed run (must be 0); engine
+         # defaults (on CUDA: target and draft passes as CUDA graphs); run alone: a busy CPU skews it
+  for T in 1.0 0; do
     step "bench T=$T"
-    timeout "$(left 120)" python -m dspark.bench --num-prompts 16 --max-tokens 128 --temperature $T \
-      --concurrency 1 --json "$R/bench_default_T$T.json" \
-      --plot "$R/bench_default_T$T.png" > "$R/bench_T$T.txt" 2>&1
-    tail -c 2000 "$R/bench_T$T.txt" | tr '\r' '\n' | grep -v "it/s\]\|req/s\]\|s/req\]" | tail -5
+    timeout "$(left 240)" python -m dspark.bench --num-prompts 64 --max-tokens 128 --temperature $T \
+      --concurrency 1,4,16,64 --policies fixed,scheduled --ignore-eos \
+      --json "$R/bench_dspark_vs_off_T${T}_h200.json" --plot "$R/bench_dspark_vs_off_T${T}_h200.png" \
+      > "$R/bench_dspark_vs_off_T${T}_h200.txt" 2>&1
+    grep -v "it/s\]\|req/s\]\|s/req\]\|bucket" "$R/bench_dspark_vs_off_T${T}_h200.txt" | tail -16 | cut -c1-200
   done
   for T in 1.0 0; do     # T=0: greedy rounds once measured ~3.0 ms vs ~1.9 ms sampled
     step "round profile T=$T"
     timeout "$(left 60)" python -m dspark.bench --profile --temperature $T \
       --json "$R/profile_T$T.json" > "$R/profile_T$T.txt" 2>&1; head -12 "$R/profile_T$T.txt"
   done ;;
+flash)   # V4-Flash width, 4 layers + the DSpark stages, random weights (tau ~ 1, so the split and
+         # the projection at dspark.md §9's per-position acceptance are what to read)
+  D=${FLASH_DIR:-/tmp/flash4_dspark}
+  [ -f "$D/config.json" ] || { step "flash checkpoint"; timeout "$(left 300)" python -m dspark.tools.make_checkpoint \
+    --preset flash --layers 4 --dtype fp8 --fp4-experts --dspark --out "$D" > "$R/flash_ckpt.txt" 2>&1; }
+  step "bench flash round split"
+  timeout "$(left 300)" python -m dspark.bench --model "$D" --num-prompts 32 --max-tokens 64 --temperature 0 \
+    --ignore-eos --concurrency 1,4,16 --policies fixed,scheduled \
+    --json "$R/bench_flash4_round_split_h200.json" --plot "$R/bench_flash4_round_split_h200.png" \
+    > "$R/bench_flash4_round_split_h200.txt" 2>&1
+  grep -v "it/s\]\|req/s\]\|s/req\]\|bucket" "$R/bench_flash4_round_split_h200.txt" | tail -22 | cut -c1-200 ;;
 trace)   # which kernels each phase of a round runs (kernels / device-busy ms per round)
   step "round profile + kernel trace T=1"
   timeout "$(left 90)" python -m dspark.bench --profile --trace \

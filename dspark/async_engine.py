@@ -327,6 +327,7 @@ class AsyncEngine:
                 "running_requests": self._gauges["running"],
                 "pages_in_use": self._gauges["pages_in_use"],
                 "pages_total": self._gauges["pages_total"],
+                "compile": self.engine.compile_stats(),
             }
 
     # ---- caller-side helpers ---------------------------------------------------------------------

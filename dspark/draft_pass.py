@@ -18,6 +18,7 @@ import warnings
 
 import torch
 
+from .compile_stats import count_capture, count_fallback
 from .cuda.graph_capture import capture, warm_up
 from .cuda.transfer import to_device
 from .sampling import (Purpose, filters_used, fused_filters_enabled,
@@ -46,6 +47,7 @@ class DraftPass:
         self.gamma = drafter.gamma
         # graphs need a pass without data-dependent shapes (dense MoE in every stage)
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda" and drafter.static_shapes()
+        self.graphs_wanted = self.cuda_graphs   # stays True after a failed capture (counted)
         self.max_position = 0          # bound (exclusive) on positions the stages' RoPE sees
         self._offsets = torch.arange(1, self.gamma + 1, device=self.device)
         # ("draft", bucket, top-k?, top-p?, all greedy?, quantized?) or
@@ -104,6 +106,8 @@ class DraftPass:
         graph = self._draft_graph(size, use_top_k, use_top_p, greedy, fused, quant, bound) \
             if self.cuda_graphs else None
         if graph is None:
+            if self.graphs_wanted:
+                count_fallback(self, "capture failed")
             ints, floats = self._host_inputs(reqs, R)
             return self._draft(self.to_device(ints, torch.long),
                                self.to_device(floats, torch.float32),
@@ -183,6 +187,9 @@ class DraftPass:
         graph = self._context_graph(size, dtype, taps[0].shape[-1], quant, bound) \
             if self.cuda_graphs and n <= MAX_GRAPH_CONTEXT_ROWS else None
         if graph is None:
+            if self.graphs_wanted:
+                count_fallback(self, "capture failed" if not self.cuda_graphs else
+                               "context rows past the largest bucket")
             index = self.to_device([slots, positions], torch.long)
             d.commit_rows(self.pool, index[0], torch.cat(taps), index[1], quant, bound)
             return
@@ -216,6 +223,7 @@ class DraftPass:
             buffers, fn = capture()
             try:
                 self._graphs[key] = self._capture(buffers, fn)
+                count_capture(self)
             except RuntimeError as e:
                 warnings.warn(f"capturing the drafter as a CUDA graph failed, running it eagerly "
                               f"from now on (Engine(cuda_graphs=False) skips the attempt): {e}")

@@ -29,6 +29,7 @@ import torch
 
 from .build import build_parts
 from .engine_config import EngineConfig
+from .compile_stats import install_triton_hook
 from .detok import IncrementalDetokenizer
 from .metrics import SpecMetrics
 from .overlap import OverlappedDecode
@@ -74,6 +75,7 @@ class Engine:
         """Load `path` (default: the shipped model) with `config`, or with keyword settings
         (EngineConfig's fields and the verify policy's options; they replace config's)."""
         c = self.config = EngineConfig.from_kwargs(config, **settings)
+        install_triton_hook()          # count Triton compiles (process-wide, once)
         path = self.path = os.fspath(path or default_model_path())
         self.device = torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         c.check_environment(self.device)
@@ -201,6 +203,13 @@ class Engine:
         request is added (dummy requests; dspark/warmup.py). Returns what ran and how long."""
         from .warmup import warm_up
         return warm_up(self, prompt_lengths, batch_sizes, progress=progress)
+
+    def compile_stats(self) -> dict:
+        """One-time costs so far (dspark/compile_stats.py): {"triton_compiles": n (process-wide;
+        "unavailable" without Triton's hook), "graph_captures": n, "eager_fallbacks":
+        {"target: ragged lengths": n, ...}} (steps a graph-capable runner ran eagerly, by why)."""
+        from .compile_stats import runner_stats, triton_compiles
+        return {"triton_compiles": triton_compiles(), **runner_stats(self.runner)}
 
     def close(self) -> None:
         """Stop the worker processes of a tensor-parallel engine and leave its process group

@@ -234,3 +234,22 @@ def test_uniform_verify_width_is_the_fixed_policys_block(tiny_ckpt):
     assert [o.token_ids for o in spec.generate(prompts, params)] == \
         [o.token_ids for o in off.generate(prompts, params)]
     assert widths and set(widths) == {spec.drafter.gamma + 1}
+
+
+@pytest.mark.parametrize("policy", ["scheduled", "scheduled-async"])
+def test_sampling_distribution_is_exact_under_the_scheduler(small_vocab_ckpt, policy, tmp_path,
+                                                            monkeypatch):
+    """The SPS-scheduled policies at the default engine settings (SPS profiled on this CPU):
+    whatever lengths they pick, the emitted tokens follow the target's law."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))      # a fresh profile, not a shared one
+    spec = Engine(small_vocab_ckpt, device="cpu", dtype="fp32", kv_cache_dtype="fp32",
+                  verify_policy=policy)
+    off = Engine(small_vocab_ckpt, device="cpu", dtype="fp32", kv_cache_dtype="fp32",
+                 speculative="none")
+    prompt, steps, T, n = [3, 1, 4, 1, 5], 2, 1.0, 480
+    law = _target_law(off, prompt, steps, T)
+    spec.round_log = []
+    counts = _sample_counts(spec, prompt, steps, T, n)
+    assert _chi2_pvalue(counts, law, n) > 1e-3
+    lengths = [ell for _, ell, _ in spec.round_log]
+    assert len(lengths) >= n, "every request ran at least one speculative round"

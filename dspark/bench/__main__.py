@@ -2,8 +2,14 @@
 (`--profile`: the batch-1 round latency split instead, see profile.py).
 
 Default model: the shipped small trained pair (dspark/assets/default), prompts from its held-out
-split. Prints a table per concurrency level, saves JSON / PNG on request, and ends with a
-one-line summary: `tau=... accept_rate=... speedup=...x tok/s=...`.
+split. Per concurrency level and verify policy (`--policies fixed,scheduled`: one DSpark engine
+each, against the same speculation-off engine, same prompts and settings) it prints τ, the mean
+verify length ℓ (drafts verified per request-round), tok/s of both and the speed-up, and the
+Triton compiles / CUDA-graph captures / eager fallbacks inside each timed run (all 0 once warmed
+up; a WARNING line names any that are not). `--split` (default with --model) adds the round split
+per batch next to the plain decode step and the speed-up projected at a per-position acceptance
+(split.py). Saves JSON / PNG on request and ends with a one-line summary:
+`tau=... accept_rate=... speedup=...x tok/s=...`.
 """
 from __future__ import annotations
 
@@ -16,10 +22,13 @@ import time
 import torch
 from tqdm import tqdm
 
+from ..compile_stats import delta, total
 from ..engine import Engine, default_model_path
 from ..metrics import aggregate
 from ..sampling import SamplingParams
-from .datasets import load_prompts
+from .datasets import load_prompts, token_prompts
+from .split import (PAPER_ACCEPTANCE, PAPER_ACCEPTANCE_SOURCE, print_split, split_rounds,
+                    tokens_per_round)
 
 
 def run_once(engine: Engine, prompts, sp: SamplingParams, concurrency: int, desc: str) -> dict:
@@ -31,6 +40,7 @@ def run_once(engine: Engine, prompts, sp: SamplingParams, concurrency: int, desc
     pending = list(zip(prompts, params))[::-1]
     ids, outs = [], {}
     bar = tqdm(total=len(prompts), desc=desc, unit="req", leave=False, file=sys.stderr)
+    before = engine.compile_stats()
     t0 = time.perf_counter()
 
     def submit():
@@ -49,6 +59,7 @@ def run_once(engine: Engine, prompts, sp: SamplingParams, concurrency: int, desc
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
+    once = delta(engine.compile_stats(), before)
     bar.close()
     outs = [outs[i] for i in ids]
     m = aggregate(o.metrics for o in outs)
@@ -57,6 +68,8 @@ def run_once(engine: Engine, prompts, sp: SamplingParams, concurrency: int, desc
             "wall_s": wall, "tok_s": tokens / wall, "tau": m.mean_accepted_length,
             "accept_rate": m.acceptance_rate, "cond_accept": m.conditional_acceptance,
             "ttft_ms": 1e3 * m.ttft, "tpot_ms": 1e3 * m.tpot, "rounds": m.rounds,
+            "mean_verify_len": m.verified / m.rounds if m.rounds else 0.0,
+            "compile_stats": once,
             "sample": outs[0].text if outs[0].text is not None else outs[0].token_ids[:32]}
 
 
@@ -70,16 +83,37 @@ def warm_up(engine: Engine, prompts, sp: SamplingParams, concurrency: int, name:
     run_once(engine, prompts[:concurrency], sp, concurrency, f"warm-up {name} c={concurrency}")
 
 
+def _once(st: dict) -> str:
+    tc = st["triton_compiles"]
+    return f"{tc if isinstance(tc, int) else '-'}/{st['graph_captures']}/" \
+           f"{sum(st['eager_fallbacks'].values())}"
+
+
 def print_table(rows):
-    head = f"{'conc':>5} {'tau':>6} {'acc%':>6} {'spec tok/s':>11} {'off tok/s':>10} {'speedup':>8} " \
-           f"{'TTFT ms':>8} {'TPOT ms':>8}  conditional acceptance per position"
+    head = (f"{'conc':>5} {'policy':<16} {'tau':>5} {'ℓ':>5} {'acc%':>6} {'spec tok/s':>11} "
+            f"{'off tok/s':>10} {'speedup':>8} {'TTFT ms':>8} {'TPOT ms':>8} "
+            f"{'spec c/g/e':>11} {'off c/g/e':>10}")
     print(head)
     print("-" * len(head))
     for r in rows:
         s, o = r["dspark"], r["off"]
-        cond = " ".join(f"{c:.2f}" for c in s["cond_accept"])
-        print(f"{r['concurrency']:>5} {s['tau']:>6.2f} {100 * s['accept_rate']:>6.1f} {s['tok_s']:>11.1f} "
-              f"{o['tok_s']:>10.1f} {r['speedup']:>7.2f}x {s['ttft_ms']:>8.1f} {s['tpot_ms']:>8.2f}  {cond}")
+        print(f"{r['concurrency']:>5} {r['policy']:<16} {s['tau']:>5.2f} {s['mean_verify_len']:>5.2f} "
+              f"{100 * s['accept_rate']:>6.1f} {s['tok_s']:>11.1f} {o['tok_s']:>10.1f} "
+              f"{r['speedup']:>7.2f}x {s['ttft_ms']:>8.1f} {s['tpot_ms']:>8.2f} "
+              f"{_once(s['compile_stats']):>11} {_once(o['compile_stats']):>10}")
+    print("ℓ = drafts verified per request-round; c/g/e = Triton compiles / CUDA-graph captures / "
+          "eager fallbacks inside the timed run (must be 0)")
+    for r in rows:
+        for name in ("dspark", "off"):
+            st = r[name]["compile_stats"]
+            if total(st):
+                print(f"WARNING: c={r['concurrency']} {r['policy'] if name == 'dspark' else 'off'}: "
+                      f"{st['triton_compiles']} Triton compiles, {st['graph_captures']} graph "
+                      f"captures, eager fallbacks {st['eager_fallbacks'] or 0} inside the timed "
+                      f"run (the warm-up missed these shapes)")
+    for r in rows:
+        cond = " ".join(f"{c:.2f}" for c in r["dspark"]["cond_accept"])
+        print(f"conditional acceptance per position, c={r['concurrency']} {r['policy']}: {cond}")
 
 
 def plot(rows, path):
@@ -87,18 +121,33 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
-    conc = [r["concurrency"] for r in rows]
-    ax[0].plot(conc, [r["dspark"]["tok_s"] for r in rows], "o-", label="DSpark")
-    ax[0].plot(conc, [r["off"]["tok_s"] for r in rows], "s--", label="speculation off")
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    for pol in policies:
+        sel = [r for r in rows if r["policy"] == pol]
+        ax[0].plot([r["concurrency"] for r in sel], [r["dspark"]["tok_s"] for r in sel], "o-",
+                   label=f"DSpark ({pol})")
+    sel = [r for r in rows if r["policy"] == policies[0]]
+    ax[0].plot([r["concurrency"] for r in sel], [r["off"]["tok_s"] for r in sel], "s--",
+               label="speculation off")
     ax[0].set_xscale("log", base=2), ax[0].set_xlabel("concurrency"), ax[0].set_ylabel("output tok/s")
     ax[0].legend(), ax[0].set_title("throughput")
     for r in rows:
         ax[1].plot(range(1, len(r["dspark"]["cond_accept"]) + 1), r["dspark"]["cond_accept"], "o-",
-                   label=f"conc {r['concurrency']}")
+                   label=f"c={r['concurrency']} {r['policy']}")
     ax[1].set_xlabel("draft position k"), ax[1].set_ylabel("P(accept k | accepted < k)")
     ax[1].set_ylim(0, 1), ax[1].legend(), ax[1].set_title("conditional acceptance")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+def _weight_format(model: str, choice: str) -> str:
+    if choice != "auto":
+        return choice
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            return "quantized" if json.load(f).get("quantization_config") else "bf16"
+    except (OSError, ValueError):
+        return "bf16"
 
 
 def main(argv=None):
@@ -112,8 +161,23 @@ def main(argv=None):
     p.add_argument("--temperature", type=float, default=1.0, help="1.0 = paper protocol; 0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="every request generates --max-tokens tokens (fixed work per request)")
     p.add_argument("--concurrency", default="1", help="comma list, e.g. 1,4,16")
     p.add_argument("--verify-policy", default="fixed")
+    p.add_argument("--policies", default=None,
+                   help="comma list of verify policies, e.g. fixed,scheduled: one DSpark engine "
+                        "each against the same speculation-off engine (default: --verify-policy)")
+    p.add_argument("--weight-format", default="auto", choices=("auto", "bf16", "quantized"),
+                   help="Engine(weight_format=...); auto: 'quantized' for a checkpoint stored "
+                        "as FP8 (quantization_config in config.json), else 'bf16'")
+    p.add_argument("--split", action=argparse.BooleanOptionalAction, default=None,
+                   help="also the round split per batch (draft / verify / accept ms) next to the "
+                        "plain decode step, and the projected speed-up (default: on with --model)")
+    p.add_argument("--acceptance", default=None,
+                   help="--split: per-position acceptance (fraction of rounds accepting position "
+                        "k, comma list) for the projection (default: dspark.md §9 V4-Flash "
+                        "GSM8K numbers)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--target-cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
@@ -147,33 +211,62 @@ def main(argv=None):
     dataset = a.dataset or os.path.join(model, "heldout_prompts.jsonl")
     prompts = load_prompts(dataset, a.num_prompts)
     sp = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                        max_tokens=a.max_tokens, ignore_eos=False)
+                        max_tokens=a.max_tokens, ignore_eos=a.ignore_eos)
     conc = [int(c) for c in a.concurrency.split(",")]
-    tg = dict(target_cuda_graphs=a.target_cuda_graphs)
-    spec = Engine(model, device=a.device, dtype=a.dtype, verify_policy=a.verify_policy, **tg)
-    off = Engine(model, device=a.device, dtype=a.dtype, speculative="none", **tg)
+    policies = list(dict.fromkeys(x.strip() for x in (a.policies or a.verify_policy).split(",")
+                                  if x.strip()))
+    acc, src = PAPER_ACCEPTANCE, PAPER_ACCEPTANCE_SOURCE
+    if a.acceptance is not None:
+        acc, src = [float(x) for x in a.acceptance.split(",")], "--acceptance"
+        tokens_per_round(acc, len(acc))          # bad numbers fail here, before any run
+    kw = dict(device=a.device, dtype=a.dtype, target_cuda_graphs=a.target_cuda_graphs,
+              weight_format=_weight_format(model, a.weight_format))
+    specs = {pol: Engine(model, verify_policy=pol, progress=True, **kw) for pol in policies}
+    off = Engine(model, speculative="none", **kw)
+    spec = specs[policies[0]]
+    if spec.drafter is None:
+        sys.exit(f"{model}: no DSpark drafter (mtp.* stages), nothing to compare with speculation off")
+    if spec.tokenizer is None:                   # random-weight checkpoints have no tokenizer
+        prompts = token_prompts(prompts, spec.cfg.vocab_size)
     print(f"model {model}  device {spec.device}  dtype {str(spec.dtype).replace('torch.', '')}  "
-          f"γ={spec.cfg.dspark_block_size}  policy {a.verify_policy}  temperature {a.temperature}  "
-          f"{len(prompts)} prompts × {a.max_tokens} tokens", file=sys.stderr)
-    for eng, name in ((spec, "dspark"), (off, "off")):
+          f"weights {kw['weight_format']}  γ={spec.cfg.dspark_block_size}  policies "
+          f"{','.join(policies)}  temperature {a.temperature}  {len(prompts)} prompts × "
+          f"{a.max_tokens} tokens", file=sys.stderr)
+    split = a.split if a.split is not None else a.model is not None
+    sps = {pol: e.policy.sps.to_list() for pol, e in specs.items() if hasattr(e.policy, "sps")}
+    for pol, pts in sps.items():       # what the scheduled policies weigh: step ms at B tokens
+        print(f"SPS profile of {pol} (B verify tokens: step ms): "
+              + ", ".join(f"{b}: {ms:.2f}" for b, ms in pts))
+    for eng, name in [(off, "off")] + [(e, pol) for pol, e in specs.items()]:
         # every graph a round replays captured, and the eager shapes compiled, before any timing
-        info = eng.warmup(batch_sizes=[b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max(conc)])
-        print(f"warm-up {name}: {info['requests']} requests, graphs {info['graphs']}, "
+        info = eng.warmup(batch_sizes=[b for b in (2, 4, 8, 16, 32, 64) if b <= max(conc)])
+        print(f"warm-up {name}: {info['requests']} requests, graphs held {info['graphs']}, "
               f"{info['seconds']:.1f} s", file=sys.stderr)
-    rows = []
+    rows, split_rows = [], []
     for c in conc:
-        # untimed warm-up of BOTH engines at this concurrency: kernel compiles and CUDA-graph
-        # captures happen here, not inside either timed run
-        for eng, name in ((spec, "dspark"), (off, "off")):
+        # untimed warm-up of EVERY engine at this concurrency: kernel compiles and CUDA-graph
+        # captures should happen here, not inside a timed run (the counts say if they did not)
+        for eng, name in [(off, "off")] + [(e, pol) for pol, e in specs.items()]:
             warm_up(eng, prompts, sp, c, name)
-        s = run_once(spec, prompts, sp, c, f"dspark c={c}")
         o = run_once(off, prompts, sp, c, f"off c={c}")
-        rows.append({"concurrency": c, "dspark": s, "off": o, "speedup": s["tok_s"] / o["tok_s"]})
+        for pol, eng in specs.items():
+            s = run_once(eng, prompts, sp, c, f"dspark {pol} c={c}")
+            rows.append({"concurrency": c, "policy": pol, "dspark": s, "off": o,
+                         "speedup": s["tok_s"] / o["tok_s"]})
+        if split:
+            off_split = split_rounds(off, prompts, sp, c, run_once)
+            for pol, eng in specs.items():
+                split_rows.append({"concurrency": c, "policy": pol, "off_split": off_split,
+                                   "split": split_rounds(eng, prompts, sp, c, run_once),
+                                   "tau": rows[-len(specs) + policies.index(pol)]["dspark"]["tau"]})
     print_table(rows)
+    if split_rows:
+        print_split(split_rows, spec.cfg.dspark_block_size, acc, src)
     print(f"sample: {rows[0]['dspark']['sample']!r}"[:300])
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "results": rows}, f, indent=2, default=str)
+            json.dump({"args": vars(a), "results": rows, "split": split_rows, "sps_ms": sps}, f,
+                      indent=2, default=str)
     if a.plot:
         plot(rows, a.plot)
     r = rows[-1]

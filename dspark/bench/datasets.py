@@ -30,3 +30,11 @@ def load_prompts(path: str, limit: int | None = None) -> list:
     if not prompts:
         raise ValueError(f"{path}: no prompts found")
     return prompts
+
+
+def token_prompts(prompts: list, vocab: int, seed: int = 0) -> list:
+    """Token-id prompts for a checkpoint without a tokenizer (random-weight checkpoints): one
+    per text prompt, ~4 characters per token (8..256 tokens), ids drawn uniformly, reproducible."""
+    import random
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(min(max(len(p) // 4, 8), 256))] for p in prompts]

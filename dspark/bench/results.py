@@ -47,7 +47,8 @@ def _engine_bench(d: dict) -> str:
     parts = []
     for r in d["results"]:
         ds, off = r["dspark"], r["off"]
-        parts.append(f"c{r['concurrency']}: tau {ds['tau']:.2f}, {ds['tok_s']:.1f} vs "
+        pol = f" {r['policy']}" if r.get("policy") else ""
+        parts.append(f"c{r['concurrency']}{pol}: tau {ds['tau']:.2f}, {ds['tok_s']:.1f} vs "
                      f"{off['tok_s']:.1f} tok/s = {r['speedup']:.2f}x")
     return (f"T={t} " if t is not None else "") + "; ".join(parts)
 

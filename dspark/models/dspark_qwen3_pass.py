@@ -19,6 +19,7 @@ import weakref
 
 import torch
 
+from ..compile_stats import count_fallback
 from ..draft_pass import MAX_GRAPH_CONTEXT_ROWS, DraftPass, bucket_size
 from ..sampling import filters_used
 
@@ -139,6 +140,8 @@ class Qwen3DraftPass(DraftPass):
                 graph.graph.replay()
                 toks, probs, confs = graph.outputs   # overwritten by the next replay: copy
                 return toks[:R].clone(), None if greedy else probs[:R].clone(), confs[:R].clone()
+        if self.graphs_wanted:
+            count_fallback(self, "capture failed")
         ints, floats = self._host_inputs(reqs, R)
         return self._draft(self.to_device(ints, torch.long), self.to_device(floats, torch.float32),
                            longest, use_top_k, use_top_p, greedy, fused)
@@ -159,6 +162,9 @@ class Qwen3DraftPass(DraftPass):
         graph = self._graph(("context", size, dtype), 0, capture) \
             if self.cuda_graphs and n <= MAX_GRAPH_CONTEXT_ROWS else None
         if graph is None:
+            if self.graphs_wanted:
+                count_fallback(self, "capture failed" if not self.cuda_graphs else
+                               "context rows past the largest bucket")
             index = self.to_device([slots, positions], torch.long)
             d.commit_rows(self.pool, index[0], torch.cat(taps).to(self.device), index[1])
             return

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..compile_stats import count_capture, count_fallback, target_fallback_reason
 from ..cuda.graph_capture import capture, pow2_buckets, step_bucket, warm_up
 from ..kernels.paged_gqa_decode import paged_gqa_attention_torch
 from .qwen3 import apply_rope, rope_cos_sin
@@ -141,6 +142,7 @@ class DecodeGraphs:
         fit the fixed shapes (nothing is changed then)."""
         key = self.bucket(items)
         if key is None or len({rid for rid, _, _ in items}) != len(items):
+            count_fallback(self, target_fallback_reason(items, self))
             return None                      # duplicates: let the eager path raise its error
         B, q, P = key
         c, R, N, bs = self.cache, len(items), self.rows, self.cache.block_size
@@ -183,4 +185,5 @@ class DecodeGraphs:
             warm_up(lambda: self._forward(*key))
             g, _ = capture(lambda: self._forward(*key), self.pool)
             self.graphs[key] = g
+            count_capture(self)
         return g

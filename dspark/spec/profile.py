@@ -1,9 +1,19 @@
 """Throughput profile SPS(B): measured engine step time at B verify tokens (spec §6.4).
 
-Measured once per (device, model, backend, dtype) and cached on disk; a fresh measurement is
-taken when any of those change. A step is timed as the scheduler will see it: one target verify
-forward of B tokens spread over R = ceil(B / (γ+1)) requests at a representative context length,
-plus the draft block for those R requests. Median of a few repeats per bucket.
+A step is timed as the engine serves it: one target verify forward of R requests that each feed
+the same q tokens (q = γ+1 from B >= γ+1 on, so the step is uniform and replays the target's
+CUDA graph where the runner has one), plus the draft pass for those R requests, at a warm
+context. Median of a few repeats per bucket; on CUDA the first run of a bucket is a warm-up
+(Triton compiles, graph captures) and is not timed.
+
+The profile is sized to the cache it runs on: its R requests never exceed max_num_seqs, the free
+state slots and pages, and one forward never exceeds the cache's staging area; the warm-state
+prefill is chunked by the scheduler's token budget. When the cache cannot hold every request at
+the profile context, fewer (or shorter) requests are measured, the table extrapolates past the
+largest bucket (SpsTable), and `ProfilePlan.note` says so (printed, and warned once).
+
+Cached on disk per (device, torch, model, backend, dtype, KV dtype, runner graph settings, plan);
+a fresh measurement is taken when any of those change. XDG_CACHE_HOME moves the cache.
 """
 from __future__ import annotations
 
@@ -12,28 +22,125 @@ import json
 import os
 import statistics
 import time
+import warnings
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
 from .policy import SpsTable
 
+# warm context of every profiled request (tokens); on CPU the warm-up prefill of up to
+# max_num_seqs requests would dominate the profile's cost, and a CPU step's time hardly depends
+# on a short context
+PROFILE_CONTEXT = {"cuda": 64, "cpu": 16}
 
-def default_buckets(max_tokens: int) -> list:
-    """Powers of two and their midpoints up to max_tokens (and max_tokens itself)."""
+
+def default_buckets(max_tokens: int, midpoints: bool = True) -> list:
+    """Powers of two (and their midpoints) up to max_tokens, and max_tokens itself."""
     out, b = [], 1
     while b < max_tokens:
-        out += [b] + ([b + b // 2] if b >= 4 else [])
+        out += [b] + ([b + b // 2] if b >= 4 and midpoints else [])
         b *= 2
     return sorted({x for x in out if x < max_tokens} | {max_tokens})
 
 
-def cache_key(engine) -> str:
+@dataclass
+class ProfilePlan:
+    """What the profile measures: steps[i] = (B, R, q) with B = R * q verify tokens."""
+    steps: list
+    context: int
+    requests: int             # warm requests held during the profile (the largest R)
+    note: str = ""            # why the plan is smaller than asked, or ""
+
+    @property
+    def buckets(self) -> list:
+        return [b for b, _, _ in self.steps]
+
+
+def _gamma(engine) -> int:
+    d = getattr(engine, "drafter", None)
+    return int(getattr(d, "gamma", 0) or engine.cfg.dspark_block_size or 1)
+
+
+def plan_profile(engine, max_tokens: int, context: int | None = None,
+                 midpoints: bool | None = None) -> ProfilePlan:
+    """The (B, R, q) steps that fit `engine`'s cache and scheduler, up to max_tokens verify
+    tokens (R <= ceil(max_tokens / (γ+1)) requests). Bucket midpoints by default on CUDA only
+    (on CPU a step costs about its token count: fewer buckets keep the profile cheap)."""
+    if midpoints is None:
+        midpoints = engine.device.type == "cuda"
+    if context is None:
+        context = PROFILE_CONTEXT.get(engine.device.type, PROFILE_CONTEXT["cuda"])
+    g = max(_gamma(engine), 1)
+    q_full = g + 1
+    cache = getattr(engine, "cache", None)
+    max_seqs = engine.scheduler.max_num_seqs
+    want = max(1, -(-max_tokens // q_full))          # requests the largest bucket asks for
+    limit_model = engine.cfg.max_position_embeddings
+    notes = []
+
+    def fits(ctx: int) -> int:
+        r = min(max_seqs, want)
+        if cache is not None:
+            pages = -(-(ctx + q_full) // cache.block_size)
+            r = min(r, cache.num_free_slots, cache.num_free_pages // pages,
+                    _staging(cache) // q_full)
+        return r
+
+    context = max(1, min(context, limit_model - q_full - 1))
+    if cache is not None:
+        context = max(1, min(context, cache.num_blocks * cache.block_size - q_full))
+    best_ctx, best_r = context, fits(context)
+    ctx = context
+    while best_r < want and ctx > 8:                 # a shorter context may fit more requests
+        ctx //= 2
+        if fits(ctx) > best_r:
+            best_ctx, best_r = ctx, fits(ctx)
+    if best_r < 1:
+        raise ValueError(f"the KV cache cannot hold even one {best_ctx + q_full}-token request "
+                         f"for the SPS profile; raise num_kv_blocks / kv_cache_memory, or pass "
+                         f"sps_table=[[B, ms], ...]")
+    if best_ctx < context:
+        notes.append(f"context {best_ctx} instead of {context} tokens (pages)")
+    if best_r < want:
+        notes.append(f"{best_r} requests instead of {want} (cache slots / pages / staging "
+                     f"area); SPS past B={best_r * q_full} is extrapolated")
+    # below one full block: one request feeding b tokens; from there on R requests feeding
+    # γ+1 each, R over the powers of two (the graphs' batch buckets), their midpoints, and R max
+    steps = {b: (b, 1, b) for b in default_buckets(q_full, midpoints) if b < q_full}
+    for r in default_buckets(best_r, midpoints):
+        steps[r * q_full] = (r * q_full, r, q_full)
+    return ProfilePlan(sorted(steps.values()), best_ctx, best_r, "; ".join(notes))
+
+
+def _staging(cache) -> int:
+    """Most tokens one forward may carry on this cache (unbounded where it has no limit)."""
+    return int(getattr(cache, "max_batch_tokens", 1 << 30))
+
+
+def _graph_settings(runner) -> str:
+    """What of the runner's CUDA-graph setup changes a step's time."""
+    parts = []
+    tg = getattr(runner, "target_graphs", None) or getattr(runner, "graphs", None)
+    if tg is not None:
+        parts.append(f"target:{type(tg).__name__}:{tuple(getattr(tg, 'q_lens', ()))}:"
+                     f"{getattr(tg, 'batch_buckets', [None])[-1]}")
+    dp = getattr(runner, "draft_pass", None)
+    parts.append(f"draft:{bool(getattr(dp, 'cuda_graphs', False))}")
+    return ",".join(parts)
+
+
+def cache_key(engine, plan: ProfilePlan | None = None) -> str:
     with open(os.path.join(engine.path, "config.json"), "rb") as f:
         cfg_hash = hashlib.sha1(f.read()).hexdigest()[:12]
     dev = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu"
     parts = [dev, torch.__version__, os.path.abspath(engine.path), cfg_hash,
-             engine.runner.backend_name, str(engine.dtype), engine.kv_cache_dtype]
+             engine.runner.backend_name, str(engine.dtype), engine.kv_cache_dtype,
+             str(getattr(engine, "weight_format", "")), _graph_settings(engine.runner),
+             f"seqs={engine.scheduler.max_num_seqs}"]
+    if plan is not None:
+        parts.append(f"ctx={plan.context}:{plan.steps}")
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
 
@@ -47,50 +154,86 @@ def _sync(engine):
         torch.cuda.synchronize(engine.device)
 
 
-def measure(engine, buckets, context: int = 64, repeats: int = 5, progress: bool = True) -> list:
-    """[[B, median ms], ...] for each bucket B."""
-    runner, g = engine.runner, max(engine.cfg.dspark_block_size, 1)
-    cache = getattr(engine, "cache", None)
+def _warm_prefill(engine, handles, ctx, chunk: int):
+    """Prefill every request's context in forwards of at most `chunk` tokens."""
+    pending = [[h, 0, c] for h, c in zip(handles, ctx)]
+    while pending:
+        items, room = [], chunk
+        for p in pending:
+            if room <= 0:
+                break
+            h, start, c = p
+            n = min(len(c) - start, room)
+            items.append((h, start, c[start:start + n]))
+            p[1] += n
+            room -= n
+        engine.runner.target_forward(items)
+        pending = [p for p in pending if p[1] < len(p[2])]
+
+
+def measure(engine, plan: ProfilePlan, repeats: int | None = None, progress: bool = True) -> list:
+    """[[B, median ms], ...] for each step of `plan`."""
+    runner, cache = engine.runner, getattr(engine, "cache", None)
+    on_gpu = engine.device.type == "cuda"
+    repeats = repeats or (5 if on_gpu else 1)
+    warm = 1 if on_gpu else 0            # CPU steps have no compile / capture to pay first
+    C, R = plan.context, plan.requests
+    states = [runner.new_states() for _ in range(R)]
+    handles = [s[0] for s in states]
+    q_max = max(q for _, _, q in plan.steps)
+    vocab = engine.cfg.vocab_size
+    if cache is not None:                                # paged: requests are cache handles
+        handles = [("sps-profile", r) for r in range(R)]
+        for h in handles:
+            cache.add_request(h)
+            cache.reserve(h, C + q_max)
     rows = []
-    for B in tqdm(buckets, desc="profiling SPS(B)", unit="bucket", disable=not progress):
-        R = min(-(-B // (g + 1)), engine.scheduler.max_num_seqs)
-        states = [runner.new_states() for _ in range(R)]
-        handles = [s[0] for s in states]
-        if cache is not None:                            # paged: requests are cache handles
-            handles = [("sps-profile", B, r) for r in range(R)]
-            for h in handles:
-                cache.add_request(h)
-                cache.reserve(h, context + B)
-        ctx = [[(7 * i + 3 * r) % engine.cfg.vocab_size for i in range(context)] for r in range(R)]
-        runner.target_forward([(h, 0, c) for h, c in zip(handles, ctx)])   # warm state
-        sizes = [B // R + (1 if r < B % R else 0) for r in range(R)]
-        items = [(h, context, c[:n]) for h, c, n in zip(handles, ctx, sizes)]
-        times = []
-        for _ in range(repeats + 1):                     # first run is a warm-up
-            if cache is not None:
-                for h in handles:
-                    cache.truncate(h, context)           # each repeat re-verifies the same block
-            _sync(engine)
-            t0 = time.perf_counter()
-            runner.target_forward(items)
-            if engine.drafter is not None:
-                runner.draft_blocks_for_profile(states, context)
-            _sync(engine)
-            times.append(1e3 * (time.perf_counter() - t0))
+    try:
+        ctx = [[(7 * i + 3 * r) % vocab for i in range(C)] for r in range(R)]
+        chunk = engine.scheduler.max_tokens
+        if cache is not None:
+            chunk = min(chunk, _staging(cache))
+        _warm_prefill(engine, handles, ctx, chunk)
+        for B, r, q in tqdm(plan.steps, desc="profiling SPS(B)", unit="bucket",
+                            disable=not progress):
+            items = [(h, C, [(5 * j + i) % vocab for j in range(q)])
+                     for i, h in enumerate(handles[:r])]
+            times = []
+            for _ in range(warm + repeats):
+                if cache is not None:
+                    for h in handles[:r]:
+                        cache.truncate(h, C)             # each repeat re-verifies the same block
+                        cache.reserve(h, C + q)
+                _sync(engine)
+                t0 = time.perf_counter()
+                runner.target_forward(items)
+                if engine.drafter is not None:
+                    runner.draft_blocks_for_profile(states[:r], C)
+                _sync(engine)
+                times.append(1e3 * (time.perf_counter() - t0))
+            rows.append([B, statistics.median(times[warm:])])
+    finally:
         if cache is not None:
             for h in handles:
                 cache.free(h)
-        rows.append([B, statistics.median(times[1:])])
     return rows
 
 
 def load_or_profile(engine, max_tokens: int, progress: bool = True) -> SpsTable:
-    path = os.path.join(cache_dir(), cache_key(engine) + ".json")
+    """SPS(B) up to max_tokens verify tokens: from the on-disk cache, else measured (and saved)."""
+    plan = plan_profile(engine, max_tokens)
+    if plan.note:
+        msg = f"SPS profile sized to the KV cache: {plan.note}"
+        warnings.warn(msg)
+        if progress:
+            print(msg)
+    path = os.path.join(cache_dir(), cache_key(engine, plan) + ".json")
     if os.path.exists(path):
         with open(path) as f:
             return SpsTable.from_ms(json.load(f)["points"])
-    points = measure(engine, default_buckets(max_tokens), progress=progress)
+    points = measure(engine, plan, progress=progress)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"points": points, "model": engine.path, "device": str(engine.device)}, f)
+        json.dump({"points": points, "model": engine.path, "device": str(engine.device),
+                   "context": plan.context, "steps": plan.steps, "note": plan.note}, f)
     return SpsTable.from_ms(points)

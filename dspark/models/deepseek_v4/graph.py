@@ -43,6 +43,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from dspark.compile_stats import count_capture, count_fallback, target_fallback_reason
 from dspark.cuda.graph_capture import capture, pow2_buckets, step_bucket, warm_up
 from dspark.kvcache.paged import copy_rows
 from dspark.cuda import side_stream
@@ -530,6 +531,7 @@ class V4DecodeGraphs:
         key = self.bucket(items)
         rids = [rid for rid, _, _ in items]
         if key is None or len(set(rids)) != len(rids) or SCRATCH_RID in rids:
+            count_fallback(self, target_fallback_reason(items, self))
             return None
         B, q, P = key
         c, R = self.cache, len(items)
@@ -690,6 +692,8 @@ class V4DecodeGraphs:
                 warnings.warn(f"V4DecodeGraphs: capturing {key} failed ({e}); the V4 target "
                               "runs eagerly from now on")
                 self.disabled = True
+                count_fallback(self, "capture failed")
                 return None                 # the warm-up already produced this step's outputs
             self.graphs[key] = g
+            count_capture(self)
         return g
