@@ -25,9 +25,7 @@ is predicated on the preloaded words (true either way) and all five loads are is
 (tests/test_pdl.py checks the SASS order). The combine (before wo_a) and hc_post's finishing
 launch (before wq_a + wkv) trigger their dependents. H200, V4-Flash decode step (device time):
 0.753 ms with PDL and the preload, 0.764 with PDL waiting first, 0.766 without PDL; a chain of 4
-cold FP8 GEMVs (`benchmarks/bench_pdl_chain.py`) 44.2 / 45.6 / 46.2 us, outputs bit-equal. An L2
-bulk prefetch of each GEMV's weight slice before its wait measured slower (1.027 vs 0.943 ms: the
-prefetches compete with the kernels' own loads).
+cold FP8 GEMVs (`benchmarks/bench_pdl_chain.py`) 44.2 / 45.6 / 46.2 us, outputs bit-equal.
 """
 from __future__ import annotations
 

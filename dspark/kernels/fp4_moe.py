@@ -386,9 +386,7 @@ def _fp4_gemv_tile(x_row_ptr, w_rows_ptr, stride_wn, s_rows_ptr, stride_sn, n_ok
     n * stride_wn, its UE8M0 scales at s_rows_ptr + n * stride_sn; n_ok masks rows). Works on
     [BLOCK_N, BLOCK_G groups, 16 bytes] tiles: 32 columns share one scale. TWO: also the rows
     second_w / second_s elements further on (gate and up rows of an expert) in the same loop,
-    sharing the x loads; returns (first, second) (second = zeros when not TWO). The activation
-    pairs are loaded once per tile as [G, 16] (a per-row copy, which saves the shared-memory
-    exchange offline, measured no faster on the H200: decode device time 1.154 vs 1.148 ms)."""
+    sharing the x loads; returns (first, second) (second = zeros when not TWO)."""
     NG = (K + 31) // 32
     acc = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
@@ -507,9 +505,7 @@ def _grouped_blocks(programs_per_col: int, n: int) -> tuple[int, int]:
     latency-bound: more, smaller programs keep more loads in flight).
     Decode graph timeline, per layer at 1 token, gate/up | down: 4 x 32 35 | 21 us; whole rows
     per step, gate/up 4 x 128 (128 registers, 40 KB of loads in flight per program) 48 us; down
-    4 x 64 with the slot loop unrolled at compile time 21 us, 4 x 32 unrolled 25 us. One program
-    per (token, row tile, slot) for the down kernel, the last to arrive summing the slots,
-    measured slower: 54.7 vs 51.1 us per layer."""
+    4 x 64 with the slot loop unrolled at compile time 21 us, 4 x 32 unrolled 25 us."""
     if _interpreting():
         return 64, 2          # few programs (the interpreter's cost is per program)
     return 4, 32
@@ -569,12 +565,10 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     fp4_moe_tc.py, the rest to the CUDA-core kernels below. pair_decode: the CUDA-core
     kernels decode both codes of a byte together (_e2m1_pair_times_2pow14; same values, fewer
     integer ops for the issue-bound decode kernels: 1.5x at 1 and 6 tokens on an H200, see
-    benchmarks/bench_decode_kernels.py); False decodes code by code (the reference). (A
-    register prefetch of the next weight tile measured slower on the H200, 256 vs 211 us per
-    decode step; so did a decode of whole int32 weight words, 8 codes at a time with inline-PTX
-    f16 conversions: 56.9 vs 53.1 us per layer at 1 token.) add_stream: the CUDA stream still producing
-    ``add`` (side_stream.fork): the current stream waits for it right before the first kernel
-    that reads ``add`` (the down kernel), so the gate/up kernel overlaps it."""
+    benchmarks/bench_decode_kernels.py); False decodes code by code (the reference).
+    add_stream: the CUDA stream still producing ``add`` (side_stream.fork): the current stream
+    waits for it right before the first kernel that reads ``add`` (the down kernel), so the
+    gate/up kernel overlaps it."""
     def add_ready():
         if add_stream is not None:
             torch.cuda.current_stream(add_stream.device).wait_stream(add_stream)

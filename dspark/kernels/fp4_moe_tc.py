@@ -6,10 +6,9 @@ H200 (benchmarks/results/bench_decode_fp4_moe_tc_ab_h200.json): the grouped MoE 
 V4-Flash layer at 1 token takes 38.0 us (K split 4 / 2, 2 steps per asm block) vs 51.4 us for
 the CUDA-core kernels; the 4-layer decode step's device time 0.883 vs 0.909 ms. Still below the
 HBM's rate (~2.1 TB/s): ncu's top stall is global-memory latency (long scoreboard 34-39% of
-warp cycles, benchmarks/results/ncu_fp4_moe_tc_h200.txt), each warp waiting on its loads once per asm
-block (2 steps; 4 steps, more K splits, more warps per program or 4 independent MMA chains
-measured no better; the next step's weight words loaded one asm block ahead and
-carried in registers, was slower, 39.2 vs 37.5 us, and its first version wrong: removed).
+warp cycles, benchmarks/results/ncu_fp4_moe_tc_h200.txt), each warp waiting on its loads once
+per asm block (2 steps; 4 steps, more K splits, more warps per program or 4 independent MMA
+chains measured no better: TUNING).
 
     out = fp4_moe_tc(x, idx, weights, stack, swiglu_limit, add=None, out_dtype=torch.float32)
 

@@ -25,7 +25,6 @@ weight tile [BLOCK_N <= 128, 128] sits inside one scale tile (BLOCK_N divides 12
 split and the fp32 partials are summed (deterministically) by a second launch. Few tokens
 (T <= SKINNY_MAX_T: decode, verify) take `_fp8_skinny_kernel` instead: weight rows on the MMA's M
 side, split K reduced inside the same launch, output written in x's dtype (one launch per linear).
-(A fp32-FMA GEMV variant measured 4x slower than the MMA kernel on the H200 and was removed.)
 1-8 bf16 tokens go one step further, to fp8_gemv_tc's tensor-core GEMV (MMA fragments loaded
 per lane straight from global memory, no shared memory; same numerics as the skinny kernel's
 fp16 mode).

@@ -40,8 +40,6 @@ filled from benchmarks/sweep_attention.py):
   BLOCK_K 16-32 (offline, triton 3.6). ``kv_splits>1`` is flash-decoding: each split takes an
   equal share of the token's key tiles and writes a normalised partial output and log-sum-exp;
   a small combine kernel merges the splits with the sink (fills the GPU when T is small).
-(A v2 kernel, a 3-D tile decode with split-D and split-KV, measured 2.25-2.32x FlashMLA's time
-where v3 took 1.64-1.68x in the same H200 sweep, and 49.9 vs 39.4 us at 16 requests.)
 Knobs: impl, block_h, block_k, split_d (v1), kv_splits (v3), num_warps, num_stages, maxnreg,
 precision.
 """
@@ -348,18 +346,14 @@ def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr, stride_ot, stride_oh, 
 # Default launch configuration for the production case (bf16 q -> bf16 MMAs, H >= 64), keyed by
 # the number of query tokens T: the first row with T <= max_tokens wins (None = no bound).
 # Paste the table printed by benchmarks/sweep_attention.py (H200 sweep) here.
-# H200 sweep --grid v3 (benchmarks/results/sweep_attention_v3_h200.json; FlashMLA anchors 48.8 /
-# 91.5 / 174 us): up to 32 query tokens v3 BLOCK_K 32 split-KV 4 (39.4 us at 16 requests x 2
-# tokens; v2's best 49.9); from 128 tokens v3 BLOCK_K 64 with 2 stages: 80.2 / 152.4 / 292.9 us at
-# 64 / 128 / 256 requests = 1.64-1.68x FlashMLA (v2 in the same run 110.6 / 206.0 / 402.8 = 2.25-
-# 2.32x). --grid v3b (sweep_attention_v3b_h200.json): early_decode (a tile's four chunks decoded
-# before its first score wgmma) 77.3 / 147.0 / 282.2 us = 1.58-1.62x; the bit-trick fp8 decode,
-# lazy rescaling and 64-column chunks were all slower (1.80-2.41x). --grid v3c
-# (sweep_attention_v3c_h200.json): fp16 MMA operands (q, the decoded keys, P; an e4m3 pair becomes
-# an f16 pair in one conversion, the power-of-two scale one f16 multiply, where the bf16 path goes
-# through fp32): 72.1 / 136.6 / 260.9 us = 1.48 / 1.49 / 1.50x FlashMLA at 64 / 128 / 256
-# requests (bf16 in the same run 77.3 / 146.1 / 280.5), 38.0 us at 16. fp16 keeps 3 more mantissa
-# bits than bf16; its range (|value| < 65504, scales >= 2^-24) holds for RMS-normed latents.
+# H200 sweeps (benchmarks/results/sweep_attention_v3*_h200.json; FlashMLA anchors 48.8 / 91.5 /
+# 174 us at 64 / 128 / 256 requests x 2 tokens): up to 32 query tokens BLOCK_K 32 with split-KV
+# 4 (39.4 us at 16 requests); from 128 tokens BLOCK_K 64, 2 stages, early_decode (a tile's four
+# chunks decoded before its first score wgmma). fp16 MMA operands (q, the decoded keys, P; an
+# e4m3 pair becomes an f16 pair in one conversion, the power-of-two scale one f16 multiply, where
+# the bf16 path goes through fp32): 72.1 / 136.6 / 260.9 us = 1.48 / 1.49 / 1.50x FlashMLA (bf16
+# operands 77.3 / 146.1 / 280.5), 38.0 us at 16. fp16 keeps 3 more mantissa bits than bf16; its
+# range (|value| < 65504, scales >= 2^-24) holds for RMS-normed latents.
 # Up to 8 tokens (the batch-1 V4-Flash decode graph on the H200, 64 heads, 128 window + 0 / 512
 # compressed keys): 16 heads x 8 KV splits per program with
 # 4 warps (128 programs per token, each reading a quarter of q and writing a quarter of the

@@ -25,9 +25,7 @@ Knobs: block_h, block_k, kv_splits (flash-decoding + the shared combine kernel),
 num_stages, maxnreg; split_d does not apply (always the full 512 columns); early_decode=True
 decodes the tile's four chunks before its first score product (more loads and decode in flight;
 offline the k64 s2 spills drop from 164 to 48 B/thread; on the H200 77.3 vs 79.5 us at 64
-requests: the default for long batches). Tried on the H200 and removed as slower (sweep --grid v3b,
-benchmarks/results/sweep_attention_v3b_h200.json, code in commit a218409): e4m3 decoded by bit
-operations (1.80x FlashMLA vs 1.63x), lazy accumulator rescaling (2.00x), 64-column chunks (2.33x).
+requests: the default for long batches).
 Offline sm_90 compile (triton 3.6 = the H200's, benchmarks/kernel_regs.py), 64 heads, 8 warps:
 v3 BLOCK_K 64: 240 B, 32 (2 stages): 16 B, 16 (2 stages): 0,
 the loads of the next tile's chunks then go to shared memory by cp.async while this tile computes.
