@@ -133,10 +133,13 @@ def _headers(path: str, shard_map: dict[str, str]) -> dict[str, tuple[str, str, 
 
 def _shape_hint(cfg: ModelConfig, pairs) -> str:
     """Which config.json field the wrong shapes point at: the integer fields whose value is the
-    expected size of a dimension that the tensors hold at another size most often."""
+    expected size of a dimension that the tensors hold at another size most often (in two
+    tensors or more: one tensor of the wrong shape is the tensor's fault, not the config's)."""
     counts = collections.Counter((e, f) for want, got in pairs if len(want) == len(got)
                                  for e, f in zip(want, got) if e != f)
-    for (e, f), _ in counts.most_common(3):
+    for (e, f), n in counts.most_common(3):
+        if n < 2:
+            break
         names = [fl.name for fl in dataclasses.fields(cfg) if fl.type == "int"
                  and getattr(cfg, fl.name) == e and fl.name not in ("bos_token_id", "eos_token_id")]
         if names:
