@@ -136,3 +136,21 @@ def test_checkpoint_without_hidden_size_names_it(tmp_path):
     with pytest.raises(CheckpointError) as e:
         load_checkpoint(str(tmp_path))
     assert "missing required key(s) hidden_size" in str(e.value) and "mismatch" not in str(e.value)
+
+
+def test_checkpoint_with_a_wrong_hidden_size_names_it(tmp_path):
+    """hidden_size present but not the weights' width: the shape error says which field."""
+    import json
+    import os
+    import dspark
+    from dspark.models.loader import CheckpointError, load_checkpoint
+    src = os.path.join(os.path.dirname(dspark.__file__), "assets", "default")
+    for name in os.listdir(src):
+        if name.endswith((".safetensors", ".index.json")):
+            os.symlink(os.path.join(src, name), tmp_path / name)
+    raw = json.load(open(os.path.join(src, "config.json")))
+    raw["hidden_size"] = 256
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(str(tmp_path))
+    assert "(config.json's hidden_size = 256, but the tensors have 192 there)" in str(e.value)

@@ -13,6 +13,8 @@ its `.scale` have both been read.
 """
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
 import logging
 import os
@@ -191,6 +193,23 @@ def log_float_casts(path: str, cfg: ModelConfig, found: dict, dtype: torch.dtype
               {n: held_dtype(k, dtype) for n, k in floats.items()})
 
 
+def _shape_hint(cfg: ModelConfig, pairs) -> str:
+    """Which config.json field the wrong shapes point at: the integer fields whose value is the
+    expected size of a dimension that the tensors hold at another size most often (in two
+    tensors or more: one tensor of the wrong shape is the tensor's fault, not the config's)."""
+    counts = collections.Counter((e, f) for want, got in pairs if len(want) == len(got)
+                                 for e, f in zip(want, got) if e != f)
+    for (e, f), n in counts.most_common(3):
+        if n < 2:
+            break
+        names = [fl.name for fl in dataclasses.fields(cfg) if fl.type == "int"
+                 and getattr(cfg, fl.name) == e and fl.name not in ("bos_token_id", "eos_token_id")]
+        if names:
+            return (f" (config.json's {' / '.join(f'{n} = {e}' for n in names)}, but the tensors "
+                    f"have {f} there)")
+    return ""
+
+
 def _validate(path: str, cfg: ModelConfig, found: dict) -> None:
     expected = stored_inventory(cfg)
     ignored = [n for n in found if n not in expected and n.startswith("mtp.") and not cfg.has_dspark]
@@ -214,7 +233,9 @@ def _validate(path: str, cfg: ModelConfig, found: dict) -> None:
     if unexpected:
         problems.append(f"{len(unexpected)} unexpected tensor(s): {_listing(unexpected)}")
     if bad_shape:
-        problems.append(f"{len(bad_shape)} tensor(s) with the wrong shape: {_listing(bad_shape)}")
+        hint = _shape_hint(cfg, [(tuple(st.shape), found[n][2]) for n, st in expected.items()
+                                 if n in found and found[n][2] != tuple(st.shape)])
+        problems.append(f"{len(bad_shape)} tensor(s) with the wrong shape{hint}: {_listing(bad_shape)}")
     if bad_dtype:
         problems.append(f"{len(bad_dtype)} tensor(s) with the wrong dtype: {_listing(bad_dtype)}")
         problems += hints
