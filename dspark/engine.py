@@ -23,17 +23,16 @@ import itertools
 import json
 import os
 import time
-from dataclasses import dataclass, field
-
 import torch
 
 from .config import ModelConfig
-from .detok import IncrementalDetokenizer
 from .metrics import SpecMetrics
 from .models.deepseek_v4.model import DeepseekV4Model
 from .models.drafter import DSparkDrafter
 from .models.loader import load_checkpoint
+from .outputs import CompletionOutput, Logprob, RequestOutput, TextStream
 from .overlap import OverlappedDecode
+from . import prompts as _prompts
 from .request import BlockTokens, Request, Status
 from .runner import ModelRunner, QuantSim
 from .sampling import SamplingParams
@@ -44,21 +43,6 @@ from .spec.verify import FinishReason, accept_greedy_host, emit_and_stop_host
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16}
-
-
-@dataclass
-class RequestOutput:
-    """State of one request after a step. `token_ids`/`text` are cumulative; `new_token_ids` and
-    `text_delta` are what this step added (for streaming)."""
-    request_id: str
-    prompt_token_ids: list
-    token_ids: list
-    text: str | None
-    finish_reason: str | None       # "stop" | "length" | "abort" | None while running
-    metrics: SpecMetrics
-    finished: bool = True
-    new_token_ids: list = field(default_factory=list)
-    text_delta: str = ""
 
 
 def default_model_path() -> str:
@@ -185,7 +169,8 @@ class Engine:
         self.eos_token_ids = (cfg.eos_token_id,) if cfg.eos_token_id is not None else ()
         self._seed = seed
         self._ids = itertools.count()
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}       # by sample: n > 1 gives n entries
+        self._groups: dict[str, list] = {}           # request id -> its samples' Requests
 
     # ---- public API --------------------------------------------------------------------
     def score(self, token_ids) -> torch.Tensor:
@@ -204,14 +189,16 @@ class Engine:
             self.cache.free(rid)
         return logits.float().cpu()
 
-    def generate(self, prompts, params: SamplingParams | list | None = None, progress: bool = False):
-        """prompts: a list of strings or token-id lists (or one of them). Returns RequestOutputs
-        in prompt order."""
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and
-                                               isinstance(prompts[0], int))
+    def generate(self, prompts, params: SamplingParams | list | None = None,
+                 progress: bool | None = None):
+        """prompts: one prompt or a list of them; a prompt is a string, token ids (list, tuple
+        or 1-D tensor of ints), {"prompt": str} or {"prompt_token_ids": ids}. Returns one
+        RequestOutput (one prompt) or a list in prompt order. progress: a tqdm bar over the
+        requests; None = on for several prompts when stderr is a terminal."""
+        single = _prompts.is_single(prompts)
         prompts = [prompts] if single else list(prompts)
-        params = params or SamplingParams()
-        plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        params = params if params is not None else SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts; pass one "
                              f"SamplingParams or one per prompt")
@@ -224,6 +211,9 @@ class Engine:
                 self.abort(rid)
             raise
         done = {}
+        if progress is None:
+            import sys
+            progress = len(ids) > 1 and sys.stderr.isatty()
         from tqdm import tqdm
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not progress) as bar:
             while self.has_unfinished():
@@ -234,26 +224,74 @@ class Engine:
         outs = [done[i] for i in ids]
         return outs[0] if single else outs
 
+    def chat(self, messages, params: SamplingParams | None = None, *,
+             add_generation_prompt: bool = True, chat_template: str | None = None, **template_kwargs):
+        """Generate a reply to one conversation (a list of {"role", "content"} dicts), or to each
+        of a list of conversations, through the checkpoint's chat template
+        (tokenizer_config.json, rendered as transformers renders it)."""
+        if self.tokenizer is None:
+            raise ValueError(f"{self.path} has no tokenizer.json: chat needs a tokenizer")
+        single = bool(messages) and isinstance(messages[0], dict)
+        convs = [messages] if single else list(messages)
+        prompts = [self.tokenizer.apply_chat_template(
+            c, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+            **template_kwargs) for c in convs]
+        outs = self.generate([{"prompt": p} for p in prompts], params)
+        return outs[0] if single else outs
+
     def add_request(self, prompt, params: SamplingParams | None = None, request_id=None) -> str:
-        params = (params or SamplingParams()).validate(self.cfg.vocab_size)
-        ids = self._check_prompt(prompt)
+        """Admit one request (SamplingParams.n samples of it); returns its id. ValueError naming
+        the problem for a bad prompt, bad params or an id in use; nothing is admitted then."""
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}: "
+                             f"pass SamplingParams(...)")
+        params = params.validate(self.cfg.vocab_size)
+        text, ids = _prompts.parse(prompt, self.tokenizer, self.cfg.vocab_size,
+                                   self.max_model_len, self.path)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
                              f"shorten the prompt or raise Engine(max_model_len=...)")
         rid = str(request_id if request_id is not None else next(self._ids))
-        if rid in self.requests:
-            raise ValueError(f"request_id {rid!r} is already in use")
-        seed = params.seed if params.seed is not None else hash((self._seed, rid)) & ((1 << 62) - 1)
-        req = Request(rid, ids, params, seed, metrics=SpecMetrics(), arrival_time=time.perf_counter())
-        req.target_state, req.draft_state = self.runner.new_states()
+        sample_ids = [rid] if params.n == 1 else [f"{rid}[{k}]" for k in range(params.n)]
+        for sid in dict.fromkeys([rid] + sample_ids):
+            if sid in self._groups or sid in self.requests:
+                raise ValueError(f"request_id {sid!r} is already in use: pass another request_id "
+                                 f"(or None for a fresh one)")
         if self.cache is not None:
             self.cache.can_admit(len(ids))            # raises CacheTooSmall with the fix
-            req.target_state = rid                    # paged: the request id is the handle
-        if self.tokenizer is not None:
-            req.detok, req.text = IncrementalDetokenizer(self.tokenizer), ""
-        self.requests[rid] = req
-        self.scheduler.add(req)
+        stop_ids = params.all_stop_ids(self.eos_token_ids)
+        group = []
+        for k, sid in enumerate(sample_ids):
+            if params.seed is not None:               # sample k: seed + k (vLLM's rule)
+                seed = (params.seed + k) & ((1 << 63) - 1)
+            else:
+                seed = hash((self._seed, sid)) & ((1 << 62) - 1)
+            req = Request(sid, ids, params, seed, metrics=SpecMetrics(),
+                          arrival_time=time.perf_counter(), stop_ids=stop_ids, parent=rid, index=k)
+            req.target_state, req.draft_state = self.runner.new_states()
+            if self.cache is not None:
+                req.target_state = sid                # paged: the request id is the handle
+            if self.tokenizer is not None:
+                req.detok, req.text = TextStream(self.tokenizer, params.stop,
+                                                 params.include_stop_str_in_output,
+                                                 params.min_tokens), ""
+            if params.logprobs is not None:
+                req.logprobs = []
+            if params.prompt_logprobs is not None:
+                req.prompt_logprobs = [None]
+            req.prompt_text = text
+            group.append(req)
+        self._groups[rid] = group
+        for req in group:
+            self.requests[req.request_id] = req
+            self.scheduler.add(req)
         return rid
+
+    def request_ids(self) -> list:
+        """Ids of the requests not finished yet."""
+        return list(self._groups)
 
     def warmup(self, prompt_lengths=None, batch_sizes=None, progress: bool = False) -> dict:
         """Compile kernels and capture CUDA graphs for the shapes traffic will hit, before any
@@ -272,15 +310,24 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def abort(self, request_id) -> bool:
-        """Stop a request now and free all its cache state; other requests are not touched.
-        Returns False for an unknown or already finished id."""
-        req = self.requests.pop(str(request_id), None)
-        if req is None:
-            return False
-        req.finish_reason, req.finish_time = "abort", time.perf_counter()
-        self.scheduler.finish(req)
-        self._release(req)
-        return True
+        """Stop a request (all its samples) now and free all its cache state; other requests are
+        not touched. Returns False for an unknown or already finished id."""
+        return self.abort_request(request_id) is not None
+
+    def abort_request(self, request_id) -> RequestOutput | None:
+        """abort(), returning the request's final RequestOutput (finish_reason "abort" for the
+        samples still running, text held back included); None for an unknown id."""
+        group = self._groups.pop(str(request_id), None)
+        if group is None:
+            return None
+        now = time.perf_counter()
+        for req in group:
+            if req.status != Status.FINISHED:
+                req.finish_reason, req.finish_time = "abort", now
+                self.scheduler.finish(req)
+            self.requests.pop(req.request_id, None)
+            self._release(req)
+        return self._request_output(group, None, [])
 
     def stream(self, prompt, params: SamplingParams | None = None):
         """Generate one request, yielding a RequestOutput with its token/text deltas every step
@@ -292,7 +339,7 @@ class Engine:
                 yield o
                 if o.finished:
                     return
-            if rid not in self.requests:
+            if rid not in self._groups:
                 return
 
     # ---- one DSpark round ----------------------------------------------------------------
@@ -367,6 +414,9 @@ class Engine:
             if self.drafter is not None:
                 self.runner.commit_context(req.draft_state, taps[offsets[i]:offsets[i + 1]],
                                            req.num_prefilled)
+            if req.prompt_logprobs is not None and not req.output_ids:
+                self._record_prompt_logprobs(req, logits[offsets[i]:offsets[i + 1]],
+                                             req.num_prefilled)
             req.num_prefilled += n
             if req.num_prefilled < len(req.prefill_ids):
                 continue
@@ -388,10 +438,11 @@ class Engine:
             return []
         dec = decide(reqs, logits, first_rows, lengths, anchor_pos, self.gamma)
         # every result in ONE read back ([argmax | a, y] and the drafts), the rest on the host
-        return self._commit(reqs, dec, dec.table().tolist(), taps, first_rows, lengths, anchor_pos)
+        return self._commit(reqs, dec, dec.table().tolist(), taps, first_rows, lengths, anchor_pos,
+                            logits=logits)
 
     def _commit(self, reqs, dec, table, taps, first_rows, lengths, anchor_pos,
-                in_flight=frozenset()) -> list:
+                in_flight=frozenset(), logits=None) -> list:
         """The host part of acceptance on the read-back `table` (rows of dec.table()): accept
         (greedy), emitted tokens, stop tokens and token budgets, then every request's state.
         `in_flight`: ids of requests whose next position a launched forward already writes (the
@@ -412,6 +463,15 @@ class Engine:
         now, outs = time.perf_counter(), []
         for i, req in enumerate(reqs):
             new = emitted[i]
+            if finish[i] == FinishReason.STOP and new and new[-1] in req.params.stop_token_ids:
+                req.stop_reason = new[-1]
+            if req.detok is not None:              # text, and stop strings (may end it early)
+                used, hit = req.detok.push(new)
+                if hit is not None:
+                    new, finish[i], req.stop_reason = new[:used], FinishReason.STOP, hit
+            if req.logprobs is not None and logits is not None:
+                req.logprobs.extend(self._logprobs(logits, first_rows[i], new,
+                                                   req.params.logprobs))
             was_running = req.status == Status.RUNNING
             if was_running and self.round_log is not None and req.draft is not None:
                 self.round_log.append((req.draft.conf_logits.float().cpu(), lengths[i], accepted[i]))
@@ -552,7 +612,9 @@ class Engine:
         finished = req.status == Status.FINISHED
         delta = ""
         if req.detok is not None:
-            delta = req.detok.push(new_tokens) + (req.detok.flush() if finished else "")
+            if finished:
+                req.detok.finish()
+            delta = req.detok.take()
             req.text += delta
         if finished:
             req.metrics.record_timing(ttft=req.first_token_time - req.arrival_time,
@@ -560,29 +622,77 @@ class Engine:
                                       decode_tokens=len(req.output_ids) - 1)
             self.requests.pop(req.request_id, None)
             self._release(req)
-        return RequestOutput(req.request_id, req.prompt_ids, list(req.output_ids),
-                             req.text if req.detok is not None else None, req.finish_reason,
-                             req.metrics, finished, list(new_tokens), delta)
+        group = self._groups.get(req.parent, [req])
+        if all(r.status == Status.FINISHED for r in group):
+            self._groups.pop(req.parent, None)
+        return self._request_output(group, req, new_tokens, delta)
+
+    def _request_output(self, group: list, changed, new_tokens: list, delta: str = "") -> RequestOutput:
+        """The RequestOutput of a request from its samples' state; `changed` got `new_tokens`
+        and `delta` this step (the other samples' deltas are empty)."""
+        outs = []
+        for r in group:
+            mine = r is changed
+            text = r.text if r.detok is not None else None
+            if changed is None and r.detok is not None and r.finish_reason == "abort":
+                tail = r.detok.flush()              # aborted: what was held back is final
+                r.text += tail
+                text, mine, delta = r.text, True, tail
+            outs.append(CompletionOutput(
+                r.index, text, list(r.output_ids), r.finish_reason, r.stop_reason,
+                list(r.logprobs) if r.logprobs is not None else None,
+                list(new_tokens) if mine else [], delta if mine else ""))
+        first, o = group[0], outs[0]
+        metrics = first.metrics
+        for r in group[1:]:
+            metrics = metrics.merge(r.metrics)
+        return RequestOutput(first.parent or first.request_id, first.prompt_ids, o.token_ids,
+                             o.text, o.finish_reason, metrics,
+                             all(r.status == Status.FINISHED for r in group),
+                             o.new_token_ids, o.text_delta, outs,
+                             getattr(first, "prompt_text", None), first.prompt_logprobs)
+
+    def _logprobs(self, logits, first_row: int, tokens: list, k: int) -> list:
+        """Per emitted token {id: Logprob} from the target's raw log-softmax: token j of a round
+        was decided by row first_row + j (the verified target logits), exact under
+        speculation. The chosen token plus the k most likely."""
+        if not tokens:
+            return []
+        lp = torch.log_softmax(logits[first_row:first_row + len(tokens)].float(), -1)
+        return self._logprob_dicts(lp, tokens, k)
+
+    def _logprob_dicts(self, lp, tokens: list, k: int) -> list:
+        idx = torch.as_tensor(tokens, dtype=torch.long, device=lp.device)[:, None]
+        chosen = lp.gather(1, idx)
+        ranks = ((lp > chosen).sum(1) + 1).tolist()
+        chosen = chosen[:, 0].tolist()
+        top_v, top_i = lp.topk(min(k, lp.shape[1]), dim=1) if k else (lp[:, :0], lp[:, :0].long())
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+        dec = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)  # noqa: E731
+        out = []
+        for j, tok in enumerate(tokens):
+            d = {tok: Logprob(chosen[j], ranks[j], dec(tok))}
+            for r, (v, t) in enumerate(zip(top_v[j], top_i[j])):
+                if t not in d:
+                    d[t] = Logprob(v, r + 1, dec(t))
+            out.append(d)
+        return out
+
+    def _record_prompt_logprobs(self, req: Request, rows, start: int) -> None:
+        """Logprobs of prompt tokens start+1 .. from the prefill rows at start .. (row m predicts
+        the token at start + m + 1)."""
+        toks = req.prompt_ids[start + 1:start + 1 + rows.shape[0]]
+        if toks:
+            lp = torch.log_softmax(rows[:len(toks)].float(), -1)
+            req.prompt_logprobs.extend(self._logprob_dicts(lp, toks, req.params.prompt_logprobs))
 
     def _release(self, req: Request):
         """Drop every cache the request holds (dense state is freed with the references)."""
         req.target_state = req.draft_state = req.draft = None
 
     def _check_prompt(self, prompt) -> list:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"{self.path} has no tokenizer.json, so string prompts cannot be "
-                                 f"encoded; pass token-id lists instead")
-            ids = self.tokenizer.encode(prompt).ids
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("empty prompt: pass at least one token")
-        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
-                             f"[0, {self.cfg.vocab_size})")
-        return ids
+        return _prompts.parse(prompt, self.tokenizer, self.cfg.vocab_size,
+                              getattr(self, "max_model_len", None), self.path)[1]
 
     @staticmethod
     def _load_tokenizer(path):

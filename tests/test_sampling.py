@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("kw, field", [
     (dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
     (dict(temperature=float("inf")), "temperature"), (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"), (dict(top_p=float("nan")), "top_p"), (dict(top_k=-1), "top_k"),
+    (dict(top_p=1.5), "top_p"), (dict(top_p=float("nan")), "top_p"), (dict(top_k=-2), "top_k"),
     (dict(top_k=2.5), "top_k"), (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=True), "max_tokens"),
     (dict(stop_token_ids=(5, 100)), "stop_token_ids"), (dict(stop_token_ids=(-1,)), "stop_token_ids"),
     (dict(stop_token_ids=7), "stop_token_ids"), (dict(seed=2 ** 64), "seed"), (dict(seed="1"), "seed"),
