@@ -197,6 +197,9 @@ class Engine:
         requests; None = on for several prompts when stderr is a terminal."""
         single = _prompts.is_single(prompts)
         prompts = [prompts] if single else list(prompts)
+        if not prompts:     # [] could mean no prompts or an empty one: neither can run
+            raise ValueError("empty prompt list: pass a prompt (a string or token ids) or a "
+                             "non-empty list of prompts")
         params = params if params is not None else SamplingParams()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):

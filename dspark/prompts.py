@@ -17,12 +17,12 @@ ACCEPTED = ("a string, token ids (a list / tuple / 1-D tensor of ints), {'prompt
 
 
 def is_single(prompts) -> bool:
-    """Whether `prompts` is one prompt (else a list of them): a string, a dict, a 1-D tensor,
+    """Whether `prompts` is one prompt (else a list of them): a string, a dict, a tensor,
     or a list / tuple whose first element is a number (ids; bad ones are reported by `parse`)."""
     if isinstance(prompts, (str, dict)):
         return True
     if isinstance(prompts, torch.Tensor) or type(prompts).__module__ == "numpy":
-        return getattr(prompts, "ndim", 1) <= 1
+        return True          # one prompt's ids (`token_ids` refuses other shapes)
     if isinstance(prompts, (list, tuple)) and prompts:
         return isinstance(prompts[0], numbers.Number)
     return False
