@@ -166,7 +166,8 @@ class Engine:
         if self.cache is not None:       # one request alone must always fit in the cache
             self.max_model_len = min(self.max_model_len, self.cache.num_blocks * self.cache.block_size)
         self.tokenizer = self._load_tokenizer(path)
-        self.eos_token_ids = (cfg.eos_token_id,) if cfg.eos_token_id is not None else ()
+        eos = [cfg.eos_token_id, getattr(self.tokenizer, "eos_token_id", None)]
+        self.eos_token_ids = tuple(dict.fromkeys(t for t in eos if t is not None))
         self._seed = seed
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}       # by sample: n > 1 gives n entries
@@ -236,10 +237,14 @@ class Engine:
             raise ValueError(f"{self.path} has no tokenizer.json: chat needs a tokenizer")
         single = bool(messages) and isinstance(messages[0], dict)
         convs = [messages] if single else list(messages)
-        prompts = [self.tokenizer.apply_chat_template(
+        texts = [self.tokenizer.apply_chat_template(
             c, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
             **template_kwargs) for c in convs]
-        outs = self.generate([{"prompt": p} for p in prompts], params)
+        # the template writes the special tokens: encode without adding them again
+        outs = self.generate([{"prompt_token_ids": self.tokenizer.encode(
+            t, add_special_tokens=False).ids} for t in texts], params)
+        for out, text in zip(outs, texts):
+            out.prompt = text
         return outs[0] if single else outs
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id=None) -> str:
@@ -699,8 +704,6 @@ class Engine:
 
     @staticmethod
     def _load_tokenizer(path):
-        fn = os.path.join(path, "tokenizer.json")
-        if not os.path.exists(fn):
-            return None
-        from tokenizers import Tokenizer
-        return Tokenizer.from_file(fn)
+        """tokenizer.json + tokenizer_config.json (special tokens, chat template), or None."""
+        from .tokenizer import Tokenizer
+        return Tokenizer.from_dir(path)
