@@ -1,6 +1,10 @@
 """dspark: DSpark speculative decoding for DeepSeek-V4, in PyTorch + Triton."""
+__version__ = "0.1.0"     # setup.py reads it from here
+
 from .config import ConfigError, ModelConfig
-from .engine import Engine, RequestOutput
+from .engine import Engine
+from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampling import SamplingParams
 
-__all__ = ["Engine", "SamplingParams", "RequestOutput", "ModelConfig", "ConfigError"]
+__all__ = ["Engine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "ModelConfig", "ConfigError", "__version__"]

@@ -58,6 +58,37 @@ def _model_type(path: str) -> str | None:
         return None
 
 
+def check_model_dir(path: str) -> None:
+    """A clear error for a path that is not a local checkpoint directory (e.g. a hub id)."""
+    if os.path.isdir(path):
+        return
+    parts = str(path).split("/")
+    if not os.path.exists(path) and len(parts) == 2 and all(parts) and not path.startswith("."):
+        raise ValueError(
+            f"{path!r} is not a local directory. It looks like a Hugging Face Hub id, and dspark "
+            f"loads checkpoints from disk only: download it first, e.g. `huggingface-cli download "
+            f"{path} --local-dir ./{parts[1]}`, then pass that directory (Engine('./{parts[1]}'))")
+    what = "does not exist" if not os.path.exists(path) else "is a file, not a directory"
+    raise ValueError(f"{path!r} {what}: pass the checkpoint directory (config.json, "
+                     f"*.safetensors, tokenizer.json)")
+
+
+def auto_weight_format(path: str, device) -> str:
+    """weight_format="auto": "quantized" for an FP8 / FP4 DeepSeek-V4 checkpoint on CUDA (the
+    quantized kernels run there, at a quarter of the expert memory), else "bf16"
+    (de-quantized at load: the CPU path)."""
+    if torch.device(device).type != "cuda" or _model_type(path) not in (None, "deepseek_v4"):
+        return "bf16"
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return "bf16"
+    quantized = bool(raw.get("quantization_config")) or raw.get("dtype") == "fp8" or \
+        raw.get("expert_dtype") in ("fp4", "fp8")
+    return "quantized" if quantized else "bf16"
+
+
 class Engine:
     def __init__(self, path: str | None = None, device: str | None = None, dtype=None,
                  speculative: str | None = None, num_speculative_tokens: int | None = None,
@@ -67,14 +98,19 @@ class Engine:
                  sps_table=None, draft: str | None = None, cpu_threads: int | None = None,
                  kv_layout: str = "paged", attention_backend: str = "auto",
                  num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
-                 tensor_parallel_size: int = 1, weight_format: str = "bf16",
+                 tensor_parallel_size: int = 1, weight_format: str = "auto",
                  cuda_graphs: bool | None = None, target_cuda_graphs: bool | None = None,
                  overlap_decode: bool | None = None, **policy_kwargs):
         path = path or default_model_path()
-        # "bf16": fp8/fp4 checkpoint weights de-quantized at load to `dtype` (default; the debug
-        # reference). "quantized": kept as FP8 / packed FP4 + e8m0 scales (dspark.models.qlinear)
+        check_model_dir(path)
+        # "bf16": fp8/fp4 checkpoint weights de-quantized at load to `dtype` (the debug
+        # reference). "quantized": kept as FP8 / packed FP4 + e8m0 scales (dspark.models.qlinear).
+        # "auto" (default): quantized where the quantized kernels run (CUDA), else bf16
+        if weight_format == "auto":
+            weight_format = auto_weight_format(
+                path, device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if weight_format not in ("bf16", "quantized"):
-            raise ValueError(f"weight_format={weight_format!r}: use 'bf16' (de-quantize at load) "
+            raise ValueError(f"weight_format={weight_format!r}: use 'auto', 'bf16' (de-quantize at load) "
                              f"or 'quantized' (keep FP8 / FP4 weights quantized in memory)")
         self.weight_format = weight_format
         # > 1: one process per device, attention heads / routed experts split over them
