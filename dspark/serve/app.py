@@ -136,6 +136,10 @@ def build_app(engine: AsyncEngine, model_name: str = "dspark", *,
 
     async def run(request, ids, params, stream, include_usage, chat: bool):
         try:
+            params.validate(eng.cfg.vocab_size)     # token ids against this vocabulary
+        except ValueError as e:
+            return _bad(P.params_error(e))
+        try:
             rs = await engine.add_request({"prompt_token_ids": ids}, params)
         except ValueError as e:
             return _error(400, str(e))

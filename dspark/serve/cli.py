@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import socket
 import sys
 
@@ -60,6 +61,7 @@ def main(argv=None, prog: str = "python -m dspark.serve") -> None:
     from ..async_engine import AsyncEngine
     from ..engine import Engine, default_model_path
     from .app import build_app
+    from .http import config
 
     path = args.model_opt or args.model or default_model_path()
     extra = {"draft": args.draft} if args.draft is not None else {}
@@ -83,8 +85,7 @@ def main(argv=None, prog: str = "python -m dspark.serve") -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
     host, port = sock.getsockname()[:2]
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level,
-                                           timeout_graceful_shutdown=5))
+    server = uvicorn.Server(config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
 
     async def serve():
         task = asyncio.ensure_future(server.serve(sockets=[sock]))
@@ -94,6 +95,9 @@ def main(argv=None, prog: str = "python -m dspark.serve") -> None:
             print(f"dspark server listening on http://{host}:{port} (model {name})", flush=True)
         await task
 
+    # uvicorn handles SIGINT / SIGTERM while it serves (a graceful shutdown), then raises the
+    # signal again for the handler found before: this one lets the process exit normally
+    signal.signal(signal.SIGTERM, lambda *_: None)
     try:
         asyncio.run(serve())
     except KeyboardInterrupt:

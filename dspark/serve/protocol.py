@@ -128,9 +128,16 @@ def _sampling(body: dict, max_tokens, logprobs, default_max_tokens) -> SamplingP
             frequency_penalty=get("frequency_penalty", 0.0),
             repetition_penalty=get("repetition_penalty", 1.0), logit_bias=bias)
     except (ValueError, TypeError) as e:
-        msg = str(e)
-        field = msg.split("=", 1)[0].removeprefix("SamplingParams.") if "=" in msg else None
-        raise BadRequest(msg, param=field) from None
+        raise params_error(e) from None
+
+
+def params_error(e: Exception) -> BadRequest:
+    """A SamplingParams ValueError ("SamplingParams.FIELD=VALUE is invalid: ...") as a 400
+    naming FIELD."""
+    msg = str(e)
+    field = msg.split("=", 1)[0].removeprefix("SamplingParams.") if \
+        msg.startswith("SamplingParams.") else None
+    return BadRequest(msg, param=field)
 
 
 def _max_tokens(body: dict, name: str = "max_tokens"):
