@@ -458,7 +458,7 @@ class Engine:
             if self.drafter is not None:
                 self.runner.commit_context(req.draft_state, taps[offsets[i]:offsets[i + 1]],
                                            req.num_prefilled)
-            if req.prompt_logprobs is not None and not req.output_ids:
+            if req.prompt_logprobs is not None:
                 self._record_prompt_logprobs(req, logits[offsets[i]:offsets[i + 1]],
                                              req.num_prefilled)
             req.num_prefilled += n
@@ -694,7 +694,7 @@ class Engine:
                              o.text, o.finish_reason, metrics,
                              all(r.status == Status.FINISHED for r in group),
                              o.new_token_ids, o.text_delta, outs,
-                             getattr(first, "prompt_text", None), first.prompt_logprobs)
+                             first.prompt_text, first.prompt_logprobs)
 
     def _logprobs(self, logits, first_row: int, tokens: list, k: int) -> list:
         """Per emitted token {id: Logprob} from the target's raw log-softmax: token j of a round
@@ -724,10 +724,12 @@ class Engine:
 
     def _record_prompt_logprobs(self, req: Request, rows, start: int) -> None:
         """Logprobs of prompt tokens start+1 .. from the prefill rows at start .. (row m predicts
-        the token at start + m + 1)."""
-        toks = req.prompt_ids[start + 1:start + 1 + rows.shape[0]]
+        the token at start + m + 1). Positions already recorded (a prefill recomputed after a
+        preemption) are skipped."""
+        first = max(start + 1, len(req.prompt_logprobs))
+        toks = req.prompt_ids[first:start + 1 + rows.shape[0]]
         if toks:
-            lp = torch.log_softmax(rows[:len(toks)].float(), -1)
+            lp = torch.log_softmax(rows[first - start - 1:first - start - 1 + len(toks)].float(), -1)
             req.prompt_logprobs.extend(self._logprob_dicts(lp, toks, req.params.prompt_logprobs))
 
     def _release(self, req: Request):

@@ -71,6 +71,7 @@ class Request:
     stop_reason: object = None             # the stop string or stop token id that ended it
     logprobs: list | None = None           # per output token {token id: Logprob} (params.logprobs)
     prompt_logprobs: list | None = None    # per prompt token (None for the first)
+    prompt_text: str | None = None         # the prompt as given, when it was a string
 
     @property
     def tokens(self) -> list:

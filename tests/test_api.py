@@ -209,3 +209,18 @@ def test_logprobs_are_the_targets(eng, off):
     assert len(plp) == len(ids) and plp[0] is None
     for p in range(1, len(ids)):
         assert abs(plp[p][ids[p]].logprob - ref[p - 1][ids[p]].item()) < 1e-3
+
+
+def test_prompt_logprobs_with_chunked_prefill(off):
+    chunked = Engine(device="cpu", max_model_len=256, kv_cache_dtype="fp32", speculative="none",
+                     max_num_batched_tokens=8)
+    prompt = "def fibonacci(n):\n    if n < 2:\n        return n\n"
+    sp = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=0)
+    out = chunked.generate(prompt, sp)
+    ids = out.prompt_token_ids
+    assert len(ids) > 16                           # prefilled over several steps
+    ref = torch.log_softmax(off.score(ids).double(), -1)
+    plp = out.prompt_logprobs
+    assert len(plp) == len(ids) and plp[0] is None and all(len(d) == 1 for d in plp[1:])
+    for p in range(1, len(ids)):
+        assert abs(plp[p][ids[p]].logprob - ref[p - 1][ids[p]].item()) < 1e-3

@@ -9,9 +9,13 @@ from dspark import Engine, SamplingParams
 from dspark.spec import verify as verify_mod
 
 
-def _engines(path, **kw):
-    spec = Engine(path, device="cpu", dtype="fp32", kv_cache_dtype="fp32", **kw)
-    off = Engine(path, device="cpu", dtype="fp32", kv_cache_dtype="fp32", speculative="none")
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])
+
+
+def _engines(path, device="cpu", **kw):
+    spec = Engine(path, device=device, dtype="fp32", kv_cache_dtype="fp32", **kw)
+    off = Engine(path, device=device, dtype="fp32", kv_cache_dtype="fp32", speculative="none")
     return spec, off
 
 
@@ -174,10 +178,12 @@ def _penalised_law(engine, prompt, steps, temperature, rep, freq, pres, bias):
     return law
 
 
-def test_sampling_distribution_is_exact_with_penalties_and_logit_bias(small_vocab_ckpt):
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_sampling_distribution_is_exact_with_penalties_and_logit_bias(small_vocab_ckpt, device):
     """Penalties and logit_bias change the law; speculation must sample exactly the changed law
-    (the drafter's steps and the target's rows both adjusted from their own history)."""
-    spec, off = _engines(small_vocab_ckpt, max_num_seqs=512, max_num_batched_tokens=4096)
+    (the drafter's steps and the target's rows both adjusted from their own history). On CUDA
+    the fused sampling kernels take the adjusted logits."""
+    spec, off = _engines(small_vocab_ckpt, device, max_num_seqs=512, max_num_batched_tokens=4096)
     prompt, steps, T, n = [3, 1, 4, 1, 5], 2, 1.0, 800
     kw = dict(repetition_penalty=1.8, frequency_penalty=0.7, presence_penalty=0.5,
               logit_bias={2: 1.5, 6: -2.0})
@@ -188,10 +194,11 @@ def test_sampling_distribution_is_exact_with_penalties_and_logit_bias(small_voca
     assert _chi2_pvalue(counts, _target_law(off, prompt, steps, T), n) < 1e-3
 
 
-def test_greedy_identity_with_adjustments(small_vocab_ckpt):
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_greedy_identity_with_adjustments(small_vocab_ckpt, device):
     """Greedy with penalties, bias, min_tokens and min_p: speculation emits exactly the tokens
     of target-only decoding, and min_tokens holds stop ids back."""
-    spec, off = _engines(small_vocab_ckpt)
+    spec, off = _engines(small_vocab_ckpt, device)
     prompts = _prompts(4, 8, seed=3)
     free = off.generate(prompts[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     stop = free.token_ids[0]
