@@ -271,7 +271,10 @@ class Engine:
         (tokenizer_config.json, rendered as transformers renders it)."""
         if self.tokenizer is None:
             raise ValueError(f"{self.path} has no tokenizer.json: chat needs a tokenizer")
-        single = bool(messages) and isinstance(messages[0], dict)
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} "
+                             "dicts (or a list of such lists)")
+        single = isinstance(messages[0], dict)
         convs = [messages] if single else list(messages)
         texts = [self.tokenizer.apply_chat_template(
             c, add_generation_prompt=add_generation_prompt, chat_template=chat_template,

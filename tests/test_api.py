@@ -68,14 +68,15 @@ BAD_PROMPTS = [
     ([], "empty prompt"),
     ([True, False], "prompt[0]=True (bool) is not a token id: token ids are ints in [0, 512)"),
     ([1, 2.0], "prompt[1]=2.0 (float) is not a token id"),
-    ([1, 512], "outside the vocabulary [0, 512) (first at prompt[1])"),
+    ([1, 512], "outside the vocabulary [0, 512) (first at prompt[1]): use ids of this model's"),
     ([1, -3], "outside the vocabulary"),
     (torch.tensor([1.0, 2.0]), "integer dtype, got torch.float32: convert it with .long()"),
     (torch.ones(2, 3, dtype=torch.long), "must be 1-D, got shape (2, 3)"),
     ({"prompt_token_ids": [1, 2.5]}, "prompt_token_ids[1]=2.5"),
     ({"prompt": [1, 2]}, "takes a string, got list: use {'prompt_token_ids': ids}"),
     ({"text": "hi"}, "exactly one of the keys 'prompt'"),
-    ("x" * 2_000_000, "prompt is too long: 2000000 bytes cannot fit in max_model_len=256"),
+    ("x" * 2_000_000, "prompt is too long: 2000000 bytes cannot fit in max_model_len=256 tokens"),
+    ("x" * 20_000, "shorten the prompt or raise Engine(max_model_len=...)"),
 ]
 
 
@@ -224,3 +225,36 @@ def test_prompt_logprobs_with_chunked_prefill(off):
     assert len(plp) == len(ids) and plp[0] is None and all(len(d) == 1 for d in plp[1:])
     for p in range(1, len(ids)):
         assert abs(plp[p][ids[p]].logprob - ref[p - 1][ids[p]].item()) < 1e-3
+
+
+def test_defaults_users_expect(tiny_ckpt, tiny_quant_ckpt):
+    import re
+
+    import dspark
+    from dspark.engine import auto_weight_format
+    setup = open(__file__.replace("tests/test_api.py", "setup.py")).read()
+    assert re.match(r"^\d+\.\d+\.\d+", dspark.__version__) and "version=VERSION" in setup
+    # FP8 / FP4 checkpoints keep their quantized weights where the kernels run (CUDA)
+    assert auto_weight_format(tiny_quant_ckpt, "cuda") == "quantized"
+    assert auto_weight_format(tiny_quant_ckpt, "cpu") == "bf16"
+    assert auto_weight_format(tiny_ckpt, "cuda") == "bf16"
+    assert Engine(tiny_quant_ckpt, device="cpu", speculative="none").weight_format == "bf16"
+    with pytest.raises(ValueError, match="weight_format='fp4': use 'auto'"):
+        Engine(tiny_ckpt, device="cpu", weight_format="fp4")
+    with pytest.raises(ValueError, match="looks like a Hugging Face Hub id.*huggingface-cli "
+                                         "download deepseek-ai/DeepSeek-V4-Flash"):
+        Engine("deepseek-ai/DeepSeek-V4-Flash")
+    with pytest.raises(ValueError, match="does not exist: pass the checkpoint directory"):
+        Engine("/no/such/checkpoint")
+
+
+def test_progress_bar_by_default_in_a_terminal(eng, monkeypatch, capsys):
+    import sys
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    eng.generate([PROMPT, PROMPT], sp)
+    assert "generate" not in capsys.readouterr().err        # not a terminal: no bar
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    eng.generate([PROMPT, PROMPT], sp)
+    assert "generate: 100%" in capsys.readouterr().err
+    eng.generate(PROMPT, sp)                                 # one prompt: no bar
+    assert "generate" not in capsys.readouterr().err

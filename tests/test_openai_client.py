@@ -160,3 +160,18 @@ def test_bad_values_are_400s_naming_the_field(client, kw, param):
         client.chat.completions.create(model=MODEL, messages=CHAT, tools=[
             {"type": "function", "function": {"name": "f", "parameters": {}}}])
     assert e.value.body["param"] == "tools"
+
+
+def test_command_line_entry_points(capsys):
+    from dspark.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--help"])
+    assert e.value.code == 0 and "usage: dspark serve" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["sevre"])
+    assert "unknown command 'sevre': use `dspark serve" in str(e.value.code)
+    hub = subprocess.run([sys.executable, "-m", "dspark.serve", "deepseek-ai/DeepSeek-V4-Flash"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert hub.returncode == 1
+    assert "'deepseek-ai/DeepSeek-V4-Flash' is not a local directory" in hub.stderr
+    assert "huggingface-cli download deepseek-ai/DeepSeek-V4-Flash --local-dir" in hub.stderr
