@@ -30,7 +30,8 @@ from .metrics import SpecMetrics
 from .models.deepseek_v4.model import DeepseekV4Model
 from .models.drafter import DSparkDrafter
 from .models.loader import load_checkpoint
-from .outputs import CompletionOutput, Logprob, RequestOutput, TextStream
+from .logprobs import emitted_logprobs, record_prompt_logprobs
+from .outputs import RequestOutput, TextStream, request_output
 from .overlap import OverlappedDecode
 from . import prompts as _prompts
 from .request import BlockTokens, Request, Status
@@ -374,7 +375,7 @@ class Engine:
                 self.scheduler.finish(req)
             self.requests.pop(req.request_id, None)
             self._release(req)
-        return self._request_output(group, None, [])
+        return request_output(group, None, [])
 
     def stream(self, prompt, params: SamplingParams | None = None):
         """Generate one request, yielding a RequestOutput with its token/text deltas every step
@@ -462,8 +463,8 @@ class Engine:
                 self.runner.commit_context(req.draft_state, taps[offsets[i]:offsets[i + 1]],
                                            req.num_prefilled)
             if req.prompt_logprobs is not None:
-                self._record_prompt_logprobs(req, logits[offsets[i]:offsets[i + 1]],
-                                             req.num_prefilled)
+                record_prompt_logprobs(req, logits[offsets[i]:offsets[i + 1]],
+                                       req.num_prefilled, self.tokenizer)
             req.num_prefilled += n
             if req.num_prefilled < len(req.prefill_ids):
                 continue
@@ -517,8 +518,8 @@ class Engine:
                 if hit is not None:
                     new, finish[i], req.stop_reason = new[:used], FinishReason.STOP, hit
             if req.logprobs is not None and logits is not None:
-                req.logprobs.extend(self._logprobs(logits, first_rows[i], new,
-                                                   req.params.logprobs))
+                req.logprobs.extend(emitted_logprobs(logits, first_rows[i], new,
+                                                     req.params.logprobs, self.tokenizer))
             was_running = req.status == Status.RUNNING
             if was_running and self.round_log is not None and req.draft is not None:
                 self.round_log.append((req.draft.conf_logits.float().cpu(), lengths[i], accepted[i]))
@@ -672,68 +673,7 @@ class Engine:
         group = self._groups.get(req.parent, [req])
         if all(r.status == Status.FINISHED for r in group):
             self._groups.pop(req.parent, None)
-        return self._request_output(group, req, new_tokens, delta)
-
-    def _request_output(self, group: list, changed, new_tokens: list, delta: str = "") -> RequestOutput:
-        """The RequestOutput of a request from its samples' state; `changed` got `new_tokens`
-        and `delta` this step (the other samples' deltas are empty)."""
-        outs = []
-        for r in group:
-            mine = r is changed
-            text = r.text if r.detok is not None else None
-            if changed is None and r.detok is not None and r.finish_reason == "abort":
-                tail = r.detok.flush()              # aborted: what was held back is final
-                r.text += tail
-                text, mine, delta = r.text, True, tail
-            outs.append(CompletionOutput(
-                r.index, text, list(r.output_ids), r.finish_reason, r.stop_reason,
-                list(r.logprobs) if r.logprobs is not None else None,
-                list(new_tokens) if mine else [], delta if mine else ""))
-        first, o = group[0], outs[0]
-        metrics = first.metrics
-        for r in group[1:]:
-            metrics = metrics.merge(r.metrics)
-        return RequestOutput(first.parent or first.request_id, first.prompt_ids, o.token_ids,
-                             o.text, o.finish_reason, metrics,
-                             all(r.status == Status.FINISHED for r in group),
-                             o.new_token_ids, o.text_delta, outs,
-                             first.prompt_text, first.prompt_logprobs)
-
-    def _logprobs(self, logits, first_row: int, tokens: list, k: int) -> list:
-        """Per emitted token {id: Logprob} from the target's raw log-softmax: token j of a round
-        was decided by row first_row + j (the verified target logits), exact under
-        speculation. The chosen token plus the k most likely."""
-        if not tokens:
-            return []
-        lp = torch.log_softmax(logits[first_row:first_row + len(tokens)].float(), -1)
-        return self._logprob_dicts(lp, tokens, k)
-
-    def _logprob_dicts(self, lp, tokens: list, k: int) -> list:
-        idx = torch.as_tensor(tokens, dtype=torch.long, device=lp.device)[:, None]
-        chosen = lp.gather(1, idx)
-        ranks = ((lp > chosen).sum(1) + 1).tolist()
-        chosen = chosen[:, 0].tolist()
-        top_v, top_i = lp.topk(min(k, lp.shape[1]), dim=1) if k else (lp[:, :0], lp[:, :0].long())
-        top_v, top_i = top_v.tolist(), top_i.tolist()
-        dec = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)  # noqa: E731
-        out = []
-        for j, tok in enumerate(tokens):
-            d = {tok: Logprob(chosen[j], ranks[j], dec(tok))}
-            for r, (v, t) in enumerate(zip(top_v[j], top_i[j])):
-                if t not in d:
-                    d[t] = Logprob(v, r + 1, dec(t))
-            out.append(d)
-        return out
-
-    def _record_prompt_logprobs(self, req: Request, rows, start: int) -> None:
-        """Logprobs of prompt tokens start+1 .. from the prefill rows at start .. (row m predicts
-        the token at start + m + 1). Positions already recorded (a prefill recomputed after a
-        preemption) are skipped."""
-        first = max(start + 1, len(req.prompt_logprobs))
-        toks = req.prompt_ids[first:start + 1 + rows.shape[0]]
-        if toks:
-            lp = torch.log_softmax(rows[first - start - 1:first - start - 1 + len(toks)].float(), -1)
-            req.prompt_logprobs.extend(self._logprob_dicts(lp, toks, req.params.prompt_logprobs))
+        return request_output(group, req, new_tokens, delta)
 
     def _release(self, req: Request):
         """Drop every cache the request holds (dense state is freed with the references)."""

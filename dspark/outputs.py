@@ -149,3 +149,31 @@ class TextStream:
         """finish() and take(): everything not handed out yet."""
         self.finish()
         return self.take()
+
+
+def request_output(group: list, changed, new_tokens: list, delta: str = "") -> RequestOutput:
+    """The RequestOutput of a request from its samples' Requests (`group`); `changed` got
+    `new_tokens` and `delta` this step (the other samples' deltas are empty). changed=None: the
+    request was aborted; text its samples held back is final now."""
+    from .request import Status
+    outs = []
+    for r in group:
+        mine = r is changed
+        text = r.text if r.detok is not None else None
+        if changed is None and r.detok is not None and r.finish_reason == "abort":
+            tail = r.detok.flush()
+            r.text += tail
+            text, mine, new_tokens, delta = r.text, True, [], tail
+        outs.append(CompletionOutput(
+            r.index, text, list(r.output_ids), r.finish_reason, r.stop_reason,
+            list(r.logprobs) if r.logprobs is not None else None,
+            list(new_tokens) if mine else [], delta if mine else ""))
+    first, o = group[0], outs[0]
+    metrics = first.metrics
+    for r in group[1:]:
+        metrics = metrics.merge(r.metrics)
+    return RequestOutput(first.parent or first.request_id, first.prompt_ids, o.token_ids,
+                         o.text, o.finish_reason, metrics,
+                         all(r.status == Status.FINISHED for r in group),
+                         o.new_token_ids, o.text_delta, outs, first.prompt_text,
+                         first.prompt_logprobs)

@@ -11,7 +11,7 @@ import enum
 import math
 import numbers
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Sequence
 
 import torch
@@ -85,6 +85,10 @@ class SamplingParams:
         if _is_int(self.top_k) and self.top_k == -1:      # vLLM's spelling of "off"
             object.__setattr__(self, "top_k", 0)
         self.validate()
+        # read by every round's sampling (host side): decided once
+        object.__setattr__(self, "_adjusts", bool(self.logit_bias) or self.min_tokens > 0 or
+                           self.min_p > 0 or self.presence_penalty != 0 or
+                           self.frequency_penalty != 0 or self.repetition_penalty != 1)
 
     @property
     def greedy(self) -> bool:
@@ -94,9 +98,7 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether this request changes logits before temperature (penalties, bias, min_tokens,
         min_p): the engine then runs the adjustment on target and draft rows."""
-        return bool(self.logit_bias) or self.min_tokens > 0 or self.min_p > 0 or \
-            self.presence_penalty != 0 or self.frequency_penalty != 0 or \
-            self.repetition_penalty != 1
+        return self._adjusts
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Raise ValueError naming the field, the bad value and the accepted range; return self.
@@ -166,8 +168,8 @@ class SamplingParams:
         return tuple(dict.fromkeys(self.stop_token_ids + extra))
 
     def __hash__(self):      # logit_bias is a dict: hash its items
-        return hash(tuple((f, tuple(sorted(v.items())) if isinstance(v, dict) else v)
-                          for f, v in self.__dict__.items()))
+        return hash(tuple((f.name, tuple(sorted(v.items())) if isinstance(v, dict) else v)
+                          for f in fields(self) for v in [getattr(self, f.name)]))
 
 
 def filters_used(params: Sequence[SamplingParams]) -> tuple[bool, bool]:
