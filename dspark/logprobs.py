@@ -22,7 +22,8 @@ def logprob_dicts(lp: torch.Tensor, tokens: list, k: int, tokenizer=None) -> lis
     top_v, top_i = top_v.tolist(), top_i.tolist()
 
     def text(t):
-        return tokenizer.decode([t]) if tokenizer is not None else None
+        # the token's own spelling, special tokens too (the text of an output leaves them out)
+        return tokenizer.decode([t], skip_special_tokens=False) if tokenizer else None
 
     out = []
     for j, tok in enumerate(tokens):

@@ -70,7 +70,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True):
         return self._tok.encode(text, add_special_tokens=add_special_tokens)
 
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        # special tokens (bos, eos, ...) are left out of text by default, as `tokenizers` and
+        # vLLM do
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = False,

@@ -135,6 +135,20 @@ def test_request_output_shape(eng):
     assert out.metrics.rounds > 0
 
 
+def test_eos_ends_output_and_is_not_text(eng):
+    """logit_bias forces EOS first: the output is the EOS id, finish "stop", no text; with
+    min_tokens the stop ids are masked until then."""
+    out = eng.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, logit_bias={1: 100}))
+    assert out.token_ids == [1] and out.finish_reason == "stop" and out.text == ""
+    assert out.stop_reason is None                # EOS, not a user stop
+    out = eng.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, min_tokens=3,
+                                              logit_bias={1: 100}))
+    assert len(out.token_ids) == 4 and out.token_ids[3] == 1 and 1 not in out.token_ids[:3]
+    out = eng.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[1],
+                                              logit_bias={1: 100}, ignore_eos=True))
+    assert out.token_ids == [1] and out.stop_reason == 1
+
+
 def test_stop_strings_end_output_and_stream_holds_back(eng):
     free = eng.generate(PROMPT, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     text = free.text
@@ -205,7 +219,7 @@ def test_logprobs_are_the_targets(eng, off):
         assert d[tok].rank == int((row > row[tok]).sum()) + 1
         top = row.topk(3).indices.tolist()
         assert set(top) <= set(d) and len(d) <= 4
-        assert d[tok].decoded_token == eng.tokenizer.decode([tok])
+        assert d[tok].decoded_token == eng.tokenizer.decode([tok], skip_special_tokens=False)
     plp = out.prompt_logprobs
     assert len(plp) == len(ids) and plp[0] is None
     for p in range(1, len(ids)):

@@ -103,7 +103,8 @@ def test_n_seed_logprobs(client, ref):
         o = out.outputs[c.index]
         assert c.text == o.text
         lp = c.logprobs
-        assert lp.tokens == [ref.tokenizer.decode([t]) for t in o.token_ids]
+        assert lp.tokens == [ref.tokenizer.decode([t], skip_special_tokens=False)
+                             for t in o.token_ids]
         assert all(abs(a - d[t].logprob) < 1e-4
                    for a, t, d in zip(lp.token_logprobs, o.token_ids, o.logprobs))
         assert all(len(top) >= 2 for top in lp.top_logprobs)
@@ -127,7 +128,7 @@ def test_chat(client, ref):
     lps = r.choices[0].logprobs.content
     assert len(lps) == len(exp.token_ids) and all(len(x.top_logprobs) == 3 for x in lps)
     for x, tok, d in zip(lps, exp.token_ids, exp.outputs[0].logprobs):
-        assert x.token == ref.tokenizer.decode([tok])
+        assert x.token == ref.tokenizer.decode([tok], skip_special_tokens=False)
         assert abs(x.logprob - d[tok].logprob) < 1e-4
     ranked = [x.top_logprobs[0].logprob >= x.logprob - 1e-6 for x in lps]
     assert all(ranked)                        # greedy: the chosen token is the most likely

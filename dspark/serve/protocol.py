@@ -260,7 +260,7 @@ def usage(out) -> dict:
 
 
 def _text(tokenizer, tok: int) -> str:
-    return tokenizer.decode([tok]) if tokenizer is not None else str(tok)
+    return tokenizer.decode([tok], skip_special_tokens=False) if tokenizer is not None else str(tok)
 
 
 def completion_logprobs(tokenizer, tokens: list, lps: list, offset: int) -> dict:
