@@ -85,10 +85,6 @@ class SamplingParams:
         if _is_int(self.top_k) and self.top_k == -1:      # vLLM's spelling of "off"
             object.__setattr__(self, "top_k", 0)
         self.validate()
-        # read by every round's sampling (host side): decided once
-        object.__setattr__(self, "_adjusts", bool(self.logit_bias) or self.min_tokens > 0 or
-                           self.min_p > 0 or self.presence_penalty != 0 or
-                           self.frequency_penalty != 0 or self.repetition_penalty != 1)
 
     @property
     def greedy(self) -> bool:
@@ -98,7 +94,9 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether this request changes logits before temperature (penalties, bias, min_tokens,
         min_p): the engine then runs the adjustment on target and draft rows."""
-        return self._adjusts
+        return bool(self.logit_bias) or self.min_tokens > 0 or self.min_p > 0 or \
+            self.presence_penalty != 0 or self.frequency_penalty != 0 or \
+            self.repetition_penalty != 1
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Raise ValueError naming the field, the bad value and the accepted range; return self.
