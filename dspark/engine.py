@@ -313,7 +313,8 @@ class Engine:
         group = []
         for k, sid in enumerate(sample_ids):
             if params.seed is not None:               # sample k: seed + k (vLLM's rule)
-                seed = (params.seed + k) & ((1 << 63) - 1)
+                seed = params.seed + k
+                seed -= (1 << 64) if seed >= (1 << 63) else 0      # stays an int64
             else:
                 seed = hash((self._seed, sid)) & ((1 << 62) - 1)
             req = Request(sid, ids, params, seed, metrics=SpecMetrics(),

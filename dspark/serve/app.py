@@ -87,16 +87,16 @@ def build_app(engine: AsyncEngine, model_name: str = "dspark", *,
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise P.BadRequest(f"invalid JSON body: {e}") from None
 
-    def prompt_ids(prompt, max_tokens) -> list:
+    def prompt_ids(prompt, max_tokens, field: str = "prompt") -> list:
         """Validated ids (the engine's own checks: the same messages as Engine.add_request),
         and max_tokens checked against the room the context leaves."""
         try:
             _, ids = _prompts.parse(prompt, tok, eng.cfg.vocab_size, eng.max_model_len, eng.path)
         except ValueError as e:
-            raise P.BadRequest(str(e), param="prompt") from None
+            raise P.BadRequest(str(e), param=field) from None
         if len(ids) >= eng.max_model_len:
-            raise P.BadRequest(f"prompt has {len(ids)} tokens but max_model_len is "
-                               f"{eng.max_model_len}: shorten the prompt", param="prompt")
+            raise P.BadRequest(f"the prompt has {len(ids)} tokens but max_model_len is "
+                               f"{eng.max_model_len}: shorten the {field}", param=field)
         room = eng.max_model_len - len(ids)
         if max_tokens is not None and max_tokens > room:
             raise P.BadRequest(f"max_tokens={max_tokens} is too large: the prompt has {len(ids)} "
@@ -129,7 +129,7 @@ def build_app(engine: AsyncEngine, model_name: str = "dspark", *,
                 raise P.BadRequest(f"the chat template failed on these messages: {e}",
                                    param="messages") from None
             ids = tok.encode(text, add_special_tokens=False).ids
-            ids = prompt_ids({"prompt_token_ids": ids}, mt)
+            ids = prompt_ids({"prompt_token_ids": ids}, mt, "messages")
         except P.BadRequest as e:
             return _bad(e)
         return await run(request, ids, params, stream, usage, chat=True)
