@@ -1,8 +1,16 @@
+import os
+import re
+
 from setuptools import find_packages, setup
+
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "dspark", "__init__.py")) as f:
+    VERSION = re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
+
+SERVE = ["fastapi>=0.110", "uvicorn>=0.29", "prometheus_client>=0.20", "jinja2>=3.1.6"]
 
 setup(
     name="dspark",
-    version="0.1.0",
+    version=VERSION,
     description="DSpark speculative decoding engine for DeepSeek-V4 (PyTorch + Triton)",
     # the shipped model is data inside the package (dspark/assets/default)
     packages=find_packages(include=["dspark", "dspark.*"]) + ["dspark.assets.default"],
@@ -21,7 +29,10 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=7", "hypothesis>=6.100", "transformers>=5.17", "scipy>=1.10",
-                 "matplotlib>=3.7"],
+                 "matplotlib>=3.7", "openai>=1.40", "httpx>=0.27", *SERVE],
+        # OpenAI-compatible HTTP server (python -m dspark.serve / dspark serve), chat templates
+        "serve": SERVE,
         "plot": ["matplotlib>=3.7"],
     },
+    entry_points={"console_scripts": ["dspark=dspark.cli:main"]},
 )

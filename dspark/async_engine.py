@@ -29,11 +29,13 @@ import asyncio
 import copy
 import dataclasses
 import itertools
-import numbers
 import queue
 import threading
 from collections import Counter
 
+import torch
+
+from . import prompts as _prompts
 from .engine import Engine, RequestOutput
 from .metrics import SpecMetrics
 from .sampling import SamplingParams
@@ -233,12 +235,16 @@ class AsyncEngine:
                           request_id=None) -> RequestStream:
         """Submit one request and wait until the engine accepted it. Raises ValueError for a bad
         request (the engine's own checks), EngineDeadError when not running."""
-        if not (isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and all(
-                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt))):
-            raise ValueError(f"prompt must be a string or a list of token ids, got "
-                             f"{type(prompt).__name__}")
+        # the engine's own checks, here on the caller's side: the same messages as
+        # Engine.add_request, before anything is queued
         if params is not None and not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}: "
+                             f"pass SamplingParams(...)")
+        vocab = getattr(getattr(self.engine, "cfg", None), "vocab_size", None)
+        if isinstance(prompt, (list, tuple, torch.Tensor)) or type(prompt).__module__ == "numpy":
+            prompt = _prompts.token_ids(prompt, vocab) if vocab else list(prompt)
+        elif not isinstance(prompt, (str, dict)):
+            raise ValueError(f"prompt must be {_prompts.ACCEPTED}; got {type(prompt).__name__}")
         if self._state == "new":
             self.start()
         loop = asyncio.get_running_loop()
@@ -256,8 +262,7 @@ class AsyncEngine:
             entry = _Entry(rid, loop)
             self._active[rid] = entry
             self._pending_adds += 1
-            self._cmds.put(("add", entry, prompt if isinstance(prompt, str) else list(prompt),
-                            params))
+            self._cmds.put(("add", entry, prompt, params))
         try:
             await asyncio.shield(entry.ack)
         except asyncio.CancelledError:
@@ -410,7 +415,7 @@ class AsyncEngine:
         elif not entry.detached:
             try:
                 self.engine.add_request(prompt, params, request_id=entry.request_id)
-                req = self.engine.requests.get(entry.request_id)
+                req = (self.engine._groups.get(entry.request_id) or [None])[0]
             except Exception as e:  # noqa: BLE001 - a bad request: tell its caller only
                 err = e if isinstance(e, ValueError) or not isinstance(
                     e, (TypeError, OverflowError)) else ValueError(f"bad request: {e}")
@@ -424,10 +429,7 @@ class AsyncEngine:
         self._ack(entry, err)
 
     def _do_abort(self, rid: str) -> None:
-        req = self.engine.requests.get(rid)
-        out = self._abort_output(req) if req is not None else None
-        if req is not None:
-            self.engine.abort(rid)
+        out = self.engine.abort_request(rid)
         with self._lock:
             entry = self._active.pop(rid, None)
         if out is not None:
@@ -435,19 +437,6 @@ class AsyncEngine:
         self._publish_gauges()
         if out is not None and entry is not None:
             self._deliver(entry, out)
-
-    def _abort_output(self, req) -> RequestOutput:
-        """Final output of an aborted request (what it generated so far + held-back text)."""
-        delta, text = "", None
-        detok = getattr(req, "detok", None)
-        if detok is not None:
-            try:
-                delta = detok.flush()
-            except Exception:       # noqa: BLE001 - text is best effort here
-                delta = ""
-            text = (getattr(req, "text", "") or "") + delta
-        return RequestOutput(req.request_id, list(req.prompt_ids), list(req.output_ids), text,
-                             "abort", copy.copy(req.metrics), True, [], delta)
 
     def _step(self) -> None:
         try:
@@ -477,14 +466,13 @@ class AsyncEngine:
         with self._lock:
             self._step_errors += 1
         failed = []
-        for rid in list(self.engine.requests):
-            req = self.engine.requests.get(rid)
-            self.engine.abort(rid)        # raising here is fatal (propagates out of _run)
+        for rid in self.engine.request_ids():
+            out = self.engine.abort_request(rid)   # raising here is fatal (out of _run)
             with self._lock:
                 entry = self._active.pop(rid, None)
                 self._finished["error"] += 1
-                if req is not None:
-                    self._generation_tokens += len(req.output_ids)
+                if out is not None:
+                    self._generation_tokens += sum(len(o.token_ids) for o in out.outputs)
             if entry is not None:
                 failed.append(entry)
         self._publish_gauges()
@@ -504,7 +492,7 @@ class AsyncEngine:
         m = out.metrics
         with self._lock:
             self._finished[out.finish_reason or "unknown"] += 1
-            self._generation_tokens += len(out.token_ids)
+            self._generation_tokens += sum(len(o.token_ids) for o in out.outputs)
             if m is not None:
                 self._spec = self._spec.merge(m)
                 if m.rounds:
@@ -544,7 +532,7 @@ class AsyncEngine:
         fatal = self._error
         with self._lock:
             self._state = "stopped"      # from here no command can be enqueued
-        for rid in list(getattr(self.engine, "requests", {})):
+        for rid in self.engine.request_ids():
             try:
                 if fatal is None:
                     self._do_abort(rid)

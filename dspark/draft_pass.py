@@ -21,6 +21,7 @@ import torch
 from .compile_stats import count_capture, count_fallback
 from .cuda.graph_capture import capture, warm_up
 from .cuda.transfer import to_device
+from .logit_adjust import LogitAdjust
 from .sampling import (Purpose, filters_used, fused_filters_enabled,
                        fused_sampling_enabled, probs_from_logits,
                        sample_from_probs, uniforms)
@@ -55,6 +56,7 @@ class DraftPass:
         self._graphs: dict = {}
         self._captured_on = None       # tensors the graphs read by address (see _tensors_read)
         self._mempool = None
+        self._adjust = None            # LogitAdjust of the eager pass running now, if any
 
     # ---- host side -----------------------------------------------------------------------
     def position_bound(self, n: int) -> int:
@@ -103,15 +105,23 @@ class DraftPass:
         greedy = all(r.params.greedy for r in reqs)
         size = bucket_size(R)
         fused = self._fused_sampling(greedy, use_top_k, use_top_p, size)
+        # requests with penalties / logit_bias / min_tokens / min_p adjust every Markov step's
+        # logits from their token history: an eager pass (the history is not a graph input)
+        adjust = LogitAdjust.build(reqs, self.head.weight.shape[0], self.device)
         graph = self._draft_graph(size, use_top_k, use_top_p, greedy, fused, quant, bound) \
-            if self.cuda_graphs else None
+            if self.cuda_graphs and adjust is None else None
         if graph is None:
             if self.graphs_wanted:
-                count_fallback(self, "capture failed")
+                count_fallback(self, "capture failed" if adjust is None else
+                               "penalties / logit_bias / min_tokens / min_p")
             ints, floats = self._host_inputs(reqs, R)
-            return self._draft(self.to_device(ints, torch.long),
-                               self.to_device(floats, torch.float32),
-                               use_top_k, use_top_p, greedy, quant, fused)
+            self._adjust = adjust
+            try:
+                return self._draft(self.to_device(ints, torch.long),
+                                   self.to_device(floats, torch.float32),
+                                   use_top_k, use_top_p, greedy, quant, fused)
+            finally:
+                self._adjust = None
         ints, floats = self._host_inputs(reqs, size)
         self._fill(graph.inputs[0], ints, torch.long)
         self._fill(graph.inputs[1], floats, torch.float32)
@@ -275,22 +285,28 @@ class DraftPass:
             u = (uniforms_triton if fused else uniforms)(
                 seeds[:, None], starts[:, None] + self._offsets, Purpose.DRAFT)
         prev, toks, probs, confs = anchors, [], [], []
+        adjust = getattr(self, "_adjust", None)
         for k in range(self.gamma):
             bias, conf = head_step(k, prev)
+            x = base[:, k] + bias
+            if adjust is not None:       # the same adjustment the target's row k gets
+                x = adjust.apply(x)
             if greedy:
                 # what probs_from_logits + sample_from_probs give at temperature 0: the point
                 # mass on the argmax (first index on ties), so that token, without the [R, V] work
-                prev = (base[:, k] + bias).argmax(dim=1)
+                prev = x.argmax(dim=1)
             elif fused:
-                x, t = base[:, k] + bias, temperature
+                t = temperature
                 if top_k is not None or top_p is not None:
                     x, t = filter_logits(x, t, top_k, top_p)  # tempered + filtered, at t = 1
                 q, prev = fused_sample(x, t, u[:, k])
                 probs.append(q)
             else:
-                q = probs_from_logits(base[:, k] + bias, temperature, top_k, top_p)
+                q = probs_from_logits(x, temperature, top_k, top_p)
                 prev = sample_from_probs(q, u[:, k])
                 probs.append(q)
+            if adjust is not None:
+                adjust.push(prev)
             toks.append(prev), confs.append(conf)
         return (torch.stack(toks, 1), torch.stack(probs, 1) if probs else None,
                 torch.stack(confs, 1))

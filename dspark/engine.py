@@ -19,20 +19,22 @@ DSPARK_REFERENCE_KERNELS=1 forces the torch path (`probs_from_logits` + `verify`
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import json
 import os
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from .build import build_parts
-from .engine_config import EngineConfig
 from .compile_stats import install_triton_hook
-from .detok import IncrementalDetokenizer
+from .engine_config import EngineConfig
+from .logprobs import emitted_logprobs, record_prompt_logprobs
 from .metrics import SpecMetrics
+from .outputs import RequestOutput, TextStream, request_output
 from .overlap import OverlappedDecode
+from . import prompts as _prompts
 from .request import BlockTokens, Request, Status
 from .runner import ModelRunner
 from .sampling import SamplingParams
@@ -40,21 +42,6 @@ from .scheduler import Scheduler
 from .spec.policy import make_policy
 from .spec.accept import decide
 from .spec.verify import FinishReason, accept_greedy_host, emit_and_stop_host
-
-
-@dataclass
-class RequestOutput:
-    """State of one request after a step. `token_ids`/`text` are cumulative; `new_token_ids` and
-    `text_delta` are what this step added (for streaming)."""
-    request_id: str
-    prompt_token_ids: list
-    token_ids: list
-    text: str | None
-    finish_reason: str | None       # "stop" | "length" | "abort" | None while running
-    metrics: SpecMetrics
-    finished: bool = True
-    new_token_ids: list = field(default_factory=list)
-    text_delta: str = ""
 
 
 def default_model_path() -> str:
@@ -70,6 +57,37 @@ def _model_type(path: str) -> str | None:
         return None
 
 
+def check_model_dir(path: str) -> None:
+    """A clear error for a path that is not a local checkpoint directory (e.g. a hub id)."""
+    if os.path.isdir(path):
+        return
+    parts = str(path).split("/")
+    if not os.path.exists(path) and len(parts) == 2 and all(parts) and not path.startswith("."):
+        raise ValueError(
+            f"{path!r} is not a local directory. It looks like a Hugging Face Hub id, and dspark "
+            f"loads checkpoints from disk only: download it first, e.g. `huggingface-cli download "
+            f"{path} --local-dir ./{parts[1]}`, then pass that directory (Engine('./{parts[1]}'))")
+    what = "does not exist" if not os.path.exists(path) else "is a file, not a directory"
+    raise ValueError(f"{path!r} {what}: pass the checkpoint directory (config.json, "
+                     f"*.safetensors, tokenizer.json)")
+
+
+def auto_weight_format(path: str, device) -> str:
+    """weight_format="auto": "quantized" for an FP8 / FP4 DeepSeek-V4 checkpoint on CUDA (the
+    quantized kernels run there, at a quarter of the expert memory), else "bf16"
+    (de-quantized at load: the CPU path)."""
+    if torch.device(device).type != "cuda" or _model_type(path) not in (None, "deepseek_v4"):
+        return "bf16"
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return "bf16"
+    quantized = bool(raw.get("quantization_config")) or raw.get("dtype") == "fp8" or \
+        raw.get("expert_dtype") in ("fp4", "fp8")
+    return "quantized" if quantized else "bf16"
+
+
 class Engine:
     def __init__(self, path: str | None = None, config: EngineConfig | None = None, **settings):
         """Load `path` (default: the shipped model) with `config`, or with keyword settings
@@ -77,10 +95,13 @@ class Engine:
         c = self.config = EngineConfig.from_kwargs(config, **settings)
         install_triton_hook()          # count Triton compiles (process-wide, once)
         path = self.path = os.fspath(path or default_model_path())
+        check_model_dir(path)
         self.device = torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         c.check_environment(self.device)
         model_type = _model_type(path)
         c.check_model_type(model_type)
+        if c.weight_format == "auto":   # quantized where the quantized kernels run (CUDA)
+            c = dataclasses.replace(c, weight_format=auto_weight_format(path, self.device))
         self.dtype = c.torch_dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.weight_format, self.kv_cache_dtype = c.weight_format, c.kv_cache_dtype
         self.tensor_parallel_size = c.tensor_parallel_size
@@ -106,10 +127,12 @@ class Engine:
         self.max_model_len, self._max_model_len_limit = c.check_max_model_len(
             cfg.max_position_embeddings, self.cache)
         self.tokenizer = self._load_tokenizer(path)
-        self.eos_token_ids = (cfg.eos_token_id,) if cfg.eos_token_id is not None else ()
+        eos = [cfg.eos_token_id, getattr(self.tokenizer, "eos_token_id", None)]
+        self.eos_token_ids = tuple(dict.fromkeys(t for t in eos if t is not None))
         self._seed = c.seed
         self._ids = itertools.count()
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}       # by sample: n > 1 gives n entries
+        self._groups: dict[str, list] = {}           # request id -> its samples' Requests
 
     def _overlap_decode(self, c: EngineConfig) -> bool:
         """Plain decode steps (no drafter) launch the next round before reading this one back
@@ -147,14 +170,19 @@ class Engine:
             self.cache.free(rid)
         return logits.float().cpu()
 
-    def generate(self, prompts, params: SamplingParams | list | None = None, progress: bool = False):
-        """prompts: a list of strings or token-id lists (or one of them). Returns RequestOutputs
-        in prompt order."""
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and
-                                               isinstance(prompts[0], int))
+    def generate(self, prompts, params: SamplingParams | list | None = None,
+                 progress: bool | None = None):
+        """prompts: one prompt or a list of them; a prompt is a string, token ids (list, tuple
+        or 1-D tensor of ints), {"prompt": str} or {"prompt_token_ids": ids}. Returns one
+        RequestOutput (one prompt) or a list in prompt order. progress: a tqdm bar over the
+        requests; None = on for several prompts when stderr is a terminal."""
+        single = _prompts.is_single(prompts)
         prompts = [prompts] if single else list(prompts)
-        params = params or SamplingParams()
-        plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if not prompts:     # [] could mean no prompts or an empty one: neither can run
+            raise ValueError("empty prompt list: pass a prompt (a string or token ids) or a "
+                             "non-empty list of prompts")
+        params = params if params is not None else SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts; pass one "
                              f"SamplingParams or one per prompt")
@@ -167,6 +195,9 @@ class Engine:
                 self.abort(rid)
             raise
         done = {}
+        if progress is None:
+            import sys
+            progress = len(ids) > 1 and sys.stderr.isatty()
         from tqdm import tqdm
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not progress) as bar:
             while self.has_unfinished():
@@ -177,26 +208,82 @@ class Engine:
         outs = [done[i] for i in ids]
         return outs[0] if single else outs
 
+    def chat(self, messages, params: SamplingParams | None = None, *,
+             add_generation_prompt: bool = True, chat_template: str | None = None, **template_kwargs):
+        """Generate a reply to one conversation (a list of {"role", "content"} dicts), or to each
+        of a list of conversations, through the checkpoint's chat template
+        (tokenizer_config.json, rendered as transformers renders it)."""
+        if self.tokenizer is None:
+            raise ValueError(f"{self.path} has no tokenizer.json: chat needs a tokenizer")
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} "
+                             "dicts (or a list of such lists)")
+        single = isinstance(messages[0], dict)
+        convs = [messages] if single else list(messages)
+        texts = [self.tokenizer.apply_chat_template(
+            c, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+            **template_kwargs) for c in convs]
+        # the template writes the special tokens: encode without adding them again
+        outs = self.generate([{"prompt_token_ids": self.tokenizer.encode(
+            t, add_special_tokens=False).ids} for t in texts], params)
+        for out, text in zip(outs, texts):
+            out.prompt = text
+        return outs[0] if single else outs
+
     def add_request(self, prompt, params: SamplingParams | None = None, request_id=None) -> str:
-        params = (params or SamplingParams()).validate(self.cfg.vocab_size)
-        ids = self._check_prompt(prompt)
+        """Admit one request (SamplingParams.n samples of it); returns its id. ValueError naming
+        the problem for a bad prompt, bad params or an id in use; nothing is admitted then."""
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}: "
+                             f"pass SamplingParams(...)")
+        params = params.validate(self.cfg.vocab_size)
+        text, ids = _prompts.parse(prompt, self.tokenizer, self.cfg.vocab_size,
+                                   self.max_model_len, self.path)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
                              f"({self._max_model_len_limit}): shorten the prompt")
         rid = str(request_id if request_id is not None else next(self._ids))
-        if rid in self.requests:
-            raise ValueError(f"request_id {rid!r} is already in use")
-        seed = params.seed if params.seed is not None else hash((self._seed, rid)) & ((1 << 62) - 1)
-        req = Request(rid, ids, params, seed, metrics=SpecMetrics(), arrival_time=time.perf_counter())
-        req.target_state, req.draft_state = self.runner.new_states()
+        sample_ids = [rid] if params.n == 1 else [f"{rid}[{k}]" for k in range(params.n)]
+        for sid in dict.fromkeys([rid] + sample_ids):
+            if sid in self._groups or sid in self.requests:
+                raise ValueError(f"request_id {sid!r} is already in use: pass another request_id "
+                                 f"(or None for a fresh one)")
         if self.cache is not None:
             self.cache.can_admit(len(ids))            # raises CacheTooSmall with the fix
-            req.target_state = rid                    # paged: the request id is the handle
-        if self.tokenizer is not None:
-            req.detok, req.text = IncrementalDetokenizer(self.tokenizer), ""
-        self.requests[rid] = req
-        self.scheduler.add(req)
+        stop_ids = params.all_stop_ids(self.eos_token_ids)
+        group = []
+        for k, sid in enumerate(sample_ids):
+            if params.seed is not None:               # sample k: seed + k (vLLM's rule)
+                seed = params.seed + k
+                seed -= (1 << 64) if seed >= (1 << 63) else 0      # stays an int64
+            else:
+                seed = hash((self._seed, sid)) & ((1 << 62) - 1)
+            req = Request(sid, ids, params, seed, metrics=SpecMetrics(),
+                          arrival_time=time.perf_counter(), stop_ids=stop_ids, parent=rid, index=k)
+            req.target_state, req.draft_state = self.runner.new_states()
+            if self.cache is not None:
+                req.target_state = sid                # paged: the request id is the handle
+            if self.tokenizer is not None:
+                req.detok, req.text = TextStream(self.tokenizer, params.stop,
+                                                 params.include_stop_str_in_output,
+                                                 params.min_tokens), ""
+            if params.logprobs is not None:
+                req.logprobs = []
+            if params.prompt_logprobs is not None:
+                req.prompt_logprobs = [None]
+            req.prompt_text = text
+            group.append(req)
+        self._groups[rid] = group
+        for req in group:
+            self.requests[req.request_id] = req
+            self.scheduler.add(req)
         return rid
+
+    def request_ids(self) -> list:
+        """Ids of the requests not finished yet."""
+        return list(self._groups)
 
     def warmup(self, prompt_lengths=None, batch_sizes=None, progress: bool = False) -> dict:
         """Compile kernels and capture CUDA graphs for the shapes traffic will hit, before any
@@ -222,15 +309,24 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def abort(self, request_id) -> bool:
-        """Stop a request now and free all its cache state; other requests are not touched.
-        Returns False for an unknown or already finished id."""
-        req = self.requests.pop(str(request_id), None)
-        if req is None:
-            return False
-        req.finish_reason, req.finish_time = "abort", time.perf_counter()
-        self.scheduler.finish(req)
-        self._release(req)
-        return True
+        """Stop a request (all its samples) now and free all its cache state; other requests are
+        not touched. Returns False for an unknown or already finished id."""
+        return self.abort_request(request_id) is not None
+
+    def abort_request(self, request_id) -> RequestOutput | None:
+        """abort(), returning the request's final RequestOutput (finish_reason "abort" for the
+        samples still running, text held back included); None for an unknown id."""
+        group = self._groups.pop(str(request_id), None)
+        if group is None:
+            return None
+        now = time.perf_counter()
+        for req in group:
+            if req.status != Status.FINISHED:
+                req.finish_reason, req.finish_time = "abort", now
+                self.scheduler.finish(req)
+            self.requests.pop(req.request_id, None)
+            self._release(req)
+        return request_output(group, None, [])
 
     def stream(self, prompt, params: SamplingParams | None = None):
         """Generate one request, yielding a RequestOutput with its token/text deltas every step
@@ -242,7 +338,7 @@ class Engine:
                 yield o
                 if o.finished:
                     return
-            if rid not in self.requests:
+            if rid not in self._groups:
                 return
 
     # ---- one DSpark round ----------------------------------------------------------------
@@ -321,6 +417,9 @@ class Engine:
             if self.drafter is not None:
                 self.runner.commit_context(req.draft_state, taps[offsets[i]:offsets[i + 1]],
                                            req.num_prefilled)
+            if req.prompt_logprobs is not None:
+                record_prompt_logprobs(req, logits[offsets[i]:offsets[i + 1]],
+                                       req.num_prefilled, self.tokenizer)
             req.num_prefilled += n
             if req.num_prefilled < len(req.prefill_ids):
                 continue
@@ -367,10 +466,11 @@ class Engine:
             return []
         dec = decide(reqs, logits, first_rows, lengths, anchor_pos, self.gamma)
         # every result in ONE read back ([argmax | a, y] and the drafts), the rest on the host
-        return self._commit(reqs, dec, dec.table().tolist(), taps, first_rows, lengths, anchor_pos)
+        return self._commit(reqs, dec, dec.table().tolist(), taps, first_rows, lengths, anchor_pos,
+                            logits=logits)
 
     def _commit(self, reqs, dec, table, taps, first_rows, lengths, anchor_pos,
-                in_flight=frozenset()) -> list:
+                in_flight=frozenset(), logits=None) -> list:
         """The host part of acceptance on the read-back `table` (rows of dec.table()): accept
         (greedy), emitted tokens, stop tokens and token budgets, then every request's state.
         `in_flight`: ids of requests whose next position a launched forward already writes (the
@@ -391,6 +491,15 @@ class Engine:
         now, outs = time.perf_counter(), []
         for i, req in enumerate(reqs):
             new = emitted[i]
+            if finish[i] == FinishReason.STOP and new and new[-1] in req.params.stop_token_ids:
+                req.stop_reason = new[-1]
+            if req.detok is not None:              # text, and stop strings (may end it early)
+                used, hit = req.detok.push(new)
+                if hit is not None:
+                    new, finish[i], req.stop_reason = new[:used], FinishReason.STOP, hit
+            if req.logprobs is not None and logits is not None:
+                req.logprobs.extend(emitted_logprobs(logits, first_rows[i], new,
+                                                     req.params.logprobs, self.tokenizer))
             was_running = req.status == Status.RUNNING
             if was_running and self.round_log is not None and req.draft is not None:
                 self.round_log.append((req.draft.conf_logits.float().cpu(), lengths[i], accepted[i]))
@@ -457,7 +566,9 @@ class Engine:
         finished = req.status == Status.FINISHED
         delta = ""
         if req.detok is not None:
-            delta = req.detok.push(new_tokens) + (req.detok.flush() if finished else "")
+            if finished:
+                req.detok.finish()
+            delta = req.detok.take()
             req.text += delta
         if finished:
             req.metrics.record_timing(ttft=req.first_token_time - req.arrival_time,
@@ -465,34 +576,21 @@ class Engine:
                                       decode_tokens=len(req.output_ids) - 1)
             self.requests.pop(req.request_id, None)
             self._release(req)
-        return RequestOutput(req.request_id, req.prompt_ids, list(req.output_ids),
-                             req.text if req.detok is not None else None, req.finish_reason,
-                             req.metrics, finished, list(new_tokens), delta)
+        group = self._groups.get(req.parent, [req])
+        if all(r.status == Status.FINISHED for r in group):
+            self._groups.pop(req.parent, None)
+        return request_output(group, req, new_tokens, delta)
 
     def _release(self, req: Request):
         """Drop every cache the request holds (dense state is freed with the references)."""
         req.target_state = req.draft_state = req.draft = None
 
     def _check_prompt(self, prompt) -> list:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"{self.path} has no tokenizer.json, so string prompts cannot be "
-                                 f"encoded; pass token-id lists instead")
-            ids = self.tokenizer.encode(prompt).ids
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("empty prompt: pass at least one token")
-        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
-                             f"[0, {self.cfg.vocab_size})")
-        return ids
+        return _prompts.parse(prompt, self.tokenizer, self.cfg.vocab_size,
+                              getattr(self, "max_model_len", None), self.path)[1]
 
     @staticmethod
     def _load_tokenizer(path):
-        fn = os.path.join(path, "tokenizer.json")
-        if not os.path.exists(fn):
-            return None
-        from tokenizers import Tokenizer
-        return Tokenizer.from_file(fn)
+        """tokenizer.json + tokenizer_config.json (special tokens, chat template), or None."""
+        from .tokenizer import Tokenizer
+        return Tokenizer.from_dir(path)

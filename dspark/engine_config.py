@@ -59,7 +59,7 @@ class EngineConfig:
     progress: bool = False
     cpu_threads: int | None = None
     tensor_parallel_size: int = 1              # DeepSeek-V4: one process per device
-    weight_format: str = "bf16"                # DeepSeek-V4: "bf16" (de-quantize) | "quantized"
+    weight_format: str = "auto"                # DeepSeek-V4: "auto" | "bf16" (de-quantize) | "quantized"
     cuda_graphs: bool | None = None            # the draft pass (and Qwen3 steps) as CUDA graphs
     target_cuda_graphs: bool | None = None     # DeepSeek-V4: the target's steps as CUDA graphs
     overlap_decode: bool | None = None         # DeepSeek-V4 single device: overlapped plain decode
@@ -151,7 +151,7 @@ class EngineConfig:
         flag("progress", optional=False)
         integer("cpu_threads", 1)
         integer("tensor_parallel_size", 1, optional=False)
-        choice("weight_format", ("bf16", "quantized"))
+        choice("weight_format", ("auto", "bf16", "quantized"))
         for name in ("cuda_graphs", "target_cuda_graphs", "overlap_decode"):
             flag(name)
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:

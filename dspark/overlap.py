@@ -56,7 +56,11 @@ class OverlappedDecode:
     def applies(self) -> bool:
         """Every running request decodes one token, no prompt waits, no drafts to verify."""
         eng = self.engine
-        return eng.drafter is None and not eng.scheduler.waiting and bool(eng.scheduler.running)
+        # requests whose logits depend on their history or that report logprobs take the
+        # ordinary round (the token in flight is not in their history yet)
+        return eng.drafter is None and not eng.scheduler.waiting and bool(eng.scheduler.running) \
+            and not any(r.params.adjusts_logits or r.params.logprobs is not None
+                        for r in eng.scheduler.running)
 
     def step(self) -> list | None:
         """Launch the next round, then commit the one in flight. None when nothing could be

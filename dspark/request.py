@@ -66,6 +66,13 @@ class Request:
     detok: object = None                   # IncrementalDetokenizer when the model has a tokenizer
     text: str = ""
     preempted: bool = False                # cache was freed; the engine rebuilds draft state
+    stop_ids: tuple = ()                   # stop token ids incl. EOS unless ignore_eos
+    parent: str = ""                       # the id the caller knows (n > 1: one request per sample)
+    index: int = 0                         # which of the parent's n samples
+    stop_reason: object = None             # the stop string or stop token id that ended it
+    logprobs: list | None = None           # per output token {token id: Logprob} (params.logprobs)
+    prompt_logprobs: list | None = None    # per prompt token (None for the first)
+    prompt_text: str | None = None         # the prompt as given, when it was a string
 
     @property
     def tokens(self) -> list:

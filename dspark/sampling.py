@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Sequence
 
 import torch
@@ -20,62 +20,146 @@ from dspark.formats.sampling import _M32, Purpose, _mix32  # noqa: F401 (Purpose
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
+# the server's range for temperature (OpenAI's); the Python API takes any finite value >= 0
+SERVER_MAX_TEMPERATURE = 2.0
+
+
+def _is_int(x) -> bool:            # numpy integers welcome, bools not
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
+    """Per-request sampling, vLLM's names and meanings, checked when constructed (ValueError
+    naming the field, the value and what is accepted). Token ids are checked against the
+    vocabulary when the engine admits the request (`validate(vocab_size)`).
+
+    Logits of the target AND of the drafter go through the same adjustments, in this order
+    (dspark/logit_adjust.py): repetition_penalty (prompt and output tokens), frequency and
+    presence penalties (output tokens), logit_bias, min_tokens (stop ids masked), min_p; then
+    temperature, top_k, top_p (`probs_from_logits`). Speculative acceptance is exact for that law.
+    temperature: any finite value >= 0 here (0 = greedy); the server accepts 0-2, as OpenAI.
+    top_k: 0 or -1 = off. logprobs / prompt_logprobs: None = off, k >= 0 = the chosen token's
+    log-probability plus the k most likely, from the target's raw distribution (log-softmax of
+    its logits before any adjustment, vLLM's default)."""
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0  # 0 = off
+    top_k: int = 0                         # 0 (or -1) = off
+    min_p: float = 0.0
     max_tokens: int = 256
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()             # stop strings (the output ends before them)
     stop_token_ids: tuple[int, ...] = ()
-    seed: int | None = None  # None: the engine draws one at admission (keeps replays deterministic)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    seed: int | None = None  # None: the engine draws one at admission (keeps replays deterministic)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict | None = None         # {token id: added logit}
 
     def __post_init__(self):
         if isinstance(self.stop_token_ids, (list, set, frozenset, range)):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        elif self.stop is None:
+            object.__setattr__(self, "stop", ())
+        if _is_int(self.top_k) and self.top_k == -1:      # vLLM's spelling of "off"
+            object.__setattr__(self, "top_k", 0)
+        self.validate()
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether this request changes logits before temperature (penalties, bias, min_tokens,
+        min_p): the engine then runs the adjustment on target and draft rows."""
+        return bool(self.logit_bias) or self.min_tokens > 0 or self.min_p > 0 or \
+            self.presence_penalty != 0 or self.frequency_penalty != 0 or \
+            self.repetition_penalty != 1
+
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
-        """Raise ValueError naming the field, the bad value and the accepted range; return self."""
+        """Raise ValueError naming the field, the bad value and the accepted range; return self.
+        With vocab_size, token ids (stop_token_ids, logit_bias keys) are checked against it."""
         def bad(field, value, accepted):
             raise ValueError(f"SamplingParams.{field}={value!r} is invalid: expected {accepted}")
 
-        def is_int(x):  # numpy integers welcome, bools not
-            return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+        def count(field, lo):
+            v = getattr(self, field)
+            if not _is_int(v) or v < lo:
+                bad(field, v, f"an int >= {lo}")
 
-        def is_real(x):
-            return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
+        count("n", 1)
         t = self.temperature
-        if not is_real(t) or not math.isfinite(t) or t < 0:
-            bad("temperature", t, "a finite number >= 0 (0 = greedy)")
+        if not _is_real(t) or not math.isfinite(t) or t < 0:
+            bad("temperature", t, "a finite number >= 0 (0 = greedy; the server takes 0-2)")
         p = self.top_p
-        if not is_real(p) or not (0 < p <= 1):  # nan fails the comparison too
+        if not _is_real(p) or not (0 < p <= 1):  # nan fails the comparison too
             bad("top_p", p, "a number in (0, 1] (1 = off)")
-        if not is_int(self.top_k) or self.top_k < 0:
-            bad("top_k", self.top_k, "an int >= 0 (0 = off)")
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            bad("max_tokens", self.max_tokens, "an int >= 1")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            bad("top_k", self.top_k, "an int >= 0 (0 or -1 = off)")
+        if not _is_real(self.min_p) or not (0 <= self.min_p <= 1):
+            bad("min_p", self.min_p, "a number in [0, 1] (0 = off)")
+        count("max_tokens", 1)
+        count("min_tokens", 0)
+        if self.min_tokens > self.max_tokens:
+            bad("min_tokens", self.min_tokens, f"at most max_tokens={self.max_tokens}")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", self.stop, "a string or a list of non-empty strings")
         hi = vocab_size if vocab_size is not None else _INT64_MAX
+        ids_range = f"ints in [0, {vocab_size})" if vocab_size is not None else "ints >= 0"
         if not isinstance(self.stop_token_ids, tuple):
             bad("stop_token_ids", self.stop_token_ids, "a tuple or list of token ids")
         for tok in self.stop_token_ids:
-            if not is_int(tok) or not (0 <= tok < hi):
-                bad("stop_token_ids", self.stop_token_ids,
-                    f"ints in [0, {vocab_size})" if vocab_size is not None else "ints >= 0")
-        if self.seed is not None and (not is_int(self.seed) or not _INT64_MIN <= self.seed <= _INT64_MAX):
+            if not _is_int(tok) or not (0 <= tok < hi):
+                bad("stop_token_ids", self.stop_token_ids, ids_range)
+        for flag in ("include_stop_str_in_output", "ignore_eos"):
+            if not isinstance(getattr(self, flag), bool):
+                bad(flag, getattr(self, flag), "a bool")
+        if self.seed is not None and (not _is_int(self.seed) or not _INT64_MIN <= self.seed <= _INT64_MAX):
             bad("seed", self.seed, "None or an int in [-2**63, 2**63)")
-        if not isinstance(self.ignore_eos, bool):
-            bad("ignore_eos", self.ignore_eos, "a bool")
+        for field in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, field)
+            if v is not None and (not _is_int(v) or not 0 <= v <= (vocab_size or _INT64_MAX)):
+                bad(field, v, "None (off) or an int k >= 0 (the chosen token plus the k most "
+                              "likely)" + (f", k <= {vocab_size}" if vocab_size else ""))
+        for field in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, field)
+            if not _is_real(v) or not -2 <= v <= 2:
+                bad(field, v, "a number in [-2, 2] (0 = off)")
+        r = self.repetition_penalty
+        if not _is_real(r) or not (0 < r <= 1e4) or not math.isfinite(r):
+            bad("repetition_penalty", r, "a finite number > 0 (1 = off; > 1 discourages repeats)")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                bad("logit_bias", self.logit_bias, "a dict {token id: bias}")
+            for tok, b in self.logit_bias.items():
+                if not _is_int(tok) or not 0 <= tok < hi:
+                    bad("logit_bias", self.logit_bias, f"token id keys that are {ids_range}")
+                if not _is_real(b) or not -100 <= b <= 100:
+                    bad("logit_bias", self.logit_bias, "bias values in [-100, 100]")
         return self
 
     def all_stop_ids(self, eos_token_ids: Sequence[int] = ()) -> tuple[int, ...]:
         """Stop ids the engine must check: user stop ids plus EOS unless ignore_eos."""
         extra = () if self.ignore_eos else tuple(eos_token_ids)
         return tuple(dict.fromkeys(self.stop_token_ids + extra))
+
+    def __hash__(self):      # logit_bias is a dict: hash its items
+        return hash(tuple((f.name, tuple(sorted(v.items())) if isinstance(v, dict) else v)
+                          for f in fields(self) for v in [getattr(self, f.name)]))
 
 
 def filters_used(params: Sequence[SamplingParams]) -> tuple[bool, bool]:

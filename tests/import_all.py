@@ -5,9 +5,12 @@
 Two checks, so the result does not depend on what else the machine has installed:
   1. static: every `import` in dspark/ names the standard library, the package itself, or a
      distribution setup.py's install_requires declares; an extra's distribution (matplotlib
-     for plots) only inside the function that needs it; anything else only guarded by
+     for plots) only inside the function that needs it, or anywhere in the package of that
+     extra (dspark/serve/: fastapi, uvicorn, prometheus_client); anything else only guarded by
      `except ImportError` (an optional feature that says what to install);
-  2. dynamic: importing every module succeeds (TRITON_INTERPRET=1 without CUDA, as on CPU).
+  2. dynamic: importing every module succeeds (TRITON_INTERPRET=1 without CUDA, as on CPU),
+     or, for a module of an extra's package without that extra, fails with an ImportError
+     that names `pip install 'dspark[<extra>]'`.
 """
 from __future__ import annotations
 
@@ -24,6 +27,9 @@ DECLARED = {"torch", "triton", "safetensors", "numpy", "tokenizers", "tqdm"}
 # import name of an extra's distribution (setup.py extras_require): only inside the function
 # that needs it, never at module level
 EXTRAS = {"matplotlib"}
+# packages that belong to an extra: their modules import it at module level, and the package's
+# __init__ raises an ImportError naming `pip install 'dspark[<extra>]'` without it
+EXTRA_PACKAGES = {"dspark/serve/": ("serve", {"fastapi", "starlette", "uvicorn", "prometheus_client"})}
 
 
 def _guarded(node, parents) -> bool:
@@ -61,6 +67,10 @@ def undeclared_imports(package_dir: str) -> list[str]:
                         top = m.split(".")[0]
                         if top in stdlib or top in DECLARED or top == "dspark":
                             continue
+                        rel = os.path.relpath(path, ROOT)
+                        if any(rel.startswith(p) and top in names
+                               for p, (_, names) in EXTRA_PACKAGES.items()):
+                            continue
                         in_function = any(isinstance(p, (ast.FunctionDef, ast.AsyncFunctionDef))
                                           for p in parents)
                         if top in EXTRAS and in_function:
@@ -89,6 +99,11 @@ def import_every_module(package: str = "dspark") -> list[str]:
                                   # covered by the static check
         try:
             importlib.import_module(name)
+        except ImportError as e:
+            extra = next((x for p, (x, _) in EXTRA_PACKAGES.items()
+                          if name.startswith(p.rstrip("/").replace("/", "."))), None)
+            if extra is None or f"pip install 'dspark[{extra}]'" not in str(e):
+                failed.append(f"{name}:\n{traceback.format_exc(limit=3)}")
         except Exception:
             failed.append(f"{name}:\n{traceback.format_exc(limit=3)}")
     return failed, len(names)

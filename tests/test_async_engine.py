@@ -135,8 +135,8 @@ def _concurrent_streams_with_random_aborts(eng, ref):
         for prompt, sp, rid, match in [
                 ([], None, None, "empty prompt"),
                 (list(range(MAX_LEN)), None, None, "max_model_len"),
-                ([1, 2], SamplingParams(temperature=-1.0), None, "temperature"),
-                ([1, 2], SamplingParams(top_p=0.0), None, "top_p"),
+                ([1, 2], dict(temperature=-1.0), None, "temperature"),
+                ([1, 2], dict(top_p=0.0), None, "top_p"),
                 ([1, V + 5], None, None, "outside the vocabulary"),
                 ("text", None, None, "tokenizer"),
                 ([1, 2], SamplingParams(stop_token_ids=(V,)), None, "stop_token_ids"),
@@ -144,6 +144,8 @@ def _concurrent_streams_with_random_aborts(eng, ref):
                 ([1, 2], "greedy", None, "SamplingParams")]:
             await asyncio.sleep(0.01)
             with pytest.raises(ValueError, match=match) as ei:
+                # bad SamplingParams are refused when constructed
+                sp = SamplingParams(**sp) if isinstance(sp, dict) else sp
                 await ae.add_request(prompt, sp, request_id=rid)
             errors.append(str(ei.value))
         with pytest.raises(ValueError, match="unknown request id"):

@@ -9,9 +9,13 @@ from dspark import Engine, SamplingParams
 from dspark.spec import verify as verify_mod
 
 
-def _engines(path, **kw):
-    spec = Engine(path, device="cpu", dtype="fp32", kv_cache_dtype="fp32", **kw)
-    off = Engine(path, device="cpu", dtype="fp32", kv_cache_dtype="fp32", speculative="none")
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])
+
+
+def _engines(path, device="cpu", **kw):
+    spec = Engine(path, device=device, dtype="fp32", kv_cache_dtype="fp32", **kw)
+    off = Engine(path, device=device, dtype="fp32", kv_cache_dtype="fp32", speculative="none")
     return spec, off
 
 
@@ -105,14 +109,14 @@ def _chi2_pvalue(counts, law, n):
     return chi2.sf(stat, max(dof, 1))
 
 
-def _sample_counts(engine, prompt, steps, temperature, n):
+def _sample_counts(engine, prompt, steps, temperature, n, **params):
     # max_tokens past `steps` so the first tokens come from full verify blocks (the engine clips
     # blocks to max_tokens), then count only the first `steps` tokens. A request is aborted as
     # soon as it has them: later rounds cannot change emitted tokens (per-request seeds, keyed by
     # position), so the counts are those of running every request to max_tokens, without the
     # ~40% of the work those later rounds cost
-    sp = [SamplingParams(temperature=temperature, max_tokens=steps + 5, seed=s, ignore_eos=True)
-          for s in range(n)]
+    sp = [SamplingParams(temperature=temperature, max_tokens=steps + 5, seed=s, ignore_eos=True,
+                         **params) for s in range(n)]
     rids = [engine.add_request(prompt, p) for p in sp]
     first = {}
     while engine.has_unfinished():
@@ -148,6 +152,64 @@ def test_sampling_distribution_is_exact(small_vocab_ckpt, monkeypatch):
     monkeypatch.setattr(accept_mod, "verify", _broken_verify)
     bad = _sample_counts(spec, prompt, steps, T, n)
     assert _chi2_pvalue(bad, law, n) < 1e-3
+
+
+def _penalised_law(engine, prompt, steps, temperature, rep, freq, pres, bias):
+    """Exact law of the first tokens under target-only sampling with penalties and logit_bias,
+    by enumeration, the adjustments written out in NumPy (vLLM's definitions)."""
+    import numpy as np
+    law = {(): 1.0}
+    for _ in range(steps):
+        nxt = {}
+        for seq, pr in law.items():
+            x = engine.score(prompt + list(seq))[-1].double().numpy()
+            seen = set(prompt) | set(seq)
+            for t in seen:
+                x[t] = x[t] / rep if x[t] > 0 else x[t] * rep
+            for t in set(seq):
+                x[t] -= freq * seq.count(t) + pres
+            for t, b in bias.items():
+                x[t] += b
+            q = np.exp((x - x.max()) / temperature)
+            q /= q.sum()
+            for tok, v in enumerate(q):
+                nxt[seq + (tok,)] = pr * v
+        law = nxt
+    return law
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_sampling_distribution_is_exact_with_penalties_and_logit_bias(small_vocab_ckpt, device):
+    """Penalties and logit_bias change the law; speculation must sample exactly the changed law
+    (the drafter's steps and the target's rows both adjusted from their own history). On CUDA
+    the fused sampling kernels take the adjusted logits."""
+    spec, off = _engines(small_vocab_ckpt, device, max_num_seqs=512, max_num_batched_tokens=4096)
+    prompt, steps, T, n = [3, 1, 4, 1, 5], 2, 1.0, 800
+    kw = dict(repetition_penalty=1.8, frequency_penalty=0.7, presence_penalty=0.5,
+              logit_bias={2: 1.5, 6: -2.0})
+    law = _penalised_law(off, prompt, steps, T, 1.8, 0.7, 0.5, {2: 1.5, 6: -2.0})
+    counts = _sample_counts(spec, prompt, steps, T, n, **kw)
+    assert _chi2_pvalue(counts, law, n) > 1e-3
+    # the test can tell: the unpenalised law is rejected by the same counts
+    assert _chi2_pvalue(counts, _target_law(off, prompt, steps, T), n) < 1e-3
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_greedy_identity_with_adjustments(small_vocab_ckpt, device):
+    """Greedy with penalties, bias, min_tokens and min_p: speculation emits exactly the tokens
+    of target-only decoding, and min_tokens holds stop ids back."""
+    spec, off = _engines(small_vocab_ckpt, device)
+    prompts = _prompts(4, 8, seed=3)
+    free = off.generate(prompts[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    stop = free.token_ids[0]
+    sp = SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3,
+                        frequency_penalty=0.4, presence_penalty=0.2, logit_bias={1: 0.8},
+                        min_tokens=6, stop_token_ids=[stop], min_p=0.1)
+    ref = off.generate(prompts, sp)
+    got = spec.generate(prompts, sp)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert stop not in ref[0].token_ids[:6] and len(ref[0].token_ids) >= 6
+    assert sum(o.metrics.verified for o in got) > 0
 
 
 # ---- errors --------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("kw, field", [
     (dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
     (dict(temperature=float("inf")), "temperature"), (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"), (dict(top_p=float("nan")), "top_p"), (dict(top_k=-1), "top_k"),
+    (dict(top_p=1.5), "top_p"), (dict(top_p=float("nan")), "top_p"), (dict(top_k=-2), "top_k"),
     (dict(top_k=2.5), "top_k"), (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=True), "max_tokens"),
     (dict(stop_token_ids=(5, 100)), "stop_token_ids"), (dict(stop_token_ids=(-1,)), "stop_token_ids"),
     (dict(stop_token_ids=7), "stop_token_ids"), (dict(seed=2 ** 64), "seed"), (dict(seed="1"), "seed"),
@@ -216,3 +216,52 @@ def test_argmax_rows_two_pass_matches_argmax():
         assert torch.equal(argmax_rows(x.cuda()).cpu(), want)
     odd = torch.randn(2, 1001, generator=g)                            # no chunk divides: one pass
     assert torch.equal(argmax_rows(odd, two_pass=True), odd.argmax(-1))
+
+
+# ---- logit adjustments (penalties, logit_bias, min_tokens, min_p) ------------------------------
+
+def _adjust_reference(x, prompt, out, p, stop_ids):
+    """float64 NumPy of the documented order, one row: history = prompt + out."""
+    z = np.asarray(x, dtype=np.float64).copy()
+    for t in set(prompt) | set(out):
+        z[t] = z[t] / p.repetition_penalty if z[t] > 0 else z[t] * p.repetition_penalty
+    for t in set(out):
+        z[t] -= p.frequency_penalty * out.count(t) + p.presence_penalty
+    for t, b in (p.logit_bias or {}).items():
+        z[t] += b
+    if len(out) < p.min_tokens:
+        z[list(stop_ids)] = -np.inf
+    if p.min_p > 0 and p.temperature > 0:
+        z[z < z.max() + p.temperature * math.log(p.min_p)] = -np.inf
+    return z
+
+
+def test_logit_adjust_matches_reference_and_block_equals_steps():
+    from types import SimpleNamespace
+
+    from dspark.logit_adjust import LogitAdjust
+    g = torch.Generator().manual_seed(0)
+    V, gamma = 11, 3
+    params = [SamplingParams(repetition_penalty=1.7, frequency_penalty=0.6, presence_penalty=-0.4,
+                             logit_bias={3: 2.0, 7: -1.5}, min_tokens=4, min_p=0.2,
+                             temperature=0.7),
+              SamplingParams(),                                 # no adjustment: unchanged
+              SamplingParams(temperature=0, repetition_penalty=0.5, min_tokens=1)]
+    reqs = [SimpleNamespace(params=p, prompt_ids=[1, 2, 2], output_ids=out, stop_ids=(0, 5))
+            for p, out in zip(params, ([4, 4, 9], [6], []))]
+    assert LogitAdjust.build(reqs[1:2], V, "cpu") is None
+    adj = LogitAdjust.build(reqs, V, "cpu")
+    x = torch.randn(len(reqs), gamma + 1, V, generator=g) * 3
+    drafts = torch.randint(0, V, (len(reqs), gamma), generator=g)
+    block = adj.apply_block(x, drafts)
+    for i, r in enumerate(reqs):
+        for k in range(gamma + 1):
+            hist = r.output_ids + drafts[i, :k].tolist()
+            want = _adjust_reference(x[i, k].numpy(), r.prompt_ids, hist, r.params, r.stop_ids)
+            np.testing.assert_allclose(block[i, k].double().numpy(), want, rtol=1e-5, atol=1e-5)
+    # the drafter's steps: apply, then push the sampled token; row k sees the same history
+    for k in range(gamma + 1):
+        np.testing.assert_allclose(adj.apply(x[:, k]).numpy(), block[:, k].numpy(), rtol=1e-6)
+        if k < gamma:
+            adj.push(drafts[:, k])
+    assert torch.equal(block[1], x[1])

@@ -1,39 +1,31 @@
-"""examples/server.py: OpenAI-style /v1/completions (plain and SSE), errors, /metrics, /health.
-
-The server runs in-process on 127.0.0.1 with an ephemeral port (plus one short command-line
-start in a subprocess); clients are stdlib http.client in a few threads. Every wait is bounded."""
-import asyncio
+"""dspark.serve's app under uvicorn in this process (tiny checkpoint): outputs equal the engine's,
+400s that name the field, OpenAI's error schema, disconnects abort, engine failures reported,
+chunked request bodies, a client that half-closes, /metrics; and examples/server.py's own
+route. Clients are stdlib http.client and raw sockets; every wait is bounded."""
 import http.client
 import importlib.util
 import json
 import os
-import queue
 import re
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from dspark import Engine, SamplingParams
-from dspark.async_engine import AsyncEngine
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+
+from dspark import Engine, SamplingParams  # noqa: E402
+from dspark.async_engine import AsyncEngine  # noqa: E402
+from dspark.serve import build_app  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SERVER_PY = os.path.join(ROOT, "examples", "server.py")
 TIMEOUT = 30
 TEXTS = ["Hello world! Streaming text, one token at a time.", "你好，世界。今天天气很好。",
          "Emoji: 😀🎉👍🏽 🚀✨ done.", "naïve café über — “quotes” ½ ∑"]
-
-
-def _load_server_module():
-    spec = importlib.util.spec_from_file_location("dspark_example_server", SERVER_PY)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -58,41 +50,38 @@ def _engine(path):
     return Engine(path, device="cpu", dtype="fp32", kv_cache_dtype="fp32", max_model_len=64)
 
 
-class ServerThread:
-    """The example server on its own event loop in a background thread."""
+class UvicornThread:
+    """An ASGI app under uvicorn on 127.0.0.1 (a free port) in a background thread."""
 
-    def __init__(self, mod, engine):
-        self.ae = AsyncEngine(engine)
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+    def __init__(self, app):
+        import uvicorn
+
+        from dspark.serve.http import config
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
         self.thread.start()
-        self.server = mod.CompletionServer(self.ae, "tiny")
-        self.host, self.port = self.call(self.server.start("127.0.0.1", 0))
-        assert self.host == "127.0.0.1"
-
-    def call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(TIMEOUT)
+        assert wait_for(lambda: self.server.started, TIMEOUT)
 
     def stop(self):
-        try:
-            self.call(self.server.stop())
-            self.call(self.ae.shutdown(timeout=TIMEOUT))
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(TIMEOUT)
-            self.loop.close()
+        self.server.should_exit = True
+        self.thread.join(TIMEOUT)
 
 
 @pytest.fixture(scope="module")
 def server(ckpt):
-    mod = _load_server_module()
     eng = _engine(ckpt)
-    srv = ServerThread(mod, eng)
-    srv.engine, srv.mod = eng, mod
+    ae = AsyncEngine(eng)
+    srv = UvicornThread(build_app(ae, "tiny"))
+    srv.engine, srv.ae = eng, ae
     try:
         yield srv
     finally:
         srv.stop()
+        ae.close(timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +101,7 @@ def request(port, method, path, body=None, raw=None):
 
 
 def parse_sse(payload: bytes):
-    events = [e for e in payload.decode("utf-8").split("\n\n") if e]
+    events = [e for e in payload.decode("utf-8").replace("\r\n", "\n").split("\n\n") if e]
     assert all(e.startswith("data: ") for e in events), events
     assert events[-1] == "data: [DONE]"
     return [json.loads(e[len("data: "):]) for e in events[:-1]]
@@ -153,7 +142,8 @@ def metrics(port) -> dict:
     for line in payload.decode().splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
-            out[re.sub(r'model_name="[^"]*",?', "", name).replace("{}", "")] = float(value)
+            name = re.sub(r',?model_name="[^"]*"', "", name).replace("{,", "{").replace("{}", "")
+            out[name] = float(value)
     return out
 
 
@@ -204,54 +194,137 @@ def test_concurrent_burst_matches_engine(server, ref):
     assert m['dspark_spec_accepted_length_bucket{le="+Inf"}'] == m["dspark_spec_rounds_total"]
     assert m["dspark_queue_depth"] == 0 and m["dspark_running_requests"] == 0
     assert m["dspark_engine_up"] == 1
-    if server.ae.stats()["pages_total"] is not None:        # paged KV cache present
-        assert m["dspark_kv_cache_pages_in_use"] == 0
+    assert m["dspark_kv_cache_pages_in_use"] == 0
     assert m["dspark_prompt_tokens_total"] > 0 and m["dspark_generation_tokens_total"] > 0
 
 
-def test_bad_requests_get_400(server):
+BAD = [
+    ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens", "max_tokens=0"),
+    ({"prompt": [1, 2], "max_tokens": 100}, "max_tokens", "at most 62 can be generated"),
+    ({"prompt": [1, 2], "temperature": -0.5}, "temperature", "[0, 2]"),
+    ({"prompt": [1, 2], "temperature": 5}, "temperature", "[0, 2]"),
+    ({"prompt": [1, 2], "top_p": 1.5}, "top_p", "top_p=1.5"),
+    ({"prompt": [1, 2], "top_k": "many"}, "top_k", "top_k='many'"),
+    ({"prompt": [1, 2], "n": 0}, "n", "n=0"),
+    ({"prompt": [1, 2], "presence_penalty": 9}, "presence_penalty", "[-2, 2]"),
+    ({"prompt": [1, 2], "logit_bias": {"x": 1}}, "logit_bias", "not a token id"),
+    ({"prompt": [1, 2], "logit_bias": {"9999": 1}}, "logit_bias", "[0, 1024)"),
+    ({"prompt": [1, 2], "logprobs": 50}, "logprobs", "[0, 20]"),
+    ({"prompt": [1, 2], "stop_token_ids": "2"}, "stop_token_ids", "list of integer"),
+    ({"prompt": [1, 2], "stop_token_ids": [5000]}, "stop_token_ids", "[0, 1024)"),
+    ({"prompt": [1, 2], "stop": 3}, "stop", "string or a list"),
+    ({"prompt": [1, 2], "stream": "yes"}, "stream", "true or false"),
+    ({"prompt": [1, 2], "stream_options": {"include_usage": True}}, "stream_options", "stream=true"),
+    ({"prompt": [1, 2], "echo": True}, "echo", "not supported"),
+    ({"prompt": [1, 2], "suffix": "x"}, "suffix", "not supported"),
+    ({"prompt": [1, 2], "best_of": 3}, "best_of", "best_of"),
+    ({"prompt": [1, 2], "frobnicate": 1}, "frobnicate", "unsupported field(s) ['frobnicate']"),
+    ({"prompt": [1, 2], "model": "gpt-4"}, "model", "model 'gpt-4' is not served"),
+    ({"prompt": []}, "prompt", "empty prompt"),
+    ({"prompt": ""}, "prompt", "empty prompt"),
+    ({"prompt": [1, 99999]}, "prompt", "outside the vocabulary"),
+    ({"prompt": list(range(64))}, "prompt", "max_model_len"),
+    ({"prompt": [1, 2.5]}, "prompt", "token ids"),
+    ({"prompt": [1, True]}, "prompt", "token ids"),
+    ({"prompt": "é" * 100_000}, "prompt", "too long"),
+    ({"prompt": ["a", "b"]}, "prompt", "batched"),
+    ({"prompt": 7}, "prompt", "prompt"),
+    ({"max_tokens": 3}, "prompt", "missing required field 'prompt'"),
+    ([1, 2, 3], None, "JSON object"),
+]
+
+
+def test_bad_requests_get_400_naming_the_field(server):
     port = server.port
-    cases = [
-        ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens"),
-        ({"prompt": [1, 2], "temperature": -0.5}, "temperature"),
-        ({"prompt": [1, 2], "top_p": 1.5}, "top_p"),
-        ({"prompt": [1, 2], "top_k": "many"}, "top_k"),
-        ({"prompt": [1, 2], "stop_token_ids": "2"}, "stop_token_ids"),
-        ({"prompt": [1, 2], "stop_token_ids": [5000]}, "stop_token_ids"),
-        ({"prompt": [1, 2], "stream": "yes"}, "stream"),
-        ({"prompt": []}, "empty prompt"),
-        ({"prompt": ""}, "empty prompt"),
-        ({"prompt": [1, 99999]}, "outside the vocabulary"),
-        ({"prompt": list(range(64))}, "max_model_len"),
-        ({"prompt": [1, 2.5]}, "token ids"),
-        ({"prompt": ["a", "b"]}, "batched"),
-        ({"prompt": 7}, "prompt"),
-        ({"max_tokens": 3}, "prompt"),
-        ({"prompt": [1, 2], "n": 2}, "n=1"),
-        ({"prompt": [1, 2], "stop": ["\n"]}, "stop_token_ids"),
-        ([1, 2, 3], "JSON object"),
-    ]
-    for body, needle in cases:
+    for body, param, needle in BAD:
         status, err, *_ = completion(port, body)
         assert status == 400, (body, err)
-        assert err["error"]["type"] == "invalid_request_error"
-        assert needle in err["error"]["message"], (needle, err)
+        e = err["error"]
+        assert set(e) == {"message", "type", "param", "code"}
+        assert e["type"] == "invalid_request_error" and e["param"] == param, (body, e)
+        assert needle in e["message"], (needle, e)
     status, _, payload = request(port, "POST", "/v1/completions", raw=b"{not json")
     assert status == 400 and b"invalid JSON" in payload
-    assert request(port, "GET", "/nope")[0] == 404
+    chat = [({"messages": []}, "messages"), ({"messages": [{"role": "user", "content": "hi"}],
+                                               "tools": [{"type": "function"}]}, "tools"),
+            ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+            ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+            ({"messages": [{"role": "user", "content": "hi"}], "functions": []}, "functions")]
+    for body, param in chat:
+        status, _, payload = request(port, "POST", "/v1/chat/completions", body)
+        assert status == 400 and json.loads(payload)["error"]["param"] == param, payload
+    status, _, payload = request(port, "GET", "/nope")
+    assert status == 404 and json.loads(payload)["error"]["message"] == "no route for /nope"
     assert request(port, "GET", "/v1/completions")[0] == 405
     status, _, payload = request(port, "GET", "/health")
     assert status == 200 and json.loads(payload) == {"status": "ok"}
-    # still serving normally
+    status, _, payload = request(port, "GET", "/v1/models")
+    assert status == 200 and [m["id"] for m in json.loads(payload)["data"]] == ["tiny"]
+    # still serving normally, nothing left behind
     status, text, ids, reason, _ = completion(port, {"prompt": [3, 4], "max_tokens": 3,
                                                      "temperature": 0, "ignore_eos": True})
     assert status == 200 and len(ids) == 3 and reason == "length"
+    assert not server.engine.requests
+
+
+def _raw(port, head: bytes, body_parts, half_close: bool = False) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as s:
+        s.sendall(head)
+        for part in body_parts:
+            s.sendall(part)
+            time.sleep(0.01)
+        if half_close:
+            s.shutdown(socket.SHUT_WR)          # done sending; still reading
+        got = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                return got
+            got += chunk
+
+
+def _dechunk(payload: bytes) -> bytes:
+    out, rest = b"", payload
+    while rest:
+        size, rest = rest.split(b"\r\n", 1)
+        n = int(size, 16)
+        if n == 0:
+            return out
+        out, rest = out + rest[:n], rest[n + 2:]
+    return out
+
+
+def test_chunked_body_and_half_close(server, ref):
+    body = json.dumps({"prompt": TEXTS[0], "max_tokens": 6, "temperature": 0,
+                       "ignore_eos": True, "stream": True}).encode()
+    exp = ref.generate(TEXTS[0], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    parts = [body[i:i + 7] for i in range(0, len(body), 7)]
+    chunked = [b"%x\r\n%s\r\n" % (len(p), p) for p in parts] + [b"0\r\n\r\n"]
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
+    for half_close in (False, True):
+        got = _raw(server.port, head, chunked, half_close)
+        assert got.startswith(b"HTTP/1.1 200"), got[:200]
+        headers, payload = got.split(b"\r\n\r\n", 1)
+        if b"transfer-encoding: chunked" in headers.lower():
+            payload = _dechunk(payload)
+        assert payload, (half_close, got)
+        chunks = parse_sse(payload)
+        assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == exp.token_ids
+    # a plain Content-Length body from a client that half-closes right after sending
+    plain = dict(json.loads(body), stream=False)
+    raw = json.dumps(plain).encode()
+    got = _raw(server.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+               b"application/json\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(raw),
+               [raw], half_close=True)
+    assert got.startswith(b"HTTP/1.1 200"), got[:300]
+    assert json.loads(got.split(b"\r\n\r\n", 1)[1])["choices"][0]["token_ids"] == exp.token_ids
 
 
 def test_client_disconnect_aborts_request(server):
     port, ae = server.port, server.ae
     before = ae.stats()["requests_total"].get("abort", 0)
-    body = json.dumps({"prompt": [9, 9, 9], "max_tokens": 12, "temperature": 0,
+    body = json.dumps({"prompt": [9, 9, 9], "max_tokens": 40, "temperature": 0,
                        "ignore_eos": True, "stream": True}).encode()
     with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
@@ -278,6 +351,7 @@ def test_engine_failure_is_reported_and_server_survives(server, monkeypatch):
     monkeypatch.setattr(server.engine, "step", broken_step)
     status, err, *_ = completion(port, {"prompt": [1, 2, 3], "max_tokens": 4})
     assert status == 500 and "simulated device fault" in err["error"]["message"]
+    assert err["error"]["type"] == "server_error"
     status, _, payload = request(port, "POST", "/v1/completions",
                                  {"prompt": [1, 2, 3], "max_tokens": 4, "stream": True})
     events = parse_sse(payload)
@@ -292,39 +366,21 @@ def test_engine_failure_is_reported_and_server_survives(server, monkeypatch):
     assert request(port, "GET", "/health")[0] == 200
 
 
-def test_command_line_server(ckpt):
-    """`python examples/server.py --model PATH --host 127.0.0.1 --port 0` starts, serves, and
-    stops on SIGTERM."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        [sys.executable, SERVER_PY, "--model", ckpt, "--host", "127.0.0.1", "--port", "0",
-         "--device", "cpu", "--dtype", "fp32", "--kv-cache-dtype", "fp32"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines: queue.Queue = queue.Queue()
-    reader = threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True)
-    reader.start()
+def test_example_embeds_the_engine(ckpt, ref):
+    spec = importlib.util.spec_from_file_location("dspark_example_server",
+                                                  os.path.join(ROOT, "examples", "server.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ae = AsyncEngine(_engine(ckpt))
+    srv = UvicornThread(mod.make_app(ae, "tiny"))
     try:
-        port, log, deadline = None, [], time.monotonic() + 60
-        while port is None and time.monotonic() < deadline:
-            try:
-                line = lines.get(timeout=1)
-            except queue.Empty:
-                assert proc.poll() is None, "".join(log)
-                continue
-            log.append(line)
-            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
-            port = int(m.group(1)) if m else None
-        assert port, "".join(log)
-        status, _, payload = request(port, "GET", "/health")
-        assert status == 200
-        status, text, ids, reason, n = completion(port, {"prompt": "Hello", "max_tokens": 5,
-                                                         "temperature": 0, "stream": True})
-        assert status == 200 and 1 <= len(ids) <= 5 and reason in ("stop", "length")
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=20) == 0
+        status, _, payload = request(srv.port, "POST", "/generate",
+                                     {"prompt": TEXTS[1], "max_tokens": 5})
+        exp = ref.generate(TEXTS[1], SamplingParams(temperature=0, max_tokens=5))
+        assert status == 200 and payload.decode() == exp.text
+        status, _, payload = request(srv.port, "POST", "/generate", {"prompt": "", "max_tokens": 5})
+        assert status == 400 and "empty prompt" in json.loads(payload)["error"]
+        assert completion(srv.port, {"prompt": [3, 4], "max_tokens": 2})[0] == 200  # /v1 too
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-        reader.join(5)
+        srv.stop()
+        ae.close(timeout=TIMEOUT)

@@ -21,6 +21,7 @@ import torch
 
 from ..compile_stats import count_fallback
 from ..draft_pass import MAX_GRAPH_CONTEXT_ROWS, DraftPass, bucket_size
+from ..logit_adjust import LogitAdjust
 from ..sampling import filters_used
 
 MIN_CONTEXT_ROWS = 256        # smallest context bucket (and initial pool rows)
@@ -123,7 +124,9 @@ class Qwen3DraftPass(DraftPass):
         greedy = all(r.params.greedy for r in reqs)
         fused = self._fused_sampling(greedy, use_top_k, use_top_p, bucket_size(R))
         longest = max(r.num_committed for r in reqs)
-        if self.cuda_graphs:
+        # penalties / logit_bias / min_tokens / min_p: eager, history-dependent (DraftPass)
+        adjust = LogitAdjust.build(reqs, self.head.weight.shape[0], self.device)
+        if self.cuda_graphs and adjust is None:
             size, ctx = bucket_size(R), context_bucket(longest)
             self.pool.reserve(ctx)
 
@@ -143,8 +146,13 @@ class Qwen3DraftPass(DraftPass):
         if self.graphs_wanted:
             count_fallback(self, "capture failed")
         ints, floats = self._host_inputs(reqs, R)
-        return self._draft(self.to_device(ints, torch.long), self.to_device(floats, torch.float32),
-                           longest, use_top_k, use_top_p, greedy, fused)
+        self._adjust = adjust
+        try:
+            return self._draft(self.to_device(ints, torch.long),
+                               self.to_device(floats, torch.float32),
+                               longest, use_top_k, use_top_p, greedy, fused)
+        finally:
+            self._adjust = None
 
     def write_context(self, slots: list, positions: list, taps: list, quant=None):
         """Context rows for committed positions: host lists slots / positions [n] (distinct

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cuda.transfer import to_device
+from ..logit_adjust import LogitAdjust
 from ..sampling import (argmax_rows, filters_used, fused_filters_enabled,
                         fused_sampling_enabled, probs_from_logits,
                         stack_params)
@@ -50,7 +51,11 @@ def decide(reqs, logits, first_rows, lengths, anchor_pos, gamma: int) -> Decisio
     g = gamma
     R, V, dev = len(reqs), logits.shape[-1], logits.device
     greedy = all(r.params.greedy for r in reqs)
-    if greedy and not any(lengths) and list(first_rows) == list(range(logits.shape[0])):
+    # penalties / logit_bias / min_tokens / min_p: every row adjusted with its own history
+    # (committed tokens + the drafts before it), the same law the drafter sampled from
+    adjust = LogitAdjust.build(reqs, V, dev)
+    if greedy and adjust is None and not any(lengths) and \
+            list(first_rows) == list(range(logits.shape[0])):
         # a plain greedy decode step (one logit row per request, nothing verified): the rows'
         # argmaxes as they are: no row indices to upload, no gather, no drafts
         head = _row_argmax(logits)[:, None]                                      # [R, 1]
@@ -71,6 +76,11 @@ def decide(reqs, logits, first_rows, lengths, anchor_pos, gamma: int) -> Decisio
     else:
         none = torch.zeros(g, dtype=torch.long, device=dev)
         drafts = torch.stack([r.draft.tokens if n else none for r, n in zip(reqs, lengths)])
+    if adjust is not None:
+        logits = adjust.apply_block(logits[row_idx], drafts).flatten(0, 1)     # [R * (γ+1), V]
+        row_idx = torch.arange(R * (g + 1), device=dev).view(R, g + 1)
+        if greedy:
+            return Decision(logits.argmax(-1)[row_idx], drafts, verified, True)
     if greedy:
         # greedy fast path: argmaxes only, no softmax over V, no random draws; the compare
         # runs on the host after the one read back
