@@ -69,7 +69,7 @@ def _pool_plan(E, S, T, ring_rows_below):
 @pytest.mark.parametrize("ratio,overlap", [(4, True), (16, False), (4, False), (128, False)])
 def test_gather_pool(ratio, overlap):
     from dspark.kernels.decode_fused import gather_pool
-    from dspark.models.deepseek_v4.graph import _gather_pool_torch
+    from dspark.models.deepseek_v4.static_forward import _gather_pool_torch
     torch.manual_seed(ratio + overlap)
     d, c = 40, 2 if overlap else 1
     S, E, T, R = c * ratio, 5, 6, 3 * ratio
@@ -95,7 +95,7 @@ def test_gather_pool_ape_and_persist(ratio):
     into the rings, as `rows` + the pool + two index_copy_ (ring rows read and written are
     disjoint, as the plan guarantees)."""
     from dspark.kernels.decode_fused import gather_pool
-    from dspark.models.deepseek_v4.graph import _gather_pool_torch
+    from dspark.models.deepseek_v4.static_forward import _gather_pool_torch
     torch.manual_seed(100 + ratio)
     overlap = ratio == 4
     d, c = 40, 2 if overlap else 1

@@ -14,8 +14,8 @@ import torch
 
 from dspark.kvcache.paged import PagedKVCache
 from dspark.models.deepseek_v4 import host_plan as hp
-from dspark.models.deepseek_v4.graph import (StaticInputs, derive_plan, plan_from_views,
-                                             reserve_scratch)
+from dspark.models.deepseek_v4.graph import reserve_scratch
+from dspark.models.deepseek_v4.static_forward import StaticInputs, derive_plan, plan_from_views
 from dspark.tools.make_checkpoint import preset_config
 
 LOOKAHEAD = 5

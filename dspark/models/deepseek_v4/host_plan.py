@@ -1,7 +1,7 @@
 """The fixed-shape V4 step's plan computed on the host (numpy), packed into the static int buffer
 and uploaded with the step's inputs in the same single host->device copy.
 
-`derive_plan` (graph.py) builds the same lists from the static inputs with ~100 tiny device
+`derive_plan` (static_forward.py) builds the same lists from the static inputs with ~100 tiny device
 integer ops; inside a CUDA graph each one is a kernel launch per step (~2-3 us each), although
 every value is a function of integers the engine knows on the host before the step (positions,
 request starts, slots, page tables). `host_plan` is its numpy twin (same formulas, same order,
@@ -121,7 +121,7 @@ def _static(key, make):
 
 def host_plan(cache, B: int, q: int, P: int, pos, req_start, req_slot, req_valid, page_table,
               scratch_page: int, fast: bool = True) -> dict:
-    """Numpy twin of graph.derive_plan: {field: array} for int64 host inputs pos [B*q], req_start
+    """Numpy twin of static_forward.derive_plan: {field: array} for int64 host inputs pos [B*q], req_start
     / req_slot / req_valid [B], page_table [B, P] (also the int64 window_ids and
     all_visible_ids, for tests). Same formulas in the same order; numpy's // and % floor like
     torch's. fast: one request decoding one token takes `_decode_plan` (same result; False:
