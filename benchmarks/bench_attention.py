@@ -171,7 +171,8 @@ def main(argv=None):
                  "events); nothing to measure on CPU. Run tests/test_kernels.py for correctness.")
     assert args.iters >= 20, "use at least 20 timed iterations"
 
-    from dspark.kernels.sparse_mqa import sparse_mqa_fp8, sparse_mqa_fp8_torch
+    from dspark.kernels.sparse_mqa import sparse_mqa_fp8
+    from dspark.kernels.sparse_mqa_torch import sparse_mqa_fp8_torch
 
     dev = "cuda"
     flush = None if args.no_flush else torch.empty(256 << 20, dtype=torch.uint8, device=dev)

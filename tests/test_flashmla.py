@@ -422,7 +422,7 @@ def test_flashmla_layer_ops_match_reference_on_identical_inputs(tiny_ckpt):
 @pytest.mark.parametrize("batch,page", [(4, 64), (33, 64), (16, 37)])
 def test_flashmla_v4_flash_shapes_match_torch_oracle(batch, page):
     """64 heads, 2 query tokens per request, 128 window + 512 top-k keys (some -1)."""
-    from dspark.kernels.sparse_mqa import sparse_mqa_fp8_torch
+    from dspark.kernels.sparse_mqa_torch import sparse_mqa_fp8_torch
     g = torch.Generator().manual_seed(batch)
     T, dev = 2 * batch, "cuda"
     pools = []

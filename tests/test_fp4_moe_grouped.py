@@ -495,6 +495,6 @@ def test_autotune_is_opt_in_and_never_interpreted(monkeypatch):
     config list holds the heuristic's own batch-1 choice (16 columns, 8 groups, 4 warps)."""
     assert not fm.autotune_enabled()
     monkeypatch.setattr(fm, "AUTOTUNE", True)
-    assert fm.autotune_enabled() == (not fm._interpreting())
+    assert fm.autotune_enabled() == (not fm.interpreting())
     assert (16, 8, 4, 3) in fm._GEMV_CONFIGS
     assert all(fm._np_bucket(n) == b for n, b in ((1, 1), (6, 8), (36, 64), (10 ** 6, 8192)))

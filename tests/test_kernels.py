@@ -18,6 +18,7 @@ import torch  # noqa: E402
 import dspark.kernels.cache_write as cw  # noqa: E402
 import dspark.kernels.indexer as ix  # noqa: E402
 import dspark.kernels.sparse_mqa as smqa  # noqa: E402
+import dspark.kernels.sparse_mqa_torch as smqa_ref  # noqa: E402
 from dspark.formats import layouts as L  # noqa: E402
 
 SCALE = 512 ** -0.5
@@ -104,7 +105,7 @@ def test_sparse_mqa_fp8_reference_vs_naive():
     idx2 = make_indices(T, 5, 8, gen)
     lengths = torch.tensor([20, 20, 7, 0], dtype=torch.int32)
     idx2[1] = -1  # token 1: nothing in either list -> sink only -> 0
-    got = smqa.sparse_mqa_fp8_torch(q, cache, N, idx, sink, SCALE, lengths=lengths,
+    got = smqa_ref.sparse_mqa_fp8_torch(q, cache, N, idx, sink, SCALE, lengths=lengths,
                                     extra_cache=cache2, extra_entries_per_page=4,
                                     extra_indices=idx2)
     rows = [lambda ids: L.read_fp8_ds_mla(cache, N, ids), lambda ids: L.read_fp8_ds_mla(cache2, 4, ids)]
@@ -121,7 +122,7 @@ def test_sparse_mqa_dense_reference_vs_naive():
     q = torch.randn(T, H, 512, generator=gen).bfloat16()
     sink = torch.randn(H, generator=gen) * 2
     idx = make_indices(T, 17, E, gen, all_masked_row=4)
-    got = smqa.sparse_mqa_dense_torch(q, kv, idx, sink, SCALE)
+    got = smqa_ref.sparse_mqa_dense_torch(q, kv, idx, sink, SCALE)
     want = naive_attention(q, lambda li, ids: kv[ids].float(), [idx], sink, SCALE)
     assert rel_err(got.double(), want) < 1e-5
 
@@ -156,7 +157,7 @@ def test_sparse_mqa_fp8_kernel(T, H, K, block_h, block_k, split_d, qdtype):
     prec, tol = prec_and_tol(qdtype)
     got = smqa.sparse_mqa_fp8(q, cache, N, idx, sink, SCALE, block_h=block_h, block_k=block_k,
                               split_d=split_d, precision=prec)
-    want = smqa.sparse_mqa_fp8_torch(q, cache, N, idx, sink, SCALE)
+    want = smqa_ref.sparse_mqa_fp8_torch(q, cache, N, idx, sink, SCALE)
     assert got.shape == (T, H, 512) and got.dtype == torch.float32
     assert rel_err(got, want) < tol
     assert torch.all(got[1] == 0), "all-masked row must be exactly zero"
@@ -179,7 +180,7 @@ def test_sparse_mqa_fp8_kernel_two_lists_and_lengths():
               extra_indices=idx2, extra_lengths=lengths2)
     got = smqa.sparse_mqa_fp8(q, cache, 8, idx, sink, SCALE, block_k=16, split_d=2,
                               precision="ieee", **kw)
-    want = smqa.sparse_mqa_fp8_torch(q, cache, 8, idx, sink, SCALE, **kw)
+    want = smqa_ref.sparse_mqa_fp8_torch(q, cache, 8, idx, sink, SCALE, **kw)
     assert rel_err(got, want) < 1e-3
     assert torch.all(got[1] == 0)
     # lengths must really cut the lists: same as masking the tails explicitly
@@ -205,7 +206,7 @@ def test_sparse_mqa_fp8_kernel_extreme_logits(sink_value, q_gain):
     sink = torch.full((H,), sink_value, device=DEV)
     idx = make_indices(T, 16, 2 * N, gen).to(DEV)
     got = smqa.sparse_mqa_fp8(q, cache, N, idx, sink, SCALE, block_k=16, precision="ieee")
-    want = smqa.sparse_mqa_fp8_torch(q, cache, N, idx, sink, SCALE)
+    want = smqa_ref.sparse_mqa_fp8_torch(q, cache, N, idx, sink, SCALE)
     assert torch.isfinite(got).all()
     assert (got - want).abs().max() <= 1e-3 * want.abs().max() + 1e-20
 
@@ -226,7 +227,7 @@ def test_sparse_mqa_dense_kernel(kv_dtype, qdtype, split_d):
     prec, tol = prec_and_tol(qdtype)
     got = smqa.sparse_mqa_dense(q, kv, idx, sink, SCALE, block_k=16, extra_kv=kv2,
                                 extra_indices=idx2, split_d=split_d, precision=prec)
-    want = smqa.sparse_mqa_dense_torch(q, kv, idx, sink, SCALE, extra_kv=kv2, extra_indices=idx2)
+    want = smqa_ref.sparse_mqa_dense_torch(q, kv, idx, sink, SCALE, extra_kv=kv2, extra_indices=idx2)
     assert rel_err(got, want) < tol
     assert torch.all(got[3] == 0)
 
@@ -250,7 +251,7 @@ def test_sparse_mqa_fp8_kernel_split_kv(cfg):
     lengths = torch.tensor([37, 30, 0, 20, 36], dtype=torch.int32, device=DEV)
     kw = dict(lengths=lengths, extra_cache=cache2, extra_entries_per_page=2, extra_indices=idx2)
     got = smqa.sparse_mqa_fp8(q, cache, 8, idx, sink, SCALE, precision="ieee", **kw, **cfg)
-    want = smqa.sparse_mqa_fp8_torch(q, cache, 8, idx, sink, SCALE, **kw)
+    want = smqa_ref.sparse_mqa_fp8_torch(q, cache, 8, idx, sink, SCALE, **kw)
     assert got.shape == (T, H, 512) and got.dtype == torch.float32
     assert rel_err(got, want) < 1e-3
     assert torch.all(got[1] == 0), "all-masked row must be exactly zero"
@@ -285,7 +286,7 @@ def test_sparse_mqa_fp8_kernel_v3(cfg, n2):
               extra_indices=idx2, extra_lengths=lengths2)
     cfg = {"precision": "ieee", **cfg}
     got = smqa.sparse_mqa_fp8(q, cache, 8, idx, sink, SCALE, **kw, **cfg)
-    want = smqa.sparse_mqa_fp8_torch(q, cache, 8, idx, sink, SCALE, **kw)
+    want = smqa_ref.sparse_mqa_fp8_torch(q, cache, 8, idx, sink, SCALE, **kw)
     assert got.shape == (T, H, 512) and got.dtype == torch.float32
     assert rel_err(got, want) < (1e-3 if cfg["precision"] == "ieee" else 1e-2)  # fp16 q, P
     assert torch.all(got[1] == 0), "all-masked row must be exactly zero"
@@ -334,7 +335,7 @@ def test_sparse_mqa_fp8_kernel_v3_single_list_bf16():
     prec, tol = prec_and_tol(torch.bfloat16)
     got = smqa.sparse_mqa_fp8(q, cache, N, idx, sink, SCALE, impl="v3", block_h=16,
                               block_k=16, precision=prec)
-    want = smqa.sparse_mqa_fp8_torch(q, cache, N, idx, sink, SCALE)
+    want = smqa_ref.sparse_mqa_fp8_torch(q, cache, N, idx, sink, SCALE)
     assert rel_err(got, want) < tol
     assert torch.all(got[2] == 0)
 
@@ -354,7 +355,7 @@ def test_sparse_mqa_dense_kernel_configs(cfg):
     idx2 = make_indices(T, 4, 9, gen, all_masked_row=3).to(DEV)
     got = smqa.sparse_mqa_dense(q, kv, idx, sink, SCALE, block_k=16, extra_kv=kv2,
                                 extra_indices=idx2, precision="ieee", **cfg)
-    want = smqa.sparse_mqa_dense_torch(q, kv, idx, sink, SCALE, extra_kv=kv2, extra_indices=idx2)
+    want = smqa_ref.sparse_mqa_dense_torch(q, kv, idx, sink, SCALE, extra_kv=kv2, extra_indices=idx2)
     assert rel_err(got, want) < 1e-3
     assert torch.all(got[3] == 0)
 
@@ -638,7 +639,7 @@ def test_gpu_sparse_mqa_fp8_realistic(T):
     top = make_indices(T, 512, c_pages * N, gen, p_masked=0.1, all_masked_row=3).cuda()
     win[3] = -1
     got = smqa.sparse_mqa_fp8(q, swa, N, win, sink, SCALE, extra_cache=comp, extra_indices=top)
-    want = smqa.sparse_mqa_fp8_torch(q, swa, N, win, sink, SCALE, extra_cache=comp,
+    want = smqa_ref.sparse_mqa_fp8_torch(q, swa, N, win, sink, SCALE, extra_cache=comp,
                                      extra_indices=top)
     assert rel_err(got, want) < 2e-2   # bf16 MMA operands (q, P) vs fp32 reference
     assert torch.all(got[3] == 0)
@@ -667,7 +668,7 @@ def test_gpu_sparse_mqa_dense_realistic():
     sink = torch.randn(H, generator=gen).cuda()
     idx = make_indices(T, 640, E, gen, p_masked=0.1).cuda()
     got = smqa.sparse_mqa_dense(q, kv, idx, sink, SCALE)
-    want = smqa.sparse_mqa_dense_torch(q, kv, idx, sink, SCALE)
+    want = smqa_ref.sparse_mqa_dense_torch(q, kv, idx, sink, SCALE)
     assert rel_err(got, want) < 2e-2
 
 

@@ -55,8 +55,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from dspark.kernels.fp8_gemm import _interpreting, flat_operands
-from dspark.kernels.sparse_mqa import _mma, _pick_precision
+from dspark.kernels.common import interpreting, mma, pick_precision
+from dspark.kernels.fp8_gemm import flat_operands
 from dspark.formats.quant import FP4_GROUP, dequant_fp4_experts, fp4_scale_shape
 
 
@@ -111,8 +111,8 @@ def _fp4_linear_kernel(
                      mask=m_ok[:, None] & (ke < K)[None, :], other=0.0)
         xo = tl.load(x_ptr + rm[:, None] * stride_xt + (ke + 1)[None, :],
                      mask=m_ok[:, None] & (ke + 1 < K)[None, :], other=0.0)
-        acc += _mma(xe, tl.trans(w_even), PRECISION)
-        acc += _mma(xo, tl.trans(w_odd), PRECISION)
+        acc += mma(xe, tl.trans(w_even), PRECISION)
+        acc += mma(xo, tl.trans(w_odd), PRECISION)
     tl.store(y_ptr + rm[:, None] * stride_yt + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -143,14 +143,14 @@ def fp4_linear_triton(x, packed, scale, precision: str | None = None, block=None
     if T == 0:
         return x.new_zeros(*lead, N)
     if block is None:
-        block = (16, 32, 64) if _interpreting() else ((16, 64, 128) if T <= 64 else (64, 128, 128))
+        block = (16, 32, 64) if interpreting() else ((16, 64, 128) if T <= 64 else (64, 128, 128))
     BM, BN, BK = block
     assert BK % (2 * FP4_GROUP) == 0 or BK == FP4_GROUP, BK
     y = torch.empty(T, N, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(T, BM), triton.cdiv(N, BN))
     _fp4_linear_kernel[grid](x2, x2.stride(0), wu, wu.stride(0), su, su.stride(0), y, y.stride(0),
                              T, N, K, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
-                             PRECISION=_pick_precision(x.dtype, precision))
+                             PRECISION=pick_precision(x.dtype, precision))
     return y.to(x.dtype).reshape(*lead, N)
 
 
@@ -506,7 +506,7 @@ def _grouped_blocks(programs_per_col: int, n: int) -> tuple[int, int]:
     Decode graph timeline, per layer at 1 token, gate/up | down: 4 x 32 35 | 21 us; whole rows
     per step, gate/up 4 x 128 (128 registers, 40 KB of loads in flight per program) 48 us; down
     4 x 64 with the slot loop unrolled at compile time 21 us, 4 x 32 unrolled 25 us."""
-    if _interpreting():
+    if interpreting():
         return 64, 2          # few programs (the interpreter's cost is per program)
     return 4, 32
 
@@ -522,7 +522,7 @@ _TUNED: dict = {}
 
 
 def autotune_enabled() -> bool:
-    return AUTOTUNE and not _interpreting()
+    return AUTOTUNE and not interpreting()
 
 
 def _bench_quick(fn, quantiles=None):
@@ -584,7 +584,7 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     if stack.w13.shape[2] * 2 != D or stack.w2.shape[1] != D or stack.w2.shape[2] * 2 != I:
         raise ValueError(f"fp4_moe_grouped: x has {D} features; stack w13 {tuple(stack.w13.shape)}"
                          f", w2 {tuple(stack.w2.shape)}")
-    if block is None and x.dtype == torch.bfloat16 and not _interpreting():
+    if block is None and x.dtype == torch.bfloat16 and not interpreting():
         from dspark.kernels import fp4_moe_mma as mma      # tokens grouped by expert on tensor
         if T >= mma.MMA_MIN_TOKENS and mma.mma_applies(D, I):   # cores (bf16 x only: exact
             # operands need bf16)
@@ -594,7 +594,7 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     if T == 0 or k == 0:
         add_ready()
         return _finish(torch.zeros(T, D, dtype=torch.float32, device=x.device), add, out_dtype)
-    if block is None and x.is_cuda and not _interpreting():
+    if block is None and x.is_cuda and not interpreting():
         from dspark.kernels import fp4_moe_tc as tc       # tensor-core decode
         if tc.tc_applies(x, stack, k) and out_dtype in _DT_NAME and (
                 add is None or (add.shape == (T, D) and add.stride(-1) == 1)):

@@ -31,7 +31,6 @@ fp16 mode).
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
@@ -40,13 +39,11 @@ import triton.language as tl
 
 from dspark.cuda import pdl
 from dspark.kernels.argmax import _order_key
-from dspark.kernels.sparse_mqa import _mma, _pick_precision
+from dspark.kernels.common import interpreting, mma, pick_precision
 from dspark.cuda import side_stream
 from dspark.formats.quant import FP8_BLOCK, dequant_fp8_blocks, fp8_scale_shape
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def flat_operands(x: torch.Tensor, K: int, w: torch.Tensor, scale: torch.Tensor):
@@ -100,7 +97,7 @@ def _fp8_linear_kernel(
         x = tl.load(x_ptr + rm[:, None] * stride_xt + kk[None, :],
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w, scale = _fp8_tile(w_ptr, stride_wn, rn, n_ok, kk, k_ok, s_ptr, stride_sn, s_row, k0)
-        acc += _mma(x, tl.trans(w), PRECISION) * scale
+        acc += mma(x, tl.trans(w), PRECISION) * scale
     y = y_ptr + pid_k * stride_ys + rm[:, None] * stride_yt + rn[None, :]
     tl.store(y, acc, mask=m_ok[:, None] & n_ok[None, :])
 
@@ -127,7 +124,7 @@ def _skinny_tiles(x_base, stride_xt, w_ptr, stride_wn, s_ptr, stride_sn, rn, n_o
                                  k0)
         xt = tl.load(x_base + rt[None, :] * stride_xt + kk[:, None],
                      mask=t_ok[None, :] & k_ok[:, None], other=0.0)
-        acc += _mma(w, xt, PRECISION) * scale
+        acc += mma(w, xt, PRECISION) * scale
     return acc
 
 
@@ -269,9 +266,9 @@ def skinny_precision(x_dtype: torch.dtype, precision: str | None = None) -> str:
     wq_b 15.8 -> 12.9 us, wo_b 20.0 -> 15.4, wq_a + wkv 7.2 -> 6.1, shared w1 + w3 11.2 -> 9.3
     against bf16 operands. x in fp16 is exact inside its normal range and off by < 2^-25 below
     it; a tile partial that overflowed is redone in bf16 (see the kernel)."""
-    if precision is None and x_dtype == torch.bfloat16 and not _interpreting():
+    if precision is None and x_dtype == torch.bfloat16 and not interpreting():
         return "fp16"
-    return _pick_precision(x_dtype, precision)
+    return pick_precision(x_dtype, precision)
 
 
 def fp8_skinny_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: int, K: int,
@@ -298,7 +295,7 @@ def fp8_skinny_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: i
         if fp8_gemv_tc.tc_applies(x2, wu, N, K, groups):
             return fp8_gemv_tc.fp8_gemv_tc(x2, wu, su, N, K, groups, out_dtype)
     T = x2.shape[0]
-    BN, BT, split = block or _skinny_blocks(T, N, K, _interpreting())
+    BN, BT, split = block or _skinny_blocks(T, N, K, interpreting())
     assert FP8_BLOCK % BN == 0, BN
     R = N // groups
     assert groups == 1 or (R * groups == N and R % BN == 0), (N, groups, BN)
@@ -328,7 +325,7 @@ def fp8_skinny_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: i
         x2, x2.stride(0), stride_xg, wu, wu.stride(0), su, su.stride(0), y, y.stride(0), ws,
         cnt,
         T, N, K, k_per, R, BLOCK_N=BN, BLOCK_T=BT, BLOCK_K=FP8_BLOCK, PRECISION=precision,
-        SPLIT=split, RESCUE=_pick_precision(x2.dtype, None), PDL=on, W16=w16,
+        SPLIT=split, RESCUE=pick_precision(x2.dtype, None), PDL=on, W16=w16,
         key_ptr=keys, idx_ptr=idx,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_kwargs(on))
     if argmax_out is not None:
@@ -350,7 +347,7 @@ def linear16_skinny_applies(x: torch.Tensor, w: torch.Tensor, head: bool = False
     head, any size, up to HEAD_SKINNY_MAX_T tokens)."""
     if head and x.numel() // max(x.shape[-1], 1) > HEAD_SKINNY_MAX_T:
         return False
-    return (x.is_cuda and not _interpreting() and w.dim() == 2 and x.dtype == w.dtype
+    return (x.is_cuda and not interpreting() and w.dim() == 2 and x.dtype == w.dtype
             and w.dtype in (torch.bfloat16, torch.float16) and x.shape[-1] == w.shape[1]
             and 0 < x.numel() // max(x.shape[-1], 1) <= SKINNY_MAX_T and w.stride(1) == 1
             and (head or w.numel() * 2 <= LINEAR16_MAX_BYTES))
@@ -370,7 +367,7 @@ def linear16_skinny(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype,
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    prec = _pick_precision(x.dtype, "fp16" if w.dtype == torch.float16 else "bf16")
+    prec = pick_precision(x.dtype, "fp16" if w.dtype == torch.float16 else "bf16")
     y = fp8_skinny_triton(x2, w, None, w.shape[0], K, out_dtype, prec, argmax_out=argmax_out,
                           out=None if out is None else out.view(-1, w.shape[0]))
     return y.view(*x.shape[:-1], w.shape[0])
@@ -416,7 +413,7 @@ def fp8_linear_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     if block is None and T <= SKINNY_MAX_T:
         return fp8_skinny_triton(x2, wu, su, N, K, x.dtype,
                                  skinny_precision(x.dtype, precision)).reshape(*lead, N)
-    BM, BN, split = block or _pick_blocks(T, N, K, _interpreting())
+    BM, BN, split = block or _pick_blocks(T, N, K, interpreting())
     assert FP8_BLOCK % BN == 0, BN
     nk = triton.cdiv(K, FP8_BLOCK)
     split = max(1, min(split, nk))
@@ -427,7 +424,7 @@ def fp8_linear_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     _fp8_linear_kernel[grid](
         x2, x2.stride(0), wu, wu.stride(0), su, su.stride(0), y, y.stride(0), y.stride(1),
         T, N, K, k_per, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=FP8_BLOCK,
-        PRECISION=_pick_precision(x.dtype, precision))
+        PRECISION=pick_precision(x.dtype, precision))
     y = y[0] if split == 1 else y.sum(0)
     return y.to(x.dtype).reshape(*lead, N)
 

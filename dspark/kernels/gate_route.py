@@ -16,14 +16,13 @@ counters. No host sync, fixed shapes: CUDA-graph safe.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from dspark.kernels.decode_fused import _route_rows
-from dspark.kernels.sparse_mqa import _mma, _pick_precision
+from dspark.kernels.common import interpreting, mma, pick_precision
 from dspark.cuda import side_stream
 
 MAX_T = 16              # token counts taken (decode, verify); more: GEMM + `route`
@@ -37,8 +36,6 @@ _DEVICE_BUFFERS: dict = {}    # (device, stream lane) -> zeroed int32 arrival co
 ROUTE_IN_REGISTERS = tl.constexpr(16384)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
@@ -91,7 +88,7 @@ def _gate_route_kernel(
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         xt = tl.load(x_ptr + rt[None, :] * stride_x + dd[:, None],
                      mask=t_ok[None, :] & d_ok[:, None], other=0.0)
-        acc += _mma(g, xt, PRECISION)
+        acc += mma(g, xt, PRECISION)
     tile = rt[None, :] * E + rn[:, None]
     tile_ok = n_ok[:, None] & t_ok[None, :]
     rr = tl.arange(0, BLOCK_R).to(tl.int64)                # the real rows (BLOCK_R <= BLOCK_T)
@@ -189,7 +186,7 @@ def gate_route(x: torch.Tensor, weight: torch.Tensor, topk: int, route_scale: fl
     else:
         assert bias.dtype == torch.float32 and bias.is_contiguous() and bias.numel() == E
     assert 0 < topk <= E
-    interp = _interpreting()
+    interp = interpreting()
     block = tuple(block) + (4, None)[len(block) - 2:] if block else _blocks(T, E, D, interp)
     bn, split, warps, by_block = block
     nd = triton.cdiv(D, BLOCK_D)
@@ -203,7 +200,7 @@ def gate_route(x: torch.Tensor, weight: torch.Tensor, topk: int, route_scale: fl
     ws = torch.empty((split + 1 if split > 1 else 1) * T * E, dtype=torch.float32, device=dev)
     logits = ws[:T * E].view(T, E)                      # partials after it
     grid = (triton.cdiv(E, bn), split)
-    precision = _pick_precision(x.dtype, "fp16" if x.dtype == torch.float16 else None)
+    precision = pick_precision(x.dtype, "fp16" if x.dtype == torch.float16 else None)
     _gate_route_kernel[grid](
         x, x.stride(0), weight, weight.stride(0), ws[T * E:] if split > 1 else ws, logits,
         _counters(dev, 1 + grid[0]), ws if hashed else bias, tid2eid if hashed else idx,

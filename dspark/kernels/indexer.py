@@ -26,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.kernels.sparse_mqa import (_interpreting, _mma, _pick_precision,
-                                       global_indices_from_page_table)
 from dspark.formats.layouts import dequantize_indexer_fp8
+from dspark.kernels.common import interpreting, mma, pick_precision
+from dspark.kernels.sparse_mqa import global_indices_from_page_table
 
 D_INDEX = 128
 
@@ -64,7 +64,7 @@ def _indexer_score_kernel(
         q = tl.load(q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :],
                     mask=h_ok[:, None], other=0.0)
         w = tl.load(w_ptr + t * stride_wt + h, mask=h_ok, other=0.0).to(tl.float32)
-        logits = _mma(q, tl.trans(k), PRECISION) * kscale[None, :]            # [BLOCK_HI, BLOCK_J]
+        logits = mma(q, tl.trans(k), PRECISION) * kscale[None, :]            # [BLOCK_HI, BLOCK_J]
         score = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)
         score = tl.where(visible, score, float("-inf"))
         tl.store(out_row + j, score, mask=in_cols)
@@ -117,7 +117,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor,
         page_table.shape[1], valid_counts.to(torch.int32).contiguous(),
         out, out.stride(0), n_cols, HI,
         BLOCK_HI=max(16, triton.next_power_of_2(HI)), BLOCK_J=block_j,
-        PRECISION=_pick_precision(q.dtype, precision),
+        PRECISION=pick_precision(q.dtype, precision),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
@@ -197,7 +197,7 @@ def select_topk_ids(scores: torch.Tensor, topk: int, page_table: torch.Tensor | 
 
 
 def _launchable(t: torch.Tensor) -> bool:
-    return t.is_cuda or _interpreting()
+    return t.is_cuda or interpreting()
 
 
 def _select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
 """Causal GQA attention of a fixed-shape batch over a paged K/V pool (Qwen3 decode / verify).
+from dspark.kernels.common import interpreting
 
 The batch is B requests × q_len rows (row t belongs to request t // q_len); row t sits at
 absolute position ``positions[t]`` and sees keys 0..positions[t] of its request, where key j lives
@@ -18,25 +19,21 @@ length on the host, so it can run inside a captured CUDA graph.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from dspark.kernels.common import interpreting
+
 LOG2E = 1.4426950408889634
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _precision(dtype: torch.dtype) -> str:
     """bf16/fp16 operands: the native MMA. fp32: exact 'ieee' products (an fp32 model is a
     correctness reference, so no TF32). The interpreter's bf16 dot is unreliable (it multiplies
     raw bit patterns in triton 3.9): always 'ieee' there."""
-    if _interpreting() or dtype == torch.float32:
+    if interpreting() or dtype == torch.float32:
         return "ieee"
     return "native"
 

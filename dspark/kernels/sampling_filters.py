@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from dspark.kernels.decode_fused import _div
-from dspark.kernels.sparse_mqa import _interpreting
+from dspark.kernels.common import interpreting
 
 _MIN_KEY = tl.constexpr(-2147483648)      # int32 min: every key is >= it
 CANDIDATES = 4096       # top-k search list per row (token ids); more candidates: the whole row
@@ -239,7 +239,7 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor,
     temp = vec(temperature, torch.float32)
     k = vec(top_k, torch.int64) if top_k is not None else temp
     p = vec(top_p, torch.float32) if top_p is not None else temp
-    interp = _interpreting()
+    interp = interpreting()
     BLOCK = block or (256 if interp else 512)
     cap = cap or CANDIDATES
     cand = torch.empty(N, cap, dtype=torch.int32, device=dev)

@@ -45,7 +45,6 @@ precision.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -53,7 +52,7 @@ import triton.language as tl
 
 from dspark.cuda import pdl
 from dspark.kernels.norm_rope import _rnd
-from dspark.formats.layouts import dequantize_fp8_ds_mla
+from dspark.kernels.common import interpreting, mma, mma_operand, pick_precision
 
 D_HEAD = 512        # full record width: 448 NoPE + 64 RoPE dims
 RECORD_STRIDE = 576  # bytes per data row inside a page (448 fp8 + 128 bf16)
@@ -61,53 +60,9 @@ SCALE_STRIDE = 8     # bytes per scale row (7 UE8M0 + 1 pad)
 LOG2E = 1.4426950408889634
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _pick_precision(q_dtype: torch.dtype, precision: str | None) -> str:
-    """MMA operand precision: 'bf16' (bf16 q; the default rows may switch it to 'fp16', see
-    DEFAULT_CONFIGS), 'fp16' (asked for), 'tf32' (fp32 q on GPU) or 'ieee'.
-
-    Under TRITON_INTERPRET the interpreter's bf16 dot multiplies raw uint16 bit patterns (triton
-    3.9) and its fp32→bf16 cast does not round correctly, so the interpreter always uses 'ieee'
-    (exact fp32 products: the kernel is then more accurate than on GPU, never less)."""
-    if precision is not None:
-        assert precision in ("bf16", "fp16", "tf32", "ieee"), precision
-    if _interpreting():
-        return "fp16" if precision == "fp16" else "ieee"     # (numpy's fp16 dot is sound)
-    if precision is not None:
-        return precision
-    return "bf16" if q_dtype == torch.bfloat16 else "tf32"
-
-
 # ----------------------------------------------------------------------------------------------
 # Triton kernel
 # ----------------------------------------------------------------------------------------------
-
-@triton.jit
-def _mma_operand(x, PRECISION: tl.constexpr):
-    """Cast a tile to the MMA input type once (bf16 / fp16 for 'bf16' / 'fp16', else fp32)."""
-    if PRECISION == "bf16":
-        return x.to(tl.bfloat16)
-    elif PRECISION == "fp16":
-        return x.to(tl.float16)
-    else:
-        return x.to(tl.float32)
-
-
-@triton.jit
-def _mma(a, b, PRECISION: tl.constexpr):
-    """a @ b with fp32 accumulation; operands rounded to the chosen MMA input precision."""
-    a = _mma_operand(a, PRECISION)
-    b = _mma_operand(b, PRECISION)
-    if PRECISION == "bf16" or PRECISION == "fp16":
-        return tl.dot(a, b)
-    elif PRECISION == "tf32":
-        return tl.dot(a, b, input_precision="tf32")
-    else:
-        return tl.dot(a, b, input_precision="ieee")
-
 
 @triton.jit
 def _softmax_step(s, valid, qk_scale_log2, m_i, l_i):
@@ -207,8 +162,8 @@ def _attend_list(q, m_i, l_i, acc, d_off, idx_row_ptr, n_keys, cache_u8_ptr, cac
         ent = tl.where(valid, ent, 0).to(tl.int64)  # int64: caches can exceed 2^31 bytes
         k = _load_kv_tile(ent, valid, 0, cache_u8_ptr, cache_bf16_ptr, page_bytes, N,
                           FP8, BLOCK_K, 512)
-        k = _mma_operand(k, PRECISION)
-        s = _mma(q, tl.trans(k), PRECISION) * qk_scale_log2           # [BLOCK_H, BLOCK_K]
+        k = mma_operand(k, PRECISION)
+        s = mma(q, tl.trans(k), PRECISION) * qk_scale_log2           # [BLOCK_H, BLOCK_K]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # a row that has seen only masked keys keeps m = -inf; use 0 as its pivot so that
@@ -220,10 +175,10 @@ def _attend_list(q, m_i, l_i, acc, d_off, idx_row_ptr, n_keys, cache_u8_ptr, cac
         if SPLIT_D == 1:
             v = k                                                      # K = V: same tile
         else:
-            v = _mma_operand(_load_kv_tile(ent, valid, d_off, cache_u8_ptr, cache_bf16_ptr,
+            v = mma_operand(_load_kv_tile(ent, valid, d_off, cache_u8_ptr, cache_bf16_ptr,
                                            page_bytes, N, FP8, BLOCK_K, 512 // SPLIT_D),
                              PRECISION)
-        acc = acc * alpha[:, None] + _mma(p, v, PRECISION)
+        acc = acc * alpha[:, None] + mma(p, v, PRECISION)
         m_i = m_new
     return m_i, l_i, acc
 
@@ -249,7 +204,7 @@ def _sparse_mqa_kernel(
 
     q = tl.load(q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :],
                 mask=h_ok[:, None], other=0.0)
-    q = _mma_operand(q, PRECISION)
+    q = mma_operand(q, PRECISION)
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, D_OUT), tl.float32)
@@ -279,17 +234,6 @@ def _sparse_mqa_kernel(
 # ----------------------------------------------------------------------------------------------
 # Shared by the v3 kernel (sparse_mqa_v3.py) and the split-KV combine
 # ----------------------------------------------------------------------------------------------
-
-@triton.jit
-def _dot(a, b, acc, PRECISION: tl.constexpr):
-    """acc + a @ b (fp32 accumulation); a, b already in the MMA operand type."""
-    if PRECISION == "bf16" or PRECISION == "fp16":
-        return tl.dot(a, b, acc)
-    elif PRECISION == "tf32":
-        return tl.dot(a, b, acc, input_precision="tf32")
-    else:
-        return tl.dot(a, b, acc, input_precision="ieee")
-
 
 @triton.jit
 def _combine_kernel(part_ptr, lse_ptr, sink_ptr, out_ptr, stride_ot, stride_oh, H,
@@ -450,7 +394,7 @@ def _launch(q, sink, scale, fp8, a, b, tuning: dict, precision, rope=None):
     out = torch.empty((T, H, D_HEAD), dtype=torch.float32, device=q.device)
     if T == 0 or H == 0:
         return out if rope is None else out.to(rope[2])
-    prec = _pick_precision(q.dtype, precision)
+    prec = pick_precision(q.dtype, precision)
     cfg = _resolve_config(T, H, prec, tuning)
     if precision is None and prec == "bf16" and cfg["fp16_operands"] and fp8:
         prec = "fp16"           # a DEFAULT_CONFIGS row's choice for fp8 pages (see there); bf16
@@ -467,7 +411,7 @@ def _launch(q, sink, scale, fp8, a, b, tuning: dict, precision, rope=None):
         b_len if b_len is not None else b_idx,
     )
     launch_opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if cfg["maxnreg"] is not None and not _interpreting():
+    if cfg["maxnreg"] is not None and not interpreting():
         launch_opts["maxnreg"] = cfg["maxnreg"]
     flags = dict(FP8=fp8, HAS_B=has_b, A_HAS_LEN=a_len is not None,
                  B_HAS_LEN=has_b and b_len is not None, BLOCK_H=cfg["block_h"],
@@ -623,75 +567,6 @@ def sparse_mqa_dense(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     return _launch(q, sink, scale, False, a, b, tuning, precision)
 
 
-# ----------------------------------------------------------------------------------------------
-# Pure-torch references (same contracts)
-# ----------------------------------------------------------------------------------------------
-
-def _dequant_fp8_ds_mla_rows(cache: torch.Tensor, N: int, ent: torch.Tensor) -> torch.Tensor:
-    """De-quantise records at global entry ids ``ent`` (int64, any shape, all ≥ 0) -> fp32 [..., 512].
-
-    Gathers the raw data/scale rows (any page_bytes ≥ N·584) and decodes them with the layout
-    module's torch decoder, so the reference shares no code with the kernel's in-register decode."""
-    flat = cache.reshape(-1)
-    page, row = ent // N, ent % N
-    base = page * cache.shape[1]
-    data = flat[(base + row * RECORD_STRIDE).unsqueeze(-1)
-                + torch.arange(RECORD_STRIDE, device=cache.device)]
-    scales = flat[(base + N * RECORD_STRIDE + row * SCALE_STRIDE).unsqueeze(-1)
-                  + torch.arange(SCALE_STRIDE, device=cache.device)]
-    out = dequantize_fp8_ds_mla(data.reshape(-1, RECORD_STRIDE), scales.reshape(-1, SCALE_STRIDE))
-    return out.view(*ent.shape, D_HEAD)
-
-
-def _gather(rows_fn, indices: torch.Tensor, lengths):
-    """Gather keys for an index list: returns (kv fp32 [T, K, 512], valid bool [T, K])."""
-    idx = indices.long()
-    valid = idx >= 0
-    if lengths is not None:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        valid &= pos[None, :] < lengths.long()[:, None]
-    kv = rows_fn(torch.where(valid, idx, 0))
-    return kv, valid
-
-
-def _attend_torch(q, sink, scale, kv, valid):
-    """fp32 softmax-with-sink over gathered keys. q [T,H,512], kv [T,K,512], valid [T,K]."""
-    q = q.float()
-    sink = sink.float()
-    logits = torch.einsum("thd,tkd->thk", q, kv) * scale
-    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
-    m = torch.maximum(logits.amax(dim=-1), sink[None, :])           # finite: sink is finite
-    p = torch.exp(logits - m[..., None])
-    denom = p.sum(dim=-1) + torch.exp(sink[None, :] - m)
-    return torch.einsum("thk,tkd->thd", p, kv) / denom[..., None]
-
-
-def sparse_mqa_fp8_torch(q, cache, entries_per_page, indices, sink, scale, *, lengths=None,
-                         extra_cache=None, extra_entries_per_page=None, extra_indices=None,
-                         extra_lengths=None, **_tuning) -> torch.Tensor:
-    """Pure-torch reference of :func:`sparse_mqa_fp8` (same arguments; tuning knobs ignored)."""
-    kv, valid = _gather(lambda e: _dequant_fp8_ds_mla_rows(cache, entries_per_page, e),
-                        indices, lengths)
-    if extra_indices is not None:
-        c2 = cache if extra_cache is None else extra_cache
-        n2 = entries_per_page if extra_entries_per_page is None else extra_entries_per_page
-        kv2, valid2 = _gather(lambda e: _dequant_fp8_ds_mla_rows(c2, n2, e), extra_indices,
-                              extra_lengths)
-        kv, valid = torch.cat([kv, kv2], 1), torch.cat([valid, valid2], 1)
-    return _attend_torch(q, sink, scale, kv, valid)
-
-
-def sparse_mqa_dense_torch(q, kv, indices, sink, scale, *, lengths=None, extra_kv=None,
-                           extra_indices=None, extra_lengths=None, **_tuning) -> torch.Tensor:
-    """Pure-torch reference of :func:`sparse_mqa_dense` (same arguments; tuning knobs ignored)."""
-    keys, valid = _gather(lambda e: kv[e].float(), indices, lengths)
-    if extra_indices is not None:
-        kv2 = kv if extra_kv is None else extra_kv
-        keys2, valid2 = _gather(lambda e: kv2[e].float(), extra_indices, extra_lengths)
-        keys, valid = torch.cat([keys, keys2], 1), torch.cat([valid, valid2], 1)
-    return _attend_torch(q, sink, scale, keys, valid)
-
-
 def global_indices_from_page_table(local: torch.Tensor, req_index: torch.Tensor,
                                    page_table: torch.Tensor, entries_per_page: int) -> torch.Tensor:
     """Map request-local entry numbers to global entry ids for the sparse-MQA kernels.
@@ -711,6 +586,6 @@ def global_indices_from_page_table(local: torch.Tensor, req_index: torch.Tensor,
 
 
 __all__ = [
-    "sparse_mqa_fp8", "sparse_mqa_dense", "sparse_mqa_fp8_torch", "sparse_mqa_dense_torch",
+    "sparse_mqa_fp8", "sparse_mqa_dense",
     "global_indices_from_page_table",
 ]

@@ -35,8 +35,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dspark.kernels.sparse_mqa import (_dot, _list_lengths, _mma_operand, _sink_factor,
-                                       _softmax_step)
+from dspark.kernels.common import dot, mma_operand
+from dspark.kernels.sparse_mqa import _list_lengths, _sink_factor, _softmax_step
 
 
 @triton.jit
@@ -75,7 +75,7 @@ def _v3_load_chunk(rec, sc, valid, c: tl.constexpr, cache_u8_ptr, cache_bf16_ptr
     else:
         d = c * 128 + tl.arange(0, 128)[None, :]
         kv = tl.load(cache_u8_ptr + rec[:, None] + d, mask=valid[:, None], other=0.0)
-    return _mma_operand(kv, PRECISION)
+    return mma_operand(kv, PRECISION)
 
 
 @triton.jit
@@ -119,10 +119,10 @@ def _sparse_mqa_v3_kernel(
     h_ok = h < H
     dc = tl.arange(0, 128)
     q_rows = q_ptr + t * stride_qt + h[:, None] * stride_qh + dc[None, :]
-    q0 = _mma_operand(tl.load(q_rows, mask=h_ok[:, None], other=0.0), PRECISION)
-    q1 = _mma_operand(tl.load(q_rows + 128, mask=h_ok[:, None], other=0.0), PRECISION)
-    q2 = _mma_operand(tl.load(q_rows + 256, mask=h_ok[:, None], other=0.0), PRECISION)
-    q3 = _mma_operand(tl.load(q_rows + 384, mask=h_ok[:, None], other=0.0), PRECISION)
+    q0 = mma_operand(tl.load(q_rows, mask=h_ok[:, None], other=0.0), PRECISION)
+    q1 = mma_operand(tl.load(q_rows + 128, mask=h_ok[:, None], other=0.0), PRECISION)
+    q2 = mma_operand(tl.load(q_rows + 256, mask=h_ok[:, None], other=0.0), PRECISION)
+    q3 = mma_operand(tl.load(q_rows + 384, mask=h_ok[:, None], other=0.0), PRECISION)
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     a0 = tl.zeros((BLOCK_H, 128), tl.float32)
@@ -174,25 +174,25 @@ def _sparse_mqa_v3_kernel(
             k_1 = _v3_load_chunk(rec, sc, valid, 1, u8, bf, FP8, BLOCK_N, PRECISION)
             k_2 = _v3_load_chunk(rec, sc, valid, 2, u8, bf, FP8, BLOCK_N, PRECISION)
             k_3 = _v3_load_chunk(rec, sc, valid, 3, u8, bf, FP8, BLOCK_N, PRECISION)
-            s = _dot(q0, tl.trans(k_0), tl.zeros((BLOCK_H, BLOCK_N), tl.float32), PRECISION)
-            s = _dot(q1, tl.trans(k_1), s, PRECISION)
-            s = _dot(q2, tl.trans(k_2), s, PRECISION)
-            s = _dot(q3, tl.trans(k_3), s, PRECISION)
+            s = dot(q0, tl.trans(k_0), tl.zeros((BLOCK_H, BLOCK_N), tl.float32), PRECISION)
+            s = dot(q1, tl.trans(k_1), s, PRECISION)
+            s = dot(q2, tl.trans(k_2), s, PRECISION)
+            s = dot(q3, tl.trans(k_3), s, PRECISION)
         else:
             k_0 = _v3_load_chunk(rec, sc, valid, 0, u8, bf, FP8, BLOCK_N, PRECISION)
-            s = _dot(q0, tl.trans(k_0), tl.zeros((BLOCK_H, BLOCK_N), tl.float32), PRECISION)
+            s = dot(q0, tl.trans(k_0), tl.zeros((BLOCK_H, BLOCK_N), tl.float32), PRECISION)
             k_1 = _v3_load_chunk(rec, sc, valid, 1, u8, bf, FP8, BLOCK_N, PRECISION)
-            s = _dot(q1, tl.trans(k_1), s, PRECISION)
+            s = dot(q1, tl.trans(k_1), s, PRECISION)
             k_2 = _v3_load_chunk(rec, sc, valid, 2, u8, bf, FP8, BLOCK_N, PRECISION)
-            s = _dot(q2, tl.trans(k_2), s, PRECISION)
+            s = dot(q2, tl.trans(k_2), s, PRECISION)
             k_3 = _v3_load_chunk(rec, sc, valid, 3, u8, bf, FP8, BLOCK_N, PRECISION)
-            s = _dot(q3, tl.trans(k_3), s, PRECISION)
+            s = dot(q3, tl.trans(k_3), s, PRECISION)
         p, alpha, m_i, l_i = _softmax_step(s, valid, qk_scale_log2, m_i, l_i)
-        p = _mma_operand(p, PRECISION)
-        a0 = _dot(p, k_0, a0 * alpha[:, None], PRECISION)
-        a1 = _dot(p, k_1, a1 * alpha[:, None], PRECISION)
-        a2 = _dot(p, k_2, a2 * alpha[:, None], PRECISION)
-        a3 = _dot(p, k_3, a3 * alpha[:, None], PRECISION)
+        p = mma_operand(p, PRECISION)
+        a0 = dot(p, k_0, a0 * alpha[:, None], PRECISION)
+        a1 = dot(p, k_1, a1 * alpha[:, None], PRECISION)
+        a2 = dot(p, k_2, a2 * alpha[:, None], PRECISION)
+        a3 = dot(p, k_3, a3 * alpha[:, None], PRECISION)
 
     if NUM_SPLITS == 1:
         # sink: one extra logit per head, only in the denominator; pivot on max(m, sink)

@@ -218,7 +218,8 @@ class StepKernels:
         if self.kind == "triton":
             fn = K.sparse_mqa_fp8 if fp8 else K.sparse_mqa_dense
         else:
-            fn = K.sparse_mqa_fp8_torch if fp8 else K.sparse_mqa_dense_torch
+            from dspark.kernels import sparse_mqa_torch as R
+            fn = R.sparse_mqa_fp8_torch if fp8 else R.sparse_mqa_dense_torch
         if fp8:
             if rope is not None:
                 extra["rope"] = rope
