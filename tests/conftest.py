@@ -1,4 +1,4 @@
-"""Shared fixtures: small random checkpoints in the official layout, made once per session."""
+"""Shared fixtures: small random checkpoints in the official layout, made once per test run."""
 import os
 import sys
 
@@ -29,7 +29,7 @@ from dspark.tools.make_checkpoint import make_checkpoint  # noqa: E402
 @pytest.fixture(scope="module")
 def one_thread():
     """Small element-wise tensors: the intra-op thread pool only adds wake-up latency. (Restores
-    the count afterwards: an Engine earlier in the session may have changed it.)"""
+    the count afterwards: an Engine earlier in the test run may have changed it.)"""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

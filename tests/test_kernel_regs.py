@@ -1,5 +1,5 @@
 """Offline sm_90 register / spill report (benchmarks/kernel_regs.py): compiles without a GPU, in
-a subprocess (the test session's Triton runs interpreted)."""
+a subprocess (the test run's Triton is interpreted)."""
 import json
 import os
 import subprocess
