@@ -42,26 +42,17 @@ def count_fallback(owner, reason: str) -> None:
 
 
 def target_fallback_reason(items, graphs) -> str:
-    """Why a target step [(request id, start, tokens)] does not fit `graphs`' fixed shapes
-    (graph_capture.step_bucket's rules, plus a disabled graph set and duplicate requests)."""
+    """Why a target step [(request id, start, tokens)] does not fit `graphs`' fixed shapes: its
+    bucketing rules (graph_capture.step_fit), a disabled graph set, duplicate requests."""
+    from .cuda.graph_capture import step_fit
     if getattr(graphs, "disabled", False):
         return "capture failed"
-    if not items:
-        return "empty step"
-    if len(items) > graphs.batch_buckets[-1]:
-        return "batch too large"
-    lens = {len(t) for _, _, t in items}
-    if max(lens) > max(graphs.q_lens):
-        return "prefill / mixed step"
-    if len(lens) > 1:
-        return "ragged lengths"
-    if next(iter(lens)) not in graphs.q_lens:
-        return "query length not captured"
+    fit = step_fit(items, graphs.q_lens, graphs.batch_buckets, graphs.page_buckets,
+                   graphs.cache.block_size)
+    if isinstance(fit, str):
+        return fit
     if len({rid for rid, _, _ in items}) != len(items):
         return "duplicate request"
-    bs = graphs.cache.block_size
-    if max(-(-(start + len(t)) // bs) for _, start, t in items) > graphs.page_buckets[-1]:
-        return "context past the largest page bucket"
     return "scratch request in the step"
 
 

@@ -37,14 +37,27 @@ def step_bucket(items, q_lens, batch_buckets: list, page_buckets: list, block_si
     """(batch bucket, q, page bucket) of a decode / verify step [(request id, start, tokens)]:
     every request feeds the same q (one of `q_lens`) and the batch and the pages each request
     needs fit the largest buckets; None otherwise (the step runs eagerly)."""
-    if not items or len(items) > batch_buckets[-1]:
-        return None
-    q = len(items[0][2])
-    if q not in q_lens or any(len(t) != q for _, _, t in items):
-        return None
+    fit = step_fit(items, q_lens, batch_buckets, page_buckets, block_size)
+    return None if isinstance(fit, str) else fit
+
+
+def step_fit(items, q_lens, batch_buckets: list, page_buckets: list, block_size: int):
+    """`step_bucket`'s bucket, or the reason (a str) why the step does not fit one."""
+    if not items:
+        return "empty step"
+    if len(items) > batch_buckets[-1]:
+        return "batch too large"
+    lens = {len(t) for _, _, t in items}
+    if max(lens) > max(q_lens):
+        return "prefill / mixed step"
+    if len(lens) > 1:
+        return "ragged lengths"
+    q = lens.pop()
+    if q not in q_lens:
+        return "query length not captured"
     need = max(-(-(start + q) // block_size) for _, start, _ in items)
     if need > page_buckets[-1]:
-        return None
+        return "context past the largest page bucket"
     B = next(b for b in batch_buckets if b >= len(items))
     P = next(p for p in page_buckets if p >= need)
     return B, q, P
