@@ -9,6 +9,7 @@ target (+ a separate DeepSpec drafter checkpoint).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ class EngineParts:
     drafter: torch.nn.Module | None
     runner: object                # ModelRunner, Qwen3Runner or DistributedRunner
     speculative: str              # "dspark" | "none"
+    weight_format: str = "bf16"   # how the weights are held: "bf16" | "quantized"
 
 
 def build_parts(path: str, c: EngineConfig, device: torch.device, dtype,
@@ -51,6 +53,8 @@ def _deepseek_v4(path, c: EngineConfig, device, dtype) -> EngineParts:
         raise ValueError("cuda_graphs=True is single-device only for DeepSeek-V4 (the "
                          "tensor-parallel draft pass runs eagerly); leave it unset")
     cfg = ModelConfig.from_path(path)
+    if c.weight_format == "auto":
+        c = dataclasses.replace(c, weight_format=auto_weight_format(cfg, device))
     speculative = _speculative(path, cfg, c)
     tp_runner = None
     if c.tensor_parallel_size > 1:       # every rank reads only its slices
@@ -81,7 +85,15 @@ def _deepseek_v4(path, c: EngineConfig, device, dtype) -> EngineParts:
         graphs = device.type == "cuda" if c.cuda_graphs is None else c.cuda_graphs
         runner = ModelRunner(model, drafter, device, quant, backend=backend, cuda_graphs=graphs,
                              max_num_seqs=c.max_num_seqs, target_graphs=bool(target_graphs))
-    return EngineParts(cfg, model, drafter, runner, speculative)
+    return EngineParts(cfg, model, drafter, runner, speculative, c.weight_format)
+
+
+def auto_weight_format(cfg: ModelConfig, device) -> str:
+    """weight_format="auto": "quantized" for an FP8 / FP4 checkpoint on CUDA (the quantized
+    kernels run there, at a quarter of the expert memory), else "bf16" (de-quantized at load:
+    the CPU path)."""
+    quantized = cfg.weight_dtype == "fp8" or cfg.expert_format in ("fp8", "fp4")
+    return "quantized" if quantized and torch.device(device).type == "cuda" else "bf16"
 
 
 def _speculative(path, cfg: ModelConfig, c: EngineConfig) -> str:

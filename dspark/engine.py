@@ -19,7 +19,6 @@ DSPARK_REFERENCE_KERNELS=1 forces the torch path (`probs_from_logits` + `verify`
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import json
 import os
@@ -72,22 +71,6 @@ def check_model_dir(path: str) -> None:
                      f"*.safetensors, tokenizer.json)")
 
 
-def auto_weight_format(path: str, device) -> str:
-    """weight_format="auto": "quantized" for an FP8 / FP4 DeepSeek-V4 checkpoint on CUDA (the
-    quantized kernels run there, at a quarter of the expert memory), else "bf16"
-    (de-quantized at load: the CPU path)."""
-    if torch.device(device).type != "cuda" or _model_type(path) not in (None, "deepseek_v4"):
-        return "bf16"
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            raw = json.load(f)
-    except (OSError, ValueError):
-        return "bf16"
-    quantized = bool(raw.get("quantization_config")) or raw.get("dtype") == "fp8" or \
-        raw.get("expert_dtype") in ("fp4", "fp8")
-    return "quantized" if quantized else "bf16"
-
-
 class Engine:
     def __init__(self, path: str | None = None, config: EngineConfig | None = None, **settings):
         """Load `path` (default: the shipped model) with `config`, or with keyword settings
@@ -100,17 +83,15 @@ class Engine:
         c.check_environment(self.device)
         model_type = _model_type(path)
         c.check_model_type(model_type)
-        if c.weight_format == "auto":   # quantized where the quantized kernels run (CUDA)
-            c = dataclasses.replace(c, weight_format=auto_weight_format(path, self.device))
         self.dtype = c.torch_dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        self.weight_format, self.kv_cache_dtype = c.weight_format, c.kv_cache_dtype
+        self.kv_cache_dtype = c.kv_cache_dtype
         self.tensor_parallel_size = c.tensor_parallel_size
         # model, drafter, KV cache, attention backend and runner: dspark/build.py
         parts = build_parts(path, c, self.device, self.dtype, model_type)
         c.check_drafter(parts.drafter is not None)
         cfg = self.cfg = parts.cfg
         self.model, self.drafter, self.runner = parts.model, parts.drafter, parts.runner
-        self.speculative = parts.speculative
+        self.speculative, self.weight_format = parts.speculative, parts.weight_format
         backend = getattr(self.runner, "backend", None)
         self.cache = getattr(backend, "cache", None)          # None: the dense layout
         self.overlap = OverlappedDecode(self) if self._overlap_decode(c) else None

@@ -96,6 +96,11 @@ class Qwen3Runner(ModelRunner):
             self.draft_pass = Qwen3DraftPass(drafter, model.embed, model.head, self.draft_pool,
                                              cuda_graphs)
 
+    def capture_graphs(self, q_lens, max_position: int, progress: bool = False) -> dict:
+        """Nothing ahead of traffic: the Qwen3 target's and drafter's graphs are captured on first
+        use (their buckets include the context length)."""
+        return {"target": 0, "draft": 0}
+
     @torch.inference_mode()
     def target_forward(self, items, logit_rows=None, snapshot: bool = True):
         """ModelRunner.target_forward; the Qwen3 graphs always return a copy of their logits

@@ -97,8 +97,7 @@ class ModelRunner:
         out = {"target": 0, "draft": 0}
         if self.target_graphs is not None:
             out["target"] = self.target_graphs.capture_all(q_lens, progress)
-        # (the Qwen3 target's and drafter's graphs are captured on first use)
-        if isinstance(self.draft_pass, DraftPass):
+        if self.draft_pass is not None:
             width = len(self.tap_layers) * self.model.cfg.hidden_size
             # taps are fp32 (hc-mean of the streams) in the graph and the eager forward alike
             out["draft"] = self.draft_pass.capture_all(self.max_num_seqs, max_position, width,

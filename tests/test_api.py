@@ -245,13 +245,15 @@ def test_defaults_users_expect(tiny_ckpt, tiny_quant_ckpt):
     import re
 
     import dspark
-    from dspark.engine import auto_weight_format
+    from dspark import ModelConfig
+    from dspark.build import auto_weight_format
     setup = open(__file__.replace("tests/test_api.py", "setup.py")).read()
     assert re.match(r"^\d+\.\d+\.\d+", dspark.__version__) and "version=VERSION" in setup
     # FP8 / FP4 checkpoints keep their quantized weights where the kernels run (CUDA)
-    assert auto_weight_format(tiny_quant_ckpt, "cuda") == "quantized"
-    assert auto_weight_format(tiny_quant_ckpt, "cpu") == "bf16"
-    assert auto_weight_format(tiny_ckpt, "cuda") == "bf16"
+    quant, plain = ModelConfig.from_path(tiny_quant_ckpt), ModelConfig.from_path(tiny_ckpt)
+    assert auto_weight_format(quant, "cuda") == "quantized"
+    assert auto_weight_format(quant, "cpu") == "bf16"
+    assert auto_weight_format(plain, "cuda") == "bf16"
     assert Engine(tiny_quant_ckpt, device="cpu", speculative="none").weight_format == "bf16"
     with pytest.raises(ValueError, match="weight_format='fp4' is not supported: one of 'auto', 'bf16', 'quantized'"):
         Engine(tiny_ckpt, device="cpu", weight_format="fp4")
