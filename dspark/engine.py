@@ -42,6 +42,9 @@ from .spec.policy import make_policy
 from .spec.accept import decide
 from .spec.verify import FinishReason, accept_greedy_host, emit_and_stop_host
 
+# a prompt of at most this many round widths is fed inside the rounds' graph steps (Engine.__init__)
+GRAPH_PREFILL_STEPS = 32
+
 
 def default_model_path() -> str:
     return os.path.join(os.path.dirname(__file__), "assets", "default")
@@ -107,6 +110,13 @@ class Engine:
         # (the prompt-length error names what set the limit: the model or the cache)
         self.max_model_len, self._max_model_len_limit = c.check_max_model_len(
             cfg.max_position_embeddings, self.cache)
+        if self.policy is not None:
+            # where the runner replays uniform steps (_verify_lengths gives the width), short
+            # prompts ride in the round's graph step, one round width per step
+            # (Scheduler.schedule): up to GRAPH_PREFILL_STEPS steps beat one eager prefill,
+            # which stalls every running request for its whole (host-bound) length
+            self.scheduler.graph_prefill_tokens = GRAPH_PREFILL_STEPS * (1 + self.policy_width())
+            self.scheduler.max_model_len = self.max_model_len
         self.tokenizer = self._load_tokenizer(path)
         eos = [cfg.eos_token_id, getattr(self.tokenizer, "eos_token_id", None)]
         self.eos_token_ids = tuple(dict.fromkeys(t for t in eos if t is not None))
@@ -341,8 +351,8 @@ class Engine:
         verify blocks and prompt chunks; 3. accept / reject with one read back; 4. commit the
         accepted tokens, roll every cache back past them; 5. draft the next blocks."""
         sch = self.scheduler
-        self._verify_lengths(sch.running)                                       # 1.
-        plan = sch.schedule()
+        width = self._verify_lengths(sch.running)                               # 1.
+        plan = sch.schedule(prefill_width=width)
         for req in plan.preempted:                       # recomputed later from their tokens
             req.draft_state = self.runner.new_states()[1]
         items = self._forward_items(plan)                                       # 2.
@@ -380,8 +390,11 @@ class Engine:
                 toks = [req.anchor] + req.draft.tokens[:req.feed_len].tolist()
             items.append((req.target_state, req.num_committed, toks))
         for req, n in plan.prefill:
+            toks = req.prefill_ids[req.num_prefilled:][:n]
+            # a chunk padded to the step's width (Scheduler.schedule): the padding rows repeat
+            # the last token and are rolled back in _producers
             items.append((req.target_state, req.num_prefilled,
-                          req.prefill_ids[req.num_prefilled:][:n]))
+                          toks + toks[-1:] * (req.chunk_feed - n)))
         return items
 
     def _producers(self, plan, items, logits, taps) -> tuple:
@@ -395,34 +408,40 @@ class Engine:
             anchors.append(req.num_committed)
         for j, (req, n) in enumerate(plan.prefill):
             i = len(plan.verify) + j
+            rows = slice(offsets[i], offsets[i] + n)          # the chunk's prompt rows
             if self.drafter is not None:
-                self.runner.commit_context(req.draft_state, taps[offsets[i]:offsets[i + 1]],
-                                           req.num_prefilled)
+                self.runner.commit_context(req.draft_state, taps[rows], req.num_prefilled)
             if req.prompt_logprobs is not None:
-                record_prompt_logprobs(req, logits[offsets[i]:offsets[i + 1]],
-                                       req.num_prefilled, self.tokenizer)
+                record_prompt_logprobs(req, logits[rows], req.num_prefilled, self.tokenizer)
             req.num_prefilled += n
+            if req.chunk_feed > n:              # padding rows: as if never fed
+                self.cache.truncate(req.request_id, req.num_prefilled)
             if req.num_prefilled < len(req.prefill_ids):
                 continue
             if req.output_ids:                  # recomputed after preemption: anchor known
                 self.scheduler.promote(req)
             else:
-                reqs.append(req), first_rows.append(offsets[i + 1] - 1), lengths.append(0)
+                reqs.append(req), first_rows.append(rows.stop - 1), lengths.append(0)
                 anchors.append(req.num_prefilled - 1)
         return reqs, first_rows, lengths, anchors
 
-    def _verify_lengths(self, running) -> None:
+    def _verify_lengths(self, running) -> int:
         """Per running request ℓ = `verify_len`, the drafts acceptance may take (the policy's
         choice, never past max_tokens or the model length: those drafts could not be emitted),
         and `feed_len` >= ℓ, the drafts the target forward carries. Where the runner replays
         uniform steps as CUDA graphs (`uniform_verify`) every block is fed to the widest ℓ of
         the round with its own next drafts: rows past ℓ change no earlier row (attention is
         causal, everything else per token) and are rolled back with the rejected ones, so the
-        result is the ragged step's, as one graph replay instead of an eager forward."""
+        result is the ragged step's, as one graph replay instead of an eager forward.
+        Returns the tokens per request of such a uniform step (the width short prompts are fed
+        in, Scheduler.schedule), 0 where steps are not uniform or have no drafts."""
         for req in running:
             req.verify_len = req.feed_len = 0
-        if self.policy is None or not running:
-            return
+        uniform = getattr(self.runner, "uniform_verify", False)
+        if self.policy is None:
+            return 0
+        if not running:     # prompts only: the widest step the policy's rounds replay
+            return 1 + self.policy_width() if uniform else 0
         # a fixed ℓ needs no confidences: no wait for the draft pass here
         lens = self.policy.host_lengths(len(running), self.drafter.gamma)
         if lens is None:
@@ -432,15 +451,23 @@ class Engine:
             room = min(req.params.max_tokens - len(req.output_ids) - 1,
                        self.max_model_len - req.num_committed - 1)
             req.verify_len = req.feed_len = max(0, min(int(n), room))
-        if getattr(self.runner, "uniform_verify", False):
-            # the policy's own widest choice, before the budgets cut it: with a fixed ℓ every
-            # round then has one width (its graphs captured by the warm-up), also when all the
-            # requests of a round are near their max_tokens
-            width = min(max(int(n) for n in lens), self.drafter.gamma)
-            for req in running:
-                if req.draft is not None:   # pages exist up to the model length, not past it
-                    req.feed_len = max(req.verify_len, min(
-                        width, self.max_model_len - req.num_committed - 1))
+        if not uniform:
+            return 0
+        # the policy's own widest choice, before the budgets cut it: with a fixed ℓ every round
+        # then has one width (its graphs captured by the warm-up), also when all the requests
+        # of a round are near their max_tokens
+        width = min(max(int(n) for n in lens), self.drafter.gamma)
+        for req in running:
+            if req.draft is not None:   # pages exist up to the model length, not past it
+                req.feed_len = max(req.verify_len, min(
+                    width, self.max_model_len - req.num_committed - 1))
+        return 1 + width
+
+    def policy_width(self) -> int:
+        """The most drafts a round of this policy verifies per request: ℓ of the fixed policy,
+        else γ."""
+        fixed = self.policy.host_lengths(1, self.drafter.gamma)
+        return min(fixed[0], self.drafter.gamma) if fixed is not None else self.drafter.gamma
 
     def _accept(self, reqs, first_rows, lengths, anchor_pos, logits, taps) -> list:
         if not reqs:

@@ -59,6 +59,7 @@ class Request:
     draft: DraftBlock | None = None
     verify_len: int = 0                    # ℓ chosen by the policy for the next verify
     feed_len: int = 0                      # drafts the next forward carries (>= ℓ: Engine._verify_lengths)
+    chunk_feed: int = 0                    # tokens the next prompt chunk feeds (padded: Scheduler)
     metrics: object = None
     arrival_time: float = 0.0
     first_token_time: float | None = None

@@ -6,6 +6,12 @@ With a paged KV cache, pages are reserved here before the forward: a running req
 cannot get pages preempts the most recently admitted one (its cache is freed and it is
 recomputed later from its committed tokens, which reproduces the same output because sampling
 is keyed by position), and prefills wait while pages or state slots are short.
+
+Where the runner replays uniform steps as CUDA graphs (every request feeds the same number of
+tokens), `schedule(prefill_width=q)` feeds a short prompt q tokens per step, its last chunk
+padded to q, next to the verify blocks of width q: the step stays one graph replay instead of an
+eager forward that stalls every running request (the padding rows are rolled back like rejected
+drafts). Prompts longer than `graph_prefill_tokens` are chunked by the token budget as before.
 """
 from __future__ import annotations
 
@@ -19,20 +25,25 @@ from .request import Request, Status
 @dataclass
 class StepPlan:
     verify: list = field(default_factory=list)     # running requests (feed 1 + feed_len tokens)
-    prefill: list = field(default_factory=list)    # (request, number of tokens this step)
+    prefill: list = field(default_factory=list)    # (request, prompt tokens this step); the
+    # forward feeds req.chunk_feed >= that many (padded to the step's width)
     preempted: list = field(default_factory=list)  # requests whose cache was freed this step
 
     @property
     def num_tokens(self) -> int:
-        return sum(1 + r.feed_len for r in self.verify) + sum(n for _, n in self.prefill)
+        return sum(1 + r.feed_len for r in self.verify) + sum(r.chunk_feed for r, _ in self.prefill)
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, cache=None):
+    def __init__(self, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, cache=None,
+                 graph_prefill_tokens: int = 0, max_model_len: int | None = None):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.max_num_seqs, self.max_tokens = max_num_seqs, max_num_batched_tokens
         self.cache = cache                 # PagedKVCache or None (dense state, unbounded)
+        # prompts with at most this many tokens left are fed in step-width chunks (0: never)
+        self.graph_prefill_tokens = graph_prefill_tokens
+        self.max_model_len = max_model_len  # padded chunks never reach past it
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -43,7 +54,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, prefill_width: int = 0) -> StepPlan:
+        """The step's verify blocks and prompt chunks. prefill_width > 0: the width of the
+        step's verify blocks (module docstring: short prompts are fed in chunks of it)."""
         plan = StepPlan()
         for req in list(self.running):                 # oldest first keep their pages
             if req.status != Status.RUNNING:
@@ -55,11 +68,19 @@ class Scheduler:
         for req in list(self.waiting):                 # prefills in arrival order, chunked
             if budget <= 0 or active >= self.max_num_seqs:
                 break
-            n = min(len(req.prefill_ids) - req.num_prefilled, budget)
-            if not self._reserve_prefill(req, req.num_prefilled + n):
+            left = len(req.prefill_ids) - req.num_prefilled
+            start = req.num_prefilled
+            if (prefill_width > 1 and left <= self.graph_prefill_tokens
+                    and prefill_width <= budget and (self.max_model_len is None
+                                                     or start + prefill_width <= self.max_model_len)):
+                n, feed = min(left, prefill_width), prefill_width
+            else:
+                n = feed = min(left, budget)
+            if not self._reserve_prefill(req, start + feed):
                 break                                  # no pages / slots: wait for finishes
+            req.chunk_feed = feed
             plan.prefill.append((req, n))
-            budget -= n
+            budget -= feed
             active += 1
         return plan
 

@@ -263,8 +263,9 @@ def test_uniform_verify_width_keeps_greedy_identity(ckpt, request):
     lengths = spec._verify_lengths
 
     def verify_lengths(running):
-        lengths(running)
+        width = lengths(running)
         padded.extend(r.feed_len - r.verify_len for r in running)
+        return width
 
     spec._verify_lengths = verify_lengths
     vocab = spec.cfg.vocab_size
@@ -315,3 +316,41 @@ def test_sampling_distribution_is_exact_under_the_scheduler(small_vocab_ckpt, po
     assert _chi2_pvalue(counts, law, n) > 1e-3
     lengths = [ell for _, ell, _ in spec.round_log]
     assert len(lengths) >= n, "every request ran at least one speculative round"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_short_prompts_ride_in_uniform_steps(tiny_ckpt, temperature):
+    """Where the runner replays uniform steps, a short prompt is fed one round width per step
+    next to the verify blocks, its last chunk padded (Scheduler.schedule), so no step of short
+    prompts is ragged (eager on CUDA). Tokens (greedy, and seeded sampling: draws are keyed by
+    position) and prompt logprobs equal the same engine's with whole-prompt prefills."""
+    outs, steps = {}, []
+    vocab = None
+    for uniform in (False, True):
+        eng = Engine(tiny_ckpt, device="cpu", dtype="fp32", kv_cache_dtype="fp32", max_num_seqs=3)
+        eng.runner.uniform_verify = uniform
+        forward = eng.runner.target_forward
+
+        def recording(items, *a, _steps=steps if uniform else [], _eng=eng, **kw):
+            waiting = {r.target_state for r in _eng.scheduler.waiting}
+            _steps.append([(len(t), st in waiting) for st, _, t in items])
+            return forward(items, *a, **kw)
+
+        eng.runner.target_forward = recording
+        vocab = eng.cfg.vocab_size
+        prompts = _prompts(5, vocab, seed=11) + [[3] * 40]     # the last: 7 chunks of 6
+        params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=i,
+                                 prompt_logprobs=1)
+                  for i, n in enumerate((7, 12, 5, 16, 9, 6))]
+        res = eng.generate(prompts, params)
+        outs[uniform] = [(o.token_ids, [None if lp is None else sorted(lp) for lp in o.prompt_logprobs],
+                          [None if lp is None else [round(v.logprob, 4) for v in lp.values()]
+                           for lp in o.prompt_logprobs]) for o in res]
+    assert [o[:2] for o in outs[True]] == [o[:2] for o in outs[False]]
+    for (_, _, a), (_, _, b) in zip(outs[True], outs[False]):
+        assert a[0] is None and b[0] is None
+        assert all(x == pytest.approx(y, abs=1e-3) for x, y in zip(a[1:], b[1:]))
+    width = eng.drafter.gamma + 1
+    assert all(len({n for n, _ in s}) == 1 and s[0][0] == width for s in steps), steps
+    assert any(any(p for _, p in s) and not all(p for _, p in s) for s in steps), \
+        "no step carried a prompt chunk next to a verify block"

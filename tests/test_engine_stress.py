@@ -8,8 +8,11 @@ import pytest
 from dspark import Engine, SamplingParams
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_random_admission_stops_and_preemption(small_vocab_ckpt, seed):
+@pytest.mark.parametrize("seed,uniform", [(0, False), (1, False), (0, True)])
+def test_random_admission_stops_and_preemption(small_vocab_ckpt, seed, uniform):
+    """uniform: the runner says it replays uniform steps (as with target graphs on CUDA), so
+    verify blocks are padded to one width and short prompts are fed in padded round-width chunks
+    next to them (Scheduler.schedule), under the same preemptions."""
     rng = random.Random(seed)
     ref_engine = Engine(small_vocab_ckpt, device="cpu", dtype="fp32", kv_cache_dtype="fp32",
                         speculative="none", kv_layout="dense")
@@ -17,6 +20,17 @@ def test_random_admission_stops_and_preemption(small_vocab_ckpt, seed):
     # verify blocks must preempt others to grow
     eng = Engine(small_vocab_ckpt, device="cpu", dtype="fp32", kv_cache_dtype="fp32",
                  max_num_seqs=6, max_num_batched_tokens=96, num_kv_blocks=4)
+    eng.runner.uniform_verify = uniform
+    chunks = []
+    forward = eng.runner.target_forward
+
+    def recording(items, *a, **kw):
+        waiting = {r.target_state: r for r in eng.scheduler.waiting}
+        chunks.extend(len(t) - (len(waiting[st].prefill_ids) - start)
+                      for st, start, t in items if st in waiting)
+        return forward(items, *a, **kw)
+
+    eng.runner.target_forward = recording
     jobs = []
     for i in range(10):
         prompt = [rng.randrange(8) for _ in range(rng.choice([3, 150, 200, 250]))]
@@ -41,6 +55,8 @@ def test_random_admission_stops_and_preemption(small_vocab_ckpt, seed):
     assert eng.cache.num_free_pages == eng.cache.num_blocks      # nothing leaked
     assert eng.cache.num_free_slots == 6
     assert eng.scheduler.num_preemptions > 0, "the cache was sized to force preemption"
+    # prompt chunks fed past the prompt's end (padded to the round width) only where uniform
+    assert any(c > 0 for c in chunks) == uniform
 
 
 def test_generation_up_to_a_full_cache_ends_with_length(small_vocab_ckpt):
