@@ -349,7 +349,9 @@ class Engine:
     def _round(self) -> list:
         """1. ℓ per request (policy) and its pages; 2. one flattened target forward of the
         verify blocks and prompt chunks; 3. accept / reject with one read back; 4. commit the
-        accepted tokens, roll every cache back past them; 5. draft the next blocks."""
+        accepted tokens; 5. draft the next blocks, launched as soon as the committed tokens
+        are known, so the device drafts while the host finishes the round (outputs, text,
+        metrics, rolling every cache back past the accepted tokens)."""
         sch = self.scheduler
         width = self._verify_lengths(sch.running)                               # 1.
         plan = sch.schedule(prefill_width=width)
@@ -368,11 +370,14 @@ class Engine:
                                "verify_tokens": [r.verify_len for r in plan.verify],
                                "prefill_tokens": sum(n for _, n in plan.prefill)})
         producers = self._producers(plan, items, logits, taps)
-        outputs = self._accept(*producers, logits, taps)                       # 3. + 4.
-        if self.drafter is not None and sch.running:                            # 5.
-            for req, block in zip(sch.running, self.runner.draft(sch.running)):
+        return self._accept(*producers, logits, taps, then=self._draft_running)  # 3. 4. 5.
+
+    def _draft_running(self) -> None:
+        """The next DSpark block of every running request (one batched draft pass)."""
+        running = self.scheduler.running
+        if self.drafter is not None and running:
+            for req, block in zip(running, self.runner.draft(running)):
                 req.draft = block
-        return outputs
 
     def _forward_items(self, plan) -> list:
         """(target state, first position, tokens) per verify block (anchor + `feed_len` drafts)
@@ -469,20 +474,24 @@ class Engine:
         fixed = self.policy.host_lengths(1, self.drafter.gamma)
         return min(fixed[0], self.drafter.gamma) if fixed is not None else self.drafter.gamma
 
-    def _accept(self, reqs, first_rows, lengths, anchor_pos, logits, taps) -> list:
+    def _accept(self, reqs, first_rows, lengths, anchor_pos, logits, taps, then=None) -> list:
         if not reqs:
+            if then is not None:
+                then()
             return []
         dec = decide(reqs, logits, first_rows, lengths, anchor_pos, self.gamma)
         # every result in ONE read back ([argmax | a, y] and the drafts), the rest on the host
         return self._commit(reqs, dec, dec.table().tolist(), taps, first_rows, lengths, anchor_pos,
-                            logits=logits)
+                            logits=logits, then=then)
 
     def _commit(self, reqs, dec, table, taps, first_rows, lengths, anchor_pos,
-                in_flight=frozenset(), logits=None) -> list:
+                in_flight=frozenset(), logits=None, then=None) -> list:
         """The host part of acceptance on the read-back `table` (rows of dec.table()): accept
         (greedy), emitted tokens, stop tokens and token budgets, then every request's state.
         `in_flight`: ids of requests whose next position a launched forward already writes (the
-        overlapped decode loop), so their cache keeps it (no rollback to the committed length)."""
+        overlapped decode loop), so their cache keeps it (no rollback to the committed length).
+        `then()` is called once the committed tokens and the running set are final (the draft
+        pass), before the per-request work nothing of the next round waits for."""
         g = self.gamma
         R, w = len(reqs), dec.head.shape[1]
         host_drafts = [row[w:] for row in table] if dec.verified else [[]] * R
@@ -497,41 +506,51 @@ class Engine:
             [self._token_limit(r) for r in reqs])
 
         now, outs = time.perf_counter(), []
+        # first what the next round's draft pass reads: committed tokens, draft context, who runs
+        was_running = [req.status == Status.RUNNING for req in reqs]
+        verified_drafts = [req.draft for req in reqs]     # `then` drafts the next blocks
         for i, req in enumerate(reqs):
             new = emitted[i]
             if finish[i] == FinishReason.STOP and new and new[-1] in req.params.stop_token_ids:
                 req.stop_reason = new[-1]
-            if req.detok is not None:              # text, and stop strings (may end it early)
+            if req.detok is not None and req.detok.stop:    # stop strings may end it early
                 used, hit = req.detok.push(new)
                 if hit is not None:
                     new, finish[i], req.stop_reason = new[:used], FinishReason.STOP, hit
-            if req.logprobs is not None and logits is not None:
-                req.logprobs.extend(emitted_logprobs(logits, first_rows[i], new,
-                                                     req.params.logprobs, self.tokenizer))
-            was_running = req.status == Status.RUNNING
-            if was_running and self.round_log is not None and req.draft is not None:
-                self.round_log.append((req.draft.conf_logits.float().cpu(), lengths[i], accepted[i]))
-            if was_running:
-                req.metrics.record_round(proposed=g if self.drafter is not None else 0,
-                                         verified=lengths[i], accepted=min(accepted[i], len(new)),
-                                         emitted=len(new))
+            emitted[i] = new
+            if was_running[i] and self.drafter is not None:
                 # draft context for the committed verify rows: anchor + accepted drafts
-                if self.drafter is not None:
-                    a = min(accepted[i], len(new))
-                    f = first_rows[i]
-                    self.runner.commit_context(req.draft_state, taps[f:f + a + 1], anchor_pos[i])
-            else:
+                a = min(accepted[i], len(new))
+                f = first_rows[i]
+                self.runner.commit_context(req.draft_state, taps[f:f + a + 1], anchor_pos[i])
+            elif not was_running[i]:
                 self.scheduler.promote(req)
                 req.first_token_time = now
             req.output_ids.extend(new)
-            if (self.cache is not None and finish[i] == FinishReason.NONE
-                    and req.request_id not in in_flight):
-                # roll every cache back to the committed tokens (rejected drafts never happened)
-                self.cache.truncate(req.request_id, req.num_committed)
             if finish[i] != FinishReason.NONE:
                 req.finish_reason = "stop" if finish[i] == FinishReason.STOP else "length"
                 req.finish_time = now
                 self.scheduler.finish(req)
+        if then is not None:
+            then()
+        for i, req in enumerate(reqs):
+            new = emitted[i]
+            if req.detok is not None and not req.detok.stop:
+                req.detok.push(new)
+            if req.logprobs is not None and logits is not None:
+                req.logprobs.extend(emitted_logprobs(logits, first_rows[i], new,
+                                                     req.params.logprobs, self.tokenizer))
+            if was_running[i]:
+                if self.round_log is not None and verified_drafts[i] is not None:
+                    self.round_log.append((verified_drafts[i].conf_logits.float().cpu(),
+                                           lengths[i], accepted[i]))
+                req.metrics.record_round(proposed=g if self.drafter is not None else 0,
+                                         verified=lengths[i], accepted=min(accepted[i], len(new)),
+                                         emitted=len(new))
+            if (self.cache is not None and finish[i] == FinishReason.NONE
+                    and req.request_id not in in_flight):
+                # roll every cache back to the committed tokens (rejected drafts never happened)
+                self.cache.truncate(req.request_id, req.num_committed)
             outs.append(self._output(req, new))
         return outs
 
