@@ -372,9 +372,10 @@ class Engine:
         producers = self._producers(plan, items, logits, taps)
         return self._accept(*producers, logits, taps, then=self._draft_running)  # 3. 4. 5.
 
-    def _draft_running(self) -> None:
-        """The next DSpark block of every running request (one batched draft pass)."""
-        running = self.scheduler.running
+    def _draft_running(self, finishing=frozenset()) -> None:
+        """The next DSpark block of every running request but the `finishing` ids (one batched
+        draft pass)."""
+        running = [r for r in self.scheduler.running if r.request_id not in finishing]
         if self.drafter is not None and running:
             for req, block in zip(running, self.runner.draft(running)):
                 req.draft = block
@@ -477,7 +478,7 @@ class Engine:
     def _accept(self, reqs, first_rows, lengths, anchor_pos, logits, taps, then=None) -> list:
         if not reqs:
             if then is not None:
-                then()
+                then(frozenset())
             return []
         dec = decide(reqs, logits, first_rows, lengths, anchor_pos, self.gamma)
         # every result in ONE read back ([argmax | a, y] and the drafts), the rest on the host
@@ -490,8 +491,9 @@ class Engine:
         (greedy), emitted tokens, stop tokens and token budgets, then every request's state.
         `in_flight`: ids of requests whose next position a launched forward already writes (the
         overlapped decode loop), so their cache keeps it (no rollback to the committed length).
-        `then()` is called once the committed tokens and the running set are final (the draft
-        pass), before the per-request work nothing of the next round waits for."""
+        `then(finishing ids)` is called once the committed tokens are final (the draft pass of
+        the requests that go on), before the per-request work nothing of the next round waits
+        for."""
         g = self.gamma
         R, w = len(reqs), dec.head.shape[1]
         host_drafts = [row[w:] for row in table] if dec.verified else [[]] * R
@@ -527,12 +529,8 @@ class Engine:
                 self.scheduler.promote(req)
                 req.first_token_time = now
             req.output_ids.extend(new)
-            if finish[i] != FinishReason.NONE:
-                req.finish_reason = "stop" if finish[i] == FinishReason.STOP else "length"
-                req.finish_time = now
-                self.scheduler.finish(req)
         if then is not None:
-            then()
+            then({r.request_id for r, f in zip(reqs, finish) if f != FinishReason.NONE})
         for i, req in enumerate(reqs):
             new = emitted[i]
             if req.detok is not None and not req.detok.stop:
@@ -551,6 +549,10 @@ class Engine:
                     and req.request_id not in in_flight):
                 # roll every cache back to the committed tokens (rejected drafts never happened)
                 self.cache.truncate(req.request_id, req.num_committed)
+            if finish[i] != FinishReason.NONE:
+                req.finish_reason = "stop" if finish[i] == FinishReason.STOP else "length"
+                req.finish_time = now
+                self.scheduler.finish(req)
             outs.append(self._output(req, new))
         return outs
 

@@ -429,6 +429,7 @@ def test_engine_through_the_fixed_shape_path_on_cpu():
                                              q_lens=range(1, r.drafter.gamma + 2), max_batch=2,
                                              tap_layers=r.tap_layers, capture=False)
             assert r.takes_device_tokens
+            r.uniform_verify = True        # verify blocks padded to one width, prompts in chunks of it
             replayed, run = [], r.target_graphs.run
 
             def run_and_log(items, *a, **kw):
@@ -447,4 +448,6 @@ def test_engine_through_the_fixed_shape_path_on_cpu():
             # did steps of all three requests (the third admitted when one of the first finished)
             assert any(len(rids) == 2 and q > 1 for rids, q in replayed), replayed
             assert len({rid for rids, _ in replayed for rid in rids}) == 3, replayed
+            # the prompts too: every forward of this run replayed the fixed-shape step
+            assert r.target_graphs.num_replays == len(eng.telemetry), (replayed, len(eng.telemetry))
     assert outs[True] == outs[False]
