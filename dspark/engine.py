@@ -120,7 +120,7 @@ class Engine:
         (dspark/overlap.py): on by default on CUDA with the single-device DeepSeek-V4 runner."""
         plain_runner = type(self.runner) is ModelRunner
         if c.overlap_decode is None:
-            return self.device.type == "cuda" and plain_runner
+            return self.device.type == "cuda" and plain_runner and not c.deterministic
         if c.overlap_decode and not plain_runner:
             raise ValueError("overlap_decode=True needs the single-device DeepSeek-V4 runner "
                              "(not Qwen3 or tensor-parallel); leave it unset")
@@ -445,7 +445,8 @@ class Engine:
     def _accept(self, reqs, first_rows, lengths, anchor_pos, logits, taps) -> list:
         if not reqs:
             return []
-        dec = decide(reqs, logits, first_rows, lengths, anchor_pos, self.gamma)
+        dec = decide(reqs, logits, first_rows, lengths, anchor_pos, self.gamma,
+                     deterministic=self.config.deterministic)
         # every result in ONE read back ([argmax | a, y] and the drafts), the rest on the host
         return self._commit(reqs, dec, dec.table().tolist(), taps, first_rows, lengths, anchor_pos,
                             logits=logits)
