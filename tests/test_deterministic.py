@@ -171,16 +171,26 @@ def test_shipped_pair_batched_alone_chunked_speculative_agree(device):
     _invariance(SHIPPED, device, [2, 17, 133], [dict(max_num_batched_tokens=16, max_num_seqs=2)])
 
 
+@pytest.fixture(scope="module")
+def three_layer_ckpt(tmp_path_factory):
+    """The tiny architecture cut to its first three layers (window, compression 4 and 16), vocab
+    8: a quarter of the one-token forwards' time for the long prompts preemption needs."""
+    from dspark.tools.make_checkpoint import make_checkpoint
+    out = str(tmp_path_factory.mktemp("tiny3"))
+    make_checkpoint(out, preset="tiny", layers=3, seed=4, dspark=True, vocab=8, progress=False)
+    return out
+
+
 @pytest.mark.slow
-def test_preemption_and_recompute_change_nothing(small_vocab_ckpt):
+def test_preemption_and_recompute_change_nothing(three_layer_ckpt):
     """Two requests crossing into their second 256-token page in a 2-page cache: one is
     preempted and recomputed from its tokens; both still equal their runs alone."""
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=8, ignore_eos=True, logprobs=0)
               for s in (1, 2)]
     prompts = [[3, 5, 7] * 83 + [2], [6, 4] * 125 + [1, 2, 3]]         # 250, 253 tokens
-    ref = _engine(small_vocab_ckpt, "cpu", speculative="none")
+    ref = _engine(three_layer_ckpt, "cpu", speculative="none")
     alone = _outputs([ref.generate(p, sp) for p, sp in zip(prompts, params)])
-    eng = _engine(small_vocab_ckpt, "cpu", num_kv_blocks=2, max_num_seqs=2)
+    eng = _engine(three_layer_ckpt, "cpu", num_kv_blocks=2, max_num_seqs=2)
     assert _outputs(eng.generate(prompts, params)) == alone
     assert eng.scheduler.num_preemptions > 0, "the cache was sized to force preemption"
 
@@ -233,3 +243,68 @@ def test_deterministic_mode_rejects_a_qwen3_checkpoint(tmp_path):
     make_qwen3_checkpoint(str(tmp_path), "tiny", "target", dtype="fp32", seed=1, vocab=8)
     with pytest.raises(EngineConfigError, match="deterministic=True .*DeepSeek-V4.*Qwen3"):
         Engine(str(tmp_path), device="cpu", deterministic=True)
+
+
+def test_sps_profile_cache_keys_tell_the_mode_apart():
+    """The scheduled policies' SPS profile is cached on disk per engine setup: a deterministic
+    engine's step costs (one-token forwards) must never be read by a default engine."""
+    from dspark.spec.profile import cache_key
+    assert cache_key(_engine(SHIPPED, "cpu")) != cache_key(Engine(SHIPPED, device="cpu",
+                                                                  dtype="fp32"))
+
+
+def test_bench_runs_both_engines_deterministic(tmp_path, capsys):
+    """`python -m dspark.bench --deterministic`: both engines built with deterministic=True."""
+    from dspark.bench.__main__ import main
+    built = []
+
+    class Recording(Engine):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            built.append(self.config.deterministic)
+
+    import dspark.bench.__main__ as bench
+    real, bench.Engine = bench.Engine, Recording
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "def f(x):"}\n{"prompt": "import os"}\n')
+    try:
+        main(["--quick", "--deterministic", "--dataset", str(data), "--max-tokens", "4",
+              "--device", "cpu", "--json", str(tmp_path / "r.json")])
+    finally:
+        bench.Engine = real
+    assert built == [True, True]
+    assert "deterministic" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def flash_width_ckpt(tmp_path_factory):
+    """V4-Flash widths (hidden 4096, 64 heads, vocab 129280), 4 layers (window, window, CSA,
+    HCA), FP8 weights + FP4 experts (16 of them, to keep it to ~4.5 GiB), DSpark stages."""
+    from dspark.tools.make_checkpoint import make_checkpoint
+    out = str(tmp_path_factory.mktemp("flash4"))
+    make_checkpoint(out, preset="flash", layers=4, seed=7, dtype="fp8", fp4_experts=True,
+                    dspark=True, overrides={"n_routed_experts": 16}, progress=False)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_flash_width_batches_of_16_agree_on_cuda(flash_width_ckpt, dtype):
+    """16 requests of 1-300 tokens on the H200 (quantized weights, fp8 cache, default attention
+    backend): batched with speculation == each alone without it == chunked, greedy and T=1."""
+    rng = random.Random(5)
+    lengths = [1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 129, 130, 144, 200, 233, 300]
+    prompts = [[rng.randrange(3, 129280) for _ in range(n)] for n in lengths]
+    params = _params(len(prompts))
+    kw = dict(device="cuda", dtype=dtype, deterministic=True)
+    ref = Engine(flash_width_ckpt, speculative="none", **kw)
+    alone = _outputs([ref.generate(p, sp) for p, sp in zip(prompts, params)])
+    del ref
+    for cfg in (dict(max_num_seqs=16), dict(max_num_seqs=16, max_num_batched_tokens=64),
+                dict(max_num_seqs=16, speculative="none")):
+        eng = Engine(flash_width_ckpt, **cfg, **kw)
+        got = _outputs(eng.generate(prompts, params))
+        assert got == alone, cfg
+        del eng
+        torch.cuda.empty_cache()
