@@ -13,6 +13,14 @@ too; they land in `policy_options`. Checks happen in three places, each as early
   - `check_applies`: settings that do nothing for the checkpoint's model type (Qwen3 vs
     DeepSeek-V4), its drafter (none with speculative="none") or the KV layout are errors, not
     silently ignored.
+
+deterministic=True (DeepSeek-V4, one device): a request's logits, cache records and tokens are a
+function of its prompt, its SamplingParams and its seed alone: the same alone or in any batch,
+with any chunking, with speculation on or off, under any verify policy, after preemption. The
+runner computes every forward one token at a time and the drafter one request at a time (no
+kernel ever sees another row, so no reduction depends on the batch shape), and sampling is
+Gumbel-max keyed by (seed, position) (dspark/spec/gumbel.py). CUDA graphs and the overlapped
+decode are off in this mode (asking for them is an error).
 """
 from __future__ import annotations
 
