@@ -289,15 +289,14 @@ def flash_width_ckpt(tmp_path_factory):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_flash_width_batches_of_16_agree_on_cuda(flash_width_ckpt, dtype):
+def test_flash_width_batches_of_16_agree_on_cuda(flash_width_ckpt):
     """16 requests of 1-300 tokens on the H200 (quantized weights, fp8 cache, default attention
     backend): batched with speculation == each alone without it == chunked, greedy and T=1."""
     rng = random.Random(5)
     lengths = [1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 129, 130, 144, 200, 233, 300]
     prompts = [[rng.randrange(3, 129280) for _ in range(n)] for n in lengths]
     params = _params(len(prompts))
-    kw = dict(device="cuda", dtype=dtype, deterministic=True)
+    kw = dict(device="cuda", dtype="bf16", deterministic=True)
     ref = Engine(flash_width_ckpt, speculative="none", **kw)
     alone = _outputs([ref.generate(p, sp) for p, sp in zip(prompts, params)])
     del ref
