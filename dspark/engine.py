@@ -81,6 +81,11 @@ class Engine:
         check_model_dir(path)
         self.device = torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         c.check_environment(self.device)
+        if c.deterministic and self.device.type == "cuda":
+            # cuBLAS keeps one workspace per handle and stream; with this fixed configuration
+            # its results do not depend on which stream or workspace a call got (read when
+            # cuBLAS first initialises in the process: set it before any CUDA work to be sure)
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         model_type = _model_type(path)
         c.check_model_type(model_type)
         self.dtype = c.torch_dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
