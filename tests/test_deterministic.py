@@ -215,6 +215,43 @@ def test_tokens_are_the_gumbel_draws_of_the_scored_logits(small_vocab_ckpt):
     assert sum(o.metrics.accepted for o in outs) > 0       # some tokens came from accepted drafts
 
 
+def _cache_records(cache) -> list:
+    """Every persistent record of a paged cache: window rings (not the staging pages, scratch
+    of one forward), compressed entries, indexer keys, compressor rings."""
+    rings = cache.num_slots if cache.fp8 else cache.num_slots * cache.capacity
+    return ([t[:rings] for t in cache.swa.values()] + list(cache.entries.values())
+            + list(cache.index_keys.values()) + [t for pair in cache.comp_rows.values()
+                                                 for t in pair])
+
+
+@pytest.mark.parametrize("split", ["verify", "chunked"])
+def test_one_forward_writes_the_records_of_single_token_steps(tiny_ckpt, split):
+    """A verify block of 5 tokens at positions 14-18 (split="verify": it completes a ratio-4 and
+    the first ratio-16 entry) or a 21-token prefill (split="chunked", as chunks of 5) in one
+    forward gives the logits and the cache records (fp8 window rows, compressed entries,
+    indexer keys, compressor rows) of the same tokens fed one by one."""
+    block = [7, 8, 9, 10, 11]
+    prompt = list(range(3, 17)) if split == "verify" else list(range(3, 24))
+    engines = [_engine(tiny_ckpt, "cpu", speculative="none", max_num_seqs=2) for _ in range(2)]
+    got = []
+    for k, eng in enumerate(engines):
+        run = eng.runner.target_forward
+        eng.cache.add_request("r")
+        eng.cache.reserve("r", len(prompt) + len(block))
+        if split == "chunked":
+            chunks = [prompt] if k == 0 else [prompt[i:i + 5] for i in range(0, len(prompt), 5)]
+            starts = [0] if k == 0 else list(range(0, len(prompt), 5))
+        else:
+            run([("r", 0, prompt)])
+            chunks = [block] if k == 0 else [[t] for t in block]
+            starts = [len(prompt) + i * len(c) for i, c in enumerate(chunks)]
+        got.append(torch.cat([run([("r", s, c)])[0] for s, c in zip(starts, chunks)]))
+    assert torch.equal(got[0], got[1])
+    a, b = (_cache_records(e.cache) for e in engines)
+    assert len(a) > 10 and all(torch.equal(x, y) for x, y in zip(a, b))
+    assert any(x.any() for x in a[len(engines[0].cache.swa):])     # entries were written
+
+
 def test_token_serial_logits_match_the_batched_forward(tiny_ckpt):
     """The deterministic forward computes the same model: its logits equal the default batched
     forward's up to rounding (fp32 weights and cache)."""
