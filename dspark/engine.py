@@ -15,6 +15,10 @@ Sampled (temperature > 0) verification without top-k / top-p runs as one fused T
 CUDA (`dspark.kernels.sampling.fused_verify`) instead of a few hundred small torch kernels;
 DSPARK_REFERENCE_KERNELS=1 forces the torch path (`probs_from_logits` + `verify`), see
 `dspark.sampling.fused_sampling_enabled`.
+
+Engine(deterministic=True): the runner feeds every forward one token at a time and acceptance is
+`spec.accept.decide_gumbel` (Gumbel-max keyed by seed and position, dspark/spec/gumbel.py), so a
+request's tokens do not depend on its batch, chunking, speculation or preemption.
 """
 from __future__ import annotations
 
