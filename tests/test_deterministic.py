@@ -48,7 +48,7 @@ def test_gumbel_token_has_the_law_of_probs_from_logits(temperature, top_k, top_p
     law = probs_from_logits(rows, torch.full((2,), temperature), torch.full((2,), top_k),
                             torch.full((2,), top_p)).double()
     probs = {(a, b): float(law[0, a] * law[1, b]) for a in range(8) for b in range(8)}
-    n, counts = 4000, {}
+    n, counts = 3000, {}
     for s in range(n):
         seed, pos = s * 7919 - 3000, 11 + s % 5
         a = int(gumbel_token(rows[0], temperature, top_k, top_p, seed, pos))
