@@ -838,6 +838,9 @@ def main(argv=None):
                     help="CUDA: profile this many steps of the real decode loop (context 128) and "
                          "split each step's device time into the graph replay and the gap to the "
                          "next one (with the operations queued in it)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="Engine(deterministic=True): one-token eager forwards (no target graphs, "
+                         "no overlapped decode), the cost of the batch-invariant mode")
     ap.add_argument("--device", default=None)
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
@@ -898,8 +901,9 @@ def main(argv=None):
     if not args.grouped_moe:   # the per-expert loop instead of the grouped small-batch kernels
         from dspark.models.qlinear import QuantMoE
         QuantMoE.grouped_max_pairs = 0
-    eng = Engine(path, device=str(device), dtype=eng_dtype, weight_format="quantized",
-                 target_cuda_graphs=args.target_graphs, overlap_decode=args.overlap,
+    modes = (dict(deterministic=True) if args.deterministic else
+             dict(target_cuda_graphs=args.target_graphs, overlap_decode=args.overlap))
+    eng = Engine(path, device=str(device), dtype=eng_dtype, weight_format="quantized", **modes,
                  speculative="none", kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=1,
                  max_num_batched_tokens=max(max(contexts), prompt_len) + 8,
                  max_model_len=-(-max_len // 256) * 256)

@@ -71,6 +71,8 @@ def _deepseek_v4(path, c: EngineConfig, device, dtype) -> EngineParts:
     # allows it (experts not routed on the host); True also under "flashmla" (graph steps then
     # run the Triton attention kernel); False forces the eager target
     target_graphs = c.target_cuda_graphs
+    if target_graphs is None and c.deterministic:
+        target_graphs = False                # deterministic mode: eager one-token forwards
     if target_graphs is None:
         from .attention import resolve_backend
         target_graphs = (device.type == "cuda" and c.tensor_parallel_size == 1
@@ -82,9 +84,11 @@ def _deepseek_v4(path, c: EngineConfig, device, dtype) -> EngineParts:
         runner = tp_runner.configure(quant, backend)
     else:
         # the draft pass as CUDA graphs (dspark/draft_pass.py); default on CUDA
-        graphs = device.type == "cuda" if c.cuda_graphs is None else c.cuda_graphs
+        graphs = device.type == "cuda" and not c.deterministic if c.cuda_graphs is None \
+            else c.cuda_graphs
         runner = ModelRunner(model, drafter, device, quant, backend=backend, cuda_graphs=graphs,
-                             max_num_seqs=c.max_num_seqs, target_graphs=bool(target_graphs))
+                             max_num_seqs=c.max_num_seqs, target_graphs=bool(target_graphs),
+                             deterministic=c.deterministic)
     return EngineParts(cfg, model, drafter, runner, speculative, c.weight_format)
 
 

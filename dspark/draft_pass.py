@@ -22,6 +22,7 @@ from .compile_stats import count_capture, count_fallback
 from .cuda.graph_capture import capture, warm_up
 from .cuda.transfer import to_device
 from .logit_adjust import LogitAdjust
+from .spec.gumbel import gumbel_token
 from .sampling import (Purpose, filters_used, fused_filters_enabled,
                        fused_sampling_enabled, probs_from_logits,
                        sample_from_probs, uniforms)
@@ -42,8 +43,14 @@ class DraftPass:
     .seed and .params. q is None when every request is greedy (their q is a point mass).
     `write_context(...)` writes committed context rows into the pool."""
 
-    def __init__(self, drafter, embed, head, pool, cuda_graphs: bool = False):
+    def __init__(self, drafter, embed, head, pool, cuda_graphs: bool = False,
+                 gumbel: bool = False):
         self.drafter, self.embed, self.head, self.pool = drafter, embed, head, pool
+        # deterministic mode: drafts drawn by Gumbel-max with the target's noise (spec/gumbel.py),
+        # one request per pass, eager
+        self.gumbel = gumbel
+        if gumbel and cuda_graphs:
+            raise ValueError("the Gumbel draft sampler runs eagerly: cuda_graphs must be off")
         self.device = pool.device
         self.gamma = drafter.gamma
         # graphs need a pass without data-dependent shapes (dense MoE in every stage)
@@ -104,7 +111,7 @@ class DraftPass:
         use_top_k, use_top_p = filters_used([r.params for r in reqs])
         greedy = all(r.params.greedy for r in reqs)
         size = bucket_size(R)
-        fused = self._fused_sampling(greedy, use_top_k, use_top_p, size)
+        fused = not self.gumbel and self._fused_sampling(greedy, use_top_k, use_top_p, size)
         # requests with penalties / logit_bias / min_tokens / min_p adjust every Markov step's
         # logits from their token history: an eager pass (the history is not a graph input)
         adjust = LogitAdjust.build(reqs, self.head.weight.shape[0], self.device)
@@ -116,12 +123,13 @@ class DraftPass:
                                "penalties / logit_bias / min_tokens / min_p")
             ints, floats = self._host_inputs(reqs, R)
             self._adjust = adjust
+            self._gumbel_reqs = reqs if self.gumbel else None
             try:
                 return self._draft(self.to_device(ints, torch.long),
                                    self.to_device(floats, torch.float32),
                                    use_top_k, use_top_p, greedy, quant, fused)
             finally:
-                self._adjust = None
+                self._adjust = self._gumbel_reqs = None
         ints, floats = self._host_inputs(reqs, size)
         self._fill(graph.inputs[0], ints, torch.long)
         self._fill(graph.inputs[1], floats, torch.float32)
@@ -279,7 +287,8 @@ class DraftPass:
         if fused:
             from .kernels.sampling import fused_sample, uniforms_triton
             from .kernels.sampling_filters import filter_logits
-        if not greedy:
+        gumbel = getattr(self, "_gumbel_reqs", None)
+        if not greedy and gumbel is None:
             # the uniform deciding the token at P+k+1, for all k at once (elementwise the same
             # values as one uniforms() call per step)
             u = (uniforms_triton if fused else uniforms)(
@@ -291,7 +300,15 @@ class DraftPass:
             x = base[:, k] + bias
             if adjust is not None:       # the same adjustment the target's row k gets
                 x = adjust.apply(x)
-            if greedy:
+            if gumbel is not None:
+                # every request's token from its own row, Gumbel-max with the noise of the
+                # position it decides: the target's draw there when the laws agree
+                prev = torch.stack([gumbel_token(x[i], r.params.temperature, r.params.top_k,
+                                                 r.params.top_p, r.seed, r.num_committed + k + 1)
+                                    for i, r in enumerate(gumbel)])
+                if not greedy:
+                    probs.append(probs_from_logits(x, temperature, top_k, top_p))
+            elif greedy:
                 # what probs_from_logits + sample_from_probs give at temperature 0: the point
                 # mass on the argmax (first index on ties), so that token, without the [R, V] work
                 prev = x.argmax(dim=1)

@@ -15,6 +15,10 @@ Sampled (temperature > 0) verification without top-k / top-p runs as one fused T
 CUDA (`dspark.kernels.sampling.fused_verify`) instead of a few hundred small torch kernels;
 DSPARK_REFERENCE_KERNELS=1 forces the torch path (`probs_from_logits` + `verify`), see
 `dspark.sampling.fused_sampling_enabled`.
+
+Engine(deterministic=True): the runner feeds every forward one token at a time and acceptance is
+`spec.accept.decide_gumbel` (Gumbel-max keyed by seed and position, dspark/spec/gumbel.py), so a
+request's tokens do not depend on its batch, chunking, speculation or preemption.
 """
 from __future__ import annotations
 
@@ -84,6 +88,11 @@ class Engine:
         check_model_dir(path)
         self.device = torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         c.check_environment(self.device)
+        if c.deterministic and self.device.type == "cuda":
+            # cuBLAS keeps one workspace per handle and stream; with this fixed configuration
+            # its results do not depend on which stream or workspace a call got (read when
+            # cuBLAS first initialises in the process: set it before any CUDA work to be sure)
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         model_type = _model_type(path)
         c.check_model_type(model_type)
         self.dtype = c.torch_dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -130,7 +139,7 @@ class Engine:
         (dspark/overlap.py): on by default on CUDA with the single-device DeepSeek-V4 runner."""
         plain_runner = type(self.runner) is ModelRunner
         if c.overlap_decode is None:
-            return self.device.type == "cuda" and plain_runner
+            return self.device.type == "cuda" and plain_runner and not c.deterministic
         if c.overlap_decode and not plain_runner:
             raise ValueError("overlap_decode=True needs the single-device DeepSeek-V4 runner "
                              "(not Qwen3 or tensor-parallel); leave it unset")
@@ -480,7 +489,8 @@ class Engine:
             if then is not None:
                 then(frozenset())
             return []
-        dec = decide(reqs, logits, first_rows, lengths, anchor_pos, self.gamma)
+        dec = decide(reqs, logits, first_rows, lengths, anchor_pos, self.gamma,
+                     deterministic=self.config.deterministic)
         # every result in ONE read back ([argmax | a, y] and the drafts), the rest on the host
         return self._commit(reqs, dec, dec.table().tolist(), taps, first_rows, lengths, anchor_pos,
                             logits=logits, then=then)

@@ -13,6 +13,14 @@ too; they land in `policy_options`. Checks happen in three places, each as early
   - `check_applies`: settings that do nothing for the checkpoint's model type (Qwen3 vs
     DeepSeek-V4), its drafter (none with speculative="none") or the KV layout are errors, not
     silently ignored.
+
+deterministic=True (DeepSeek-V4, one device): a request's logits, cache records and tokens are a
+function of its prompt, its SamplingParams and its seed alone: the same alone or in any batch,
+with any chunking, with speculation on or off, under any verify policy, after preemption. The
+runner computes every forward one token at a time and the drafter one request at a time (no
+kernel ever sees another row, so no reduction depends on the batch shape), and sampling is
+Gumbel-max keyed by (seed, position) (dspark/spec/gumbel.py). CUDA graphs and the overlapped
+decode are off in this mode (asking for them is an error).
 """
 from __future__ import annotations
 
@@ -63,6 +71,7 @@ class EngineConfig:
     cuda_graphs: bool | None = None            # the draft pass (and Qwen3 steps) as CUDA graphs
     target_cuda_graphs: bool | None = None     # DeepSeek-V4: the target's steps as CUDA graphs
     overlap_decode: bool | None = None         # DeepSeek-V4 single device: overlapped plain decode
+    deterministic: bool = False                # a request's tokens independent of batch / speculation
 
     def __post_init__(self):
         self._check_fields()
@@ -154,9 +163,31 @@ class EngineConfig:
         choice("weight_format", ("auto", "bf16", "quantized"))
         for name in ("cuda_graphs", "target_cuda_graphs", "overlap_decode"):
             flag(name)
+        flag("deterministic", optional=False)
+        if self.deterministic:
+            self._check_deterministic()
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise EngineConfigError("num_kv_blocks and kv_cache_memory both size the KV cache: "
                                     "give one of them")
+
+    def _check_deterministic(self):
+        """deterministic=True runs every forward one token at a time, eagerly, on one device,
+        with the Gumbel-max sampler: settings that would batch rows again are errors."""
+        batching = [n for n in ("cuda_graphs", "target_cuda_graphs", "overlap_decode")
+                    if getattr(self, n)]
+        if batching:
+            raise EngineConfigError(
+                f"{', '.join(f'{n}=True' for n in batching)} with deterministic=True: CUDA graphs "
+                f"and the overlapped decode run many requests' rows in one fixed-shape step, which "
+                f"deterministic mode does not (every forward is one token of one request); leave "
+                f"{'them' if len(batching) > 1 else 'it'} unset (off in deterministic mode) or "
+                f"set deterministic=False")
+        if self.tensor_parallel_size != 1:
+            raise EngineConfigError(
+                f"tensor_parallel_size={self.tensor_parallel_size} with deterministic=True: "
+                f"deterministic mode runs on one device (the all-reduce of the tensor-parallel "
+                f"forward is not batch-invariant); use tensor_parallel_size=1 or "
+                f"deterministic=False")
 
     def check_environment(self, device: torch.device) -> None:
         """What this process can run: CUDA for a CUDA device, a Triton driver for the Triton
@@ -187,6 +218,10 @@ class EngineConfig:
         """Settings that do nothing for this checkpoint's model type or the KV layout are errors
         (each names what it applies to) rather than silently ignored."""
         changed = self._changed
+        if model_type == "qwen3" and self.deterministic:
+            raise EngineConfigError(
+                "deterministic=True is implemented for DeepSeek-V4 checkpoints (their runner has "
+                "the token-serial forward); this checkpoint is Qwen3: set deterministic=False")
         if model_type == "qwen3":
             only_v4 = [n for n in _ONLY_V4 if changed(n)]
             if only_v4:

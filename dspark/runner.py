@@ -55,9 +55,14 @@ def _fp4_moe_routes_on_host(model) -> bool:
 class ModelRunner:
     def __init__(self, model, drafter=None, device="cpu", quant: QuantSim | None = None,
                  backend=None, cuda_graphs: bool = False, max_num_seqs: int = 8,
-                 target_graphs: bool = False):
+                 target_graphs: bool = False, deterministic: bool = False):
         self.model, self.drafter, self.device, self.quant = model, drafter, torch.device(device), quant
         self.max_num_seqs = max_num_seqs
+        # deterministic mode: every forward runs one token at a time and the drafter one
+        # request (one context row) at a time, so no computation ever sees another row
+        self.deterministic = deterministic
+        if deterministic and (cuda_graphs or target_graphs):
+            raise ValueError("deterministic=True runs no CUDA graphs (they batch rows)")
         # paged attention (dspark.attention backend over a PagedKVCache) or None: dense states
         self.backend = backend
         self.tap_layers = tuple(model.cfg.dspark_target_layer_ids) if drafter is not None else ()
@@ -69,7 +74,7 @@ class ModelRunner:
             slots = max_num_seqs if cuda_graphs else min(max_num_seqs, 8)
             self.draft_pool = drafter.new_pool(slots, drafter.main_proj.weight.device)
             self.draft_pass = DraftPass(drafter, model.embed, model.head, self.draft_pool,
-                                        cuda_graphs)
+                                        cuda_graphs, gumbel=deterministic)
         # on by default on CUDA (Engine(target_cuda_graphs=None)): the V4 target's decode /
         # equal-length verify steps as CUDA graphs (fixed-shape plan,
         # dspark/models/deepseek_v4/graph.py), captured lazily per (batch, q, pages) bucket with
@@ -136,6 +141,11 @@ class ModelRunner:
                                                     device=logits.device)]
                 return logits, taps
         items = [(st, start, token_list(toks)) for st, start, toks in items]
+        if self.deterministic:
+            return self._token_serial_forward(items, logit_rows)
+        return self._forward(items, logit_rows)
+
+    def _forward(self, items, logit_rows):
         batch = Batch.build(items, self.device)
         attn_fn = self.backend.forward_fn(batch) if self.backend is not None else None
         X, taps = self.model.forward_hidden(batch, attn_fn=attn_fn, quant=self.quant,
@@ -147,6 +157,23 @@ class ModelRunner:
             else:
                 X = X[torch.as_tensor(logit_rows, dtype=torch.long, device=self.device)]
         return self.model.logits(X), taps
+
+    def _token_serial_forward(self, items, logit_rows):
+        """The deterministic forward: the flat batch as one-token forwards, each request's tokens
+        in position order (its cache then holds the earlier ones). Every kernel sees one token
+        of one request, so each row's logits, taps and cache records are a function of that
+        request's tokens alone: the same in any batch, chunking, verify block or decode step."""
+        logits, taps = [], []
+        for st, start, toks in items:
+            for i, tok in enumerate(toks):
+                lg, tp = self._forward([(st, start + i, [tok])], None)
+                logits.append(lg)
+                if tp is not None:
+                    taps.append(tp)
+        logits = torch.cat(logits)
+        if logit_rows is not None:
+            logits = logits[torch.as_tensor(logit_rows, dtype=torch.long, device=logits.device)]
+        return logits, torch.cat(taps) if taps else None
 
     @torch.inference_mode()
     def commit_context(self, draft_state, taps, start: int):
@@ -184,6 +211,11 @@ class ModelRunner:
                 rows.append(taps[lo - start:].to(self.draft_pool.device))
                 slots += [st.take_slot()] * (hi - lo)
                 positions += range(lo, hi)
+        if self.deterministic:       # one row per write: a row's projection sees no other row
+            flat = torch.cat(rows)
+            for i, (slot, pos) in enumerate(zip(slots, positions)):
+                self.draft_pass.write_context([slot], [pos], [flat[i:i + 1]], self.quant)
+            return
         self.draft_pass.write_context(slots, positions, rows, self.quant)
 
     @torch.inference_mode()
@@ -194,6 +226,10 @@ class ModelRunner:
             return []
         if self.draft_pass is not None:
             self.flush_context()
+            if self.deterministic:    # one request per pass: its drafts depend on it alone
+                parts = [self.draft_pass([r], self.quant) for r in reqs]
+                return [DraftBlock(t[0], None if r.params.greedy else q[0], c[0])
+                        for r, (t, q, c) in zip(reqs, parts)]
             toks, probs, confs = self.draft_pass(reqs, self.quant)
             # greedy requests keep no [γ, V] distribution: their q is the point mass on the token
             return [DraftBlock(toks[i], None if r.params.greedy else probs[i], confs[i])

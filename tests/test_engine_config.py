@@ -31,7 +31,7 @@ def test_defaults_are_the_keyword_defaults():
                 sps_table=None, draft=None, cpu_threads=None, kv_layout="paged",
                 attention_backend="auto", num_kv_blocks=None, kv_cache_memory=None,
                 tensor_parallel_size=1, weight_format="auto", cuda_graphs=None,
-                target_cuda_graphs=None, overlap_decode=None)
+                target_cuda_graphs=None, overlap_decode=None, deterministic=False)
     got = dataclasses.asdict(EngineConfig())
     assert {k: got[k] for k in want} == want
     assert set(got) - set(want) == {"policy_options", "allow_long_max_model_len"}

@@ -184,6 +184,10 @@ def main(argv=None):
                    help="both engines replay the DeepSeek-V4 target's decode / verify steps as "
                         "CUDA graphs (the Engine default on CUDA); --no-target-cuda-graphs runs the "
                         "target eagerly (Python launch overhead included)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="both engines with deterministic=True (each request's tokens independent "
+                        "of its batch and of speculation; one-token forwards, Gumbel-max "
+                        "sampling): the mode's cost against the same run without it")
     p.add_argument("--quick", action="store_true", help="few short prompts: a CPU smoke run")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--plot", default=None, help="write a PNG here")
@@ -221,6 +225,8 @@ def main(argv=None):
         tokens_per_round(acc, len(acc))          # bad numbers fail here, before any run
     kw = dict(device=a.device, dtype=a.dtype, target_cuda_graphs=a.target_cuda_graphs,
               weight_format=_weight_format(model, a.weight_format))
+    if a.deterministic:
+        kw["deterministic"] = True
     specs = {pol: Engine(model, verify_policy=pol, progress=True, **kw) for pol in policies}
     off = Engine(model, speculative="none", **kw)
     spec = specs[policies[0]]
@@ -231,7 +237,8 @@ def main(argv=None):
     print(f"model {model}  device {spec.device}  dtype {str(spec.dtype).replace('torch.', '')}  "
           f"weights {kw['weight_format']}  γ={spec.cfg.dspark_block_size}  policies "
           f"{','.join(policies)}  temperature {a.temperature}  {len(prompts)} prompts × "
-          f"{a.max_tokens} tokens", file=sys.stderr)
+          f"{a.max_tokens} tokens" + ("  deterministic" if a.deterministic else ""),
+          file=sys.stderr)
     split = a.split if a.split is not None else a.model is not None
     sps = {pol: e.policy.sps.to_list() for pol, e in specs.items() if hasattr(e.policy, "sps")}
     for pol, pts in sps.items():       # what the scheduled policies weigh: step ms at B tokens

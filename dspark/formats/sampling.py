@@ -20,6 +20,7 @@ class Purpose(enum.IntEnum):
     DRAFT = 1
     ACCEPT = 2
     RESIDUAL = 3
+    GUMBEL = 4      # deterministic mode: per-(position, token) noise shared by target and drafter
 
 
 def _mix32(x):

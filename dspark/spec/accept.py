@@ -14,6 +14,7 @@ from ..logit_adjust import LogitAdjust
 from ..sampling import (argmax_rows, filters_used, fused_filters_enabled,
                         fused_sampling_enabled, probs_from_logits,
                         stack_params)
+from .gumbel import gumbel_tokens
 from .verify import verify
 
 
@@ -43,11 +44,15 @@ def _row_argmax(logits: torch.Tensor) -> torch.Tensor:
     return got if got is not None else argmax_rows(logits)
 
 
-def decide(reqs, logits, first_rows, lengths, anchor_pos, gamma: int) -> Decision:
+def decide(reqs, logits, first_rows, lengths, anchor_pos, gamma: int,
+           deterministic: bool = False) -> Decision:
     """The device part of a round's acceptance, nothing read back: per request the target's
     argmax rows (greedy) or [accepted a, next token y] (sampled verification, exact law).
     reqs carry .seed, .params and .draft (tokens, probs); logits [rows, V] of the flat forward;
-    first_rows / lengths (ℓ) / anchor_pos per request; gamma drafted tokens per block."""
+    first_rows / lengths (ℓ) / anchor_pos per request; gamma drafted tokens per block.
+    deterministic: `decide_gumbel` (every request on its own rows, the Gumbel-max sampler)."""
+    if deterministic:
+        return decide_gumbel(reqs, logits, first_rows, lengths, anchor_pos, gamma)
     g = gamma
     R, V, dev = len(reqs), logits.shape[-1], logits.device
     greedy = all(r.params.greedy for r in reqs)
@@ -118,3 +123,29 @@ def decide(reqs, logits, first_rows, lengths, anchor_pos, gamma: int) -> Decisio
         p = probs_from_logits(rows, rep(temp), rep(top_k), rep(top_p)).view(R, g + 1, V)
         res = verify(drafts, q, p, lens, seeds, P)
     return Decision(torch.stack([res.accepted, res.next_token], 1), drafts, verified, False)
+
+
+def decide_gumbel(reqs, logits, first_rows, lengths, anchor_pos, gamma: int) -> Decision:
+    """Deterministic mode's acceptance (spec/gumbel.py): per request, the token each of its rows
+    0..ℓ decides (row i decides position anchor + i + 1: the argmax for greedy requests, the
+    Gumbel-max draw keyed by (seed, that position) otherwise), from that row's logits adjusted
+    with the request's own history and the drafts before it; a = the leading run of drafts equal
+    to those tokens, y = the token of row a. Nothing depends on other requests, on ℓ (rows past
+    a are never emitted) or on the drafts' law: the emitted tokens are plain decoding's.
+    Returns [a, y] per request in the sampled layout (Decision.greedy False)."""
+    R, V, dev = len(reqs), logits.shape[-1], logits.device
+    g = gamma
+    heads, drafts = [], []
+    for req, f, n, p in zip(reqs, first_rows, lengths, anchor_pos):
+        x = req.draft.tokens[:g].to(dev).long() if n else torch.zeros(g, dtype=torch.long,
+                                                                      device=dev)
+        rows = logits[f:f + n + 1].float()
+        adjust = LogitAdjust.build([req], V, dev)
+        if adjust is not None:
+            pad = torch.cat([rows, rows[-1:].expand(g + 1 - rows.shape[0], V)])
+            rows = adjust.apply_block(pad[None], x[None])[0, :n + 1]
+        toks = gumbel_tokens(rows, req.params, req.seed, range(p + 1, p + n + 2))
+        a = (toks[:n] == x[:n]).long().cumprod(0).sum() if n else toks.new_zeros(())
+        heads.append(torch.stack([a, toks[a]]))
+        drafts.append(x)
+    return Decision(torch.stack(heads), torch.stack(drafts), any(lengths), False)

@@ -128,6 +128,8 @@ def _graph_settings(runner) -> str:
                      f"{getattr(tg, 'batch_buckets', [None])[-1]}")
     dp = getattr(runner, "draft_pass", None)
     parts.append(f"draft:{bool(getattr(dp, 'cuda_graphs', False))}")
+    if getattr(runner, "deterministic", False):     # one-token forwards: another cost curve
+        parts.append("deterministic")
     return ",".join(parts)
 
 

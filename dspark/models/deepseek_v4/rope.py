@@ -50,8 +50,15 @@ class Rope:
         table = self._tables.get(device)
         if table is None or table[0].shape[0] < n:
             size = max(n, 2 * (0 if table is None else table[0].shape[0]), 256)
-            ang = torch.arange(size, dtype=torch.float64, device="cpu")[:, None] * self.freqs[None, :]
-            cos, sin = ang.cos().float(), ang.sin().float()
+            # in blocks of 256 positions: a row's cos / sin never depend on the table's size
+            # (a multi-threaded CPU kernel may round a chunk's remainder through a scalar path,
+            # and where chunks end depends on the size; deterministic mode needs every row fixed)
+            cos, sin = [], []
+            for lo in range(0, size, 256):
+                pos = torch.arange(lo, min(lo + 256, size), dtype=torch.float64, device="cpu")
+                ang = pos[:, None] * self.freqs[None, :]
+                cos.append(ang.cos().float()), sin.append(ang.sin().float())
+            cos, sin = torch.cat(cos), torch.cat(sin)
             table = (torch.complex(cos, sin).to(device), torch.complex(cos, -sin).to(device))
             self._tables[device] = table
         return table

@@ -1,0 +1,73 @@
+"""Gumbel-max sampling keyed by (request seed, absolute position): the deterministic mode's
+sampler, shared by plain decoding, verification and the drafter.
+
+The token at position t of a request is argmax_v (x_v / T + g_v) over the kept tokens (top-k /
+top-p), with g_v = -log(-log u_v) and u_v a counter-based uniform keyed by (seed, t, v): by the
+Gumbel-max theorem that token has law softmax(x / T) restricted to the kept tokens, i.e. exactly
+the law `probs_from_logits` gives. Because the noise of position t is fixed before any model runs:
+  - plain decoding emits that argmax;
+  - verification accepts a draft exactly when it equals that argmax and otherwise emits the
+    argmax, so it emits the very tokens plain decoding would (speculation on == off, for any
+    drafts and any verify length), and every token still has law p;
+  - the drafter draws its own tokens as argmax(x_draft / T + g) with the SAME g (a coupling:
+    when q is close to p the two argmaxes agree often), which changes only how often drafts are
+    accepted, never what is emitted.
+Greedy rows (temperature 0) take the plain argmax.
+
+Every row is computed on its own [V] tensor: elementwise CPU kernels may round the remainder of
+a tensor through a scalar path, so a row's values must not depend on where it sits in a batch.
+The uniforms have 52 bits (float64, never 0 or 1), so the law is p up to 2**-52 per token.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..formats.sampling import _M32, Purpose, _mix32
+from ..sampling import probs_from_logits
+
+_TWO_M52 = 2.0 ** -52
+
+
+def _row_noise(seed: int, position: int, vocab: int, device) -> torch.Tensor:
+    """float64 [vocab] Gumbel noise of one (seed, position): the key hashed once on the host,
+    then one 32-bit mix per token index for each of two words (26 bits kept of each)."""
+    h = _mix32((0x9E3779B9 * (int(Purpose.GUMBEL) + 1)) & _M32)
+    for word in (seed & _M32, (seed >> 32) & _M32, (position >> 32) & _M32, position & _M32):
+        h = _mix32(h ^ word)
+    v = torch.arange(vocab, dtype=torch.int64, device=device)
+    w1 = _mix32(v ^ h)
+    w2 = _mix32(w1 ^ _mix32(h ^ 0x85EBCA6B))
+    k = (w1 >> 6) * (1 << 26) + (w2 >> 6)                       # 52 bits
+    u = (k.to(torch.float64) + 0.5) * _TWO_M52                   # in (0, 1), exact
+    return -torch.log(-torch.log(u))
+
+
+def gumbel_noise(seed: int, position: int, vocab: int, device="cpu") -> torch.Tensor:
+    """The noise g [vocab] (float64) that decides the token at `position` of the request seeded
+    `seed` (any int64)."""
+    return _row_noise(int(seed) & ((1 << 64) - 1), int(position), vocab, torch.device(device))
+
+
+def gumbel_token(row: torch.Tensor, temperature: float, top_k: int, top_p: float, seed: int,
+                 position: int) -> int | torch.Tensor:
+    """The token at `position` given its (adjusted) logits row [V]: argmax(row) for temperature
+    0, else argmax over the kept tokens of row / T + g(seed, position). Returns a 0-d int64
+    tensor on row's device (nothing read back)."""
+    if temperature == 0:
+        return row.argmax()
+    x = row.float()
+    if top_k > 0 or top_p < 1:
+        keep = probs_from_logits(x[None], torch.tensor([float(temperature)]),
+                                 torch.tensor([int(top_k)]), torch.tensor([float(top_p)]))[0] > 0
+        x = x.masked_fill(~keep, float("-inf"))
+    score = (x / float(temperature)).double() + gumbel_noise(seed, position, x.shape[0], x.device)
+    return score.argmax()
+
+
+def gumbel_tokens(rows: torch.Tensor, params, seed: int, positions) -> torch.Tensor:
+    """int64 [n]: `gumbel_token` of each row of rows [n, V], deciding `positions[i]`."""
+    return torch.stack([gumbel_token(rows[i], params.temperature, params.top_k, params.top_p,
+                                     seed, int(p)) for i, p in enumerate(positions)])
+
+
+__all__ = ["gumbel_noise", "gumbel_token", "gumbel_tokens"]
