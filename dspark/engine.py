@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import json
 import os
 import time
 
@@ -35,6 +34,8 @@ from .compile_stats import install_triton_hook
 from .engine_config import EngineConfig
 from .logprobs import emitted_logprobs, record_prompt_logprobs
 from .metrics import SpecMetrics
+from .model_dir import (check_model_dir, default_model_path, load_sts,  # noqa: F401 (API)
+                        load_tokenizer, read_model_type)
 from .outputs import RequestOutput, TextStream, request_output
 from .overlap import OverlappedDecode
 from . import prompts as _prompts
@@ -48,34 +49,6 @@ from .spec.verify import FinishReason, accept_greedy_host, emit_and_stop_host
 
 # a prompt of at most this many round widths is fed inside the rounds' graph steps (Engine.__init__)
 GRAPH_PREFILL_STEPS = 32
-
-
-def default_model_path() -> str:
-    return os.path.join(os.path.dirname(__file__), "assets", "default")
-
-
-def _model_type(path: str) -> str | None:
-    """config.json's model_type, or None when unreadable (the DeepSeek-V4 loader then reports)."""
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            return json.load(f).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def check_model_dir(path: str) -> None:
-    """A clear error for a path that is not a local checkpoint directory (e.g. a hub id)."""
-    if os.path.isdir(path):
-        return
-    parts = str(path).split("/")
-    if not os.path.exists(path) and len(parts) == 2 and all(parts) and not path.startswith("."):
-        raise ValueError(
-            f"{path!r} is not a local directory. It looks like a Hugging Face Hub id, and dspark "
-            f"loads checkpoints from disk only: download it first, e.g. `huggingface-cli download "
-            f"{path} --local-dir ./{parts[1]}`, then pass that directory (Engine('./{parts[1]}'))")
-    what = "does not exist" if not os.path.exists(path) else "is a file, not a directory"
-    raise ValueError(f"{path!r} {what}: pass the checkpoint directory (config.json, "
-                     f"*.safetensors, tokenizer.json)")
 
 
 class Engine:
@@ -93,7 +66,7 @@ class Engine:
             # its results do not depend on which stream or workspace a call got (read when
             # cuBLAS first initialises in the process: set it before any CUDA work to be sure)
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        model_type = _model_type(path)
+        model_type = read_model_type(path)
         c.check_model_type(model_type)
         self.dtype = c.torch_dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.kv_cache_dtype = c.kv_cache_dtype
@@ -112,7 +85,7 @@ class Engine:
             # synchronisation (measured 10-100x slower with 2 threads on a busy 2-core box)
             torch.set_num_threads(c.cpu_threads or 1)
         self.scheduler = Scheduler(c.max_num_seqs, c.max_num_batched_tokens, self.cache)
-        self.sts = self._load_sts(path)
+        self.sts = load_sts(path)
         self.policy = self._make_policy(c) if self.drafter is not None else None
         self.telemetry = collections.deque(maxlen=4096)   # per-step batch composition
         self.round_log = None     # set to a list to record (conf logits, verified, accepted) per round
@@ -126,7 +99,7 @@ class Engine:
             # which stalls every running request for its whole (host-bound) length
             self.scheduler.graph_prefill_tokens = GRAPH_PREFILL_STEPS * (1 + self.policy_width())
             self.scheduler.max_model_len = self.max_model_len
-        self.tokenizer = self._load_tokenizer(path)
+        self.tokenizer = load_tokenizer(path)
         eos = [cfg.eos_token_id, getattr(self.tokenizer, "eos_token_id", None)]
         self.eos_token_ids = tuple(dict.fromkeys(t for t in eos if t is not None))
         self._seed = c.seed
@@ -595,12 +568,6 @@ class Engine:
             return SpsTable.from_ms(override)
         return load_or_profile(self, max_num_seqs * (self.cfg.dspark_block_size + 1), progress)
 
-    @staticmethod
-    def _load_sts(path):
-        from .spec.calibrate import STS_FILENAME, load_sts
-        fn = os.path.join(path, STS_FILENAME)
-        return load_sts(fn) if os.path.exists(fn) else None
-
     def _output(self, req: Request, new_tokens: list) -> RequestOutput:
         finished = req.status == Status.FINISHED
         delta = ""
@@ -627,9 +594,3 @@ class Engine:
     def _check_prompt(self, prompt) -> list:
         return _prompts.parse(prompt, self.tokenizer, self.cfg.vocab_size,
                               getattr(self, "max_model_len", None), self.path)[1]
-
-    @staticmethod
-    def _load_tokenizer(path):
-        """tokenizer.json + tokenizer_config.json (special tokens, chat template), or None."""
-        from .tokenizer import Tokenizer
-        return Tokenizer.from_dir(path)
