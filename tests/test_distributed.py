@@ -183,19 +183,21 @@ def _passes(runner, cfg):
     return l1, l2, t2, block
 
 
-@pytest.mark.parametrize("ckpt,world,mode,fmt", [("tiny_ckpt", 2, "auto", "bf16"),
-                                                 ("tiny_ckpt", 4, "auto", "bf16"),
-                                                 ("tiny_quant_ckpt", 2, "auto", "bf16"),
-                                                 ("tiny_quant_ckpt", 4, "auto", "bf16"),
-                                                 ("tiny_ckpt", 2, "gather", "bf16"),
-                                                 ("tiny_quant_ckpt", 2, "auto", "quantized"),
-                                                 ("tiny_quant_ckpt", 4, "auto", "quantized")])
-def test_tp_logits_match_single_process(ckpt, world, mode, fmt, request):
+@pytest.mark.parametrize("ckpt,world,mode,fmt,drafter", [
+    ("tiny_ckpt", 2, "auto", "bf16", "sharded"),
+    ("tiny_ckpt", 4, "auto", "bf16", "replicated"),
+    ("tiny_quant_ckpt", 2, "auto", "bf16", "replicated"),
+    ("tiny_quant_ckpt", 4, "auto", "bf16", "sharded"),
+    ("tiny_ckpt", 2, "gather", "bf16", "replicated"),
+    ("tiny_quant_ckpt", 2, "auto", "quantized", "replicated"),
+    ("tiny_quant_ckpt", 4, "auto", "quantized", "sharded")])
+def test_tp_logits_match_single_process(ckpt, world, mode, fmt, drafter, request):
     """World N against the single-process engine. weight_format="quantized": every rank keeps its
     FP8 codes + scale tiles / its packed FP4 experts; on CPU a QuantLinear de-quantizes exactly
     and then runs F.linear, so the reference is the de-quantized ("bf16" format, fp32 compute)
     single-process engine at the same 1e-4 (fp32 partial sums reduced in another order) and the
-    single-process quantized engine equally."""
+    single-process quantized engine equally. drafter="sharded": the drafter split like the
+    target, every rank drafts; "replicated": rank 0 holds it whole and drafts alone."""
     path = request.getfixturevalue(ckpt)
     ref_runner, cfg = _reference(path)
     ref = _passes(ref_runner, cfg)
@@ -205,7 +207,7 @@ def test_tp_logits_match_single_process(ckpt, world, mode, fmt, request):
                     weight_format="quantized")
         refs.append(_passes(q1.runner, cfg))
     runner = DistributedRunner.launch(path, cfg, world, dtype=torch.float32, indexer_mode=mode,
-                                      weight_format=fmt)
+                                      weight_format=fmt, drafter_mode=drafter)
     try:
         got = _passes(runner, cfg)
         stats = runner.worker_stats()
@@ -219,12 +221,18 @@ def test_tp_logits_match_single_process(ckpt, world, mode, fmt, request):
     # workers hold one state pair per live request and drop them with rank 0's objects
     assert [s["rank"] for s in stats] == list(range(world))
     assert all(s["states"] <= 4 for s in stats[1:])
+    if drafter == "replicated":          # the drafter on rank 0 only, unsharded
+        from dspark.distributed.ep_moe import EPMoE
+        assert not any(isinstance(m, EPMoE) for m in runner.drafter.modules())
     if fmt == "quantized":
         from dspark.models.qlinear import QuantLinear
         assert isinstance(runner.model.layers[2].attn.wo_a, QuantLinear)
         assert all(s["weights"]["fp8"] > 0 and s["weights"]["fp4"] > 0 for s in stats)
-        # every rank holds 1/world of the routed experts, packed
-        assert len({s["weights"]["fp4"] for s in stats}) == 1
+        # every rank holds 1/world of the routed experts, packed (rank 0 also the whole
+        # drafter's when it is replicated)
+        fp4 = [s["weights"]["fp4"] for s in stats]
+        assert len(set(fp4[1:] if drafter == "replicated" else fp4)) == 1
+        assert drafter == "sharded" or fp4[0] > fp4[1]
 
 
 def test_tp_fp8_kv_rounding_stays_close(tiny_quant_ckpt):

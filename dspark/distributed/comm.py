@@ -49,15 +49,25 @@ def rank_device(device, rank: int) -> torch.device:
 @dataclass
 class TPGroup:
     """One rank's view of a tensor-parallel group. `group=None` means the default process group;
-    with world == 1 every collective is a no-op, so sharded modules also run in one process."""
+    with world == 1 every collective is a no-op, so sharded modules also run in one process.
+
+    Every collective has a fixed shape and no host read, so on CUDA it can be captured inside
+    a CUDA graph (NCCL). `trace`: a list to append (kind, shape, dtype) of each collective
+    issued (for counting a step's communication; None: off)."""
     rank: int = 0
     world: int = 1
     group: Any = None
     cpu_group: Any = None
+    trace: list | None = None
+
+    def _note(self, kind: str, t: torch.Tensor) -> None:
+        if self.trace is not None:
+            self.trace.append((kind, tuple(t.shape), t.dtype))
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """In-place sum over ranks; returns t. Every rank receives the same bits."""
         if self.world > 1:
+            self._note("all_reduce", t)
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return t
 
@@ -65,10 +75,22 @@ class TPGroup:
         """Concatenation over ranks (in rank order) along `dim`."""
         if self.world == 1:
             return t
+        self._note("all_gather", t)
         t = t.contiguous()
+        if t.is_cuda:            # one NCCL call into one buffer (rank-major), then the layout
+            out = torch.empty((self.world, *t.shape), dtype=t.dtype, device=t.device)
+            dist.all_gather_into_tensor(out, t, group=self.group)
+            return torch.cat(out.unbind(0), dim=dim)
         parts = [torch.empty_like(t) for _ in range(self.world)]
         dist.all_gather(parts, t, group=self.group)
         return torch.cat(parts, dim=dim)
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """In place: every rank's `t` becomes rank `src`'s (a device tensor on the data group)."""
+        if self.world > 1:
+            self._note("broadcast", t)
+            dist.broadcast(t, src=src, group=self.group)
+        return t
 
 
 def init_distributed(rank: int, world: int, init_method: str, device="cpu",

@@ -43,12 +43,32 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dspark.request import token_list
 from dspark.runner import ModelRunner, QuantSim
 
 from .comm import (TPGroup, destroy_distributed, init_distributed, local_init_method,
                    rank_device)
 from .sharding import check_quantized_split, check_world_size
-from .tp import build_rank_model, set_indexer_mode
+from .tp import build_full_drafter, build_rank_model, set_indexer_mode
+
+DRAFTER_MODES = ("replicated", "sharded")
+
+
+def resolve_weight_format(cfg, world: int, weight_format: str, include=None) -> str:
+    """weight_format="auto" under tensor parallelism: "quantized" for an FP8 / FP4 checkpoint
+    whose every rank's split falls on the scale blocks (each rank runs the quantized kernels on
+    its codes), else "bf16"."""
+    if weight_format not in ("auto", "bf16", "quantized"):
+        raise ValueError(f"weight_format={weight_format!r}: use 'auto', 'bf16' or 'quantized'")
+    if weight_format != "auto":
+        return weight_format
+    if not (cfg.weight_dtype == "fp8" or cfg.expert_format in ("fp8", "fp4")):
+        return "bf16"
+    try:
+        check_quantized_split(cfg, world, include)
+    except ValueError:
+        return "bf16"
+    return "quantized"
 
 
 class _MirroredCache:
@@ -95,7 +115,7 @@ class RankSpec:
     init_method: str
     device: str
     dtype: torch.dtype
-    drafter: bool
+    drafter: str | None             # "replicated" | "sharded" | None (no drafter)
     quant: bool
     indexer_mode: str
     timeout_s: float
@@ -116,6 +136,17 @@ def memory_stats(runner) -> dict:
     return out
 
 
+def fixed_shape_steps(runner, tp: TPGroup, q_lens, max_batch: int, capture: bool):
+    """This rank's V4DecodeGraphs over its cache: rank 0 leads (fills the inputs and the plan),
+    the others follow (they receive both by a broadcast inside the step)."""
+    from dspark.models.deepseek_v4.graph import V4DecodeGraphs
+    backend = runner.backend
+    share = (lambda t: tp.broadcast(t, src=0)) if tp.world > 1 else None
+    return V4DecodeGraphs(runner.model, backend.cache, backend, q_lens=q_lens,
+                          max_batch=max_batch, tap_layers=runner.tap_layers, capture=capture,
+                          share_inputs=share, follower=tp.rank > 0)
+
+
 # ---- worker side ---------------------------------------------------------------------------
 
 def _worker_main(rank: int, spec: RankSpec, status) -> None:
@@ -125,8 +156,10 @@ def _worker_main(rank: int, spec: RankSpec, status) -> None:
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         tp = TPGroup(rank, spec.world)
-        model, drafter = build_rank_model(spec.path, spec.cfg, tp, spec.dtype, dev, spec.drafter,
-                                          spec.indexer_mode, weight_format=spec.weight_format)
+        # drafter="replicated": rank 0 holds the whole drafter and drafts alone
+        model, drafter = build_rank_model(spec.path, spec.cfg, tp, spec.dtype, dev,
+                                          spec.drafter == "sharded", spec.indexer_mode,
+                                          weight_format=spec.weight_format)
     except BaseException:
         status.put(("error", rank, traceback.format_exc()))
         return
@@ -168,6 +201,7 @@ class Worker:
         return {"rank": self.tp.rank, "states": len(self.states),
                 "cache_requests": None if cache is None else len(cache._reqs),
                 "cache_free_pages": None if cache is None else cache.num_free_pages,
+                "fixed_steps": getattr(self.runner.target_graphs, "num_replays", None),
                 **memory_stats(self.runner)}
 
     def serve(self) -> None:
@@ -189,8 +223,19 @@ class Worker:
                 self.states.pop(key, None)
         elif kind == "fwd":
             _, items, logit_rows = op
-            items = [(self._state(ref), start, toks) for ref, start, toks in items]
-            _, self.last_taps = self.runner.target_forward(items, logit_rows)
+            # an int: that many tokens, which the fixed-shape step receives from rank 0 itself
+            if any(isinstance(toks, int) for _, _, toks in items):
+                graphs = self.runner.target_graphs
+                items = [(self._state(ref), start, [0] * toks) for ref, start, toks in items]
+                self.runner.flush_context()
+                out = graphs.run(items) if graphs is not None else None
+                if out is None:
+                    raise RuntimeError(f"rank {self.tp.rank}: a step rank 0 ran fixed-shape does "
+                                       f"not fit this rank's fixed-shape path")
+                self.last_taps = out[1]
+            else:
+                items = [(self._state(ref), start, toks) for ref, start, toks in items]
+                _, self.last_taps = self.runner.target_forward(items, logit_rows)
         elif kind == "ctx":
             _, ref, rows, start = op
             taps = self.last_taps[rows[0]:rows[1]] if isinstance(rows, tuple) else rows.to(
@@ -211,9 +256,10 @@ class Worker:
                 raise RuntimeError(f"rank {self.tp.rank}: KV cache {name}{args} gave "
                                    f"{got or 'success'} here but {expected or 'success'} on rank 0")
         elif kind == "configure":
-            _, quant, backend_cls, spec = op
+            _, quant, backend_cls, spec, steps = op
             self.runner.quant = quant
             self.runner.backend = None
+            self.runner.target_graphs = None
             if backend_cls is not None:
                 from dspark.kvcache.paged import PagedKVCache
                 cache = PagedKVCache(self.runner.model.cfg, device=self.runner.device, **spec)
@@ -221,6 +267,14 @@ class Worker:
             for m in (self.runner.model, self.runner.drafter):
                 if m is not None:
                     set_indexer_mode(m, "auto", paged=backend_cls is not None)
+            if steps is not None:
+                self.runner.target_graphs = fixed_shape_steps(self.runner, self.tp, **steps)
+        elif kind == "capture":
+            if self.runner.target_graphs is not None:
+                self.runner.target_graphs.capture_all(op[1])
+        elif kind == "commbench":
+            from .comm_profile import time_collectives
+            time_collectives(self.tp, *op[1:])
         elif kind == "stats":
             dist.gather_object(self.stats(), None, dst=0, group=self.tp.cpu_group)
         elif kind == "stop":
@@ -274,9 +328,15 @@ def _close_at_exit(ref) -> None:
 class DistributedRunner(ModelRunner):
     """Rank 0 of a tensor-parallel group, with the ModelRunner API the engine uses."""
 
-    def __init__(self, model, drafter, device, quant, tp: TPGroup, procs):
-        super().__init__(model, drafter, device, quant)
+    def __init__(self, model, drafter, device, quant, tp: TPGroup, procs,
+                 drafter_mode: str = "replicated", cuda_graphs: bool = False,
+                 max_num_seqs: int = 8):
+        # a replicated drafter runs on rank 0 alone, collective-free: its draft pass is the
+        # single-device one (CUDA graphs included)
+        super().__init__(model, drafter, device, quant, cuda_graphs=cuda_graphs and
+                         drafter_mode == "replicated", max_num_seqs=max_num_seqs)
         self.tp, self._procs = tp, procs
+        self.drafter_mode = drafter_mode if drafter is not None else None
         self._keys = itertools.count()
         self._freed = collections.deque()      # state refs whose rank-0 objects were collected
         self._queued: list = []                # commit_context ops awaiting the next message
@@ -293,15 +353,23 @@ class DistributedRunner(ModelRunner):
                drafter: bool = True, quant: QuantSim | None = None, indexer_mode: str = "auto",
                progress: bool = False, timeout_s: float = 1800.0,
                start_timeout_s: float | None = None, threads: int | None = None,
-               weight_format: str = "bf16"):
+               weight_format: str = "auto", drafter_mode: str = "replicated",
+               cuda_graphs: bool | None = None, max_num_seqs: int = 8):
         """Spawn ranks 1..N-1, load rank 0's shard here, wait for every shard, form the group.
-        weight_format="quantized": FP8 / FP4 slices stay quantized on every rank (QuantLinear)."""
+        weight_format: "quantized" (FP8 / FP4 slices stay quantized on every rank, QuantLinear),
+        "bf16" (de-quantized at load) or "auto" (quantized for an FP8 / FP4 checkpoint whose
+        splits fall on its scale blocks). drafter_mode: "replicated" (rank 0 holds the whole
+        drafter and drafts alone, no collectives; the default) or "sharded" (split like the
+        target, every rank runs the draft pass). cuda_graphs: the replicated draft pass as CUDA
+        graphs (default: on CUDA)."""
         check_world_size(cfg, world_size)
+        if drafter_mode not in DRAFTER_MODES:
+            raise ValueError(f"drafter={drafter_mode!r}: use one of {DRAFTER_MODES}")
+        sharded_draft = drafter and drafter_mode == "sharded"
+        include = None if sharded_draft else lambda n: not n.startswith("mtp.")
+        weight_format = resolve_weight_format(cfg, world_size, weight_format, include)
         if weight_format == "quantized":        # fail before spawning anything
-            check_quantized_split(cfg, world_size,
-                                  None if drafter else lambda n: not n.startswith("mtp."))
-        elif weight_format != "bf16":
-            raise ValueError(f"weight_format={weight_format!r}: use 'bf16' or 'quantized'")
+            check_quantized_split(cfg, world_size, include)
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialised in this process: one "
                                "tensor-parallel engine per process (close() the other one first)")
@@ -310,8 +378,8 @@ class DistributedRunner(ModelRunner):
                 (torch.device(device).index or 0) + world_size):
             raise ValueError(f"tensor_parallel_size={world_size} needs {world_size} GPUs from "
                              f"{device}; {torch.cuda.device_count()} visible")
-        spec = RankSpec(path, cfg, world_size, local_init_method(), device, dtype, drafter,
-                        quant is not None, indexer_mode, timeout_s,
+        spec = RankSpec(path, cfg, world_size, local_init_method(), device, dtype,
+                        drafter_mode if drafter else None, quant is not None, indexer_mode, timeout_s,
                         threads or torch.get_num_threads(), weight_format)
         ctx = mp.get_context("spawn")
         status = ctx.Queue()
@@ -324,8 +392,11 @@ class DistributedRunner(ModelRunner):
                 procs.append((r, p))
             tp = TPGroup(0, world_size)
             dev = rank_device(device, 0)
-            model, draft = build_rank_model(path, cfg, tp, dtype, dev, drafter, indexer_mode,
-                                            progress=progress, weight_format=weight_format)
+            model, draft = build_rank_model(path, cfg, tp, dtype, dev, sharded_draft,
+                                            indexer_mode, progress=progress,
+                                            weight_format=weight_format)
+            if drafter and not sharded_draft:
+                draft = build_full_drafter(path, cfg, dtype, dev, weight_format, progress)
             _wait_ready(procs, status, start_timeout_s)
             g = init_distributed(0, world_size, spec.init_method, device, timeout_s)
             tp.group, tp.cpu_group = g.group, g.cpu_group
@@ -336,17 +407,31 @@ class DistributedRunner(ModelRunner):
             _reap(procs, 5)
             destroy_distributed()
             raise
-        return cls(model, draft, dev, quant, tp, procs)
+        if cuda_graphs is None:
+            cuda_graphs = dev.type == "cuda"
+        return cls(model, draft, dev, quant, tp, procs, drafter_mode, cuda_graphs, max_num_seqs)
 
-    def configure(self, quant: QuantSim | None = None, backend=None) -> "DistributedRunner":
+    def configure(self, quant: QuantSim | None = None, backend=None,
+                  target_graphs: bool = False) -> "DistributedRunner":
         """Set the KV rounding and the attention backend (None: dense per-request state) on
         every rank. Rank 0 keeps `backend` itself; workers build the same backend class over a
-        PagedKVCache of the same geometry, and rank 0's cache calls are mirrored to them."""
+        PagedKVCache of the same geometry, and rank 0's cache calls are mirrored to them.
+        target_graphs (paged backends): decode / verify steps on the fixed-shape path on every
+        rank (dspark/models/deepseek_v4/graph.py: captured as CUDA graphs with the collectives
+        inside on CUDA, run eagerly on CPU); the cache needs one slot and one page more than
+        the scheduler hands out (the scratch request)."""
         self.quant, self.backend = quant, backend
-        spec = None
+        self.target_graphs = None
+        spec = steps = None
         if backend is not None:
             cache = backend.cache
             spec = cache_spec(cache)
+            if target_graphs:
+                # before the cache calls are mirrored: every rank registers its own scratch
+                gamma = getattr(self.drafter, "gamma", 0) if self.drafter is not None else 0
+                steps = dict(q_lens=tuple(range(1, gamma + 2)), max_batch=self.max_num_seqs,
+                             capture=self.device.type == "cuda")
+                self.target_graphs = fixed_shape_steps(self, self.tp, **steps)
             if not isinstance(cache, _MirroredCache):
                 cache.__class__ = type(f"Mirrored{type(cache).__name__}",
                                        (_MirroredCache, type(cache)), {})
@@ -354,7 +439,9 @@ class DistributedRunner(ModelRunner):
         for m in (self.model, self.drafter):
             if m is not None:
                 set_indexer_mode(m, "auto", paged=backend is not None)
-        self._queued.append(("configure", quant, None if backend is None else type(backend), spec))
+        self.uniform_verify = self.target_graphs is not None
+        self._queued.append(("configure", quant, None if backend is None else type(backend), spec,
+                             steps))
         return self
 
     def _queued_append(self, op) -> None:
@@ -427,7 +514,13 @@ class DistributedRunner(ModelRunner):
 
     def target_forward(self, items, logit_rows=None, snapshot: bool = True):
         items = list(items)
-        msg = [(self._ref(st, "t"), int(start), [int(t) for t in toks]) for st, start, toks in items]
+        if self.target_graphs is not None and self.target_graphs.fits(items) is not None:
+            # a fixed-shape step: the workers receive the token ids (drafts still on this
+            # device included) and the plan in the step itself; no read of the device here
+            msg = [(self._ref(st, "t"), int(start), len(toks)) for st, start, toks in items]
+        else:
+            msg = [(self._ref(st, "t"), int(start), [int(t) for t in token_list(toks)])
+                   for st, start, toks in items]
         rows = None if logit_rows is None else [int(r) for r in logit_rows]
         logits, taps = self._run([("fwd", msg, rows)],
                                  lambda: ModelRunner.target_forward(self, items, logit_rows,
@@ -437,15 +530,32 @@ class DistributedRunner(ModelRunner):
 
     def commit_context(self, draft_state, taps, start: int):
         super().commit_context(draft_state, taps, start)
+        if self.drafter_mode != "sharded":       # the drafter lives on rank 0 alone
+            return
         rows = self._rows_of_last_taps(taps)
         self._queued.append(("ctx", self._ref(draft_state, "d"),
                              rows if rows is not None else taps.detach().cpu(), int(start)))
 
     def draft(self, reqs) -> list:
         reqs = list(reqs)
+        if self.drafter_mode != "sharded":       # rank 0's whole drafter: no message, no wait
+            return ModelRunner.draft(self, reqs)
         msg = [(int(r.anchor), int(r.num_committed), self._ref(r.draft_state, "d"), r.params,
                 int(r.seed)) for r in reqs]
         return self._run([("draft", msg)], lambda: ModelRunner.draft(self, reqs))
+
+    def capture_graphs(self, q_lens, max_position: int, progress: bool = False) -> dict:
+        """ModelRunner.capture_graphs on every rank together: the target's buckets (their
+        collectives meet rank by rank), the replicated draft pass on rank 0 alone."""
+        return self._run([("capture", tuple(q_lens))],
+                         lambda: ModelRunner.capture_graphs(self, q_lens, max_position, progress))
+
+    def collective_time(self, shapes, iters: int = 20) -> float:
+        """Seconds one round of `shapes` [(kind, shape, dtype)] costs on this group (every rank
+        runs them; rank 0 times them): the communication of a step (comm_profile.py)."""
+        from .comm_profile import time_collectives
+        return self._run([("commbench", list(shapes), iters)],
+                         lambda: time_collectives(self.tp, list(shapes), iters))
 
     def worker_stats(self) -> list[dict]:
         """Per-rank bookkeeping (live request states, KV cache requests and free pages, weight
@@ -455,6 +565,7 @@ class DistributedRunner(ModelRunner):
         mine = {"rank": 0, "states": None,
                 "cache_requests": None if cache is None else len(cache._reqs),
                 "cache_free_pages": None if cache is None else cache.num_free_pages,
+                "fixed_steps": getattr(self.target_graphs, "num_replays", None),
                 **memory_stats(self)}
         out = [None] * self.tp.world
 

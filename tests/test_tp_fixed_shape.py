@@ -1,0 +1,197 @@
+"""The single-device fast path under tensor / expert parallelism, on CPU (gloo, several processes).
+
+* the fixed-shape decode / verify step (V4DecodeGraphs + static_forward, run eagerly on CPU;
+  captured as CUDA graphs on GPU) on every rank, the collectives inside the step and rank 0's
+  inputs and plan broadcast in it: logits and taps at world 2 and 4 equal the single-process
+  eager paged forward (an independent path, itself checked against the dense reference and HF)
+  within fp32 tolerance, greedy choices exactly where the reference's top-2 margin exceeds
+  the tolerance by far;
+* the collectives a step issues are the ones comm_profile.step_collectives lists (what the
+  benchmark times);
+* the expert-parallel MoE's fixed-shape paths: the ranks' partials sum to the whole MoE;
+* DSpark rounds through the Engine at world 2: greedy tokens equal world 1.
+"""
+import multiprocessing
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dspark import Engine, SamplingParams
+from dspark.attention import get_backend
+from dspark.config import ModelConfig
+from dspark.distributed.comm import TPGroup
+from dspark.distributed.comm_profile import step_collectives
+from dspark.distributed.engine import DistributedRunner
+from dspark.kvcache.paged import PagedKVCache
+from dspark.models.deepseek_v4.graph import reserve_scratch
+from dspark.request import BlockTokens
+from dspark.runner import ModelRunner
+
+TOL = 1e-4
+MARGIN = 1e-2        # 100x the logits tolerance: a greedy choice this clear cannot flip
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_group():
+    yield
+    assert not dist.is_initialized(), "a test left a process group behind"
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("dspark-tp")]
+
+
+def _cache(cfg):
+    return PagedKVCache(cfg, kv_cache_dtype="fp32", block_size=16, num_blocks=24, max_num_seqs=4,
+                        lookahead=cfg.dspark_block_size, max_batch_tokens=96)
+
+
+def _steps(cfg):
+    """(prefill items, then fixed-shape steps) for 3 requests: decode (q = 1) and verify blocks
+    (q = γ + 1, drafts as device tensors) crossing ratio-4 and ratio-16 entry boundaries, with
+    rollbacks (truncate) after verifies. Each step: (items, truncations after it)."""
+    V, q = cfg.vocab_size, cfg.dspark_block_size + 1
+    lens = [14, 3, 29]
+    prefill = [(r, 0, [(7 * i + 3 * r + 1) % V for i in range(n)]) for r, n in enumerate(lens)]
+    steps, pos = [], list(lens)
+    for k in range(6):
+        if k % 2 == 0:
+            items = [(r, pos[r], [(5 * k + r + 2) % V]) for r in range(3)]
+            steps.append((items, {}))
+            pos = [p + 1 for p in pos]
+        else:
+            items = [(r, pos[r], BlockTokens((3 * k + r) % V, torch.tensor(
+                [(11 * k + 7 * j + r) % V for j in range(q - 1)]))) for r in range(3)]
+            keep = {r: pos[r] + 1 + (k + r) % q for r in range(3)}      # accepted: 1..q rows
+            steps.append((items, keep))
+            pos = [min(keep[r], pos[r] + q) for r in range(3)]
+    return prefill, steps, pos
+
+
+def _drive(runner, cache, cfg):
+    """Run `_steps` on `runner` over `cache`; [(logits, taps)] of every fixed-shape step."""
+    prefill, steps, end = _steps(cfg)
+    q = cfg.dspark_block_size + 1
+    for rid, _, toks in prefill:
+        cache.add_request(rid)
+        cache.reserve(rid, len(toks) + 2 * q)
+    runner.target_forward(prefill)
+    out = []
+    for items, keep in steps:
+        for rid, start, toks in items:
+            cache.reserve(rid, start + len(toks) + q)
+        logits, taps = runner.target_forward(items)
+        out.append((logits.clone(), None if taps is None else taps.clone()))
+        for rid, n in keep.items():
+            cache.truncate(rid, n)
+    return out
+
+
+def _reference(path):
+    cfg = ModelConfig.from_path(path)
+    eng = Engine(path, device="cpu", dtype="fp32", kv_cache_dtype="fp32", kv_layout="dense")
+    cache = _cache(cfg)
+    reserve_scratch(cache)                 # the slot / page numbering of the fixed-shape caches
+    runner = ModelRunner(eng.model, eng.drafter, "cpu", None,
+                         backend=get_backend("reference")(cache))
+    return cfg, _drive(runner, cache, cfg)
+
+
+def _assert_same(got, want):
+    for (lg, tg), (lw, tw) in zip(got, want):
+        torch.testing.assert_close(lg, lw, rtol=TOL, atol=TOL)
+        torch.testing.assert_close(tg, tw, rtol=TOL, atol=TOL)
+        top2 = lw.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > MARGIN
+        assert clear.float().mean() > 0.5                      # the check has teeth
+        assert torch.equal(lg.argmax(-1)[clear], lw.argmax(-1)[clear])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fixed_shape_steps_under_tp_equal_world_1(tiny_ckpt, world):
+    cfg, want = _reference(tiny_ckpt)
+    runner = DistributedRunner.launch(tiny_ckpt, cfg, world, dtype=torch.float32)
+    try:
+        cache = _cache(cfg)
+        runner.configure(None, get_backend("reference")(cache), target_graphs=True)
+        assert runner.target_graphs is not None and runner.uniform_verify
+        got = _drive(runner, cache, cfg)
+        # the collectives of one more decode step: what the benchmark times
+        items = [(r, start, [1]) for r, start in enumerate(_steps(cfg)[2])]
+        for rid, start, _ in items:
+            cache.reserve(rid, start + 1)
+        B, q, P = runner.target_graphs.fits(items)
+        runner.tp.trace = []
+        runner.target_forward(items)
+        trace, runner.tp.trace = runner.tp.trace, None
+        stats = runner.worker_stats()
+    finally:
+        runner.shutdown()
+    _assert_same(got, want)
+    # every step on every rank took the fixed-shape path
+    assert [s["fixed_steps"] for s in stats] == [len(want) + 1] * world
+    words = runner.target_graphs._layout(B, q, P).end
+    assert trace == step_collectives(cfg, world, B * q, words)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("ckpt", ["tiny_ckpt", "tiny_quant_ckpt"])
+def test_ep_moe_partials_sum_to_the_moe(ckpt, world, request):
+    """Each rank's fixed-shape routed-expert partial (gathered plain experts; FP4 experts through
+    fp4_moe_grouped, the Triton kernels interpreted) + shared part, summed over ranks, equals the
+    single-device MoE of the same weights."""
+    from dspark.distributed.tp import build_rank_model
+    from dspark.models.qlinear import QuantLinear
+    path = request.getfixturevalue(ckpt)
+    cfg = ModelConfig.from_path(path)
+    fmt = "quantized" if ckpt == "tiny_quant_ckpt" else "bf16"
+    full = Engine(path, device="cpu", dtype="fp32", kv_cache_dtype="fp32", kv_layout="dense",
+                  weight_format=fmt, speculative="none").model
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, cfg.hidden_size, generator=g)
+    ids = torch.randint(0, cfg.vocab_size, (7,), generator=g)
+    for layer in (0, 3):                    # a hash-routed and a score-routed layer
+        with torch.inference_mode():
+            want = full.layers[layer].ffn(x, ids)
+            total = torch.zeros_like(want)
+            for rank in range(world):
+                model, _ = build_rank_model(path, cfg, TPGroup(rank, world), weight_format=fmt)
+                ffn = model.layers[layer].ffn
+                if fmt == "quantized":
+                    for e in ffn.experts.values():
+                        assert isinstance(e.w1, QuantLinear) and e.w1.kind == "fp4"
+                        e.w1.backend = "triton"     # the grouped kernels (interpreted)
+                idx, w = ffn.gate(x, ids)
+                assert ffn.routed_fixed(x, idx, w) is not None
+                total += ffn.partial(x, ids)
+        torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-5)
+
+
+def _first_difference(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+@pytest.mark.parametrize("drafter", ["replicated", "sharded"])
+def test_dspark_rounds_under_tp_greedy_equal_world_1(tiny_ckpt, drafter):
+    """Engine.generate with DSpark at world 2 (fixed-shape steps on every rank, the drafter
+    replicated on rank 0 or sharded) against world 1. Greedy output is the target's greedy
+    sequence whatever was drafted; a token may differ only where world 1's top-2 logits are
+    within the tolerance of a tie (checked, so the test cannot flake on one)."""
+    kw = dict(device="cpu", dtype="fp32", kv_cache_dtype="fp32", attention_backend="reference",
+              max_num_seqs=3, max_num_batched_tokens=64)
+    prompts = [[(7 * i + 3 * r + 1) % 1024 for i in range(5 + 11 * r)] for r in range(3)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    one = Engine(tiny_ckpt, **kw)
+    want = [list(o.token_ids) for o in one.generate(prompts, sp)]
+    eng = Engine(tiny_ckpt, tensor_parallel_size=2, target_cuda_graphs=True,
+                 tensor_parallel_drafter=drafter, **kw)
+    try:
+        res = eng.generate(prompts, sp)
+        stats = eng.runner.worker_stats()
+    finally:
+        eng.close()
+    assert all(o.metrics.verified > 0 for o in res)               # DSpark rounds ran
+    assert all(s["fixed_steps"] > 0 for s in stats)               # through the fixed-shape step
+    for p, w, o in zip(prompts, want, res):
+        i = _first_difference(list(o.token_ids), w)
+        if i is not None:
+            top2 = one.score(p + w[:i])[-1].topk(2).values
+            assert top2[0] - top2[1] < 1e-3, (i, w, list(o.token_ids))
