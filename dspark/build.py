@@ -101,10 +101,10 @@ def auto_weight_format(cfg: ModelConfig, device, tensor_parallel_size: int = 1,
     """weight_format="auto": "quantized" for an FP8 / FP4 checkpoint on CUDA (the quantized
     kernels run there, at a quarter of the expert memory) and under tensor parallelism (every
     rank keeps its codes, where each rank's split falls on the scale blocks:
-    distributed.engine.resolve_weight_format), else "bf16" (de-quantized at load: the CPU
+    distributed.sharding.resolve_weight_format), else "bf16" (de-quantized at load: the CPU
     path)."""
     if tensor_parallel_size > 1:
-        from .distributed.engine import resolve_weight_format
+        from .distributed.sharding import resolve_weight_format
         include = None if sharded_drafter else (lambda n: not n.startswith("mtp."))
         return resolve_weight_format(cfg, tensor_parallel_size, "auto", include)
     quantized = cfg.weight_dtype == "fp8" or cfg.expert_format in ("fp8", "fp4")

@@ -48,27 +48,11 @@ from dspark.runner import ModelRunner, QuantSim
 
 from .comm import (TPGroup, destroy_distributed, init_distributed, local_init_method,
                    rank_device)
-from .sharding import check_quantized_split, check_world_size
-from .tp import build_full_drafter, build_rank_model, set_indexer_mode
+from .sharding import check_quantized_split, check_world_size, resolve_weight_format
+from .tp import build_full_drafter, build_rank_model, fixed_shape_steps, set_indexer_mode
 
 DRAFTER_MODES = ("replicated", "sharded")
 
-
-def resolve_weight_format(cfg, world: int, weight_format: str, include=None) -> str:
-    """weight_format="auto" under tensor parallelism: "quantized" for an FP8 / FP4 checkpoint
-    whose every rank's split falls on the scale blocks (each rank runs the quantized kernels on
-    its codes), else "bf16"."""
-    if weight_format not in ("auto", "bf16", "quantized"):
-        raise ValueError(f"weight_format={weight_format!r}: use 'auto', 'bf16' or 'quantized'")
-    if weight_format != "auto":
-        return weight_format
-    if not (cfg.weight_dtype == "fp8" or cfg.expert_format in ("fp8", "fp4")):
-        return "bf16"
-    try:
-        check_quantized_split(cfg, world, include)
-    except ValueError:
-        return "bf16"
-    return "quantized"
 
 
 class _MirroredCache:
@@ -134,17 +118,6 @@ def memory_stats(runner) -> dict:
                    cuda_max_allocated=torch.cuda.max_memory_allocated(dev),
                    cuda_reserved=torch.cuda.memory_reserved(dev))
     return out
-
-
-def fixed_shape_steps(runner, tp: TPGroup, q_lens, max_batch: int, capture: bool):
-    """This rank's V4DecodeGraphs over its cache: rank 0 leads (fills the inputs and the plan),
-    the others follow (they receive both by a broadcast inside the step)."""
-    from dspark.models.deepseek_v4.graph import V4DecodeGraphs
-    backend = runner.backend
-    share = (lambda t: tp.broadcast(t, src=0)) if tp.world > 1 else None
-    return V4DecodeGraphs(runner.model, backend.cache, backend, q_lens=q_lens,
-                          max_batch=max_batch, tap_layers=runner.tap_layers, capture=capture,
-                          share_inputs=share, follower=tp.rank > 0)
 
 
 # ---- worker side ---------------------------------------------------------------------------
@@ -269,6 +242,9 @@ class Worker:
                     set_indexer_mode(m, "auto", paged=backend_cls is not None)
             if steps is not None:
                 self.runner.target_graphs = fixed_shape_steps(self.runner, self.tp, **steps)
+                if self.runner.target_graphs is None:
+                    raise RuntimeError(f"rank {self.tp.rank}: rank 0 runs fixed-shape steps, but "
+                                       f"this rank's experts cannot")
         elif kind == "capture":
             if self.runner.target_graphs is not None:
                 self.runner.target_graphs.capture_all(op[1])
@@ -432,6 +408,8 @@ class DistributedRunner(ModelRunner):
                 steps = dict(q_lens=tuple(range(1, gamma + 2)), max_batch=self.max_num_seqs,
                              capture=self.device.type == "cuda")
                 self.target_graphs = fixed_shape_steps(self, self.tp, **steps)
+                if self.target_graphs is None:     # (rank 0 decides for every rank)
+                    steps = None
             if not isinstance(cache, _MirroredCache):
                 cache.__class__ = type(f"Mirrored{type(cache).__name__}",
                                        (_MirroredCache, type(cache)), {})

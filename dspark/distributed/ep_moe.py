@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dspark.cuda import side_stream
+from dspark.kernels.fp4_moe import fp4_moe_grouped, grouped_applies
 from dspark.models.deepseek_v4.moe import MoE
 
 
@@ -41,6 +43,16 @@ class EPMoE(MoE):
     def partial(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """This rank's fp32 [T, D] share: its routed experts' outputs + its shared-expert part."""
         idx, w = self.gate(x, token_ids)
+        if self._fp4_grouped(x, idx):
+            # as QuantMoE: the shared expert on a side stream (CUDA), overlapping the routed
+            # gate/up kernel; the down kernel adds it (fp32 sum, fp32 out)
+            shared, side = None, None
+            if self.shared_experts is not None:
+                side = side_stream.fork(x.device, 1)
+                with side_stream.on(side):
+                    shared = self.shared_experts(x)
+            return fp4_moe_grouped(x, idx, w, self.fp4_stack(), self._local()[0].limit,
+                                   add=shared, out_dtype=torch.float32, add_stream=side)
         out = self.routed_fixed(x, idx, w)
         if out is None:
             out = self._routed_loop(x, idx, w)
@@ -59,8 +71,7 @@ class EPMoE(MoE):
             return None
         first = experts[0]
         if _is_fp4(first.w1):
-            from dspark.kernels.fp4_moe import fp4_moe_grouped, grouped_applies
-            if not grouped_applies(x, idx, first.w1.backend):
+            if not self._fp4_grouped(x, idx):
                 return None
             return fp4_moe_grouped(x, idx, w, self.fp4_stack(), first.limit)
         stack = self._plain_stack()
@@ -78,6 +89,26 @@ class EPMoE(MoE):
         if T * E * (I2 + I2 // 2 + D) * 4 <= self.dense_max_bytes:
             return self._routed_dense(x, local_idx, local_w, w13, w2, first.limit)
         return None
+
+    def _fp4_grouped(self, x, idx) -> bool:
+        """Packed FP4 experts whose step takes the grouped kernels (shape-only)."""
+        experts = self._local()
+        return (bool(experts) and _is_fp4(experts[0].w1) and x.dim() == 2
+                and grouped_applies(x, idx, experts[0].w1.backend))
+
+    def fixed_shape_capable(self) -> bool:
+        """Whether decode / verify steps take a fixed-shape routed path (no host sync), so that
+        a CUDA graph can hold them: packed FP4 experts on the Triton backend, or plain experts
+        whose stack fits (a rank without experts has nothing to route)."""
+        experts = self._local()
+        if not experts:
+            return True
+        w1 = experts[0].w1
+        if _is_fp4(w1):
+            backend = w1.backend if w1.backend != "auto" else (
+                "triton" if w1.weight.is_cuda else "torch")
+            return backend == "triton"
+        return self._plain_stack() is not None
 
     def _routed_loop(self, x, idx, w):
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)

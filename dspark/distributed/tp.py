@@ -298,3 +298,20 @@ def build_full_drafter(path: str, cfg, dtype=torch.float32, device="cpu",
                 if isinstance(m, QuantMoE):
                     m.stack_experts()
     return drafter.eval()
+
+
+def fixed_shape_steps(runner, tp: TPGroup, q_lens, max_batch: int, capture: bool):
+    """This rank's V4DecodeGraphs over its runner's cache, or None where a captured step could
+    not hold an expert path (capture=True with experts that route on the host: eager steps).
+    Rank 0 leads (fills the inputs and computes the plan); the others follow: they receive both
+    by a broadcast inside the step."""
+    from dspark.models.deepseek_v4.graph import V4DecodeGraphs
+    if capture and not all(m.fixed_shape_capable() for m in runner.model.modules()
+                           if isinstance(m, EPMoE)):
+        return None
+    backend = runner.backend
+    kernels = "triton" if getattr(backend, "name", "") in ("triton", "flashmla") else backend
+    share = (lambda t: tp.broadcast(t, src=0)) if tp.world > 1 else None
+    return V4DecodeGraphs(runner.model, backend.cache, kernels, q_lens=q_lens,
+                          max_batch=max_batch, tap_layers=runner.tap_layers, capture=capture,
+                          share_inputs=share, follower=tp.rank > 0)
