@@ -363,23 +363,32 @@ def test_tp_nccl_quantized_matches_world_1(tiny_quant_ckpt, world, monkeypatch):
 
 
 def test_bench_tp_smoke(tmp_path):
-    """benchmarks/bench_tp.py --preset tiny --device cpu: world 1 and 2 (gloo), greedy tokens
-    equal, weight-bytes estimate = what each rank holds."""
+    """benchmarks/bench_tp.py --preset tiny --device cpu: the single-device runner and world 2
+    (gloo), decode steps and DSpark rounds; greedy decode tokens equal; the step's collectives
+    timed; weight-bytes estimate = what each rank holds (the replicated drafter on rank 0)."""
     import importlib.util
     import os
+    from dspark.distributed.comm_profile import step_collectives
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     spec = importlib.util.spec_from_file_location("bench_tp", os.path.join(root, "benchmarks",
                                                                            "bench_tp.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    out = bench.main(["--preset", "tiny", "--device", "cpu", "--workers", "1", "--batch", "1,2",
-                      "--new-tokens", "3", "--workdir", str(tmp_path / "ckpt"),
-                      "--json", str(tmp_path / "r.json")])
-    runs = {r["world"]: r for r in out["runs"]}
-    assert set(runs) == {1, 2} and all("error" not in r for r in runs.values())
-    assert all(a["all_equal"] for a in runs[2]["agreement_vs_world"]["by_batch"].values())
-    for w, r in runs.items():
-        est = out["weight_bytes_per_rank_estimate"][w]
-        got = [m["weights"]["total"] for m in r["memory"]]
-        assert all(abs(e - g) <= 1024 for e, g in zip(est, got)), (w, est, got)
+    out = bench.main(["--preset", "tiny", "--device", "cpu", "--workers", "1", "--world", "2",
+                      "--batch", "2", "--steps", "2", "--warmup", "1",
+                      "--workdir", str(tmp_path / "ckpt"), "--json", str(tmp_path / "r.json")])
+    runs = {(r["kind"], r["world"]): r for r in out["runs"]}
+    assert set(runs) == {("single", 1), ("tp", 2)} and all("error" not in r for r in runs.values())
+    tp2 = runs["tp", 2]
+    assert tp2["agreement"][2]["all_equal"]
+    row = tp2["batches"][2]
+    assert row["decode"]["step_ms"] > 0 and row["round"]["round_ms"] > row["round"]["verify_ms"]
+    cfg = ModelConfig.from_path(str(tmp_path / "ckpt"))
+    n_dec = len(step_collectives(cfg, 2, 2, 1))           # (bucket B = 2, q = 1)
+    assert row["decode_comm"]["collectives"] == n_dec and row["decode_comm"]["comm_ms"] > 0
+    # every step of both phases on every rank took the fixed-shape path
+    assert [m["fixed_steps"] for m in row["memory"]] == [3 + 3] * 2
+    est = out["weight_bytes_per_rank_estimate"][2]
+    got = [m["weights"]["total"] for m in row["memory"]]
+    assert all(abs(e - g) <= 1024 for e, g in zip(est, got)), (est, got)
     assert (tmp_path / "r.json").exists()
