@@ -66,8 +66,9 @@ def _steps(cfg):
     return prefill, steps, pos
 
 
-def _drive(runner, cache, cfg):
-    """Run `_steps` on `runner` over `cache`; [(logits, taps)] of every fixed-shape step."""
+def _drive(runner, cache, cfg, guard=None):
+    """Run `_steps` on `runner` over `cache`; [(logits, taps)] of every fixed-shape step.
+    guard: a SyncGuard armed around each of those steps."""
     prefill, steps, end = _steps(cfg)
     q = cfg.dspark_block_size + 1
     for rid, _, toks in prefill:
@@ -78,7 +79,13 @@ def _drive(runner, cache, cfg):
     for items, keep in steps:
         for rid, start, toks in items:
             cache.reserve(rid, start + len(toks) + q)
-        logits, taps = runner.target_forward(items)
+        if guard is not None:
+            guard.armed = True
+        try:
+            logits, taps = runner.target_forward(items)
+        finally:
+            if guard is not None:
+                guard.armed = False
         out.append((logits.clone(), None if taps is None else taps.clone()))
         for rid, n in keep.items():
             cache.truncate(rid, n)
@@ -106,14 +113,22 @@ def _assert_same(got, want):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_fixed_shape_steps_under_tp_equal_world_1(tiny_ckpt, world):
+def test_fixed_shape_steps_under_tp_equal_world_1(tiny_ckpt, world, monkeypatch):
+    """...and rank 0 reads nothing back from its device in those steps (drafts stay there: the
+    workers get the token ids from the step's broadcast), counted as in test_host_sync.py."""
+    from test_host_sync import SyncGuard
     cfg, want = _reference(tiny_ckpt)
     runner = DistributedRunner.launch(tiny_ckpt, cfg, world, dtype=torch.float32)
+    guard = SyncGuard()
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist",
+                        lambda self: (guard.record("Tensor.tolist"), tolist(self))[1])
     try:
         cache = _cache(cfg)
         runner.configure(None, get_backend("reference")(cache), target_graphs=True)
         assert runner.target_graphs is not None and runner.uniform_verify
-        got = _drive(runner, cache, cfg)
+        with guard:
+            got = _drive(runner, cache, cfg, guard)
         # the collectives of one more decode step: what the benchmark times
         items = [(r, start, [1]) for r, start in enumerate(_steps(cfg)[2])]
         for rid, start, _ in items:
@@ -126,6 +141,7 @@ def test_fixed_shape_steps_under_tp_equal_world_1(tiny_ckpt, world):
     finally:
         runner.shutdown()
     _assert_same(got, want)
+    assert guard.hits == [], f"{len(guard.hits)} host reads; first:\n{guard.hits[0]}"
     # every step on every rank took the fixed-shape path
     assert [s["fixed_steps"] for s in stats] == [len(want) + 1] * world
     words = runner.target_graphs._layout(B, q, P).end
