@@ -282,3 +282,15 @@ def test_tp_nccl_engine_dspark_greedy_equals_world_1(tiny_quant_ckpt, world, dra
         if i is not None:                      # only at a near tie (TF32 / reduction order)
             top2 = one.score(p + w[:i])[-1].topk(2).values
             assert top2[0] - top2[1] < 0.05, (i, w, list(o.token_ids))
+
+
+def test_drafter_choice_errors_name_the_setting(tiny_ckpt):
+    from dspark.engine_config import EngineConfigError
+    with pytest.raises(EngineConfigError, match="tensor_parallel_drafter.*replicated.*sharded"):
+        Engine(tiny_ckpt, device="cpu", tensor_parallel_size=2, tensor_parallel_drafter="both")
+    with pytest.raises(ValueError, match="drafter='both'.*replicated"):
+        DistributedRunner.launch(tiny_ckpt, ModelConfig.from_path(tiny_ckpt), 2,
+                                 drafter_mode="both")
+    with pytest.raises(ValueError, match="cuda_graphs=True with tensor_parallel_drafter='sharded'"):
+        Engine(tiny_ckpt, device="cpu", tensor_parallel_size=2, cuda_graphs=True,
+               tensor_parallel_drafter="sharded")
