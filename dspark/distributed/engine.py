@@ -2,22 +2,37 @@
 
     runner = DistributedRunner.launch(path, cfg, world_size=4, device="cuda", dtype=torch.bfloat16,
                                       drafter=True, quant=QuantSim())
-    Engine(path, tensor_parallel_size=4)          # the same, from the engine
-    Engine(path, tensor_parallel_size=2, weight_format="quantized")   # FP8 / FP4 shards kept quantized
+    Engine(path, tensor_parallel_size=4)          # the same, from the engine (weights quantized)
+    Engine(path, tensor_parallel_size=2, tensor_parallel_drafter="sharded")
 
 Rank 0 lives in the caller's process: it runs the scheduler, sampling and verification exactly as
 a single-process engine does, through `DistributedRunner`, a `ModelRunner` over rank 0's shard.
 Ranks 1..N-1 are `torch.multiprocessing` spawn children that execute forwards on command.
 
-Protocol (one control message per forward or draft pass): before rank 0 runs a target forward or
-a draft pass on its shard it broadcasts the call's inputs with `broadcast_object_list` over a gloo
-control group; every rank then runs the same `ModelRunner` call on its own shard, and the sharded
-modules meet in their all-reduces (tp.py). Per-request state lives in every rank (the replicated
-KV head and compressor rows; only the heads differ), keyed by an id that rank 0 assigns in
-`new_states()` and that workers create lazily on first use; when rank 0's state objects are
-garbage collected their ids ride on the next message and workers drop theirs. `commit_context`
-calls are queued and sent with the next message, naming rows of the last forward's taps (every
-rank computed the same taps), so they cost no extra round trip. Only rank 0 samples, verifies and
+Decode / verify steps (`configure(..., target_graphs=True)`, on by default where the single
+device uses graphs) run on every rank through the single-device fixed-shape step
+(models/deepseek_v4/graph.py), the collectives inside it (captured in its CUDA graph on GPU):
+rank 0 fills the step's input buffer (token ids, drafts still on its device included, positions,
+slots, page tables) and its host plan, and the step begins by broadcasting that buffer to the
+other ranks, which compute no plan and read no tokens. So rank 0 sends such a step's requests,
+starts and lengths only, and reads nothing back from its device for them. Prefill chunks and
+other ragged steps run eagerly on every rank with the token ids in the message.
+
+Drafter (`drafter_mode`): "replicated" (default): rank 0 holds the whole drafter and runs the
+draft pass and context writes alone: no message, no collective, the single-device DraftPass
+(CUDA graphs included); the other ranks hold none. "sharded": split like the target, every
+rank runs the (eager) draft pass on command; for drafters too large for one device.
+
+Protocol (one control message per target forward, and per draft pass of a sharded drafter):
+before rank 0 runs a call on its shard it broadcasts the call's inputs with
+`broadcast_object_list` over a gloo control group (host to host: no device sync); every rank then
+runs the same `ModelRunner` call on its own shard, and the sharded modules meet in their
+collectives (tp.py). Per-request state lives in every rank (the replicated KV head and compressor
+rows; only the heads differ), keyed by an id that rank 0 assigns in `new_states()` and that
+workers create lazily on first use; when rank 0's state objects are garbage collected their ids
+ride on the next message and workers drop theirs. A sharded drafter's `commit_context` calls are
+queued and sent with the next message, naming rows of the last forward's taps (every rank
+computed the same taps), so they cost no extra round trip. Only rank 0 samples, verifies and
 schedules; workers never make a decision that could differ from it.
 
 Paged KV cache: `configure(quant, backend)` gives every rank an attention backend over its own
@@ -25,7 +40,8 @@ PagedKVCache of the same size (the single KV head is replicated, so each rank st
 rows). The scheduler's cache calls on rank 0 (add_request / reserve / truncate / free) are
 recorded and replayed on every worker, in order, before its next forward, together with their
 outcome (a call that raised on rank 0 must raise the same way on the worker, else the ranks stop
-with an error instead of drifting apart).
+with an error instead of drifting apart). Each rank registers its own scratch request for the
+fixed-shape steps before the mirroring starts, so the numbering of slots and pages agrees.
 """
 from __future__ import annotations
 
@@ -455,6 +471,8 @@ class DistributedRunner(ModelRunner):
         # queued ops may name states collected since: they run before those states are freed
         msg = self._queued + ([("free", frees)] if frees else []) + list(ops)
         self._queued = []
+        if self.tp.world == 1:                 # no workers to tell
+            return
         dist.broadcast_object_list([(torch.get_num_threads(), msg)], src=0,
                                    group=self.tp.cpu_group)
 

@@ -38,10 +38,14 @@ class EPMoE(MoE):
     Set by `tp.shard_modules`: `_tp` (TPGroup), `_n_experts` (all experts), `_world`."""
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        if self._tp.world == 1:               # nothing to sum: the kernels round to x.dtype
+            return self.partial(x, token_ids, x.dtype).to(x.dtype)
         return self._tp.all_reduce(self.partial(x, token_ids)).to(x.dtype)
 
-    def partial(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        """This rank's fp32 [T, D] share: its routed experts' outputs + its shared-expert part."""
+    def partial(self, x: torch.Tensor, token_ids: torch.Tensor,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """This rank's [T, D] share (fp32; out_dtype: what the grouped FP4 kernels round it to):
+        its routed experts' outputs + its shared-expert part."""
         idx, w = self.gate(x, token_ids)
         if self._fp4_grouped(x, idx):
             # as QuantMoE: the shared expert on a side stream (CUDA), overlapping the routed
@@ -52,7 +56,7 @@ class EPMoE(MoE):
                 with side_stream.on(side):
                     shared = self.shared_experts(x)
             return fp4_moe_grouped(x, idx, w, self.fp4_stack(), self._local()[0].limit,
-                                   add=shared, out_dtype=torch.float32, add_stream=side)
+                                   add=shared, out_dtype=out_dtype, add_stream=side)
         out = self.routed_fixed(x, idx, w)
         if out is None:
             out = self._routed_loop(x, idx, w)

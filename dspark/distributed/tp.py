@@ -55,6 +55,8 @@ class TPAttention(Attention):
     def output(self, o, positions, dtype, *args, **kwargs):
         # extra arguments (e.g. a host-side position bound) pass through to the parent
         out = super().output(o, positions, dtype, *args, **kwargs)   # local wo_a groups, wo_b cols
+        if self._tp.world == 1:
+            return out
         return self._tp.all_reduce(out.float()).to(dtype)
 
 
@@ -69,7 +71,9 @@ class TPIndexer(Indexer):
     def head_weights(self, x):
         # the parent scales the head weights by (d * local heads)^-1/2; the model's scale uses
         # all heads
-        w = super().head_weights(x) * self._w_fix
+        w = super().head_weights(x)
+        if self._w_fix != 1.0:
+            w = w * self._w_fix
         return self._tp.all_gather(w, dim=1) if self._mode == "gather" else w
 
     def select(self, q, w, keys, positions, ratio: int, topk: int) -> torch.Tensor:
