@@ -325,7 +325,7 @@ def test_tp_nccl_logits_match_single_process(tiny_quant_ckpt, world, monkeypatch
     ref = _passes(ref_runner, cfg)
     torch.backends.cuda.matmul.allow_tf32 = False
     runner = DistributedRunner.launch(tiny_quant_ckpt, cfg, world, device="cuda",
-                                      dtype=torch.float32)
+                                      dtype=torch.float32, weight_format="bf16")
     try:
         assert dist.get_backend() == "nccl"
         got = _passes(runner, cfg)
