@@ -46,17 +46,22 @@ class EPMoE(MoE):
                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """This rank's [T, D] share (fp32; out_dtype: what the grouped FP4 kernels round it to):
         its routed experts' outputs + its shared-expert part."""
-        idx, w = self.gate(x, token_ids)
-        if self._fp4_grouped(x, idx):
-            # as QuantMoE: the shared expert on a side stream (CUDA), overlapping the routed
-            # gate/up kernel; the down kernel adds it (fp32 sum, fp32 out)
-            shared, side = None, None
+        if self._fp4_grouped(x):
+            # as QuantMoE.forward: the shared expert on a side stream (CUDA), forked first but
+            # queued after the router (which runs on a high-priority lane), overlapping the
+            # routed gate/up kernel; the down kernel adds it (fp32 sum) and rounds to out_dtype
+            side = side_stream.fork(x.device, 1) if self.shared_experts is not None else None
+            router = side_stream.fork(x.device, 6)
+            with side_stream.on(router):
+                idx, w = self.gate(x, token_ids)
+            side_stream.join(router)
+            shared = None
             if self.shared_experts is not None:
-                side = side_stream.fork(x.device, 1)
                 with side_stream.on(side):
                     shared = self.shared_experts(x)
             return fp4_moe_grouped(x, idx, w, self.fp4_stack(), self._local()[0].limit,
                                    add=shared, out_dtype=out_dtype, add_stream=side)
+        idx, w = self.gate(x, token_ids)
         out = self.routed_fixed(x, idx, w)
         if out is None:
             out = self._routed_loop(x, idx, w)
@@ -75,7 +80,7 @@ class EPMoE(MoE):
             return None
         first = experts[0]
         if _is_fp4(first.w1):
-            if not self._fp4_grouped(x, idx):
+            if not self._fp4_grouped(x):
                 return None
             return fp4_moe_grouped(x, idx, w, self.fp4_stack(), first.limit)
         stack = self._plain_stack()
@@ -94,11 +99,14 @@ class EPMoE(MoE):
             return self._routed_dense(x, local_idx, local_w, w13, w2, first.limit)
         return None
 
-    def _fp4_grouped(self, x, idx) -> bool:
-        """Packed FP4 experts whose step takes the grouped kernels (shape-only)."""
+    def _fp4_grouped(self, x) -> bool:
+        """Packed FP4 experts whose step takes the grouped kernels (fp4_moe.grouped_applies
+        for the step's T x k pairs: shape-only, decided before routing)."""
         experts = self._local()
-        return (bool(experts) and _is_fp4(experts[0].w1) and x.dim() == 2
-                and grouped_applies(x, idx, experts[0].w1.backend))
+        if not experts or not _is_fp4(experts[0].w1) or x.dim() != 2:
+            return False
+        pairs = torch.empty(x.shape[0], self.gate.topk, device="meta")
+        return grouped_applies(x, pairs, experts[0].w1.backend)
 
     def fixed_shape_capable(self) -> bool:
         """Whether decode / verify steps take a fixed-shape routed path (no host sync), so that
