@@ -296,3 +296,38 @@ def test_drafter_choice_errors_name_the_setting(tiny_ckpt):
     with pytest.raises(ValueError, match="cuda_graphs=True with tensor_parallel_drafter='sharded'"):
         Engine(tiny_ckpt, device="cpu", tensor_parallel_size=2, cuda_graphs=True,
                tensor_parallel_drafter="sharded")
+
+
+def _echo_rank(rank, world, init, out):
+    from dspark.distributed.comm import broadcast_message, destroy_distributed, init_distributed
+    g = init_distributed(rank, world, init, "cpu")
+    try:
+        for _ in range(3):
+            out.put(broadcast_message(None, g.cpu_group, rank))
+    finally:
+        destroy_distributed()
+
+
+def test_control_messages_short_and_long():
+    """comm.broadcast_message: a step's message (one fixed-size broadcast), one exactly at the
+    buffer's edge and a long prefill's token ids (a second broadcast) arrive intact, in order."""
+    from dspark.distributed.comm import (CONTROL_BYTES, broadcast_message, destroy_distributed,
+                                         init_distributed, local_init_method)
+    import pickle
+    ctx = multiprocessing.get_context("spawn")
+    out, init = ctx.Queue(), local_init_method()
+    worker = ctx.Process(target=_echo_rank, args=(1, 2, init, out), daemon=True)
+    worker.start()
+    edge = b"x" * 10
+    while len(pickle.dumps(edge, protocol=pickle.HIGHEST_PROTOCOL)) < CONTROL_BYTES - 8:
+        edge += b"x"
+    msgs = [(1, [("fwd", [(("tp-state", (0, "t")), 5, 6)], None)]), edge, (2, list(range(5000)))]
+    g = init_distributed(0, 2, init, "cpu")
+    try:
+        for m in msgs:
+            assert broadcast_message(m, g.cpu_group, 0) is m
+        got = [out.get(timeout=60) for _ in msgs]
+    finally:
+        destroy_distributed()
+        worker.join(30)
+    assert got == msgs and worker.exitcode == 0

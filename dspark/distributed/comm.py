@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -91,6 +92,40 @@ class TPGroup:
             self._note("broadcast", t)
             dist.broadcast(t, src=src, group=self.group)
         return t
+
+
+# a control message's first broadcast carries this many bytes (length + the usual step's whole
+# pickled message); a longer one (a long prefill's token ids) sends its rest in a second
+CONTROL_BYTES = 4096
+_LEN = 8
+
+
+def broadcast_message(obj, group, rank: int, src: int = 0):
+    """`obj` of rank `src`, pickled, on every rank of the (gloo) `group`: one broadcast of a
+    fixed CONTROL_BYTES buffer for messages that fit (torch's broadcast_object_list always
+    takes two: the size, then the bytes), a second for the rest of a longer one."""
+    head = torch.empty(CONTROL_BYTES, dtype=torch.uint8)
+    if rank == src:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        n, k = len(data), min(len(data), CONTROL_BYTES - _LEN)
+        buf = head.numpy()
+        buf[:_LEN] = memoryview(n.to_bytes(_LEN, "little"))
+        buf[_LEN:_LEN + k] = memoryview(data)[:k]
+        dist.broadcast(head, src=src, group=group)
+        if n > k:
+            dist.broadcast(torch.frombuffer(bytearray(data[k:]), dtype=torch.uint8), src=src,
+                           group=group)
+        return obj
+    dist.broadcast(head, src=src, group=group)
+    buf = head.numpy()
+    n = int.from_bytes(buf[:_LEN].tobytes(), "little")
+    k = min(n, CONTROL_BYTES - _LEN)
+    data = buf[_LEN:_LEN + k].tobytes()
+    if n > k:
+        rest = torch.empty(n - k, dtype=torch.uint8)
+        dist.broadcast(rest, src=src, group=group)
+        data += rest.numpy().tobytes()
+    return pickle.loads(data)
 
 
 def init_distributed(rank: int, world: int, init_method: str, device="cpu",

@@ -25,9 +25,9 @@ rank runs the (eager) draft pass on command; for drafters too large for one devi
 
 Protocol (one control message per target forward, and per draft pass of a sharded drafter):
 before rank 0 runs a call on its shard it broadcasts the call's inputs with
-`broadcast_object_list` over a gloo control group (host to host: no device sync); every rank then
-runs the same `ModelRunner` call on its own shard, and the sharded modules meet in their
-collectives (tp.py). Per-request state lives in every rank (the replicated KV head and compressor
+`comm.broadcast_message` over a gloo control group (host to host: no device sync; one broadcast
+for a message of a few KB); every rank then runs the same `ModelRunner` call on its own shard,
+and the sharded modules meet in their collectives (tp.py). Per-request state lives in every rank (the replicated KV head and compressor
 rows; only the heads differ), keyed by an id that rank 0 assigns in `new_states()` and that
 workers create lazily on first use; when rank 0's state objects are garbage collected their ids
 ride on the next message and workers drop theirs. A sharded drafter's `commit_context` calls are
@@ -62,8 +62,8 @@ import torch.multiprocessing as mp
 from dspark.request import token_list
 from dspark.runner import ModelRunner, QuantSim
 
-from .comm import (TPGroup, destroy_distributed, init_distributed, local_init_method,
-                   rank_device)
+from .comm import (TPGroup, broadcast_message, destroy_distributed, init_distributed,
+                   local_init_method, rank_device)
 from .sharding import check_quantized_split, check_world_size, resolve_weight_format
 from .tp import build_full_drafter, build_rank_model, fixed_shape_steps, set_indexer_mode
 
@@ -195,9 +195,7 @@ class Worker:
 
     def serve(self) -> None:
         while True:
-            box = [None]
-            dist.broadcast_object_list(box, src=0, group=self.tp.cpu_group)
-            threads, ops = box[0]
+            threads, ops = broadcast_message(None, self.tp.cpu_group, self.tp.rank)
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
             for op in ops:
@@ -473,8 +471,7 @@ class DistributedRunner(ModelRunner):
         self._queued = []
         if self.tp.world == 1:                 # no workers to tell
             return
-        dist.broadcast_object_list([(torch.get_num_threads(), msg)], src=0,
-                                   group=self.tp.cpu_group)
+        broadcast_message((torch.get_num_threads(), msg), self.tp.cpu_group, 0)
 
     def _run(self, ops, fn):
         try:
