@@ -331,3 +331,17 @@ def test_control_messages_short_and_long():
         destroy_distributed()
         worker.join(30)
     assert got == msgs and worker.exitcode == 0
+
+
+def test_auto_weight_format_under_tp():
+    """weight_format="auto" with tensor_parallel_size > 1: quantized wherever every rank's split
+    falls on the scale blocks (CPU too: each rank de-quantizes its own codes per call)."""
+    from dspark.build import auto_weight_format
+    from dspark.tools.make_checkpoint import preset_config
+    quant = preset_config("tiny", dtype="fp8", fp4_experts=True)
+    assert auto_weight_format(quant, "cpu", 2) == "quantized"
+    assert auto_weight_format(quant, "cpu", 4) == "quantized"
+    assert auto_weight_format(quant, "cpu", 1) == "bf16"
+    bad = preset_config("tiny", dtype="fp8", overrides={"o_lora_rank": 192})
+    assert auto_weight_format(bad, "cuda", 2) == "bf16"     # wo_a rows 192:384 cut a 128-block
+    assert auto_weight_format(preset_config("tiny"), "cuda", 2) == "bf16"
