@@ -158,12 +158,15 @@ pdl)     # PDL launches (test_pdl runs with and without), the 16-bit skinny line
 mhc)
   step "bench_mhc"
   timeout "$(left 60)" python benchmarks/bench_mhc.py --T 1,2,6,64 --finish-sweep > "$R/mhc.txt" 2>&1; tail -17 "$R/mhc.txt" ;;
-tp)      # tokens/s vs world size (multi-GPU kinds only)
-  if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
-    step "bench_tp"
-    timeout "$(left 250)" python benchmarks/bench_tp.py --world 1,2 --json "$R/bench_tp.json" \
-      > "$R/bench_tp.txt" 2>&1; grep -v -i "warn\|it/s\]" "$R/bench_tp.txt" | tail -8
-  fi ;;
+tp)      # the TP runner against the single-device runner (world 1 on one GPU; 1,2 where lent)
+  step "TP GPU tests (NCCL, fixed-shape steps captured with the collectives inside)"
+  timeout "$(left 200)" python -m pytest -q -rfE -m gpu tests/test_tp_fixed_shape.py \
+    > "$R/tp_tests.txt" 2>&1
+  tail -3 "$R/tp_tests.txt" | cut -c1-300; grep -A12 "^=== FAILED" "$R/tp_tests.txt" | cut -c1-200 | head -30
+  step "bench_tp (flash width, 4 layers: decode steps and DSpark rounds, B = 1 and 16)"
+  W=1; [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ] && W=1,2
+  timeout "$(left 250)" python benchmarks/bench_tp.py --world $W --json "$R/bench_tp.json" \
+    > "$R/bench_tp.txt" 2>&1; grep -v -i "warn\|it/s\]" "$R/bench_tp.txt" | tail -8 | cut -c1-250 ;;
 *) echo "unknown step $s" ;;
 esac; done
 step "done"

@@ -49,39 +49,47 @@ def _qwen3(path, c: EngineConfig, device, dtype) -> EngineParts:
 
 
 def _deepseek_v4(path, c: EngineConfig, device, dtype) -> EngineParts:
-    if c.cuda_graphs and c.tensor_parallel_size > 1:
-        raise ValueError("cuda_graphs=True is single-device only for DeepSeek-V4 (the "
-                         "tensor-parallel draft pass runs eagerly); leave it unset")
+    tp = c.tensor_parallel_size > 1
+    if c.cuda_graphs and tp and c.tensor_parallel_drafter == "sharded":
+        raise ValueError("cuda_graphs=True with tensor_parallel_drafter='sharded': the sharded "
+                         "draft pass runs eagerly on every rank; use tensor_parallel_drafter="
+                         "'replicated' (rank 0 drafts alone, as CUDA graphs) or leave cuda_graphs "
+                         "unset")
     cfg = ModelConfig.from_path(path)
-    if c.weight_format == "auto":
-        c = dataclasses.replace(c, weight_format=auto_weight_format(cfg, device))
     speculative = _speculative(path, cfg, c)
+    if c.weight_format == "auto":
+        c = dataclasses.replace(c, weight_format=auto_weight_format(
+            cfg, device, c.tensor_parallel_size,
+            speculative == "dspark" and c.tensor_parallel_drafter == "sharded"))
     tp_runner = None
-    if c.tensor_parallel_size > 1:       # every rank reads only its slices
+    if tp:       # every rank reads only its slices
         from .distributed.engine import DistributedRunner
         tp_runner = DistributedRunner.launch(
             path, cfg, c.tensor_parallel_size, device, dtype, drafter=speculative == "dspark",
-            progress=c.progress, weight_format=c.weight_format)
+            progress=c.progress, weight_format=c.weight_format,
+            drafter_mode=c.tensor_parallel_drafter, cuda_graphs=c.cuda_graphs,
+            max_num_seqs=c.max_num_seqs)
         model, drafter = tp_runner.model, tp_runner.drafter
     else:
         model, drafter = _load_v4_models(path, cfg, c, device, dtype, speculative == "dspark")
     quant = QuantSim() if c.kv_cache_dtype in ("fp8", "auto") else None
     # the V4 target's decode / verify steps as CUDA graphs (fixed-shape plan on the Triton
-    # kernels): on by default (None) on one CUDA device with the Triton backend, where the step
-    # allows it (experts not routed on the host); True also under "flashmla" (graph steps then
-    # run the Triton attention kernel); False forces the eager target
+    # kernels): on by default (None) on CUDA with the Triton backend, where the step allows it
+    # (experts not routed on the host); True also under "flashmla" (graph steps then run the
+    # Triton attention kernel); False forces the eager target. Under tensor parallelism every
+    # rank runs that fixed-shape step with the collectives inside (True on CPU: eagerly)
     target_graphs = c.target_cuda_graphs
     if target_graphs is None and c.deterministic:
         target_graphs = False                # deterministic mode: eager one-token forwards
     if target_graphs is None:
         from .attention import resolve_backend
-        target_graphs = (device.type == "cuda" and c.tensor_parallel_size == 1
-                         and c.kv_layout == "paged" and resolve_backend(
-                             c.attention_backend, device, c.kv_cache_dtype) == "triton")
-    backend = _paged_backend(cfg, drafter, c, device, target_graphs) if c.kv_layout == "paged" \
-        else None
+        target_graphs = (device.type == "cuda" and c.kv_layout == "paged" and resolve_backend(
+            c.attention_backend, device, c.kv_cache_dtype) == "triton")
+    tp_steps = tp and bool(target_graphs) and c.kv_layout == "paged"
+    backend = _paged_backend(cfg, drafter, c, device, target_graphs, tp_steps) \
+        if c.kv_layout == "paged" else None
     if tp_runner is not None:
-        runner = tp_runner.configure(quant, backend)
+        runner = tp_runner.configure(quant, backend, target_graphs=tp_steps)
     else:
         # the draft pass as CUDA graphs (dspark/draft_pass.py); default on CUDA
         graphs = device.type == "cuda" and not c.deterministic if c.cuda_graphs is None \
@@ -92,10 +100,17 @@ def _deepseek_v4(path, c: EngineConfig, device, dtype) -> EngineParts:
     return EngineParts(cfg, model, drafter, runner, speculative, c.weight_format)
 
 
-def auto_weight_format(cfg: ModelConfig, device) -> str:
+def auto_weight_format(cfg: ModelConfig, device, tensor_parallel_size: int = 1,
+                       sharded_drafter: bool = False) -> str:
     """weight_format="auto": "quantized" for an FP8 / FP4 checkpoint on CUDA (the quantized
-    kernels run there, at a quarter of the expert memory), else "bf16" (de-quantized at load:
-    the CPU path)."""
+    kernels run there, at a quarter of the expert memory) and under tensor parallelism (every
+    rank keeps its codes, where each rank's split falls on the scale blocks:
+    distributed.sharding.resolve_weight_format), else "bf16" (de-quantized at load: the CPU
+    path)."""
+    if tensor_parallel_size > 1:
+        from .distributed.sharding import resolve_weight_format
+        include = None if sharded_drafter else (lambda n: not n.startswith("mtp."))
+        return resolve_weight_format(cfg, tensor_parallel_size, "auto", include)
     quantized = cfg.weight_dtype == "fp8" or cfg.expert_format in ("fp8", "fp4")
     return "quantized" if quantized and torch.device(device).type == "cuda" else "bf16"
 
@@ -147,14 +162,17 @@ def _load_v4_models(path, cfg: ModelConfig, c: EngineConfig, device, dtype, with
     return model, drafter
 
 
-def _paged_backend(cfg: ModelConfig, drafter, c: EngineConfig, device, target_graphs: bool):
+def _paged_backend(cfg: ModelConfig, drafter, c: EngineConfig, device, target_graphs: bool,
+                   tp_steps: bool = False):
     """The paged fp8_ds_mla KV cache and the attention backend over it."""
     from .attention import get_backend, resolve_backend
     from .kvcache.paged import PagedKVCache
     name = resolve_backend(c.attention_backend, device, c.kv_cache_dtype)
-    # V4 target CUDA graphs (ModelRunner) park padding rows in one scratch request: one more
-    # sequence slot and one more block than the scheduler hands out
-    extra = int(bool(target_graphs) and device.type == "cuda" and name in ("triton", "flashmla"))
+    # V4 target CUDA graphs (ModelRunner) and the tensor-parallel fixed-shape steps park padding
+    # rows in one scratch request: one more sequence slot and one more block than the scheduler
+    # hands out
+    extra = int(tp_steps or (bool(target_graphs) and device.type == "cuda"
+                             and name in ("triton", "flashmla")))
     lookahead = drafter.gamma + 1 if drafter is not None else 0
     num_blocks, max_len = c.num_kv_blocks, c.max_model_len
     if num_blocks is None and c.kv_cache_memory is None:

@@ -67,6 +67,7 @@ class EngineConfig:
     progress: bool = False
     cpu_threads: int | None = None
     tensor_parallel_size: int = 1              # DeepSeek-V4: one process per device
+    tensor_parallel_drafter: str = "replicated"  # "replicated" (rank 0 drafts alone) | "sharded"
     weight_format: str = "auto"                # DeepSeek-V4: "auto" | "bf16" (de-quantize) | "quantized"
     cuda_graphs: bool | None = None            # the draft pass (and Qwen3 steps) as CUDA graphs
     target_cuda_graphs: bool | None = None     # DeepSeek-V4: the target's steps as CUDA graphs
@@ -161,6 +162,7 @@ class EngineConfig:
         integer("cpu_threads", 1)
         integer("tensor_parallel_size", 1, optional=False)
         choice("weight_format", ("auto", "bf16", "quantized"))
+        choice("tensor_parallel_drafter", ("replicated", "sharded"))
         for name in ("cuda_graphs", "target_cuda_graphs", "overlap_decode"):
             flag(name)
         flag("deterministic", optional=False)
@@ -330,6 +332,7 @@ _ONLY_V4 = {
     "target_cuda_graphs": "its steps run as graphs under cuda_graphs",
     "weight_format": "its weights load as stored",
     "tensor_parallel_size": "tensor parallelism is implemented for DeepSeek-V4 only",
+    "tensor_parallel_drafter": "tensor parallelism is implemented for DeepSeek-V4 only",
     "overlap_decode": "the overlapped decode runs on the DeepSeek-V4 runner only",
 }
 

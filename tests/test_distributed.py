@@ -183,19 +183,21 @@ def _passes(runner, cfg):
     return l1, l2, t2, block
 
 
-@pytest.mark.parametrize("ckpt,world,mode,fmt", [("tiny_ckpt", 2, "auto", "bf16"),
-                                                 ("tiny_ckpt", 4, "auto", "bf16"),
-                                                 ("tiny_quant_ckpt", 2, "auto", "bf16"),
-                                                 ("tiny_quant_ckpt", 4, "auto", "bf16"),
-                                                 ("tiny_ckpt", 2, "gather", "bf16"),
-                                                 ("tiny_quant_ckpt", 2, "auto", "quantized"),
-                                                 ("tiny_quant_ckpt", 4, "auto", "quantized")])
-def test_tp_logits_match_single_process(ckpt, world, mode, fmt, request):
+@pytest.mark.parametrize("ckpt,world,mode,fmt,drafter", [
+    ("tiny_ckpt", 2, "auto", "bf16", "sharded"),
+    ("tiny_ckpt", 4, "auto", "bf16", "replicated"),
+    ("tiny_quant_ckpt", 2, "auto", "bf16", "replicated"),
+    ("tiny_quant_ckpt", 4, "auto", "bf16", "sharded"),
+    ("tiny_ckpt", 2, "gather", "bf16", "replicated"),
+    ("tiny_quant_ckpt", 2, "auto", "quantized", "replicated"),
+    ("tiny_quant_ckpt", 4, "auto", "quantized", "sharded")])
+def test_tp_logits_match_single_process(ckpt, world, mode, fmt, drafter, request):
     """World N against the single-process engine. weight_format="quantized": every rank keeps its
     FP8 codes + scale tiles / its packed FP4 experts; on CPU a QuantLinear de-quantizes exactly
     and then runs F.linear, so the reference is the de-quantized ("bf16" format, fp32 compute)
     single-process engine at the same 1e-4 (fp32 partial sums reduced in another order) and the
-    single-process quantized engine equally."""
+    single-process quantized engine equally. drafter="sharded": the drafter split like the
+    target, every rank drafts; "replicated": rank 0 holds it whole and drafts alone."""
     path = request.getfixturevalue(ckpt)
     ref_runner, cfg = _reference(path)
     ref = _passes(ref_runner, cfg)
@@ -205,7 +207,7 @@ def test_tp_logits_match_single_process(ckpt, world, mode, fmt, request):
                     weight_format="quantized")
         refs.append(_passes(q1.runner, cfg))
     runner = DistributedRunner.launch(path, cfg, world, dtype=torch.float32, indexer_mode=mode,
-                                      weight_format=fmt)
+                                      weight_format=fmt, drafter_mode=drafter)
     try:
         got = _passes(runner, cfg)
         stats = runner.worker_stats()
@@ -219,12 +221,18 @@ def test_tp_logits_match_single_process(ckpt, world, mode, fmt, request):
     # workers hold one state pair per live request and drop them with rank 0's objects
     assert [s["rank"] for s in stats] == list(range(world))
     assert all(s["states"] <= 4 for s in stats[1:])
+    if drafter == "replicated":          # the drafter on rank 0 only, unsharded
+        from dspark.distributed.ep_moe import EPMoE
+        assert not any(isinstance(m, EPMoE) for m in runner.drafter.modules())
     if fmt == "quantized":
         from dspark.models.qlinear import QuantLinear
         assert isinstance(runner.model.layers[2].attn.wo_a, QuantLinear)
         assert all(s["weights"]["fp8"] > 0 and s["weights"]["fp4"] > 0 for s in stats)
-        # every rank holds 1/world of the routed experts, packed
-        assert len({s["weights"]["fp4"] for s in stats}) == 1
+        # every rank holds 1/world of the routed experts, packed (rank 0 also the whole
+        # drafter's when it is replicated)
+        fp4 = [s["weights"]["fp4"] for s in stats]
+        assert len(set(fp4[1:] if drafter == "replicated" else fp4)) == 1
+        assert drafter == "sharded" or fp4[0] > fp4[1]
 
 
 def test_tp_fp8_kv_rounding_stays_close(tiny_quant_ckpt):
@@ -317,7 +325,7 @@ def test_tp_nccl_logits_match_single_process(tiny_quant_ckpt, world, monkeypatch
     ref = _passes(ref_runner, cfg)
     torch.backends.cuda.matmul.allow_tf32 = False
     runner = DistributedRunner.launch(tiny_quant_ckpt, cfg, world, device="cuda",
-                                      dtype=torch.float32)
+                                      dtype=torch.float32, weight_format="bf16")
     try:
         assert dist.get_backend() == "nccl"
         got = _passes(runner, cfg)
@@ -355,23 +363,32 @@ def test_tp_nccl_quantized_matches_world_1(tiny_quant_ckpt, world, monkeypatch):
 
 
 def test_bench_tp_smoke(tmp_path):
-    """benchmarks/bench_tp.py --preset tiny --device cpu: world 1 and 2 (gloo), greedy tokens
-    equal, weight-bytes estimate = what each rank holds."""
+    """benchmarks/bench_tp.py --preset tiny --device cpu: the single-device runner and world 2
+    (gloo), decode steps and DSpark rounds; greedy decode tokens equal; the step's collectives
+    timed; weight-bytes estimate = what each rank holds (the replicated drafter on rank 0)."""
     import importlib.util
     import os
+    from dspark.distributed.comm_profile import step_collectives
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     spec = importlib.util.spec_from_file_location("bench_tp", os.path.join(root, "benchmarks",
                                                                            "bench_tp.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    out = bench.main(["--preset", "tiny", "--device", "cpu", "--workers", "1", "--batch", "1,2",
-                      "--new-tokens", "3", "--workdir", str(tmp_path / "ckpt"),
-                      "--json", str(tmp_path / "r.json")])
-    runs = {r["world"]: r for r in out["runs"]}
-    assert set(runs) == {1, 2} and all("error" not in r for r in runs.values())
-    assert all(a["all_equal"] for a in runs[2]["agreement_vs_world"]["by_batch"].values())
-    for w, r in runs.items():
-        est = out["weight_bytes_per_rank_estimate"][w]
-        got = [m["weights"]["total"] for m in r["memory"]]
-        assert all(abs(e - g) <= 1024 for e, g in zip(est, got)), (w, est, got)
+    out = bench.main(["--preset", "tiny", "--device", "cpu", "--workers", "1", "--world", "2",
+                      "--batch", "2", "--steps", "2", "--warmup", "1",
+                      "--workdir", str(tmp_path / "ckpt"), "--json", str(tmp_path / "r.json")])
+    runs = {(r["kind"], r["world"]): r for r in out["runs"]}
+    assert set(runs) == {("single", 1), ("tp", 2)} and all("error" not in r for r in runs.values())
+    tp2 = runs["tp", 2]
+    assert tp2["agreement"][2]["all_equal"]
+    row = tp2["batches"][2]
+    assert row["decode"]["step_ms"] > 0 and row["round"]["round_ms"] > row["round"]["verify_ms"]
+    cfg = ModelConfig.from_path(str(tmp_path / "ckpt"))
+    n_dec = len(step_collectives(cfg, 2, 2, 1))           # (bucket B = 2, q = 1)
+    assert row["decode_comm"]["collectives"] == n_dec and row["decode_comm"]["comm_ms"] > 0
+    # every step of both phases on every rank took the fixed-shape path
+    assert [m["fixed_steps"] for m in row["memory"]] == [3 + 3] * 2
+    est = out["weight_bytes_per_rank_estimate"][2]
+    got = [m["weights"]["total"] for m in row["memory"]]
+    assert all(abs(e - g) <= 1024 for e, g in zip(est, got)), (est, got)
     assert (tmp_path / "r.json").exists()

@@ -30,7 +30,8 @@ def test_defaults_are_the_keyword_defaults():
                 max_num_batched_tokens=2048, max_model_len=None, seed=0, progress=False,
                 sps_table=None, draft=None, cpu_threads=None, kv_layout="paged",
                 attention_backend="auto", num_kv_blocks=None, kv_cache_memory=None,
-                tensor_parallel_size=1, weight_format="auto", cuda_graphs=None,
+                tensor_parallel_size=1, tensor_parallel_drafter="replicated",
+                weight_format="auto", cuda_graphs=None,
                 target_cuda_graphs=None, overlap_decode=None, deterministic=False)
     got = dataclasses.asdict(EngineConfig())
     assert {k: got[k] for k in want} == want

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -49,15 +50,25 @@ def rank_device(device, rank: int) -> torch.device:
 @dataclass
 class TPGroup:
     """One rank's view of a tensor-parallel group. `group=None` means the default process group;
-    with world == 1 every collective is a no-op, so sharded modules also run in one process."""
+    with world == 1 every collective is a no-op, so sharded modules also run in one process.
+
+    Every collective has a fixed shape and no host read, so on CUDA it can be captured inside
+    a CUDA graph (NCCL). `trace`: a list to append (kind, shape, dtype) of each collective
+    issued (for counting a step's communication; None: off)."""
     rank: int = 0
     world: int = 1
     group: Any = None
     cpu_group: Any = None
+    trace: list | None = None
+
+    def _note(self, kind: str, t: torch.Tensor) -> None:
+        if self.trace is not None:
+            self.trace.append((kind, tuple(t.shape), t.dtype))
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """In-place sum over ranks; returns t. Every rank receives the same bits."""
         if self.world > 1:
+            self._note("all_reduce", t)
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return t
 
@@ -65,10 +76,56 @@ class TPGroup:
         """Concatenation over ranks (in rank order) along `dim`."""
         if self.world == 1:
             return t
+        self._note("all_gather", t)
         t = t.contiguous()
+        if t.is_cuda:            # one NCCL call into one buffer (rank-major), then the layout
+            out = torch.empty((self.world, *t.shape), dtype=t.dtype, device=t.device)
+            dist.all_gather_into_tensor(out, t, group=self.group)
+            return torch.cat(out.unbind(0), dim=dim)
         parts = [torch.empty_like(t) for _ in range(self.world)]
         dist.all_gather(parts, t, group=self.group)
         return torch.cat(parts, dim=dim)
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """In place: every rank's `t` becomes rank `src`'s (a device tensor on the data group)."""
+        if self.world > 1:
+            self._note("broadcast", t)
+            dist.broadcast(t, src=src, group=self.group)
+        return t
+
+
+# a control message's first broadcast carries this many bytes (length + the usual step's whole
+# pickled message); a longer one (a long prefill's token ids) sends its rest in a second
+CONTROL_BYTES = 4096
+_LEN = 8
+
+
+def broadcast_message(obj, group, rank: int, src: int = 0):
+    """`obj` of rank `src`, pickled, on every rank of the (gloo) `group`: one broadcast of a
+    fixed CONTROL_BYTES buffer for messages that fit (torch's broadcast_object_list always
+    takes two: the size, then the bytes), a second for the rest of a longer one."""
+    head = torch.empty(CONTROL_BYTES, dtype=torch.uint8)
+    if rank == src:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        n, k = len(data), min(len(data), CONTROL_BYTES - _LEN)
+        buf = head.numpy()
+        buf[:_LEN] = memoryview(n.to_bytes(_LEN, "little"))
+        buf[_LEN:_LEN + k] = memoryview(data)[:k]
+        dist.broadcast(head, src=src, group=group)
+        if n > k:
+            dist.broadcast(torch.frombuffer(bytearray(data[k:]), dtype=torch.uint8), src=src,
+                           group=group)
+        return obj
+    dist.broadcast(head, src=src, group=group)
+    buf = head.numpy()
+    n = int.from_bytes(buf[:_LEN].tobytes(), "little")
+    k = min(n, CONTROL_BYTES - _LEN)
+    data = buf[_LEN:_LEN + k].tobytes()
+    if n > k:
+        rest = torch.empty(n - k, dtype=torch.uint8)
+        dist.broadcast(rest, src=src, group=group)
+        data += rest.numpy().tobytes()
+    return pickle.loads(data)
 
 
 def init_distributed(rank: int, world: int, init_method: str, device="cpu",

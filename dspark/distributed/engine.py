@@ -2,22 +2,37 @@
 
     runner = DistributedRunner.launch(path, cfg, world_size=4, device="cuda", dtype=torch.bfloat16,
                                       drafter=True, quant=QuantSim())
-    Engine(path, tensor_parallel_size=4)          # the same, from the engine
-    Engine(path, tensor_parallel_size=2, weight_format="quantized")   # FP8 / FP4 shards kept quantized
+    Engine(path, tensor_parallel_size=4)          # the same, from the engine (weights quantized)
+    Engine(path, tensor_parallel_size=2, tensor_parallel_drafter="sharded")
 
 Rank 0 lives in the caller's process: it runs the scheduler, sampling and verification exactly as
 a single-process engine does, through `DistributedRunner`, a `ModelRunner` over rank 0's shard.
 Ranks 1..N-1 are `torch.multiprocessing` spawn children that execute forwards on command.
 
-Protocol (one control message per forward or draft pass): before rank 0 runs a target forward or
-a draft pass on its shard it broadcasts the call's inputs with `broadcast_object_list` over a gloo
-control group; every rank then runs the same `ModelRunner` call on its own shard, and the sharded
-modules meet in their all-reduces (tp.py). Per-request state lives in every rank (the replicated
-KV head and compressor rows; only the heads differ), keyed by an id that rank 0 assigns in
-`new_states()` and that workers create lazily on first use; when rank 0's state objects are
-garbage collected their ids ride on the next message and workers drop theirs. `commit_context`
-calls are queued and sent with the next message, naming rows of the last forward's taps (every
-rank computed the same taps), so they cost no extra round trip. Only rank 0 samples, verifies and
+Decode / verify steps (`configure(..., target_graphs=True)`, on by default where the single
+device uses graphs) run on every rank through the single-device fixed-shape step
+(models/deepseek_v4/graph.py), the collectives inside it (captured in its CUDA graph on GPU):
+rank 0 fills the step's input buffer (token ids, drafts still on its device included, positions,
+slots, page tables) and its host plan, and the step begins by broadcasting that buffer to the
+other ranks, which compute no plan and read no tokens. So rank 0 sends such a step's requests,
+starts and lengths only, and reads nothing back from its device for them. Prefill chunks and
+other ragged steps run eagerly on every rank with the token ids in the message.
+
+Drafter (`drafter_mode`): "replicated" (default): rank 0 holds the whole drafter and runs the
+draft pass and context writes alone: no message, no collective, the single-device DraftPass
+(CUDA graphs included); the other ranks hold none. "sharded": split like the target, every
+rank runs the (eager) draft pass on command; for drafters too large for one device.
+
+Protocol (one control message per target forward, and per draft pass of a sharded drafter):
+before rank 0 runs a call on its shard it broadcasts the call's inputs with
+`comm.broadcast_message` over a gloo control group (host to host: no device sync; one broadcast
+for a message of a few KB); every rank then runs the same `ModelRunner` call on its own shard,
+and the sharded modules meet in their collectives (tp.py). Per-request state lives in every rank (the replicated KV head and compressor
+rows; only the heads differ), keyed by an id that rank 0 assigns in `new_states()` and that
+workers create lazily on first use; when rank 0's state objects are garbage collected their ids
+ride on the next message and workers drop theirs. A sharded drafter's `commit_context` calls are
+queued and sent with the next message, naming rows of the last forward's taps (every rank
+computed the same taps), so they cost no extra round trip. Only rank 0 samples, verifies and
 schedules; workers never make a decision that could differ from it.
 
 Paged KV cache: `configure(quant, backend)` gives every rank an attention backend over its own
@@ -25,7 +40,8 @@ PagedKVCache of the same size (the single KV head is replicated, so each rank st
 rows). The scheduler's cache calls on rank 0 (add_request / reserve / truncate / free) are
 recorded and replayed on every worker, in order, before its next forward, together with their
 outcome (a call that raised on rank 0 must raise the same way on the worker, else the ranks stop
-with an error instead of drifting apart).
+with an error instead of drifting apart). Each rank registers its own scratch request for the
+fixed-shape steps before the mirroring starts, so the numbering of slots and pages agrees.
 """
 from __future__ import annotations
 
@@ -43,12 +59,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dspark.request import token_list
 from dspark.runner import ModelRunner, QuantSim
 
-from .comm import (TPGroup, destroy_distributed, init_distributed, local_init_method,
-                   rank_device)
-from .sharding import check_quantized_split, check_world_size
-from .tp import build_rank_model, set_indexer_mode
+from .comm import (TPGroup, broadcast_message, destroy_distributed, init_distributed,
+                   local_init_method, rank_device)
+from .sharding import check_quantized_split, check_world_size, resolve_weight_format
+from .tp import build_full_drafter, build_rank_model, fixed_shape_steps, set_indexer_mode
+
+DRAFTER_MODES = ("replicated", "sharded")
+
 
 
 class _MirroredCache:
@@ -95,7 +115,7 @@ class RankSpec:
     init_method: str
     device: str
     dtype: torch.dtype
-    drafter: bool
+    drafter: str | None             # "replicated" | "sharded" | None (no drafter)
     quant: bool
     indexer_mode: str
     timeout_s: float
@@ -125,8 +145,10 @@ def _worker_main(rank: int, spec: RankSpec, status) -> None:
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         tp = TPGroup(rank, spec.world)
-        model, drafter = build_rank_model(spec.path, spec.cfg, tp, spec.dtype, dev, spec.drafter,
-                                          spec.indexer_mode, weight_format=spec.weight_format)
+        # drafter="replicated": rank 0 holds the whole drafter and drafts alone
+        model, drafter = build_rank_model(spec.path, spec.cfg, tp, spec.dtype, dev,
+                                          spec.drafter == "sharded", spec.indexer_mode,
+                                          weight_format=spec.weight_format)
     except BaseException:
         status.put(("error", rank, traceback.format_exc()))
         return
@@ -168,13 +190,12 @@ class Worker:
         return {"rank": self.tp.rank, "states": len(self.states),
                 "cache_requests": None if cache is None else len(cache._reqs),
                 "cache_free_pages": None if cache is None else cache.num_free_pages,
+                "fixed_steps": getattr(self.runner.target_graphs, "num_replays", None),
                 **memory_stats(self.runner)}
 
     def serve(self) -> None:
         while True:
-            box = [None]
-            dist.broadcast_object_list(box, src=0, group=self.tp.cpu_group)
-            threads, ops = box[0]
+            threads, ops = broadcast_message(None, self.tp.cpu_group, self.tp.rank)
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
             for op in ops:
@@ -189,8 +210,19 @@ class Worker:
                 self.states.pop(key, None)
         elif kind == "fwd":
             _, items, logit_rows = op
-            items = [(self._state(ref), start, toks) for ref, start, toks in items]
-            _, self.last_taps = self.runner.target_forward(items, logit_rows)
+            # an int: that many tokens, which the fixed-shape step receives from rank 0 itself
+            if any(isinstance(toks, int) for _, _, toks in items):
+                graphs = self.runner.target_graphs
+                items = [(self._state(ref), start, [0] * toks) for ref, start, toks in items]
+                self.runner.flush_context()
+                out = graphs.run(items) if graphs is not None else None
+                if out is None:
+                    raise RuntimeError(f"rank {self.tp.rank}: a step rank 0 ran fixed-shape does "
+                                       f"not fit this rank's fixed-shape path")
+                self.last_taps = out[1]
+            else:
+                items = [(self._state(ref), start, toks) for ref, start, toks in items]
+                _, self.last_taps = self.runner.target_forward(items, logit_rows)
         elif kind == "ctx":
             _, ref, rows, start = op
             taps = self.last_taps[rows[0]:rows[1]] if isinstance(rows, tuple) else rows.to(
@@ -211,9 +243,10 @@ class Worker:
                 raise RuntimeError(f"rank {self.tp.rank}: KV cache {name}{args} gave "
                                    f"{got or 'success'} here but {expected or 'success'} on rank 0")
         elif kind == "configure":
-            _, quant, backend_cls, spec = op
+            _, quant, backend_cls, spec, steps = op
             self.runner.quant = quant
             self.runner.backend = None
+            self.runner.target_graphs = None
             if backend_cls is not None:
                 from dspark.kvcache.paged import PagedKVCache
                 cache = PagedKVCache(self.runner.model.cfg, device=self.runner.device, **spec)
@@ -221,6 +254,17 @@ class Worker:
             for m in (self.runner.model, self.runner.drafter):
                 if m is not None:
                     set_indexer_mode(m, "auto", paged=backend_cls is not None)
+            if steps is not None:
+                self.runner.target_graphs = fixed_shape_steps(self.runner, self.tp, **steps)
+                if self.runner.target_graphs is None:
+                    raise RuntimeError(f"rank {self.tp.rank}: rank 0 runs fixed-shape steps, but "
+                                       f"this rank's experts cannot")
+        elif kind == "capture":
+            if self.runner.target_graphs is not None:
+                self.runner.target_graphs.capture_all(op[1])
+        elif kind == "commbench":
+            from .comm_profile import time_collectives
+            time_collectives(self.tp, *op[1:])
         elif kind == "stats":
             dist.gather_object(self.stats(), None, dst=0, group=self.tp.cpu_group)
         elif kind == "stop":
@@ -274,9 +318,15 @@ def _close_at_exit(ref) -> None:
 class DistributedRunner(ModelRunner):
     """Rank 0 of a tensor-parallel group, with the ModelRunner API the engine uses."""
 
-    def __init__(self, model, drafter, device, quant, tp: TPGroup, procs):
-        super().__init__(model, drafter, device, quant)
+    def __init__(self, model, drafter, device, quant, tp: TPGroup, procs,
+                 drafter_mode: str = "replicated", cuda_graphs: bool = False,
+                 max_num_seqs: int = 8):
+        # a replicated drafter runs on rank 0 alone, collective-free: its draft pass is the
+        # single-device one (CUDA graphs included)
+        super().__init__(model, drafter, device, quant, cuda_graphs=cuda_graphs and
+                         drafter_mode == "replicated", max_num_seqs=max_num_seqs)
         self.tp, self._procs = tp, procs
+        self.drafter_mode = drafter_mode if drafter is not None else None
         self._keys = itertools.count()
         self._freed = collections.deque()      # state refs whose rank-0 objects were collected
         self._queued: list = []                # commit_context ops awaiting the next message
@@ -293,15 +343,23 @@ class DistributedRunner(ModelRunner):
                drafter: bool = True, quant: QuantSim | None = None, indexer_mode: str = "auto",
                progress: bool = False, timeout_s: float = 1800.0,
                start_timeout_s: float | None = None, threads: int | None = None,
-               weight_format: str = "bf16"):
+               weight_format: str = "auto", drafter_mode: str = "replicated",
+               cuda_graphs: bool | None = None, max_num_seqs: int = 8):
         """Spawn ranks 1..N-1, load rank 0's shard here, wait for every shard, form the group.
-        weight_format="quantized": FP8 / FP4 slices stay quantized on every rank (QuantLinear)."""
+        weight_format: "quantized" (FP8 / FP4 slices stay quantized on every rank, QuantLinear),
+        "bf16" (de-quantized at load) or "auto" (quantized for an FP8 / FP4 checkpoint whose
+        splits fall on its scale blocks). drafter_mode: "replicated" (rank 0 holds the whole
+        drafter and drafts alone, no collectives; the default) or "sharded" (split like the
+        target, every rank runs the draft pass). cuda_graphs: the replicated draft pass as CUDA
+        graphs (default: on CUDA)."""
         check_world_size(cfg, world_size)
+        if drafter_mode not in DRAFTER_MODES:
+            raise ValueError(f"drafter={drafter_mode!r}: use one of {DRAFTER_MODES}")
+        sharded_draft = drafter and drafter_mode == "sharded"
+        include = None if sharded_draft else lambda n: not n.startswith("mtp.")
+        weight_format = resolve_weight_format(cfg, world_size, weight_format, include)
         if weight_format == "quantized":        # fail before spawning anything
-            check_quantized_split(cfg, world_size,
-                                  None if drafter else lambda n: not n.startswith("mtp."))
-        elif weight_format != "bf16":
-            raise ValueError(f"weight_format={weight_format!r}: use 'bf16' or 'quantized'")
+            check_quantized_split(cfg, world_size, include)
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialised in this process: one "
                                "tensor-parallel engine per process (close() the other one first)")
@@ -310,8 +368,8 @@ class DistributedRunner(ModelRunner):
                 (torch.device(device).index or 0) + world_size):
             raise ValueError(f"tensor_parallel_size={world_size} needs {world_size} GPUs from "
                              f"{device}; {torch.cuda.device_count()} visible")
-        spec = RankSpec(path, cfg, world_size, local_init_method(), device, dtype, drafter,
-                        quant is not None, indexer_mode, timeout_s,
+        spec = RankSpec(path, cfg, world_size, local_init_method(), device, dtype,
+                        drafter_mode if drafter else None, quant is not None, indexer_mode, timeout_s,
                         threads or torch.get_num_threads(), weight_format)
         ctx = mp.get_context("spawn")
         status = ctx.Queue()
@@ -324,8 +382,11 @@ class DistributedRunner(ModelRunner):
                 procs.append((r, p))
             tp = TPGroup(0, world_size)
             dev = rank_device(device, 0)
-            model, draft = build_rank_model(path, cfg, tp, dtype, dev, drafter, indexer_mode,
-                                            progress=progress, weight_format=weight_format)
+            model, draft = build_rank_model(path, cfg, tp, dtype, dev, sharded_draft,
+                                            indexer_mode, progress=progress,
+                                            weight_format=weight_format)
+            if drafter and not sharded_draft:
+                draft = build_full_drafter(path, cfg, dtype, dev, weight_format, progress)
             _wait_ready(procs, status, start_timeout_s)
             g = init_distributed(0, world_size, spec.init_method, device, timeout_s)
             tp.group, tp.cpu_group = g.group, g.cpu_group
@@ -336,17 +397,33 @@ class DistributedRunner(ModelRunner):
             _reap(procs, 5)
             destroy_distributed()
             raise
-        return cls(model, draft, dev, quant, tp, procs)
+        if cuda_graphs is None:
+            cuda_graphs = dev.type == "cuda"
+        return cls(model, draft, dev, quant, tp, procs, drafter_mode, cuda_graphs, max_num_seqs)
 
-    def configure(self, quant: QuantSim | None = None, backend=None) -> "DistributedRunner":
+    def configure(self, quant: QuantSim | None = None, backend=None,
+                  target_graphs: bool = False) -> "DistributedRunner":
         """Set the KV rounding and the attention backend (None: dense per-request state) on
         every rank. Rank 0 keeps `backend` itself; workers build the same backend class over a
-        PagedKVCache of the same geometry, and rank 0's cache calls are mirrored to them."""
+        PagedKVCache of the same geometry, and rank 0's cache calls are mirrored to them.
+        target_graphs (paged backends): decode / verify steps on the fixed-shape path on every
+        rank (dspark/models/deepseek_v4/graph.py: captured as CUDA graphs with the collectives
+        inside on CUDA, run eagerly on CPU); the cache needs one slot and one page more than
+        the scheduler hands out (the scratch request)."""
         self.quant, self.backend = quant, backend
-        spec = None
+        self.target_graphs = None
+        spec = steps = None
         if backend is not None:
             cache = backend.cache
             spec = cache_spec(cache)
+            if target_graphs:
+                # before the cache calls are mirrored: every rank registers its own scratch
+                gamma = getattr(self.drafter, "gamma", 0) if self.drafter is not None else 0
+                steps = dict(q_lens=tuple(range(1, gamma + 2)), max_batch=self.max_num_seqs,
+                             capture=self.device.type == "cuda")
+                self.target_graphs = fixed_shape_steps(self, self.tp, **steps)
+                if self.target_graphs is None:     # (rank 0 decides for every rank)
+                    steps = None
             if not isinstance(cache, _MirroredCache):
                 cache.__class__ = type(f"Mirrored{type(cache).__name__}",
                                        (_MirroredCache, type(cache)), {})
@@ -354,7 +431,9 @@ class DistributedRunner(ModelRunner):
         for m in (self.model, self.drafter):
             if m is not None:
                 set_indexer_mode(m, "auto", paged=backend is not None)
-        self._queued.append(("configure", quant, None if backend is None else type(backend), spec))
+        self.uniform_verify = self.target_graphs is not None
+        self._queued.append(("configure", quant, None if backend is None else type(backend), spec,
+                             steps))
         return self
 
     def _queued_append(self, op) -> None:
@@ -390,8 +469,9 @@ class DistributedRunner(ModelRunner):
         # queued ops may name states collected since: they run before those states are freed
         msg = self._queued + ([("free", frees)] if frees else []) + list(ops)
         self._queued = []
-        dist.broadcast_object_list([(torch.get_num_threads(), msg)], src=0,
-                                   group=self.tp.cpu_group)
+        if self.tp.world == 1:                 # no workers to tell
+            return
+        broadcast_message((torch.get_num_threads(), msg), self.tp.cpu_group, 0)
 
     def _run(self, ops, fn):
         try:
@@ -427,7 +507,13 @@ class DistributedRunner(ModelRunner):
 
     def target_forward(self, items, logit_rows=None, snapshot: bool = True):
         items = list(items)
-        msg = [(self._ref(st, "t"), int(start), [int(t) for t in toks]) for st, start, toks in items]
+        if self.target_graphs is not None and self.target_graphs.fits(items) is not None:
+            # a fixed-shape step: the workers receive the token ids (drafts still on this
+            # device included) and the plan in the step itself; no read of the device here
+            msg = [(self._ref(st, "t"), int(start), len(toks)) for st, start, toks in items]
+        else:
+            msg = [(self._ref(st, "t"), int(start), [int(t) for t in token_list(toks)])
+                   for st, start, toks in items]
         rows = None if logit_rows is None else [int(r) for r in logit_rows]
         logits, taps = self._run([("fwd", msg, rows)],
                                  lambda: ModelRunner.target_forward(self, items, logit_rows,
@@ -437,15 +523,32 @@ class DistributedRunner(ModelRunner):
 
     def commit_context(self, draft_state, taps, start: int):
         super().commit_context(draft_state, taps, start)
+        if self.drafter_mode != "sharded":       # the drafter lives on rank 0 alone
+            return
         rows = self._rows_of_last_taps(taps)
         self._queued.append(("ctx", self._ref(draft_state, "d"),
                              rows if rows is not None else taps.detach().cpu(), int(start)))
 
     def draft(self, reqs) -> list:
         reqs = list(reqs)
+        if self.drafter_mode != "sharded":       # rank 0's whole drafter: no message, no wait
+            return ModelRunner.draft(self, reqs)
         msg = [(int(r.anchor), int(r.num_committed), self._ref(r.draft_state, "d"), r.params,
                 int(r.seed)) for r in reqs]
         return self._run([("draft", msg)], lambda: ModelRunner.draft(self, reqs))
+
+    def capture_graphs(self, q_lens, max_position: int, progress: bool = False) -> dict:
+        """ModelRunner.capture_graphs on every rank together: the target's buckets (their
+        collectives meet rank by rank), the replicated draft pass on rank 0 alone."""
+        return self._run([("capture", tuple(q_lens))],
+                         lambda: ModelRunner.capture_graphs(self, q_lens, max_position, progress))
+
+    def collective_time(self, shapes, iters: int = 20) -> float:
+        """Seconds one round of `shapes` [(kind, shape, dtype)] costs on this group (every rank
+        runs them; rank 0 times them): the communication of a step (comm_profile.py)."""
+        from .comm_profile import time_collectives
+        return self._run([("commbench", list(shapes), iters)],
+                         lambda: time_collectives(self.tp, list(shapes), iters))
 
     def worker_stats(self) -> list[dict]:
         """Per-rank bookkeeping (live request states, KV cache requests and free pages, weight
@@ -455,6 +558,7 @@ class DistributedRunner(ModelRunner):
         mine = {"rank": 0, "states": None,
                 "cache_requests": None if cache is None else len(cache._reqs),
                 "cache_free_pages": None if cache is None else cache.num_free_pages,
+                "fixed_steps": getattr(self.target_graphs, "num_replays", None),
                 **memory_stats(self)}
         out = [None] * self.tp.world
 

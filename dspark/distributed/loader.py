@@ -84,9 +84,10 @@ def load_checkpoint_shard(path: str, cfg: ModelConfig, rank: int, world: int,
     dtypes of `load_checkpoint` (fp8/fp4/bf16 weights as `dtype`, fp32 params as float32, the hash
     table as int64; unquantized tensors stored in another float dtype are cast, rank 0 logs
     what), on `device`. `include(name) -> bool` restricts the tensors read (e.g. no
-    `mtp.*` without a drafter). world == 1 reads everything with `load_checkpoint`.
+    `mtp.*` without a drafter). world == 1 without `include` reads everything with
+    `load_checkpoint`; with it, only the tensors asked for.
     keep_quantized: fp8 / fp4 weights as stored plus their `.scale` entries (module docstring)."""
-    if world == 1:
+    if world == 1 and include is None:
         out = load_checkpoint(path, cfg, dtype=dtype, device=device, progress=progress,
                               keep_quantized=keep_quantized)
         return {k: v for k, v in out.items() if include is None or include(k)}

@@ -115,6 +115,23 @@ def check_quantized_split(cfg: ModelConfig, world: int, include=None) -> None:
                     f"weight_format='bf16' (de-quantize at load) or another tensor_parallel_size")
 
 
+def resolve_weight_format(cfg, world: int, weight_format: str, include=None) -> str:
+    """weight_format="auto" under tensor parallelism: "quantized" for an FP8 / FP4 checkpoint
+    whose every rank's split falls on the scale blocks (each rank runs the quantized kernels on
+    its codes), else "bf16"."""
+    if weight_format not in ("auto", "bf16", "quantized"):
+        raise ValueError(f"weight_format={weight_format!r}: use 'auto', 'bf16' or 'quantized'")
+    if weight_format != "auto":
+        return weight_format
+    if not (cfg.weight_dtype == "fp8" or cfg.expert_format in ("fp8", "fp4")):
+        return "bf16"
+    try:
+        check_quantized_split(cfg, world, include)
+    except ValueError:
+        return "bf16"
+    return "quantized"
+
+
 class ShardPlan:
     def __init__(self, cfg: ModelConfig, rank: int, world: int):
         check_world_size(cfg, world)

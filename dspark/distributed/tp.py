@@ -16,14 +16,19 @@ set) are set on the instances. `build_rank_model` does that and then fills in th
   scores all heads (used with paged attention backends, whose `select(q, w)` is one fused step).
   "scores" needs `Attention.forward` to call the indexer through the instance
   (`self.indexer.select(...)`); `indexer_mode="auto"` picks it when that is so.
-* EPMoE: replicated gate; only the rank's routed experts (e % N == r) and its slice of the shared
-  expert run; the fp32 partial outputs are all-reduced.
+* EPMoE (ep_moe.py): replicated gate; only the rank's routed experts (e % N == r) and its slice
+  of the shared expert run, by fixed-shape paths at decode / verify sizes; the fp32 partial
+  outputs are all-reduced.
+
+The fixed-shape decode / verify step (models/deepseek_v4/static_forward.py) runs on these modules
+unchanged: every collective has a fixed shape (the indexer in "gather" mode, which every paged
+backend uses), so on CUDA it is captured inside the step's graph.
 
 weight_format="quantized": after the structure is sharded, every nn.Linear whose checkpoint tensor
 is FP8 / FP4 and that the rank holds becomes a `QuantLinear` of the rank's local shape
 (dspark/models/qlinear.py), loaded with the rank's codes and scale tiles (keep_quantized loads).
-TPAttention's output then takes QuantLinear.grouped over the local groups; EPMoE runs each owned
-FP4 expert from its packed weights (the same per-expert SwiGLU as `fp4_moe`).
+TPAttention's output then takes QuantLinear.grouped over the local groups; EPMoE runs the owned
+FP4 experts from their packed weights (`fp4_moe_grouped` over the rank's stack, or per expert).
 """
 from __future__ import annotations
 
@@ -36,9 +41,9 @@ from torch import nn
 from dspark.models.deepseek_v4.attention import Attention
 from dspark.models.deepseek_v4.indexer import Indexer
 from dspark.models.deepseek_v4.model import Block, DeepseekV4Model
-from dspark.models.deepseek_v4.moe import MoE
 
 from .comm import TPGroup
+from .ep_moe import EPMoE
 from .sharding import ShardPlan, check_world_size
 
 INDEXER_MODES = ("auto", "scores", "gather")
@@ -50,20 +55,26 @@ class TPAttention(Attention):
     def output(self, o, positions, dtype, *args, **kwargs):
         # extra arguments (e.g. a host-side position bound) pass through to the parent
         out = super().output(o, positions, dtype, *args, **kwargs)   # local wo_a groups, wo_b cols
+        if self._tp.world == 1:
+            return out
         return self._tp.all_reduce(out.float()).to(dtype)
 
 
 class TPIndexer(Indexer):
     """Lightning indexer over this rank's index heads (see module docstring for the two modes)."""
 
-    def queries(self, x, cq, positions, rope, quant, *args, **kwargs):
-        q, w = super().queries(x, cq, positions, rope, quant, *args, **kwargs)
+    # (Indexer.queries calls these two; the fixed-shape step calls them apart)
+    def index_queries(self, cq, positions, rope, quant, *args, **kwargs):
+        q = super().index_queries(cq, positions, rope, quant, *args, **kwargs)
+        return self._tp.all_gather(q, dim=1) if self._mode == "gather" else q
+
+    def head_weights(self, x):
         # the parent scales the head weights by (d * local heads)^-1/2; the model's scale uses
         # all heads
-        w = w * self._w_fix
-        if self._mode == "gather":
-            q, w = self._tp.all_gather(q, dim=1), self._tp.all_gather(w, dim=1)
-        return q, w
+        w = super().head_weights(x)
+        if self._w_fix != 1.0:
+            w = w * self._w_fix
+        return self._tp.all_gather(w, dim=1) if self._mode == "gather" else w
 
     def select(self, q, w, keys, positions, ratio: int, topk: int) -> torch.Tensor:
         """Indexer.select with the head sum split over ranks ("scores" mode): partial scores of
@@ -81,29 +92,6 @@ class TPIndexer(Indexer):
         top = scores.topk(min(topk, n), dim=-1).indices
         chosen = torch.zeros_like(visible).scatter_(1, top, True)
         return chosen & visible
-
-
-class EPMoE(MoE):
-    """MoE over this rank's routed experts (`experts` is a ModuleDict keyed by global expert id,
-    so parameter names stay the checkpoint's) and its part of the shared expert."""
-
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        idx, w = self.gate(x, token_ids)
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        flat = idx.flatten()
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self._n_experts)
-        counts, starts = torch.stack([counts, torch.cumsum(counts, 0) - counts]).tolist()  # 1 sync
-        tok, wf = order // idx.shape[1], w.flatten()
-        for key, expert in self.experts.items():
-            e = int(key)
-            n, s = counts[e], starts[e]
-            if n:
-                sel, t = order[s:s + n], tok[s:s + n]
-                out.index_add_(0, t, expert(x[t], wf[sel]).float())
-        if self.shared_experts is not None:
-            out += self.shared_experts(x).float()
-        return self._tp.all_reduce(out).to(x.dtype)
 
 
 def instance_select_hook_present() -> bool:
@@ -153,6 +141,7 @@ def _shard_block(block: Block, plan: ShardPlan, tp: TPGroup, mode: str) -> None:
     ffn.__class__ = EPMoE
     ffn._tp = tp
     ffn._n_experts = cfg.n_routed_experts
+    ffn._rank, ffn._world = plan.rank, plan.world
     if isinstance(ffn.experts, nn.ModuleList):
         ffn.experts = nn.ModuleDict({str(e): ffn.experts[e] for e in plan.local_experts})
     if not plan.holds_shared:
@@ -257,4 +246,76 @@ def build_rank_model(path: str, cfg, tp: TPGroup, dtype=torch.float32, device="c
         assign_weights(drafter, {drafter_param_name(k): v for k, v in weights.items()
                                  if k.startswith("mtp.")}, "drafter")
     del weights
+    if quantized:
+        from dspark.models.qlinear import fuse_same_input_linears
+        for root in (model, drafter):
+            if root is not None:
+                fuse_same_input_linears(root)      # the replicated wq_a + wkv, shared w1 + w3
+    if torch.device(device).type == "cuda":
+        # the stacks the fixed-shape expert paths read, built now (not under graph capture)
+        for root in (model, drafter):
+            for m in (root.modules() if root is not None else ()):
+                if isinstance(m, EPMoE) and m._local():
+                    if _holds_fp4(m):
+                        m.fp4_stack()
+                    else:
+                        m._plain_stack()
     return model.eval(), (drafter.eval() if drafter is not None else None)
+
+
+def _holds_fp4(moe) -> bool:
+    from dspark.models.qlinear import QuantLinear
+    w1 = moe._local()[0].w1
+    return isinstance(w1, QuantLinear) and w1.kind == "fp4"
+
+
+def build_full_drafter(path: str, cfg, dtype=torch.float32, device="cpu",
+                       weight_format: str = "bf16", progress: bool = False):
+    """The whole DSpark drafter (every stage unsharded, no collectives) from the checkpoint's
+    mtp.* tensors only, as the single-device engine builds it: the drafter a tensor-parallel
+    rank 0 runs alone (drafter="replicated")."""
+    from dspark.models.drafter import DSparkDrafter
+    from dspark.models.deepseek_v4.weights import tensor_inventory
+    from dspark.models.qlinear import (QUANT_KINDS, QuantMoE, drafter_param_name,
+                                       fuse_same_input_linears, quantize_modules)
+
+    from .loader import load_checkpoint_shard
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format={weight_format!r}: use one of {WEIGHT_FORMATS}")
+    quantized = weight_format == "quantized"
+    with torch.device("meta"):
+        drafter = DSparkDrafter(cfg)
+    if quantized:
+        quantize_modules(drafter, {drafter_param_name(n)[:-len(".weight")]: s.kind
+                                   for n, s in tensor_inventory(cfg).items()
+                                   if s.kind in QUANT_KINDS and n.startswith("mtp.")}, dtype)
+    weights = load_checkpoint_shard(path, cfg, 0, 1, dtype=dtype, device=device,
+                                    progress=progress, include=lambda n: n.startswith("mtp."),
+                                    keep_quantized=quantized)
+    drafter.load_state_dict({drafter_param_name(k): v for k, v in weights.items()},
+                            strict=True, assign=True)
+    del weights
+    if quantized:
+        fuse_same_input_linears(drafter)
+        if torch.device(device).type == "cuda" and QuantMoE.grouped_max_pairs:
+            for m in drafter.modules():        # ready before any graph capture
+                if isinstance(m, QuantMoE):
+                    m.stack_experts()
+    return drafter.eval()
+
+
+def fixed_shape_steps(runner, tp: TPGroup, q_lens, max_batch: int, capture: bool):
+    """This rank's V4DecodeGraphs over its runner's cache, or None where a captured step could
+    not hold an expert path (capture=True with experts that route on the host: eager steps).
+    Rank 0 leads (fills the inputs and computes the plan); the others follow: they receive both
+    by a broadcast inside the step."""
+    from dspark.models.deepseek_v4.graph import V4DecodeGraphs
+    if capture and not all(m.fixed_shape_capable() for m in runner.model.modules()
+                           if isinstance(m, EPMoE)):
+        return None
+    backend = runner.backend
+    kernels = "triton" if getattr(backend, "name", "") in ("triton", "flashmla") else backend
+    share = (lambda t: tp.broadcast(t, src=0)) if tp.world > 1 else None
+    return V4DecodeGraphs(runner.model, backend.cache, kernels, q_lens=q_lens,
+                          max_batch=max_batch, tap_layers=runner.tap_layers, capture=capture,
+                          share_inputs=share, follower=tp.rank > 0)

@@ -73,7 +73,13 @@ class V4DecodeGraphs:
     needs."""
 
     def __init__(self, model, cache, backend="triton", q_lens=(1,), max_batch: int = 8,
-                 tap_layers=(), capture: bool | None = None, max_pages: int | None = None):
+                 tap_layers=(), capture: bool | None = None, max_pages: int | None = None,
+                 share_inputs=None, follower: bool = False):
+        """share_inputs(t): an in-place device broadcast from a leader (tensor parallelism): the
+        step's input buffer (token ids, positions, slots, page tables and the host plan) is
+        sent at the start of the step, inside the graph. follower: this copy receives them,
+        so its host neither reads the tokens nor computes a plan (only the cache
+        bookkeeping)."""
         dev = cache.device
         kind = backend if isinstance(backend, str) else getattr(backend, "name", "reference")
         self.kernels = StepKernels(cache, "triton" if kind == "triton" else "torch")
@@ -129,6 +135,10 @@ class V4DecodeGraphs:
         self.num_replays = 0
         self._next_plan = None               # (inputs key, host plan) computed ahead
         self.plans_ahead_used = 0
+        if follower and share_inputs is None:
+            raise ValueError("V4DecodeGraphs: a follower needs share_inputs (its inputs come "
+                             "from the leader)")
+        self.share_inputs, self.follower = share_inputs, bool(follower)
 
     # ---- shapes ------------------------------------------------------------------------------
     def bucket(self, items):
@@ -138,6 +148,15 @@ class V4DecodeGraphs:
             return None
         return step_bucket(items, self.q_lens, self.batch_buckets, self.page_buckets,
                            self.cache.block_size)
+
+    def fits(self, items):
+        """The bucket `run(items)` would use, or None when it would return None (a function of
+        the requests, their starts and lengths, and the cache's page tables only)."""
+        key = self.bucket(items)
+        rids = [rid for rid, _, _ in items]
+        if key is None or len(set(rids)) != len(rids) or SCRATCH_RID in rids:
+            return None
+        return key
 
     def _layout(self, B: int, q: int, P: int) -> hp.PlanLayout:
         key = (B, q, P)
@@ -162,6 +181,8 @@ class V4DecodeGraphs:
 
     def _forward(self, B: int, q: int, P: int):
         """The fixed-shape forward on the static buffers, results into the static outputs."""
+        if self.share_inputs is not None:        # the leader's inputs and plan, device to device
+            self.share_inputs(self.ints[:self._layout(B, q, P).end])
         inp = self.inputs(B, q, P)
         sp = plan_from_views(self.cache, hp.views(self._layout(B, q, P), self.ints), inp,
                              self.bound)
@@ -185,15 +206,18 @@ class V4DecodeGraphs:
         its reads of them at once, as decide and the overlapped decode's read back and next
         anchors do: no 0.5 MB copy per step for a 129k vocabulary, no copy launch between two
         decode steps for the argmax)."""
-        key = self.bucket(items)
-        rids = [rid for rid, _, _ in items]
-        if key is None or len(set(rids)) != len(rids) or SCRATCH_RID in rids:
+        key = self.fits(items)
+        if key is None:
             count_fallback(self, target_fallback_reason(items, self))
             return None
         B, q, P = key
         c, R = self.cache, len(items)
         for rid, start, _ in items:          # check every request before changing any
             c.check_forward(rid, start, start + q)
+        if self.follower:                    # inputs and plan arrive in the step itself
+            for rid, start, _ in items:
+                c.begin_forward(rid, start, start + q)
+            return self._launch(key, R * q, snapshot)
         if self._uploaded is not None:       # the previous upload has left the host buffer
             self._uploaded.synchronize()
         ids, pos, st, sl, va, pt = self._host_parts
@@ -237,15 +261,20 @@ class V4DecodeGraphs:
         if anchors:                          # all of the items (checked above): one copy
             src = anchors[0] if R == 1 else torch.cat(anchors)
             ids_dev[:R * q].view(R, q)[:, 0].copy_(src, non_blocking=True)
+        return self._launch(key, R * q, snapshot, lambda: self._predict_plan(items, q))
+
+    def _launch(self, key, T: int, snapshot: bool, meanwhile=None):
+        """Run (or replay) bucket `key`'s step on the filled inputs; its first T rows' outputs.
+        `meanwhile()`: host work while the device runs the step (the next plan, predicted)."""
         if not self.capture:
-            self._forward(B, q, P)
+            self._forward(*key)
         else:
             g = self._graph(key)
             if g is not None:
                 g.replay()
-        self._predict_plan(items, q)         # on the host while the device runs the step
+        if meanwhile is not None:
+            meanwhile()
         self.num_replays += 1
-        T = R * q
         taps = self.taps_out[:T].clone() if self.taps_out is not None else None
         logits = self.logits_out[:T].clone() if snapshot else self.logits_out[:T]
         logits.row_argmax = self.argmax_out[:T].clone() if snapshot else self.argmax_out[:T]

@@ -145,16 +145,18 @@ class MoE(nn.Module):
                 start += n
         return out
 
-    def _routed_gathered(self, x, idx, w, w13, w2):
-        """fp32 [T, D]: Σ_slots w2[e] · (weight · swiglu(w1[e] x, w3[e] x)) over the k slots."""
+    def _routed_gathered(self, x, idx, w, w13, w2, limit: float | None = None):
+        """fp32 [T, D]: Σ_slots w2[e] · (weight · swiglu(w1[e] x, w3[e] x)) over the k slots
+        (idx: rows of the stack; limit: the experts' clamp, default expert 0's)."""
         inter = w2.shape[-1]
         gu = torch.matmul(w13[idx], x[:, None, :, None]).squeeze(-1)        # [T, k, 2I] x.dtype
         g, u = gu.float().split(inter, dim=-1)
-        h = clamped_swiglu(g, u, self.experts[0].limit, w).to(x.dtype)
+        limit = self.experts[0].limit if limit is None else limit
+        h = clamped_swiglu(g, u, limit, w).to(x.dtype)
         y = torch.matmul(w2[idx], h.unsqueeze(-1)).squeeze(-1)              # [T, k, D] x.dtype
         return y.float().sum(1)
 
-    def _routed_dense(self, x, idx, w, w13, w2):
+    def _routed_dense(self, x, idx, w, w13, w2, limit: float | None = None):
         """fp32 [T, D]: every expert on every token, its output zero where the token does not
         route to it, so the sum over experts adds what `_routed_gathered` adds over the slots
         (exactly, for k = 2: a two-term fp32 sum does not depend on its order)."""
@@ -163,7 +165,7 @@ class MoE(nn.Module):
         weight.scatter_add_(1, idx, w.float())                               # [T, E]
         gu = torch.einsum("td,efd->tef", x, w13)                             # [T, E, 2I] x.dtype
         g, u = gu.float().split(inter, dim=-1)
-        h = clamped_swiglu(g, u, self.experts[0].limit, weight)
+        h = clamped_swiglu(g, u, self.experts[0].limit if limit is None else limit, weight)
         h = torch.where(weight.unsqueeze(-1) != 0, h, 0.0).to(x.dtype)       # off the route: 0
         y = torch.einsum("tei,edi->ted", h, w2)                              # [T, E, D] x.dtype
         return y.float().sum(1)
