@@ -87,6 +87,8 @@ class Engine:
         self.scheduler = Scheduler(c.max_num_seqs, c.max_num_batched_tokens, self.cache)
         self.sts = load_sts(path)
         self.policy = self._make_policy(c) if self.drafter is not None else None
+        if hasattr(self.policy, "uniform"):    # the scheduled policies price padded rounds
+            self.policy.uniform = getattr(self.runner, "uniform_verify", False)
         self.telemetry = collections.deque(maxlen=4096)   # per-step batch composition
         self.round_log = None     # set to a list to record (conf logits, verified, accepted) per round
         # (the prompt-length error names what set the limit: the model or the cache)

@@ -299,14 +299,22 @@ def test_uniform_verify_width_is_the_fixed_policys_block(tiny_ckpt):
     assert widths and set(widths) == {spec.drafter.gamma + 1}
 
 
-@pytest.mark.parametrize("policy", ["scheduled", "scheduled-async"])
-def test_sampling_distribution_is_exact_under_the_scheduler(small_vocab_ckpt, policy, tmp_path,
-                                                            monkeypatch):
+@pytest.mark.parametrize("policy,uniform", [("scheduled", False), ("scheduled-async", False),
+                                            ("scheduled", True), ("scheduled-async", True)])
+def test_sampling_distribution_is_exact_under_the_scheduler(small_vocab_ckpt, policy, uniform,
+                                                            tmp_path, monkeypatch):
     """The SPS-scheduled policies at the default engine settings (SPS profiled on this CPU):
-    whatever lengths they pick, the emitted tokens follow the target's law."""
+    whatever lengths they pick, the emitted tokens follow the target's law. uniform: the
+    runner pads every round to one width (as the CUDA-graph steps do) and the policies pick one
+    width per round, which a convex SPS makes vary with the load and the confidences."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))      # a fresh profile, not a shared one
+    # (every B a bucket: SpsTable looks B up in the next bucket up, a step function); step time
+    # convex in B, so the best width shrinks as more requests run
+    kw = dict(sps_table=[[b, 10.0 + 1e-4 * b * b] for b in range(1, 513)]) if uniform else {}
     spec = Engine(small_vocab_ckpt, device="cpu", dtype="fp32", kv_cache_dtype="fp32",
-                  verify_policy=policy)
+                  verify_policy=policy, **kw)
+    if uniform:
+        spec.runner.uniform_verify = spec.policy.uniform = True
     off = Engine(small_vocab_ckpt, device="cpu", dtype="fp32", kv_cache_dtype="fp32",
                  speculative="none")
     prompt, steps, T, n = [3, 1, 4, 1, 5], 2, 1.0, 480
@@ -316,6 +324,8 @@ def test_sampling_distribution_is_exact_under_the_scheduler(small_vocab_ckpt, po
     assert _chi2_pvalue(counts, law, n) > 1e-3
     lengths = [ell for _, ell, _ in spec.round_log]
     assert len(lengths) >= n, "every request ran at least one speculative round"
+    if uniform:
+        assert len(set(lengths)) > 1, "the width never changed: the test lost its purpose"
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -263,3 +263,43 @@ def test_fixed_lengths_are_known_on_the_host():
     tab = SpsTable.from_ms([[1, 10.0], [64, 12.0]])
     for p in (ThresholdPolicy(0.5), ScheduledPolicy(tab), AsyncScheduledPolicy(tab)):
         assert p.host_lengths(3, 5) is None
+
+
+def _width_literal(surv, sps, early_stop=True):
+    """One width w for every request, Θ(w) = (R + Σ_r Σ_{j<=w} a_{r,j}) · SPS(R(1+w)) written
+    out: grown while it strictly improves (early_stop) or its first global maximum."""
+    r_count, g = surv.shape
+    theta = [(r_count + float(surv[:, :w].sum())) * sps.sps(r_count * (1 + w)) for w in range(g + 1)]
+    if not early_stop:
+        return int(np.argmax(theta))
+    w = 0
+    while w < g and theta[w + 1] > theta[w]:
+        w += 1
+    return w
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_uniform_width_policies_equal_the_literal_walk(seed):
+    """Where rounds are padded to one width the scheduled policies choose that width: the
+    early-stopping walk over w (scheduled) and the argmax over w of the stale survivals
+    (scheduled-async); every request gets w, cut at its first zero confidence."""
+    rng = np.random.default_rng(seed)
+    sps = SpsTable.from_ms([[b, 10.0 + float(rng.uniform(0, 3e-3)) * b * b] for b in range(1, 97)])
+    r_count, g = int(rng.integers(1, 9)), 5
+    conf = rng.uniform(0.05, 1.0, (r_count, g))
+    conf[rng.uniform(size=(r_count, g)) < 0.1] = 0.0            # a few zero confidences
+    z = logit(conf)
+    surv = torch.as_tensor(conf).cumprod(1)
+    cut = (surv > 0).long().cumprod(1).sum(1)
+    pol = ScheduledPolicy(sps)
+    pol.uniform = True
+    w = _width_literal(surv, sps)
+    assert pol(z).tolist() == cut.clamp(max=w).tolist()
+    ids = list(range(r_count))
+    apol = AsyncScheduledPolicy(sps)
+    apol.uniform = True
+    first = apol(z, ids)                        # no history: survival 1 at every position
+    assert first.tolist() == cut.clamp(max=_width_literal(torch.ones(r_count, g), sps, False)).tolist()
+    apol(logit(np.full((r_count, g), 0.5)), ids)
+    again = apol(z, ids)                        # the width of the call two steps back
+    assert again.tolist() == cut.clamp(max=_width_literal(surv, sps, False)).tolist()

@@ -202,12 +202,34 @@ class ThresholdPolicy(VerifyPolicy):
         return (conf >= self.threshold).long().cumprod(dim=1).sum(dim=1)
 
 
+def _positive_prefix(surv: torch.Tensor) -> torch.Tensor:
+    """int64 [R]: positions before each request's first zero survival (never admitted)."""
+    return (surv > 0).long().cumprod(dim=1).sum(dim=1)
+
+
+def _uniform_theta(tau_rows: torch.Tensor, r_count: int, sps: SpsTable) -> torch.Tensor:
+    """Θ(w) for w = 0..γ when every request verifies w drafts: τ(w) = R + Σ_r Σ_{j<=w} a_{r,j}
+    (from per-position sums `tau_rows` [γ]) times SPS at B = R·(1 + w) tokens."""
+    g = tau_rows.shape[0]
+    tau = r_count + torch.nn.functional.pad(tau_rows.double().cumsum(0), (1, 0))
+    return tau * sps.sps_device(r_count, r_count * (g + 1), tau_rows.device)[::r_count]
+
+
 class ScheduledPolicy(VerifyPolicy):
     """Algorithm 1 (spec §6.2): walk candidates by survival desc (ties: smaller j, then r), admit
     while Θ = τ·SPS(B) strictly improves, stop at the first non-improvement. The break is what
     keeps it lossless. Vectorised: along the walk Θ_best is always the previous Θ, so the admitted
-    set is the strictly increasing run of Θ_0, Θ_1, ... from the start."""
+    set is the strictly increasing run of Θ_0, Θ_1, ... from the start.
+
+    uniform=True (set by the engine where the runner pads every verify block of a round to the
+    widest, as the CUDA-graph steps do): a shorter ℓ for one request saves nothing there, and
+    B = Σ(1 + ℓ) would price a round at less than it costs (on the H200 the walk stopped at the
+    first jump of the bucketed SPS, ℓ ≈ 0.5 at 64 requests, 0.54x of fixed). The walk is then
+    over one width for all: w grows from 0 while Θ(w) = (R + Σ_r Σ_{j<=w} a_{r,j}) · SPS(R(1+w))
+    strictly improves, with the same break (w depends on positions <= w + 1 only: a stopping
+    time of every block, so still lossless)."""
     name = "scheduled"
+    uniform = False
 
     def __init__(self, sps: SpsTable, temperatures=None):
         super().__init__(temperatures)
@@ -215,6 +237,10 @@ class ScheduledPolicy(VerifyPolicy):
 
     def lengths(self, conf, surv, request_ids=None):
         r_count, g = surv.shape
+        if self.uniform:
+            theta = _uniform_theta(surv.sum(dim=0), r_count, self.sps)
+            width = (theta[1:] > theta[:-1]).long().cumprod(0).sum()
+            return torch.minimum(_positive_prefix(surv), width)
         a, rows = _ordered_candidates(surv)
         sps = self.sps.sps_device(r_count, r_count + r_count * g, surv.device)
         tau = r_count + torch.nn.functional.pad(a.double().cumsum(0), (1, 0))
@@ -233,6 +259,7 @@ class AsyncScheduledPolicy(VerifyPolicy):
     the survivals it was given. On CUDA the host copy is started without blocking and waited for
     (event) only when it is read, `staleness` steps later."""
     name = "scheduled-async"
+    uniform = False          # as ScheduledPolicy: one width per round, its Θ(w) argmax (stale)
 
     def __init__(self, sps: SpsTable, budget_frac: float = 1.0, staleness: int = 2, temperatures=None):
         super().__init__(temperatures)
@@ -271,8 +298,19 @@ class AsyncScheduledPolicy(VerifyPolicy):
         theta = tau * self.sps.sps_range(r_count, r_count + stale.size)
         return int(np.argmax(theta))  # first maximum: the smallest K among equals
 
+    def uniform_width(self, request_ids: Sequence[Hashable], g: int) -> int:
+        """The round's width from the stale survivals: argmax over w of Θ(w) (first maximum)."""
+        stale = np.stack([self._stale_survival(rid, g) for rid in request_ids]).astype(np.float64)
+        theta = _uniform_theta(torch.as_tensor(stale.sum(axis=0)), len(request_ids), self.sps)
+        return int(torch.argmax(theta))
+
     def lengths(self, conf, surv, request_ids):
         r_count, g = surv.shape
+        if self.uniform:
+            w = self.uniform_width(request_ids, g)
+            self.last_capacity = w * r_count
+            self._record(request_ids, surv)
+            return _positive_prefix(surv).clamp(max=w)
         k = self.capacity(request_ids, g)
         self.last_capacity = k
         a, rows = _ordered_candidates(surv)
