@@ -52,6 +52,13 @@ def test_sps_profile_is_measured_cached_and_monotone(small_vocab_ckpt, tmp_path,
     eng2 = Engine(small_vocab_ckpt, device="cpu", dtype="fp32", kv_cache_dtype="fp32",
                   verify_policy="scheduled", max_num_seqs=2)
     assert eng2.policy.sps.ms[0] == 2.0
+    # a truncated file (a crash mid-write) is measured again, with a warning, and rewritten whole
+    files[0].write_text(json.dumps(data)[:20])
+    with pytest.warns(UserWarning, match="unreadable SPS profile"):
+        eng3 = Engine(small_vocab_ckpt, device="cpu", dtype="fp32", kv_cache_dtype="fp32",
+                      verify_policy="scheduled", max_num_seqs=2)
+    assert eng3.policy.sps.ms[0] != 2.0                   # measured, not the truncated file
+    assert json.loads(files[0].read_text())["points"] and len(list(files[0].parent.iterdir())) == 1
 
 
 def test_calibrate_cli_writes_sts_that_the_engine_loads(small_vocab_ckpt, tmp_path):

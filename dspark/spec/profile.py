@@ -230,12 +230,20 @@ def load_or_profile(engine, max_tokens: int, progress: bool = True) -> SpsTable:
         if progress:
             print(msg)
     path = os.path.join(cache_dir(), cache_key(engine, plan) + ".json")
-    if os.path.exists(path):
+    try:
         with open(path) as f:
             return SpsTable.from_ms(json.load(f)["points"])
+    except FileNotFoundError:
+        pass
+    except (ValueError, KeyError, TypeError) as e:     # not a profile we wrote: measure again
+        warnings.warn(f"ignoring the unreadable SPS profile {path} ({e}); measuring a new one")
     points = measure(engine, plan, progress=progress)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
+    # written whole under a temporary name, then renamed: another process starting at the same
+    # time reads either no file or a complete one
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
         json.dump({"points": points, "model": engine.path, "device": str(engine.device),
                    "context": plan.context, "steps": plan.steps, "note": plan.note}, f)
+    os.replace(tmp, path)
     return SpsTable.from_ms(points)
