@@ -28,7 +28,7 @@ setup(
         "tqdm>=4.60",
     ],
     extras_require={
-        "test": ["pytest>=7", "hypothesis>=6.100", "transformers>=5.17", "scipy>=1.10",
+        "test": ["pytest>=7", "pytest-xdist>=3.5", "hypothesis>=6.100", "transformers>=5.17", "scipy>=1.10",
                  "matplotlib>=3.7", "openai>=1.40", "httpx>=0.27", *SERVE],
         # OpenAI-compatible HTTP server (python -m dspark.serve / dspark serve), chat templates
         "serve": SERVE,
