@@ -93,20 +93,22 @@ kernels) # the few-token FP8 / grouped FP4 MoE kernels alone (cold L2, graph rep
   grep -v -i warn "$R/bench_decode_kernels.txt" | tail -12 ;;
 bench)   # DSpark vs speculation off on the shipped pair, per concurrency and policy, with the
          # compiles / captures / eager fallbacks inside each timed run (must be 0); engine
-         # defaults (on CUDA: target and draft passes as CUDA graphs); run alone: a busy CPU skews it
+         # defaults (on CUDA: target and draft passes as CUDA graphs); run alone: a busy CPU skews it.
+         # POLICIES=fixed,scheduled (default fixed: each scheduled engine adds its SPS profile and
+         # 252 graph captures; the first run also pays the cold Triton compiles, ~90-140 s)
   for T in 1.0 0; do
     step "bench T=$T"
-    timeout "$(left 240)" python -m dspark.bench --num-prompts 64 --max-tokens 128 --temperature $T \
-      --concurrency 1,4,16,64 --policies fixed,scheduled --ignore-eos \
-      --json "$R/bench_dspark_vs_off_T${T}_h200.json" --plot "$R/bench_dspark_vs_off_T${T}_h200.png" \
-      > "$R/bench_dspark_vs_off_T${T}_h200.txt" 2>&1
-    grep -v "it/s\]\|req/s\]\|s/req\]\|bucket" "$R/bench_dspark_vs_off_T${T}_h200.txt" | tail -16 | cut -c1-200
+    timeout "$(left $([ $T = 1.0 ] && echo 240 || echo 150))" python -m dspark.bench --num-prompts 64 \
+      --max-tokens 128 --temperature $T --concurrency 1,4,16,64 --policies ${POLICIES:-fixed} --ignore-eos \
+      --json "$R/bench_dspark_vs_off_T${T%.0}_h200.json" --plot "$R/bench_dspark_vs_off_T${T%.0}_h200.png" \
+      > "$R/bench_dspark_vs_off_T${T%.0}_h200.txt" 2>&1
+    tr '\r' '\n' < "$R/bench_dspark_vs_off_T${T%.0}_h200.txt" | grep -v "it/s\]\|req/s\]\|s/req\]\|bucket\|tensor/s\|^ *$" \
+      | tail -16 | cut -c1-200
   done
-  for T in 1.0 0; do     # T=0: greedy rounds once measured ~3.0 ms vs ~1.9 ms sampled
-    step "round profile T=$T"
-    timeout "$(left 60)" python -m dspark.bench --profile --temperature $T \
-      --json "$R/profile_T$T.json" > "$R/profile_T$T.txt" 2>&1; head -12 "$R/profile_T$T.txt"
-  done ;;
+  step "round profile + kernel trace T=1"
+  timeout "$(left 60)" python -m dspark.bench --profile --trace --temperature 1.0 \
+    --json "$R/profile_T1.json" > "$R/profile_T1.txt" 2>&1
+  grep -v "^  [a-z_]*: \|^benchmark results\|\.json:" "$R/profile_T1.txt" | head -24 ;;
 flash)   # V4-Flash width, 4 layers + the DSpark stages, random weights (tau ~ 1, so the split and
          # the projection at dspark.md §9's per-position acceptance are what to read)
   D=${FLASH_DIR:-/tmp/flash4_dspark}
