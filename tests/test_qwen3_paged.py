@@ -171,6 +171,12 @@ def test_engine_paged_by_default_greedy_identity(pair):
     chunked = Engine(t, draft=d, device="cpu", dtype="fp32", max_num_batched_tokens=7, max_num_seqs=3)
     assert [o.token_ids for o in chunked.generate(prompts, SP)] == ref
     _check_empty(chunked.cache)
+    # what the Qwen3 graphs say on CUDA: verify blocks padded to one width, short prompts fed
+    # in padded chunks of it next to them (rolled back like rejected drafts)
+    uniform = Engine(t, draft=d, device="cpu", dtype="fp32", max_num_seqs=3)
+    uniform.runner.uniform_verify = True
+    assert [o.token_ids for o in uniform.generate(prompts, SP)] == ref
+    _check_empty(uniform.cache)
     # score(): temporary id added, reserved and freed
     s = spec.score(prompts[0])
     torch.testing.assert_close(s, dense_off.score(prompts[0]), rtol=0, atol=0)
