@@ -70,9 +70,7 @@ class Scheduler:
                 break
             left = len(req.prefill_ids) - req.num_prefilled
             start = req.num_prefilled
-            if (prefill_width > 1 and left <= self.graph_prefill_tokens
-                    and prefill_width <= budget and (self.max_model_len is None
-                                                     or start + prefill_width <= self.max_model_len)):
+            if self._padded_chunk(start, left, prefill_width, budget):
                 n, feed = min(left, prefill_width), prefill_width
             else:
                 n = feed = min(left, budget)
@@ -83,6 +81,14 @@ class Scheduler:
             budget -= feed
             active += 1
         return plan
+
+    def _padded_chunk(self, start: int, left: int, width: int, budget: int) -> bool:
+        """Whether a prompt with `left` tokens to go from `start` is fed `width` tokens (padded):
+        short enough, within the step's budget and the model length, and a cache to roll the
+        padding back in (the dense layout feeds prompts whole)."""
+        return (width > 1 and self.cache is not None and left <= self.graph_prefill_tokens
+                and width <= budget
+                and (self.max_model_len is None or start + width <= self.max_model_len))
 
     def _reserve_or_preempt(self, req, new_len: int, plan: StepPlan) -> bool:
         if self.cache is None:
