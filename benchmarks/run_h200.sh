@@ -124,6 +124,13 @@ trace)   # which kernels each phase of a round runs (kernels / device-busy ms pe
   step "round profile + kernel trace T=1"
   timeout "$(left 90)" python -m dspark.bench --profile --trace \
     --temperature 1.0 --json "$R/trace_T1.json" > "$R/trace_T1.txt" 2>&1; grep -v "^  [a-z_]*: \|^benchmark results\|\.json:" "$R/trace_T1.txt" | head -30 ;;
+host)    # where a round's host time goes: cProfile over the timed closed loop, c = 1 and 4
+  for T in ${HOST_T:-0 1.0}; do
+    step "host profile T=$T"
+    timeout "$(left 120)" python benchmarks/host_profile.py --concurrency ${HOST_C:-1,4} --temperature $T \
+      > "$R/host_profile_T${T%.0}.txt" 2>&1
+    tr '\r' '\n' < "$R/host_profile_T${T%.0}.txt" | grep -A34 "^=== c=" | grep -v "it/s\]\|req/s\]\|s/req\]" | cut -c1-160
+  done ;;
 draft)
   step "bench_draft"
   timeout "$(left 60)" python benchmarks/bench_draft.py --batch 1 8 --json "$R/bench_draft.json" \
