@@ -131,6 +131,14 @@ host)    # where a round's host time goes: cProfile over the timed closed loop, 
       > "$R/host_profile_T${T%.0}.txt" 2>&1
     tr '\r' '\n' < "$R/host_profile_T${T%.0}.txt" | grep -A34 "^=== c=" | grep -v "it/s\]\|req/s\]\|s/req\]" | cut -c1-160
   done ;;
+timeline) # batch-1 round: plain vs synced per step, and the device's idle time by host phase
+  for T in ${TIMELINE_T:-1.0 0}; do
+    step "round timeline T=$T"
+    timeout "$(left 120)" python benchmarks/round_timeline.py --temperature $T \
+      --json "$R/round_timeline_T${T%.0}.json" --trace-out "$R/round_trace_T${T%.0}.json.gz" \
+      > "$R/round_timeline_T${T%.0}.txt" 2>&1
+    tr '\r' '\n' < "$R/round_timeline_T${T%.0}.txt" | grep "tok/s,\|traced:\|^  \|idle\|Error\|error" | cut -c1-200
+  done ;;
 draft)
   step "bench_draft"
   timeout "$(left 60)" python benchmarks/bench_draft.py --batch 1 8 --json "$R/bench_draft.json" \
