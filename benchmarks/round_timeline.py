@@ -31,6 +31,7 @@ from dspark.sampling import SamplingParams
 PHASES = (("", "step", "step"), ("", "_verify_lengths", "policy"), ("scheduler", "schedule", "schedule"),
           ("runner", "target_forward", "verify launch"), ("", "_accept", "accept"),
           ("", "_commit", "commit (host)"), ("runner", "draft", "draft launch"),
+          ("runner", "draft_ahead", "draft launch"),
           ("runner", "flush_context", "context write"), ("", "_output", "outputs"))
 
 

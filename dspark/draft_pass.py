@@ -89,10 +89,13 @@ class DraftPass:
     def _fill(self, buffer: torch.Tensor, rows, dtype):
         buffer.copy_(torch.tensor(rows, dtype=dtype).pin_memory(), non_blocking=True)
 
-    def _host_inputs(self, reqs, size: int):
+    def _host_inputs(self, reqs, size: int, on_device: bool = False):
+        """on_device: anchors and starts are filled on the device afterwards (_device_inputs):
+        zeros here (a request finishing its prompt has no anchor on the host yet)."""
         pad = size - len(reqs)
         cols = [(r.draft_state.slot if r.draft_state.slot is not None else self.pool.EMPTY_SLOT,
-                 r.anchor, r.num_committed, r.seed, r.params.top_k) for r in reqs]
+                 0 if on_device else r.anchor, 0 if on_device else r.num_committed, r.seed,
+                 r.params.top_k) for r in reqs]
         fcols = [(float(r.params.temperature), float(r.params.top_p)) for r in reqs]
         # column-major [field][row]; built per field so that reqs == [] (the padding-only
         # inputs a capture warms up on) still gives every field its row of padding
@@ -100,14 +103,18 @@ class DraftPass:
         floats = [[c[j] for c in fcols] + [p] * pad for j, p in enumerate(PAD_FLOATS)]
         return ints, floats
 
-    def __call__(self, reqs, quant=None):
+    def __call__(self, reqs, quant=None, on_device=None):
+        """on_device: (anchors [R], starts [R], bound on the starts) as device tensors and a host
+        int, the requests' next anchors and their positions when the host has not read them yet
+        (a round drafting ahead of its read back): they replace .anchor / .num_committed."""
         R = len(reqs)
         if R == 0:
             raise ValueError("draft pass of no requests")
         for r in reqs:
             if r.draft_state.pool is not None and r.draft_state.pool is not self.pool:
                 raise ValueError("draft state of another pool: make it with this runner's new_states()")
-        bound = self.position_bound(max(r.num_committed for r in reqs) + self.gamma + 1)
+        top = on_device[2] if on_device is not None else max(r.num_committed for r in reqs)
+        bound = self.position_bound(top + self.gamma + 1)
         use_top_k, use_top_p = filters_used([r.params for r in reqs])
         greedy = all(r.params.greedy for r in reqs)
         size = bucket_size(R)
@@ -121,22 +128,31 @@ class DraftPass:
             if self.graphs_wanted:
                 count_fallback(self, "capture failed" if adjust is None else
                                "penalties / logit_bias / min_tokens / min_p")
-            ints, floats = self._host_inputs(reqs, R)
+            ints, floats = self._host_inputs(reqs, R, on_device is not None)
             self._adjust = adjust
             self._gumbel_reqs = reqs if self.gumbel else None
+            ints = self.to_device(ints, torch.long)
+            self._device_inputs(ints, on_device, R)
             try:
-                return self._draft(self.to_device(ints, torch.long),
-                                   self.to_device(floats, torch.float32),
+                return self._draft(ints, self.to_device(floats, torch.float32),
                                    use_top_k, use_top_p, greedy, quant, fused)
             finally:
                 self._adjust = self._gumbel_reqs = None
-        ints, floats = self._host_inputs(reqs, size)
+        ints, floats = self._host_inputs(reqs, size, on_device is not None)
         self._fill(graph.inputs[0], ints, torch.long)
         self._fill(graph.inputs[1], floats, torch.float32)
+        self._device_inputs(graph.inputs[0], on_device, R)
         graph.graph.replay()
         # copies: the graph's outputs are overwritten by its next replay
         toks, probs, confs = graph.outputs
         return toks[:R].clone(), None if greedy else probs[:R].clone(), confs[:R].clone()
+
+    @staticmethod
+    def _device_inputs(ints: torch.Tensor, on_device, R: int) -> None:
+        """Anchors and starts (rows 1 and 2 of the int inputs) from device tensors, queued after
+        the host fill: device to device, no wait for the round that computes them."""
+        if on_device is not None:
+            ints[1:3, :R].copy_(torch.stack(on_device[:2]), non_blocking=True)
 
     def _padding_inputs(self, size: int) -> tuple:
         """(ints, floats) device buffers of a draft pass over `size` padding rows: what a capture
@@ -194,10 +210,13 @@ class DraftPass:
                 return 0
         return len(self._graphs)
 
-    def write_context(self, slots: list, positions: list, taps: list, quant=None):
+    def write_context(self, slots: list, positions: list, taps: list, quant=None,
+                      keep: torch.Tensor | None = None):
         """Context rows for committed positions: host lists slots / positions [n] and the taps
         rows as a list of [n_i, taps*D] tensors (n = Σ n_i). (slot, position % capacity) must be
-        distinct over the n rows."""
+        distinct over the n kept rows. keep: a device bool [n] known only on the device (a
+        round's accepted drafts before the host reads them): rows not kept go to the scratch
+        slot, as if not written."""
         n = len(positions)
         bound = self.position_bound(max(positions) + 1)
         d = self.drafter
@@ -209,16 +228,21 @@ class DraftPass:
                 count_fallback(self, "capture failed" if not self.cuda_graphs else
                                "context rows past the largest bucket")
             index = self.to_device([slots, positions], torch.long)
+            if keep is not None:
+                index[0].masked_fill_(~keep, self.pool.SCRATCH_SLOT)
             d.commit_rows(self.pool, index[0], torch.cat(taps), index[1], quant, bound)
             return
-        self._replay_context(graph, slots, positions, taps, size)
+        self._replay_context(graph, slots, positions, taps, size, keep)
 
-    def _replay_context(self, graph, slots: list, positions: list, taps: list, size: int):
+    def _replay_context(self, graph, slots: list, positions: list, taps: list, size: int,
+                        keep: torch.Tensor | None = None):
         """Fill a captured context write's inputs (padded to `size` with the scratch slot at
         position 0) and replay it."""
         n, pad = len(positions), size - len(positions)
         self._fill(graph.inputs[0], [slots + [self.pool.SCRATCH_SLOT] * pad, positions + [0] * pad],
                    torch.long)
+        if keep is not None:
+            graph.inputs[0][0, :n].masked_fill_(~keep, self.pool.SCRATCH_SLOT)
         # rows past n keep what an earlier round left there: they land in the scratch slot
         graph.inputs[1][:n].copy_(taps[0] if len(taps) == 1 else torch.cat(taps))
         graph.graph.replay()

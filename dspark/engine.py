@@ -31,6 +31,7 @@ import torch
 
 from .build import build_parts
 from .compile_stats import install_triton_hook
+from .cuda.transfer import PinnedReader
 from .engine_config import EngineConfig
 from .logprobs import emitted_logprobs, record_prompt_logprobs
 from .metrics import SpecMetrics
@@ -80,6 +81,7 @@ class Engine:
         backend = getattr(self.runner, "backend", None)
         self.cache = getattr(backend, "cache", None)          # None: the dense layout
         self.overlap = OverlappedDecode(self) if self._overlap_decode(c) else None
+        self._reader = PinnedReader((self.gamma + 1) * c.max_num_seqs)   # a round's read back
         if self.device.type == "cpu" and (c.cpu_threads or cfg.hidden_size <= 1024):
             # small models on CPU are bound by per-op overhead: intra-op threads only add
             # synchronisation (measured 10-100x slower with 2 threads on a busy 2-core box)
@@ -466,19 +468,47 @@ class Engine:
             return []
         dec = decide(reqs, logits, first_rows, lengths, anchor_pos, self.gamma,
                      deterministic=self.config.deterministic)
-        # every result in ONE read back ([argmax | a, y] and the drafts), the rest on the host
-        return self._commit(reqs, dec, dec.table().tolist(), taps, first_rows, lengths, anchor_pos,
-                            logits=logits, then=then)
+        if then is None or not self._drafts_ahead(reqs):
+            # every result in ONE read back ([argmax | a, y] and the drafts), the rest on the host
+            return self._commit(reqs, dec, dec.table().tolist(), taps, first_rows, lengths,
+                                anchor_pos, logits=logits, then=then)
+        # the next blocks are queued behind the acceptance before the host reads it: the
+        # device drafts while the host commits (the read waits for the acceptance alone)
+        host, ready = self._reader.read(dec.table())
+        was_running = [r.status == Status.RUNNING for r in reqs]
+        rows = [r.feed_len + 1 if r.draft is not None and ok else 1
+                for r, ok in zip(reqs, was_running)]
+        blocks = self.runner.draft_ahead(reqs, *dec.accepted_next(), taps, first_rows, rows,
+                                         anchor_pos, was_running)
+        if ready is not None:
+            ready.synchronize()
+
+        def adopt(finishing):
+            for req, block in zip(reqs, blocks):
+                if req.request_id not in finishing:
+                    req.draft = block
+            then(finishing | {r.request_id for r in reqs})   # running requests not in the round
+
+        return self._commit(reqs, dec, host.tolist(), taps, first_rows, lengths, anchor_pos,
+                            logits=logits, then=adopt, context_written=True)
+
+    def _drafts_ahead(self, reqs) -> bool:
+        """Whether this round drafts its next blocks before the host reads its acceptance: the
+        runner can (runner.drafts_ahead) and no request's draft depends on host-side history
+        (penalties, logit_bias, min_tokens: their adjustment reads the committed tokens)."""
+        return (self.drafter is not None and getattr(self.runner, "drafts_ahead", False)
+                and not any(r.params.adjusts_logits for r in reqs))
 
     def _commit(self, reqs, dec, table, taps, first_rows, lengths, anchor_pos,
-                in_flight=frozenset(), logits=None, then=None) -> list:
+                in_flight=frozenset(), logits=None, then=None, context_written=False) -> list:
         """The host part of acceptance on the read-back `table` (rows of dec.table()): accept
         (greedy), emitted tokens, stop tokens and token budgets, then every request's state.
         `in_flight`: ids of requests whose next position a launched forward already writes (the
         overlapped decode loop), so their cache keeps it (no rollback to the committed length).
         `then(finishing ids)` is called once the committed tokens are final (the draft pass of
         the requests that go on), before the per-request work nothing of the next round waits
-        for."""
+        for. context_written: the verify rows' draft context is on the device already
+        (ModelRunner.draft_ahead)."""
         g = self.gamma
         R, w = len(reqs), dec.head.shape[1]
         host_drafts = [row[w:] for row in table] if dec.verified else [[]] * R
@@ -509,7 +539,11 @@ class Engine:
                 # draft context for the committed verify rows: anchor + accepted drafts
                 a = min(accepted[i], len(new))
                 f = first_rows[i]
-                self.runner.commit_context(req.draft_state, taps[f:f + a + 1], anchor_pos[i])
+                if context_written:
+                    st = req.draft_state
+                    st.length = max(st.length, anchor_pos[i] + a + 1)
+                else:
+                    self.runner.commit_context(req.draft_state, taps[f:f + a + 1], anchor_pos[i])
             elif not was_running[i]:
                 self.scheduler.promote(req)
                 req.first_token_time = now

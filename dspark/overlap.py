@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .cuda.transfer import PinnedReader
 from .kvcache.block_manager import CacheFull
 from .request import BlockTokens, Status
 from .spec.accept import Decision, decide
@@ -45,8 +46,7 @@ class OverlappedDecode:
     def __init__(self, engine):
         self.engine = engine
         self.in_flight: InFlight | None = None
-        self._pinned = [None, None]        # alternate read-back buffers (round n and n + 1)
-        self._turn = 0
+        self._reader = PinnedReader()      # round n and n + 1 in alternate pinned buffers
         self.rounds = 0                    # rounds launched ahead of their predecessor's read back
         self.refused = 0                   # launches refused for pages (ordinary round instead)
         # seconds the host waited for read backs: a step's wall time minus its wait is the host's
@@ -111,24 +111,9 @@ class OverlappedDecode:
                               "verify_tokens": [0] * len(reqs), "prefill_tokens": 0})
         R = len(reqs)
         dec = decide(reqs, logits, list(range(R)), [0] * R, starts, eng.gamma)
-        table = dec.table()
         # the table may view the runner's output buffers (target_forward(snapshot=False)), which
         # the next round overwrites: copied now (on CUDA to the host, queued before that round)
-        if not table.is_cuda:
-            host, ready = table.clone(), None
-        else:
-            buf = self._pinned[self._turn]
-            if buf is None or buf.numel() < table.numel():
-                buf = self._pinned[self._turn] = torch.empty(
-                    max(table.numel(), 2 * eng.scheduler.max_num_seqs), dtype=table.dtype,
-                    pin_memory=True)
-            self._turn ^= 1
-            host = buf[:table.numel()].view(table.shape)
-            host.copy_(table, non_blocking=True)
-            ready = torch.cuda.Event()
-            # the stream by device index: Event.record() alone looks the current device up
-            # through ~10 Python calls (~25 us of host per step on the H200 host)
-            ready.record(torch.cuda.current_stream(table.device.index))
+        host, ready = self._reader.read(dec.table())
         return InFlight(reqs, starts, dec, host, ready)
 
     def _commit(self, prev: InFlight, launched: InFlight | None) -> list:

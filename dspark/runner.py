@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .cuda.transfer import to_device
 from .draft_pass import DraftPass
 from .models.deepseek_v4.model import Batch, DeepseekV4Model
 from .models.drafter import DraftState, DSparkDrafter
@@ -236,6 +237,53 @@ class ModelRunner:
                     for i, r in enumerate(reqs)]
         raise TypeError(f"{type(self.drafter).__name__} has no batched draft pass: drafters must "
                         "come with one (dspark/draft_pass.py, dspark/models/dspark_qwen3_pass.py)")
+
+    @property
+    def drafts_ahead(self) -> bool:
+        """Whether `draft_ahead` can draft a round's next blocks from its device-side acceptance
+        (the pooled DeepSeek-V4 draft pass; not in deterministic mode, whose drafts run one
+        request at a time)."""
+        return self.draft_pass is not None and not self.deterministic
+
+    @torch.inference_mode()
+    def draft_ahead(self, reqs, accepted, next_tokens, taps, first_rows, block_rows, anchor_pos,
+                    verified) -> list:
+        """The next DSpark block of every request of a round, queued before the host reads the
+        round's acceptance: accepted a / next token y [R] are device tensors. For the `verified`
+        requests (host bools) the context rows of the anchor and its accepted drafts are written
+        first: rows f..f+γ of the forward's taps at positions P..P+γ (f = first_rows, P =
+        anchor_pos, clamped to the request's `block_rows`), those past a going to the pool's
+        scratch slot. The next block is drafted at anchor y, position P + a + 1. Requests that
+        turn out to finish have drafted for nothing; their rows are dropped by the caller."""
+        g, dp = self.drafter.gamma, self.draft_pass
+        self.flush_context()               # prompt chunks of this round (host-known rows)
+        dev = accepted.device
+        pick = [i for i, v in enumerate(verified) if v]
+        if pick:
+            slots, positions, rows = [], [], []
+            for i in pick:
+                st = reqs[i].draft_state
+                st.length = max(st.length, anchor_pos[i] + 1)   # at least the anchor's row
+                slots += [st.take_slot()] * (g + 1)
+                positions += range(anchor_pos[i], anchor_pos[i] + g + 1)
+                rows += [first_rows[i] + min(k, block_rows[i] - 1) for k in range(g + 1)]
+            # host lists go up through pinned memory, asynchronously: a plain copy would wait
+            # for the round still running on the device
+            idx = to_device(rows + pick + anchor_pos, torch.long, dev)
+            n = len(rows)
+            a = accepted if len(pick) == len(reqs) else accepted[idx[n:n + len(pick)]]
+            keep = torch.arange(g + 1, device=dev).repeat(len(pick)) <= a.repeat_interleave(g + 1)
+            picked = taps.index_select(0, idx[:n].to(taps.device))
+            dp.write_context(slots, positions, [picked.to(self.draft_pool.device)], self.quant,
+                             keep=keep)
+            anchors = idx[n + len(pick):]
+        else:
+            anchors = to_device(anchor_pos, torch.long, dev)
+        starts = anchors + accepted + 1
+        top = max(anchor_pos) + g + 1
+        toks, probs, confs = dp(reqs, self.quant, on_device=(next_tokens, starts, top))
+        return [DraftBlock(toks[i], None if r.params.greedy else probs[i], confs[i])
+                for i, r in enumerate(reqs)]
 
     def draft_blocks_for_profile(self, states, start: int):
         """Draft pass for len(states) synthetic requests anchored at `start` (SPS profiling)."""

@@ -99,6 +99,7 @@ def instrument_engine(engine, timer: PhaseTimer) -> list:
     """Wrap the DSpark round's methods of `engine`; returns the phases that could be wrapped."""
     done = []
     for obj, attr, phase in ((engine.runner, "draft", "draft"),
+                             (engine.runner, "draft_ahead", "draft"),
                              (engine.runner, "target_forward", "verify"),
                              (engine, "_accept", "sampling+accept"),
                              (engine.runner, "commit_context", "commit"),

@@ -529,6 +529,12 @@ class DistributedRunner(ModelRunner):
         self._queued.append(("ctx", self._ref(draft_state, "d"),
                              rows if rows is not None else taps.detach().cpu(), int(start)))
 
+    @property
+    def drafts_ahead(self) -> bool:
+        """A replicated drafter (rank 0 alone) drafts ahead of the read back as on one device; a
+        sharded one needs the host's anchors for its ranks' messages."""
+        return self.drafter_mode != "sharded" and ModelRunner.drafts_ahead.fget(self)
+
     def draft(self, reqs) -> list:
         reqs = list(reqs)
         if self.drafter_mode != "sharded":       # rank 0's whole drafter: no message, no wait

@@ -27,10 +27,25 @@ class Decision:
     drafts: torch.Tensor
     verified: bool                   # any request verified drafts this round
     greedy: bool
+    lengths: torch.Tensor | None = None    # [R] ℓ on the device (greedy: for accepted_next)
 
     def table(self) -> torch.Tensor:
         """What the host needs, one tensor (one read back): head, then the drafts if verified."""
         return torch.cat([self.head, self.drafts], 1) if self.verified else self.head
+
+    def accepted_next(self) -> tuple:
+        """(accepted a [R], next token y [R]) on the device, without a read back: what the host
+        computes from the table (accept_greedy_host for greedy decisions)."""
+        if not self.greedy:
+            return self.head[:, 0], self.head[:, 1]
+        R, w = self.head.shape
+        if w == 1 or self.lengths is None or not self.verified:
+            a = torch.zeros(R, dtype=torch.long, device=self.head.device)
+        else:
+            k = torch.arange(w - 1, device=self.head.device)
+            match = (self.drafts == self.head[:, :-1]) & (k < self.lengths[:, None])
+            a = match.long().cumprod(1).sum(1)
+        return a, self.head.gather(1, a[:, None])[:, 0]
 
     def next_tokens(self) -> torch.Tensor:
         """[R] each request's next token when nothing was verified (ℓ = 0: a plain decode step)."""
@@ -85,11 +100,11 @@ def decide(reqs, logits, first_rows, lengths, anchor_pos, gamma: int,
         logits = adjust.apply_block(logits[row_idx], drafts).flatten(0, 1)     # [R * (γ+1), V]
         row_idx = torch.arange(R * (g + 1), device=dev).view(R, g + 1)
         if greedy:
-            return Decision(logits.argmax(-1)[row_idx], drafts, verified, True)
+            return Decision(logits.argmax(-1)[row_idx], drafts, verified, True, lens)
     if greedy:
         # greedy fast path: argmaxes only, no softmax over V, no random draws; the compare
         # runs on the host after the one read back
-        return Decision(_row_argmax(logits)[row_idx], drafts, verified, True)   # [R, γ+1]
+        return Decision(_row_argmax(logits)[row_idx], drafts, verified, True, lens)  # [R, γ+1]
     use_top_k, use_top_p = filters_used([r.params for r in reqs])
     # q = None: every verified draft is a point mass at its token (greedy drafts, or
     # nothing verified), which verify and fused_verify build implicitly
