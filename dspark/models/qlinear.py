@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from dspark.kernels.fp4_moe import (GROUPED_MAX_PAIRS, FP4ExpertStack, fp4_linear, fp4_moe,
-                                    fp4_moe_grouped, grouped_applies, stack_fp4_experts)
+                                    fp4_moe_grouped, grouped_applies, grouped_serves,
+                                    stack_fp4_experts)
 from dspark.kernels.fp8_gemm import fp8_linear, fp8_linear_grouped
 from dspark.cuda import side_stream
 from dspark.models.deepseek_v4.moe import MoE
@@ -144,6 +145,14 @@ class QuantMoE(MoE):
         side_stream.join(side)
         out += shared                        # fp32 += x.dtype: added in fp32, no cast launch
         return out.to(x.dtype)
+
+    def takes_grouped(self, tokens: int, device) -> bool:
+        """Whether `forward` on `tokens` tokens of `device` takes the grouped kernels (no host
+        sync: CUDA-graph capturable), from the shapes alone: the test `forward` makes, asked
+        before capturing a graph of that many rows."""
+        cap = self.grouped_max_pairs
+        return bool(cap) and grouped_serves(tokens * self.gate.topk, device,
+                                            self.experts[0].w1.backend, cap)
 
     def fp4_stack(self) -> FP4ExpertStack:
         """The experts' stacked weights, (re)built when missing or when the experts' buffers no
