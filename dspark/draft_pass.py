@@ -100,10 +100,10 @@ class DraftPass:
             host = host.pin_memory()
         buffer.copy_(host, non_blocking=True)
 
-    def draft_blocker(self, size: int) -> str | None:
-        """Why the draft pass of batch bucket `size` must run eagerly on this device (its stages'
-        MoE see size x γ rows), or None when it can be a graph."""
-        blocker = self.drafter.moe_graph_blocker(size * self.gamma, self.device)
+    def draft_blocker(self, size: int, device=None) -> str | None:
+        """Why the draft pass of batch bucket `size` must run eagerly on `device` (default: this
+        pass's; its stages' MoE see size x γ rows), or None when it can be a graph."""
+        blocker = self.drafter.moe_graph_blocker(size * self.gamma, device or self.device)
         return None if blocker is None else f"batch bucket {size}: {blocker}"
 
     def graph_buckets(self, max_batch: int) -> dict:
