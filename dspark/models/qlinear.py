@@ -133,7 +133,7 @@ class QuantMoE(MoE):
             shared = self.shared_experts(x)
         first = self.experts[0].w1
         limit = self.experts[0].limit
-        # the same shape-only test a CUDA-graph bucket is decided by (DraftPass, runner)
+        # the same shape-only test the draft pass decides its CUDA-graph buckets by (DraftPass)
         if x.dim() == 2 and self.takes_grouped(x.shape[0], x.device):
             # the down kernel adds the shared expert's output and rounds to x.dtype itself
             return fp4_moe_grouped(x, idx, w, self.fp4_stack(), limit, add=shared,
