@@ -11,6 +11,11 @@ Nothing is read back from the device and the shapes depend only on the batch siz
 each size bucket is captured once and replayed. Batches are padded up to the bucket: draft rows
 read the pool's empty slot, context rows are written to its scratch slot; both are dropped
 (rows never mix: attention, MoE and sampling are per row).
+Which draft buckets are graphs is decided per bucket by the rows the stages' MoE see (bucket x γ,
+`DSparkDrafter.moe_graph_blocker`): dense small experts serve any bucket, packed FP4 experts
+(QuantMoE) those within their grouped kernels' cap; a bucket past it runs eagerly (counted with
+its reason) while the others keep replaying. The context write runs no MoE (main_proj, norm and
+each stage's kv projection), so every row bucket up to MAX_GRAPH_CONTEXT_ROWS is a graph.
 """
 from __future__ import annotations
 
@@ -53,9 +58,12 @@ class DraftPass:
             raise ValueError("the Gumbel draft sampler runs eagerly: cuda_graphs must be off")
         self.device = pool.device
         self.gamma = drafter.gamma
-        # graphs need a pass without data-dependent shapes (dense MoE in every stage)
-        self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda" and drafter.static_shapes()
+        # graphs need passes without host syncs: every stage's MoE dense, or FP4 experts on
+        # their grouped kernels for at least the smallest bucket (then decided per bucket)
+        self.cuda_graphs = (bool(cuda_graphs) and self.device.type == "cuda"
+                            and drafter.graphs_possible(self.device))
         self.graphs_wanted = self.cuda_graphs   # stays True after a failed capture (counted)
+        self._warned: set = set()      # eager-bucket reasons already warned about
         self.max_position = 0          # bound (exclusive) on positions the stages' RoPE sees
         self._offsets = torch.arange(1, self.gamma + 1, device=self.device)
         # ("draft", bucket, top-k?, top-p?, all greedy?, quantized?) or
@@ -87,7 +95,39 @@ class DraftPass:
             self.device, rows, self.head.weight.shape[0])
 
     def _fill(self, buffer: torch.Tensor, rows, dtype):
-        buffer.copy_(torch.tensor(rows, dtype=dtype).pin_memory(), non_blocking=True)
+        host = torch.tensor(rows, dtype=dtype)
+        if buffer.is_cuda:               # pinned: the copy is queued, not waited for
+            host = host.pin_memory()
+        buffer.copy_(host, non_blocking=True)
+
+    def draft_blocker(self, size: int, device=None) -> str | None:
+        """Why the draft pass of batch bucket `size` must run eagerly on `device` (default: this
+        pass's; its stages' MoE see size x γ rows), or None when it can be a graph."""
+        blocker = self.drafter.moe_graph_blocker(size * self.gamma, device or self.device)
+        return None if blocker is None else f"batch bucket {size}: {blocker}"
+
+    def graph_buckets(self, max_batch: int) -> dict:
+        """{"draft": [batch buckets up to max_batch that are graphs], "eager": {bucket: reason},
+        "context": [row buckets that are graphs]} on this pass's device (what `capture_all`
+        captures when graphs are on)."""
+        draft, eager = [], {}
+        for b in sorted({bucket_size(n) for n in range(1, max_batch + 1)}):
+            reason = self.draft_blocker(b)
+            if reason is None:
+                draft.append(b)
+            else:
+                eager[b] = reason
+        context = sorted({bucket_size(n, smallest=8) for n in range(1, MAX_GRAPH_CONTEXT_ROWS + 1)})
+        return {"draft": draft, "eager": eager, "context": context}
+
+    def _eager_fallback(self, reason: str, warn: bool = False):
+        """Count a pass that could have been a graph but runs eagerly; `warn`: also say so, once
+        per reason (an eager bucket costs every round of that batch size its host time)."""
+        count_fallback(self, reason)
+        if warn and reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(f"the draft pass runs eagerly for this call ({reason}); the other "
+                          f"buckets stay CUDA graphs")
 
     def _host_inputs(self, reqs, size: int, on_device: bool = False):
         """on_device: anchors and starts are filled on the device afterwards (_device_inputs):
@@ -122,12 +162,18 @@ class DraftPass:
         # requests with penalties / logit_bias / min_tokens / min_p adjust every Markov step's
         # logits from their token history: an eager pass (the history is not a graph input)
         adjust = LogitAdjust.build(reqs, self.head.weight.shape[0], self.device)
-        graph = self._draft_graph(size, use_top_k, use_top_p, greedy, fused, quant, bound) \
-            if self.cuda_graphs and adjust is None else None
+        graph, reason = None, "capture failed"
+        # a bucket whose MoE rows the sync-free path cannot serve: eager for this call only
+        blocker = self.draft_blocker(size) if self.cuda_graphs else None
+        if self.cuda_graphs and adjust is not None:
+            reason = "penalties / logit_bias / min_tokens / min_p"
+        elif blocker is not None:
+            reason = blocker
+        elif self.cuda_graphs:
+            graph = self._draft_graph(size, use_top_k, use_top_p, greedy, fused, quant, bound)
         if graph is None:
             if self.graphs_wanted:
-                count_fallback(self, "capture failed" if adjust is None else
-                               "penalties / logit_bias / min_tokens / min_p")
+                self._eager_fallback(reason, warn=reason is blocker)
             ints, floats = self._host_inputs(reqs, R, on_device is not None)
             self._adjust = adjust
             self._gumbel_reqs = reqs if self.gumbel else None
@@ -184,20 +230,22 @@ class DraftPass:
 
         return self._graph(("context", size, dtype, quant is not None), bound, capture)
 
+    # inference mode, as the runner's draft() / flush_context() that capture lazily: the same
+    # kernels (the fused ones skip autograd-tracked parameters) and no autograd records in a graph
+    @torch.inference_mode()
     def capture_all(self, max_batch: int, max_position: int, taps_width: int, taps_dtypes,
                     quant=None, progress: bool = False) -> int:
         """Capture ahead of traffic the draft pass of every batch bucket up to `max_batch`
-        (greedy, and sampled without top-k / top-p) and the context write of every row bucket,
-        with the RoPE bound raised to `max_position` first (a later raise would re-capture).
-        Returns how many graphs exist afterwards; 0 when graphs are off."""
+        that can be a graph (greedy, and sampled without top-k / top-p; `graph_buckets`: the
+        buckets that must stay eager are skipped, not attempted) and the context write of every
+        row bucket, with the RoPE bound raised to `max_position` first (a later raise would
+        re-capture). Returns how many graphs exist afterwards; 0 when graphs are off."""
         if not self.cuda_graphs:
             return 0
         bound = self.position_bound(max_position)
-        jobs = [("draft", b, greedy) for b in sorted({bucket_size(n) for n in range(1, max_batch + 1)})
-                for greedy in (True, False)]
-        jobs += [("context", b, dt) for b in sorted({bucket_size(n, smallest=8) for n in
-                                                     range(1, MAX_GRAPH_CONTEXT_ROWS + 1)})
-                 for dt in taps_dtypes]
+        plan = self.graph_buckets(max_batch)
+        jobs = [("draft", b, greedy) for b in plan["draft"] for greedy in (True, False)]
+        jobs += [("context", b, dt) for b in plan["context"] for dt in taps_dtypes]
         from tqdm import tqdm
         for kind, size, arg in tqdm(jobs, desc="capturing draft graphs", unit="graph",
                                     disable=not progress):

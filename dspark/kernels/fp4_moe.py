@@ -244,9 +244,16 @@ def grouped_applies(x: torch.Tensor, idx: torch.Tensor, backend: str = "auto",
                     max_pairs: int = GROUPED_MAX_PAIRS) -> bool:
     """Whether `fp4_moe_grouped` is the automatic choice: the backend resolves to Triton (CUDA
     under "auto"; "triton" on CPU needs TRITON_INTERPRET=1) and T*k <= max_pairs. Shape-only."""
+    return x.dim() == 2 and grouped_serves(idx.numel(), x.device, backend, max_pairs)
+
+
+def grouped_serves(pairs: int, device, backend: str = "auto",
+                   max_pairs: int = GROUPED_MAX_PAIRS) -> bool:
+    """`grouped_applies` from the (token, slot) pair count and the device alone: what a caller
+    deciding ahead of time (a CUDA-graph bucket) asks before any tensor exists."""
     if backend == "auto":
-        backend = "triton" if x.is_cuda else "torch"
-    return backend == "triton" and x.dim() == 2 and idx.numel() <= max_pairs
+        backend = "triton" if torch.device(device).type == "cuda" else "torch"
+    return backend == "triton" and 0 < max_pairs and pairs <= max_pairs
 
 
 class FP4ExpertStack(NamedTuple):

@@ -11,8 +11,10 @@ confidence head scores each slot from [pre-norm hidden ; W1[prev]].
 Serving keeps the context rows of all requests in one `DraftContextPool` (a ring of window rows
 per request slot) and runs the block of all requests as one batch of fixed shapes
 (`block_hidden_batched`): context entries are masked by the position they hold, the MoE of small
-stages runs dense and the stages' RoPE (`DraftRope`) takes a host-side position bound, so nothing
-is read back from the device and the pass can be replayed as a CUDA graph (dspark/draft_pass.py).
+stages runs dense (packed FP4 stages take QuantMoE's grouped kernels up to their row cap) and the
+stages' RoPE (`DraftRope`) takes a host-side position bound, so nothing is read back from the
+device and the pass can be replayed as a CUDA graph (dspark/draft_pass.py, per batch bucket:
+`moe_graph_blocker`).
 """
 from __future__ import annotations
 
@@ -331,7 +333,7 @@ class DSparkDrafter(nn.Module):
         [R, capacity, hd] and the positions they hold ctx_pos [R, capacity] (-1: empty), as
         `DraftContextPool.gather` returns them. max_position: host bound (exclusive) on
         starts + γ, so nothing is read back from the device (CUDA-graph capturable when every
-        stage's MoE runs dense, see `static_shapes`)."""
+        stage's MoE serves R·γ rows without a host sync, see `moe_graph_blocker`)."""
         R, g, W = anchors.shape[0], self.gamma, self.cfg.sliding_window
         offsets = torch.arange(g, device=anchors.device)
         positions = (starts[:, None] + offsets).flatten()                       # [R*γ]
@@ -372,9 +374,34 @@ class DSparkDrafter(nn.Module):
         return attn.output(o.flatten(0, 1), positions, x.dtype)
 
     # MoE --------------------------------------------------------------------------------
-    def static_shapes(self) -> bool:
-        """True when the block pass has no data-dependent shapes (every stage's MoE dense)."""
-        return all(self._dense_moe(stage.ffn) for stage in self.stages)
+    def moe_graph_blocker(self, rows: int, device) -> str | None:
+        """None when every stage's MoE runs `rows` tokens on `device` with no host sync (so a
+        pass of that many MoE rows can be a CUDA graph), else why not (the first blocking
+        stage). Dense small experts (`_moe`) serve any row count; packed FP4 experts (QuantMoE)
+        serve it while rows x top-k fits their grouped kernels (`takes_grouped`); any other
+        MoE routes its tokens on the host."""
+        for s, stage in enumerate(self.stages):
+            ffn = stage.ffn
+            if self._dense_moe(ffn):
+                continue
+            takes_grouped = getattr(ffn, "takes_grouped", None)      # QuantMoE
+            if takes_grouped is None:
+                return f"stage {s} MoE ({type(ffn).__name__}) routes its tokens on the host"
+            if takes_grouped(rows, device):
+                continue
+            if takes_grouped(1, device):
+                pairs = rows * ffn.gate.topk
+                return (f"stage {s} MoE: {rows} rows x top-{ffn.gate.topk} = {pairs} "
+                        f"(token, expert) pairs exceed the grouped FP4 kernels' cap "
+                        f"{ffn.grouped_max_pairs} (QuantMoE.grouped_max_pairs)")
+            return (f"stage {s} MoE: packed FP4 experts on the per-expert loop (grouped kernels "
+                    f"off or not on {torch.device(device).type})")
+        return None
+
+    def graphs_possible(self, device) -> bool:
+        """Whether any pass can be a CUDA graph on `device`: the context write runs no MoE, and
+        the draft pass needs every stage's MoE to serve at least one block of rows."""
+        return self.moe_graph_blocker(self.gamma, device) is None
 
     @staticmethod
     def _dense_moe(ffn) -> bool:

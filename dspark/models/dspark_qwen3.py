@@ -304,8 +304,9 @@ class Qwen3DSparkDrafter(nn.Module):
         a = self.layers[0].self_attn
         return rope_cos_sin(positions, a.head_dim, a.theta)
 
-    def static_shapes(self) -> bool:
-        return True                   # the pass has no data-dependent shapes (CUDA graphs)
+    def graphs_possible(self, device) -> bool:
+        """The draft pass can be a CUDA graph: it has no data-dependent shapes (dense MLPs)."""
+        return True
 
     def commit_rows(self, pool, slots: torch.Tensor, taps: torch.Tensor, positions: torch.Tensor):
         """Context K/V of every draft layer for rows (slots[i], positions[i]) from taps [n, Lt*H],

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from dspark.kernels.fp4_moe import (GROUPED_MAX_PAIRS, FP4ExpertStack, fp4_linear, fp4_moe,
-                                    fp4_moe_grouped, grouped_applies, stack_fp4_experts)
+                                    fp4_moe_grouped, grouped_serves, stack_fp4_experts)
 from dspark.kernels.fp8_gemm import fp8_linear, fp8_linear_grouped
 from dspark.cuda import side_stream
 from dspark.models.deepseek_v4.moe import MoE
@@ -133,8 +133,8 @@ class QuantMoE(MoE):
             shared = self.shared_experts(x)
         first = self.experts[0].w1
         limit = self.experts[0].limit
-        cap = self.grouped_max_pairs
-        if cap and grouped_applies(x, idx, first.backend, cap):
+        # the same shape-only test the draft pass decides its CUDA-graph buckets by (DraftPass)
+        if x.dim() == 2 and self.takes_grouped(x.shape[0], x.device):
             # the down kernel adds the shared expert's output and rounds to x.dtype itself
             return fp4_moe_grouped(x, idx, w, self.fp4_stack(), limit, add=shared,
                                    out_dtype=x.dtype, add_stream=side)
@@ -144,6 +144,14 @@ class QuantMoE(MoE):
         side_stream.join(side)
         out += shared                        # fp32 += x.dtype: added in fp32, no cast launch
         return out.to(x.dtype)
+
+    def takes_grouped(self, tokens: int, device) -> bool:
+        """Whether `forward` on `tokens` tokens of `device` takes the grouped kernels (no host
+        sync: CUDA-graph capturable), from the shapes alone: the test `forward` makes, asked
+        before capturing a graph of that many rows."""
+        cap = self.grouped_max_pairs
+        return bool(cap) and grouped_serves(tokens * self.gate.topk, device,
+                                            self.experts[0].w1.backend, cap)
 
     def fp4_stack(self) -> FP4ExpertStack:
         """The experts' stacked weights, (re)built when missing or when the experts' buffers no
