@@ -243,7 +243,8 @@ class ModelRunner:
         """Whether `draft_ahead` can draft a round's next blocks from its device-side acceptance
         (the pooled DeepSeek-V4 draft pass; not in deterministic mode, whose drafts run one
         request at a time)."""
-        return self.draft_pass is not None and not self.deterministic
+        return type(self.draft_pass) is DraftPass and self.draft_pool is not None \
+            and not self.deterministic
 
     @torch.inference_mode()
     def draft_ahead(self, reqs, accepted, next_tokens, taps, first_rows, block_rows, anchor_pos,
