@@ -161,7 +161,11 @@ CONFIGS = [dict(speculative="none", kv_layout="dense"),
 def test_tiny_checkpoint_batched_alone_chunked_speculative_agree(tiny_ckpt, device):
     """Random tiny checkpoint (every layer type, window 8, compression 4 and 16), fp8 KV cache:
     prompts of 1-19 tokens, greedy and seeded T=1 in one batch."""
-    _invariance(tiny_ckpt, device, [1, 6, 19], CONFIGS)
+    # on CUDA the dense layout attends with the torch reference and the paged one with the
+    # Triton kernels: two implementations, each invariant on its own, not equal to each other
+    # (the guarantee is per engine configuration, README "Deterministic mode")
+    configs = CONFIGS if device == "cpu" else [c for c in CONFIGS if c.get("kv_layout") != "dense"]
+    _invariance(tiny_ckpt, device, [1, 6, 19], configs)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
