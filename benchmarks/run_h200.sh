@@ -9,7 +9,7 @@
 #              GPU-marked tests; the full set needs more than 200 s, so name files to go first)
 #   UNMARKED_TESTS="tests/..." UNMARKED_S=150  the unmarked kernel tests the tests step runs first
 #              on CUDA, and their time box
-#   GPU_S=300  the time box of the GPU-marked tests
+#   GPU_S=300  the time box of the GPU-marked tests; GPU_K="expr": their pytest -k
 #   KERNEL_ARGS="--skip-moe ..."  extra arguments of the kernels step
 set -uo pipefail
 OUT=${OUT:-out}; R="$OUT/r"; mkdir -p "$R"
@@ -27,7 +27,8 @@ tests)   # correctness first: every kernel / graph against its torch or eager re
     tests/test_fp4_moe_grouped.py} > "$R/gpu_tests_sampling.txt" 2>&1
   tail -3 "$R/gpu_tests_sampling.txt" | cut -c1-300
   grep -A12 "^=== FAILED" "$R/gpu_tests_sampling.txt" | cut -c1-200 | head -40
-  timeout "$(left ${GPU_S:-300})" python -m pytest -q -m gpu -rfE ${GPU_TESTS:-tests} > "$R/gpu_tests.txt" 2>&1
+  timeout "$(left ${GPU_S:-300})" python -m pytest -q -m gpu -rfE ${GPU_TESTS:-tests} ${GPU_K:+-k "$GPU_K"} \
+    > "$R/gpu_tests.txt" 2>&1
   tail -12 "$R/gpu_tests.txt" | cut -c1-300
   grep -A12 "^=== FAILED" "$R/gpu_tests.txt" | cut -c1-200 | head -40 ;;
 decode)  # V4-Flash decode vs HBM roofline and vs HF (grouped FP4 MoE + target graphs: the defaults)
@@ -131,6 +132,11 @@ host)    # where a round's host time goes: cProfile over the timed closed loop, 
       > "$R/host_profile_T${T%.0}.txt" 2>&1
     tr '\r' '\n' < "$R/host_profile_T${T%.0}.txt" | grep -A34 "^=== c=" | grep -v "it/s\]\|req/s\]\|s/req\]" | cut -c1-160
   done ;;
+flashtp) # V4-Flash width, 4 layers: decode step and DSpark round, single device and TP world 1
+  step "bench_tp --world 1 (flash width: decode steps and DSpark rounds)"
+  timeout "$(left ${FLASHTP_S:-200})" python benchmarks/bench_tp.py --world 1 --batch ${FLASHTP_B:-1,16} \
+    --json "$R/bench_tp.json" > "$R/bench_tp.txt" 2>&1
+  grep -v -i "warn\|it/s\]" "$R/bench_tp.txt" | tail -8 | cut -c1-250 ;;
 timeline) # batch-1 round: plain vs synced per step, and the device's idle time by host phase
   for T in ${TIMELINE_T:-1.0 0}; do
     step "round timeline T=$T"

@@ -9,17 +9,21 @@ from triton_env import triton_ok  # noqa: F401 (before triton)
 import random  # noqa: E402
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from dspark import Engine, SamplingParams  # noqa: E402
 from dspark.runner import ModelRunner  # noqa: E402
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])
 
-def _run(path, prompts, params, ahead: bool, monkeypatch, **kw):
+
+def _run(path, prompts, params, ahead: bool, monkeypatch, device="cpu", **kw):
     calls = []
     with monkeypatch.context() as m:
         if not ahead:
             m.setattr(ModelRunner, "drafts_ahead", property(lambda self: False))
-        eng = Engine(path, device="cpu", max_num_seqs=3, **kw)
+        eng = Engine(path, device=device, max_num_seqs=3, **kw)
         orig = eng.runner.draft_ahead
         m.setattr(eng.runner, "draft_ahead", lambda *a, **k: calls.append(1) or orig(*a, **k))
         outs = eng.generate(prompts, params)
@@ -27,11 +31,13 @@ def _run(path, prompts, params, ahead: bool, monkeypatch, **kw):
              list(o.metrics.pos_accepted)) for o in outs], len(calls)
 
 
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_draft_ahead_equals_drafting_after_the_read(monkeypatch, temperature):
+def test_draft_ahead_equals_drafting_after_the_read(monkeypatch, temperature, device):
     """Shipped pair, five prompts of 1-40 tokens through three sequence slots (prompts finish
-    their prefill in rounds that also verify), per-request budgets and a stop token mid-run."""
-    eng = Engine(device="cpu")
+    their prefill in rounds that also verify), per-request budgets and a stop token mid-run.
+    On CUDA both paths replay the same target and draft graphs."""
+    eng = Engine(device=device)
     rng = random.Random(5)
     V = eng.cfg.vocab_size
     prompts = [[rng.randrange(3, V) for _ in range(n)] for n in (1, 9, 40, 17, 3)]
@@ -41,8 +47,8 @@ def test_draft_ahead_equals_drafting_after_the_read(monkeypatch, temperature):
                              stop_token_ids=stops)
               for i, (mt, stops) in enumerate([(24, (free[0][9],)), (30, ()), (2, ()), (19, ()),
                                                (30, ())])]
-    want, n_host = _run(None, prompts, params, False, monkeypatch)
-    got, n_ahead = _run(None, prompts, params, True, monkeypatch)
+    want, n_host = _run(None, prompts, params, False, monkeypatch, device)
+    got, n_ahead = _run(None, prompts, params, True, monkeypatch, device)
     assert n_host == 0 and n_ahead > 10          # the paths really differ
     assert got == want
     assert want[0][1] == "stop" and want[2][1] == "length"
