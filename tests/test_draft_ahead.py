@@ -66,3 +66,32 @@ def test_draft_ahead_with_fp32_cache_and_chunked_prefill(monkeypatch):
     want, _ = _run(None, prompts, params, False, monkeypatch, **kw)
     got, n = _run(None, prompts, params, True, monkeypatch, **kw)
     assert n > 0 and got == want
+
+
+def test_draft_ahead_reads_nothing_back(monkeypatch):
+    """Nothing of draft_ahead (context write, draft pass) waits for the device: no .item() /
+    int(t) / .tolist() while it runs, so the host queues it behind the acceptance and goes on
+    to read that alone."""
+    from test_host_sync import SyncGuard
+    eng = Engine(device="cpu", max_num_seqs=2)
+    guard, orig = SyncGuard(), eng.runner.draft_ahead
+    tolist = torch.Tensor.tolist
+
+    def guarded_tolist(self):
+        guard.record("Tensor.tolist")
+        return tolist(self)
+
+    def armed(*a, **k):
+        guard.armed = True
+        try:
+            return orig(*a, **k)
+        finally:
+            guard.armed = False
+    calls = []
+    monkeypatch.setattr(eng.runner, "draft_ahead", lambda *a, **k: calls.append(1) or armed(*a, **k))
+    monkeypatch.setattr(torch.Tensor, "tolist", guarded_tolist)
+    with guard:
+        eng.generate(["def fib(n):", "import os\n"], [SamplingParams(temperature=t, max_tokens=12)
+                                                     for t in (0.0, 1.0)])
+    assert len(calls) > 3
+    assert guard.hits == [], f"{len(guard.hits)} device->host reads; first:\n{guard.hits[0]}"
