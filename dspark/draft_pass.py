@@ -144,9 +144,10 @@ class DraftPass:
         return ints, floats
 
     def __call__(self, reqs, quant=None, on_device=None):
-        """on_device: (anchors [R], starts [R], bound on the starts) as device tensors and a host
-        int, the requests' next anchors and their positions when the host has not read them yet
-        (a round drafting ahead of its read back): they replace .anchor / .num_committed."""
+        """on_device: (anchors [R], (P + 1 [R], a [R]), bound on the starts): device tensors and
+        a host int, the requests' next anchors and their positions P + 1 + a when the host has
+        not read them yet (a round drafting ahead of its read back); they replace .anchor /
+        .num_committed."""
         R = len(reqs)
         if R == 0:
             raise ValueError("draft pass of no requests")
@@ -196,9 +197,11 @@ class DraftPass:
     @staticmethod
     def _device_inputs(ints: torch.Tensor, on_device, R: int) -> None:
         """Anchors and starts (rows 1 and 2 of the int inputs) from device tensors, queued after
-        the host fill: device to device, no wait for the round that computes them."""
+        the host fill: device to device, no wait for the round that computes them. Starts come
+        as (P + 1, accepted a): the sum is written in place."""
         if on_device is not None:
-            ints[1:3, :R].copy_(torch.stack(on_device[:2]), non_blocking=True)
+            ints[1, :R].copy_(on_device[0])
+            torch.add(*on_device[1], out=ints[2, :R])
 
     def _padding_inputs(self, size: int) -> tuple:
         """(ints, floats) device buffers of a draft pass over `size` padding rows: what a capture

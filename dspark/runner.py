@@ -268,21 +268,21 @@ class ModelRunner:
                 slots += [st.take_slot()] * (g + 1)
                 positions += range(anchor_pos[i], anchor_pos[i] + g + 1)
                 rows += [first_rows[i] + min(k, block_rows[i] - 1) for k in range(g + 1)]
-            # host lists go up through pinned memory, asynchronously: a plain copy would wait
-            # for the round still running on the device
-            idx = to_device(rows + pick + anchor_pos, torch.long, dev)
-            n = len(rows)
-            a = accepted if len(pick) == len(reqs) else accepted[idx[n:n + len(pick)]]
-            keep = torch.arange(g + 1, device=dev).repeat(len(pick)) <= a.repeat_interleave(g + 1)
-            picked = taps.index_select(0, idx[:n].to(taps.device))
-            dp.write_context(slots, positions, [picked.to(self.draft_pool.device)], self.quant,
-                             keep=keep)
-            anchors = idx[n + len(pick):]
+            n, m = len(rows), len(pick)
+            # host lists go up in one pinned, asynchronous copy (a plain copy would wait for the
+            # round still running on the device): taps rows, offsets k, picked requests, P + 1
+            idx = to_device(rows + list(range(g + 1)) * m + pick + [p + 1 for p in anchor_pos],
+                            torch.long, dev)
+            a = accepted if m == len(reqs) else accepted[idx[2 * n:2 * n + m]]
+            keep = (idx[n:2 * n].view(m, g + 1) <= a[:, None]).view(-1)
+            picked = taps.index_select(0, idx[:n])
+            dp.write_context(slots, positions, [picked], self.quant, keep=keep)
+            after_anchor = idx[2 * n + m:]
         else:
-            anchors = to_device(anchor_pos, torch.long, dev)
-        starts = anchors + accepted + 1
+            after_anchor = to_device([p + 1 for p in anchor_pos], torch.long, dev)
         top = max(anchor_pos) + g + 1
-        toks, probs, confs = dp(reqs, self.quant, on_device=(next_tokens, starts, top))
+        toks, probs, confs = dp(reqs, self.quant, on_device=(next_tokens, (after_anchor, accepted),
+                                                             top))
         return [DraftBlock(toks[i], None if r.params.greedy else probs[i], confs[i])
                 for i, r in enumerate(reqs)]
 
