@@ -40,7 +40,7 @@ from .model_dir import (check_model_dir, default_model_path, load_sts,  # noqa: 
 from .outputs import RequestOutput, TextStream, request_output
 from .overlap import OverlappedDecode
 from . import prompts as _prompts
-from .request import BlockTokens, Request, Status
+from .request import BlockTokens, Request, Status, sample_seed
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -125,7 +125,8 @@ class Engine:
     def _make_policy(self, c: EngineConfig):
         options = dict(c.policy_options)
         if c.verify_policy in ("scheduled", "scheduled-async", "alg1", "zos"):
-            options["sps"] = self._sps_table(c.sps_table, c.max_num_seqs, c.progress)
+            from .spec.profile import sps_table
+            options["sps"] = sps_table(self, c.sps_table, c.max_num_seqs, c.progress)
         if self.sts is not None:
             options.setdefault("temperatures", self.sts.temperatures)
         return make_policy(c.verify_policy, **options)
@@ -190,16 +191,8 @@ class Engine:
         """Generate a reply to one conversation (a list of {"role", "content"} dicts), or to each
         of a list of conversations, through the checkpoint's chat template
         (tokenizer_config.json, rendered as transformers renders it)."""
-        if self.tokenizer is None:
-            raise ValueError(f"{self.path} has no tokenizer.json: chat needs a tokenizer")
-        if not isinstance(messages, (list, tuple)) or not messages:
-            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} "
-                             "dicts (or a list of such lists)")
-        single = isinstance(messages[0], dict)
-        convs = [messages] if single else list(messages)
-        texts = [self.tokenizer.apply_chat_template(
-            c, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
-            **template_kwargs) for c in convs]
+        single, texts = _prompts.render_chat(self.tokenizer, self.path, messages,
+                                             add_generation_prompt, chat_template, template_kwargs)
         # the template writes the special tokens: encode without adding them again
         outs = self.generate([{"prompt_token_ids": self.tokenizer.encode(
             t, add_special_tokens=False).ids} for t in texts], params)
@@ -232,12 +225,8 @@ class Engine:
         stop_ids = params.all_stop_ids(self.eos_token_ids)
         group = []
         for k, sid in enumerate(sample_ids):
-            if params.seed is not None:               # sample k: seed + k (vLLM's rule)
-                seed = params.seed + k
-                seed -= (1 << 64) if seed >= (1 << 63) else 0      # stays an int64
-            else:
-                seed = hash((self._seed, sid)) & ((1 << 62) - 1)
-            req = Request(sid, ids, params, seed, metrics=SpecMetrics(),
+            req = Request(sid, ids, params, sample_seed(params.seed, k, self._seed, sid),
+                          metrics=SpecMetrics(),
                           arrival_time=time.perf_counter(), stop_ids=stop_ids, parent=rid, index=k)
             req.target_state, req.draft_state = self.runner.new_states()
             if self.cache is not None:
@@ -475,11 +464,8 @@ class Engine:
         # the next blocks are queued behind the acceptance before the host reads it: the
         # device drafts while the host commits (the read waits for the acceptance alone)
         host, ready = self._reader.read(dec.table())
-        was_running = [r.status == Status.RUNNING for r in reqs]
-        rows = [r.feed_len + 1 if r.draft is not None and ok else 1
-                for r, ok in zip(reqs, was_running)]
-        blocks = self.runner.draft_ahead(reqs, *dec.accepted_next(), taps, first_rows, rows,
-                                         anchor_pos, was_running)
+        blocks = self.runner.draft_ahead(reqs, *dec.accepted_next(), taps, first_rows,
+                                         anchor_pos, [r.status == Status.RUNNING for r in reqs])
         if ready is not None:
             ready.synchronize()
 
@@ -593,16 +579,6 @@ class Engine:
         if model is None:
             model, drafter = self.model, self.drafter
         return memory_report(model, drafter)
-
-    def _sps_table(self, override, max_num_seqs: int, progress: bool):
-        """SPS(B) from the user's [[B, ms], ...] override, the on-disk cache, or a fresh profile."""
-        from .spec.policy import SpsTable
-        from .spec.profile import load_or_profile
-        if isinstance(override, SpsTable):
-            return override
-        if override is not None:
-            return SpsTable.from_ms(override)
-        return load_or_profile(self, max_num_seqs * (self.cfg.dspark_block_size + 1), progress)
 
     def _output(self, req: Request, new_tokens: list) -> RequestOutput:
         finished = req.status == Status.FINISHED

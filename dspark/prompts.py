@@ -107,3 +107,19 @@ def parse(prompt, tokenizer, vocab_size: int, max_model_len: int | None, path: s
                                  f"raise Engine(max_model_len=...)")
         return prompt, tokenizer.encode(prompt).ids
     return None, token_ids(prompt, vocab_size)
+
+
+def render_chat(tokenizer, path: str, messages, add_generation_prompt: bool, chat_template,
+                template_kwargs: dict) -> tuple:
+    """(one conversation?, the rendered prompt text of each) for Engine.chat: `messages` is a
+    list of {"role", "content"} dicts or a list of such lists."""
+    if tokenizer is None:
+        raise ValueError(f"{path} has no tokenizer.json: chat needs a tokenizer")
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} "
+                         "dicts (or a list of such lists)")
+    single = isinstance(messages[0], dict)
+    convs = [messages] if single else list(messages)
+    return single, [tokenizer.apply_chat_template(
+        c, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+        **template_kwargs) for c in convs]

@@ -93,3 +93,12 @@ class Request:
     @property
     def anchor(self) -> int:
         return self.output_ids[-1]
+
+
+def sample_seed(seed: int | None, k: int, engine_seed, sample_id: str) -> int:
+    """The random seed of sample k of a request: the user's seed + k (vLLM's rule), kept an
+    int64; without one, a hash of the engine's seed and the sample's id."""
+    if seed is None:
+        return hash((engine_seed, sample_id)) & ((1 << 62) - 1)
+    seed += k
+    return seed - (1 << 64) if seed >= (1 << 63) else seed

@@ -247,13 +247,13 @@ class ModelRunner:
             and not self.deterministic
 
     @torch.inference_mode()
-    def draft_ahead(self, reqs, accepted, next_tokens, taps, first_rows, block_rows, anchor_pos,
+    def draft_ahead(self, reqs, accepted, next_tokens, taps, first_rows, anchor_pos,
                     verified) -> list:
         """The next DSpark block of every request of a round, queued before the host reads the
         round's acceptance: accepted a / next token y [R] are device tensors. For the `verified`
         requests (host bools) the context rows of the anchor and its accepted drafts are written
         first: rows f..f+γ of the forward's taps at positions P..P+γ (f = first_rows, P =
-        anchor_pos, clamped to the request's `block_rows`), those past a going to the pool's
+        anchor_pos, clamped to the request's block of 1 + feed_len rows), those past a going to the
         scratch slot. The next block is drafted at anchor y, position P + a + 1. Requests that
         turn out to finish have drafted for nothing; their rows are dropped by the caller."""
         g, dp = self.drafter.gamma, self.draft_pass
@@ -267,7 +267,8 @@ class ModelRunner:
                 st.length = max(st.length, anchor_pos[i] + 1)   # at least the anchor's row
                 slots += [st.take_slot()] * (g + 1)
                 positions += range(anchor_pos[i], anchor_pos[i] + g + 1)
-                rows += [first_rows[i] + min(k, block_rows[i] - 1) for k in range(g + 1)]
+                last = reqs[i].feed_len if reqs[i].draft is not None else 0   # block's last row
+                rows += [first_rows[i] + min(k, last) for k in range(g + 1)]
             n, m = len(rows), len(pick)
             # host lists go up in one pinned, asynchronous copy (a plain copy would wait for the
             # round still running on the device): taps rows, offsets k, picked requests, P + 1

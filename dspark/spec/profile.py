@@ -221,6 +221,16 @@ def measure(engine, plan: ProfilePlan, repeats: int | None = None, progress: boo
     return rows
 
 
+def sps_table(engine, override, max_num_seqs: int, progress: bool) -> SpsTable:
+    """SPS(B) from the user's [[B, ms], ...] override, the on-disk cache, or a fresh profile of
+    up to max_num_seqs requests' verify blocks."""
+    if isinstance(override, SpsTable):
+        return override
+    if override is not None:
+        return SpsTable.from_ms(override)
+    return load_or_profile(engine, max_num_seqs * (engine.cfg.dspark_block_size + 1), progress)
+
+
 def load_or_profile(engine, max_tokens: int, progress: bool = True) -> SpsTable:
     """SPS(B) up to max_tokens verify tokens: from the on-disk cache, else measured (and saved)."""
     plan = plan_profile(engine, max_tokens)
