@@ -25,7 +25,7 @@ import torch
 
 from .compile_stats import count_capture, count_fallback
 from .cuda.graph_capture import capture, warm_up
-from .cuda.transfer import to_device
+from .cuda.transfer import StagedUpload, to_device
 from .logit_adjust import LogitAdjust
 from .spec.gumbel import gumbel_token
 from .sampling import (Purpose, filters_used, fused_filters_enabled,
@@ -71,6 +71,7 @@ class DraftPass:
         self._graphs: dict = {}
         self._captured_on = None       # tensors the graphs read by address (see _tensors_read)
         self._mempool = None
+        self._upload = StagedUpload()
         self._adjust = None            # LogitAdjust of the eager pass running now, if any
 
     # ---- host side -----------------------------------------------------------------------
@@ -95,10 +96,9 @@ class DraftPass:
             self.device, rows, self.head.weight.shape[0])
 
     def _fill(self, buffer: torch.Tensor, rows, dtype):
-        host = torch.tensor(rows, dtype=dtype)
-        if buffer.is_cuda:               # pinned: the copy is queued, not waited for
-            host = host.pin_memory()
-        buffer.copy_(host, non_blocking=True)
+        """A graph input from host rows: through its own pinned staging buffer, queued, not
+        waited for."""
+        self._upload(buffer, rows, dtype)
 
     def draft_blocker(self, size: int, device=None) -> str | None:
         """Why the draft pass of batch bucket `size` must run eagerly on `device` (default: this

@@ -59,6 +59,19 @@ def _row_argmax(logits: torch.Tensor) -> torch.Tensor:
     return got if got is not None else argmax_rows(logits)
 
 
+_LAST_TEMPERATURES: list = [None, None]    # (key, device tensor) of the last round's
+
+
+def _temperatures(reqs, dev) -> torch.Tensor:
+    """fp32 [R] temperatures on the device; the last round's tensor when they are the same (the
+    usual case: the same requests round after round), else one asynchronous upload. Read-only:
+    fused_verify only reads it."""
+    key = (dev, tuple(float(r.params.temperature) for r in reqs))
+    if _LAST_TEMPERATURES[0] != key:
+        _LAST_TEMPERATURES[:] = [key, to_device(list(key[1]), torch.float32, dev)]
+    return _LAST_TEMPERATURES[1]
+
+
 def decide(reqs, logits, first_rows, lengths, anchor_pos, gamma: int,
            deterministic: bool = False) -> Decision:
     """The device part of a round's acceptance, nothing read back: per request the target's
@@ -123,7 +136,7 @@ def decide(reqs, logits, first_rows, lengths, anchor_pos, gamma: int,
     if fused:
         from ..kernels.sampling import fused_verify   # Triton: imported only when used
     if fused and not filters:
-        temp = to_device([float(r.params.temperature) for r in reqs], torch.float32, dev)
+        temp = _temperatures(reqs, dev)
         res = fused_verify(drafts, q, logits[row_idx], temp, lens, seeds, P)
         return Decision(torch.stack([res.accepted, res.next_token], 1), drafts, verified, False)
     temp, top_k, top_p = stack_params([r.params for r in reqs], dev)
