@@ -256,8 +256,13 @@ class V4DecodeGraphs:
         else:
             dst.copy_(src)
         ids_dev = self._ints_parts[0]
-        for row, drafts in on_device:        # device to device: no wait for the draft pass
-            ids_dev[row:row + drafts.shape[0]].copy_(drafts, non_blocking=True)
+        # device to device: no wait for the draft pass; one copy when every block carries q - 1
+        # drafts (uniform verify steps), else one per block
+        if len(on_device) == R > 1 and all(d.shape[0] == q - 1 for _, d in on_device):
+            ids_dev[:R * q].view(R, q)[:, 1:].copy_(torch.stack([d for _, d in on_device]))
+        else:
+            for row, drafts in on_device:
+                ids_dev[row:row + drafts.shape[0]].copy_(drafts, non_blocking=True)
         if anchors:                          # all of the items (checked above): one copy
             src = anchors[0] if R == 1 else torch.cat(anchors)
             ids_dev[:R * q].view(R, q)[:, 0].copy_(src, non_blocking=True)
