@@ -129,8 +129,8 @@ def host_plan(cache, B: int, q: int, P: int, pos, req_start, req_slot, req_valid
     T = B * q
     pos, pt = np.asarray(pos, np.int64), np.asarray(page_table, np.int64)
     st, sl = np.asarray(req_start, np.int64), np.asarray(req_slot, np.int64)
-    if fast and B == 1 and q == 1 and req_valid[0] and st[0] == pos[0]:
-        return _decode_plan(cache, P, int(pos[0]), int(sl[0]), pt, scratch_page)
+    if fast and B == 1 and req_valid[0] and pos[0] == st[0] and pos[-1] == st[0] + q - 1:
+        return _block_plan(cache, q, P, pos, int(st[0]), int(sl[0]), pt, scratch_page)
     C = cache.capacity
     req, req_i32, stage_win, offs, stage, stage_page, stage_row = _window_static(cache, B, q)
     valid_r = np.asarray(req_valid) != 0
@@ -213,52 +213,81 @@ def _ratio_plan(cache, m, B, q, P, pos, st, sl, valid_r, valid_t, slot_t, req, p
     return out
 
 
-def _decode_plan(cache, P: int, n: int, slot: int, pt, scratch_page) -> dict:
-    """host_plan of one request decoding one token at position n (its start; batch bucket 1):
-    the same fields, values and dtypes (tests/test_v4_host_plan.py compares the two), computed
-    with Python integers where the general formulas work on one-element arrays (a batch-1 decode
-    step's plan costs about half the host time then: every numpy op on a tiny array is ~1 us)."""
-    C = cache.capacity
-    req, req_i32, stage_win, offs, stage, stage_page, stage_row = _window_static(cache, 1, 1)
-    qw = offs + n                                              # [W] window positions
-    win = np.where(qw >= n, stage_win[0], qw % C + slot * C)
-    window_ids = np.where(qw >= 0, win, -1)[None]
-    ring = slot * C + n % C
-    split = np.array([[stage_page[0]], [stage_row[0]], [ring // C], [ring % C]])
+def _block_plan(cache, q: int, P: int, pos, s: int, slot: int, pt, scratch_page) -> dict:
+    """host_plan of one request feeding q tokens at positions s..s+q-1 (batch bucket 1: the
+    batch-1 decode step, q = 1, and the DSpark verify block, q = γ + 1): the same fields, values
+    and dtypes as the general formulas (tests/test_v4_host_plan.py compares them), with Python
+    integers where those build one-element arrays and, per ratio, the pooling-row fields looked
+    up by the start's residue (every numpy op on a tiny array costs ~1 us: this plan costs about
+    half the general one's host time)."""
+    C, W = cache.capacity, cache.window
+    req, req_i32, stage_win, offs, stage, stage_page, stage_row = _window_static(cache, 1, q)
+    qw = pos[:, None] + offs                                   # [q, W] window positions
+    window_ids = qw % C
+    window_ids += slot * C
+    np.copyto(window_ids, stage_win, where=qw >= s)            # this forward's staged rows
+    if s < W - 1:                                              # the window reaches before 0
+        window_ids[qw < 0] = -1
+    pos_c = pos % C
+    split = np.empty((4, q), np.int64)
+    split[0], split[1], split[2], split[3] = stage_page, stage_row, slot, pos_c
     out = dict(req_index=req, req_index_i32=req_i32, page_table_i32=pt.astype(np.int32),
                window_ids=window_ids, window_ids_i32=window_ids.astype(np.int32),
-               stage_ids=stage, ring_dst=np.array([ring]), ring_split=split)
+               stage_ids=stage, ring_dst=pos_c + slot * C, ring_split=split)
+    pos1 = pos + 1
     for m in _ratios(cache):
-        out.update(_decode_ratio_plan(cache, m, P, n, slot, pt, scratch_page))
+        out.update(_block_ratio_plan(cache, m, q, P, pos, pos1, s, slot, pt, scratch_page))
     return out
 
 
-def _decode_ratio_plan(cache, m, P, n, slot, pt, scratch_page) -> dict:
-    """_ratio_plan for _decode_plan's step (B = q = 1: one candidate entry j = n // m)."""
+def _block_entries_static(cache, m, q, P, r: int, j0_low: int):
+    """(from_ring, fresh_rows, before_zero) of `_block_plan`'s ratio-m entries for a start s with
+    s % m == r and min(s // m, c - 1) == j0_low: pooled position p = s - r + k*m + offs, so
+    p - s and (for s // m >= c - 1, when p >= 0 throughout) p < 0 depend on these two only."""
+    _, _, offs, _, _, _, _ = _ratio_static(cache, m, 1, q, P)
+    E, cm, _ = _shapes(cache, m, 1, q, P)
+    c = cm // m
+
+    def make():
+        rel = (np.arange(E) * m)[:, None] + offs - r                # p - s, [E, c*m]
+        return rel < 0, np.clip(rel, 0, q - 1), rel + (j0_low * m + r) < 0
+    return _static(("block entries", m, q, E, cm, r, j0_low), make)
+
+
+def _block_ratio_plan(cache, m, q, P, pos, pos1, s, slot, pt, scratch_page) -> dict:
+    """_ratio_plan for `_block_plan`'s step: candidate entries j = s // m + k, k < K."""
     R, N = cache.comp_ring(m), cache.entries_per_page(m)
-    _, _, offs, _, local, local_page, local_row = _ratio_static(cache, m, 1, 1, P)
-    # fresh rows: clip(base + p - n, 0, T - 1) with T = 1: always row 0
-    fresh = _static(("decode fresh", offs.shape[0]),
-                    lambda: (np.zeros((1, offs.shape[0]), np.int64),))[0]
-    j = n // m
-    ok = j < (n + 1) // m                                      # the entry completes here
-    dst = int(pt[0, min(j // N, P - 1)]) * N + j % N if ok else scratch_page * N
-    p = offs + j * m                                           # [c*m] pooled positions
-    n_vis = (n + 1) // m
+    _, _, offs, _, local, local_page, local_row = _ratio_static(cache, m, 1, q, P)
+    E, cm, _ = _shapes(cache, m, 1, q, P)
+    j0 = s // m
+    done = (s + q) // m - j0                                   # entries completing: k < done
+    from_ring, fresh, before_zero = _block_entries_static(cache, m, q, P, s % m,
+                                                          min(j0, cm // m - 1))
+    row = pt[0]
+    dst = [int(row[min((j0 + k) // N, P - 1)]) * N + (j0 + k) % N if k < done
+           else scratch_page * N for k in range(E)]
+    ring = (np.arange(E) * m)[:, None] + offs if E > 1 else offs[None]
+    ring = ring + j0 * m
+    ring %= R
+    ring += slot * R
+    n_vis = pos1 // m
+    persist = pos % R
+    persist += slot * R
     f = f"{m}."
-    out = {f + "n_visible": np.array([n_vis]), f + "n_visible_i32": np.array([n_vis], np.int32),
-           f + "emit_valid": np.array([ok]), f + "emit_dst": np.array([dst]),
-           f + "emit_pos": np.array([j * m if ok else 0]), f + "from_ring": (p < n)[None],
-           f + "ring_rows": (p % R + slot * R)[None], f + "fresh_rows": fresh,
-           f + "before_zero": (p < 0)[None], f + "persist_dst": np.array([slot * R + n % R])}
+    out = {f + "n_visible": n_vis, f + "n_visible_i32": n_vis.astype(np.int32),
+           f + "emit_valid": np.array([k < done for k in range(E)]),
+           f + "emit_dst": np.array(dst),
+           f + "emit_pos": np.array([(j0 + k) * m if k < done else 0 for k in range(E)]),
+           f + "from_ring": from_ring, f + "ring_rows": ring, f + "fresh_rows": fresh,
+           f + "before_zero": before_zero, f + "persist_dst": persist}
     if m != 4:
-        # the visible entries change once per m steps: the last answer per ratio is kept
+        # the visible entries change once per m positions: the last answer per ratio is kept
         # (read-only, as the _static arrays)
-        key = (m, P, N, n_vis, pt[0].tobytes())
+        key = (q, P, N, n_vis.tobytes(), row.tobytes())
         last = _LAST_VISIBLE.get(m)
         if last is None or last[0] != key:
-            ids = pt[0, local_page] * N + local_row
-            vis = np.where(local < n_vis, ids, -1)[None]
+            ids = row[local_page] * N + local_row
+            vis = np.where(local < n_vis[:, None], ids, -1)
             vis32 = vis.astype(np.int32)
             vis.setflags(write=False)
             vis32.setflags(write=False)
