@@ -1,5 +1,5 @@
-"""Host cost of one fixed-shape V4 step's plan: `host_plan` alone and with `pack` into the host
-buffer's views, per call, for the buckets of batch-1 decode (1, 1) and DSpark verify rounds (B, 6),
+"""Host cost of one fixed-shape V4 step's plan per call: `host_plan` by its general formulas
+(fast=False), by its fast paths, and the fast paths with `pack` into the host buffer's views, for the buckets of batch-1 decode (1, 1) and DSpark verify rounds (B, 6),
 on the shipped pair's cache geometry (window 128, ratios 4 / 128, 256-token pages) over the tiny
 preset's layers (the plan depends on the cache geometry only).
 
@@ -7,8 +7,8 @@ preset's layers (the plan depends on the cache geometry only).
 
 Each request is mid-sequence (a start that is not a page, ratio or window boundary) on its own slot
 and pages; padding requests fill the bucket up to B where --requests is below it. Prints, per
-bucket, the best and median of --repeats timings of --calls calls each (the CPUs are shared: read
-the best).
+bucket, the best and median of --repeats timings of --calls calls each, the three timed in turn
+within each repeat (the CPUs are shared: read the best).
 """
 from __future__ import annotations
 
@@ -48,13 +48,15 @@ def step_inputs(cache, scratch_slot, scratch_page, B, q, P, R, start):
     return pos, st, sl, va, pt
 
 
-def time_calls(fn, calls: int, repeats: int) -> list:
-    out = []
+def time_calls(fns, calls: int, repeats: int) -> list:
+    """[[us per call of fn, per repeat] per fn], the fns timed in turn within each repeat."""
+    out = [[] for _ in fns]
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        out.append((time.perf_counter() - t0) / calls * 1e6)
+        for fn, times in zip(fns, out):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times.append((time.perf_counter() - t0) / calls * 1e6)
     return out
 
 
@@ -70,18 +72,19 @@ def main(argv=None):
     a = p.parse_args(argv)
     buckets = [tuple(int(x) for x in b.split("x")) for b in a.buckets.split(",")]
     cache, scratch_slot, scratch_page = shipped_geometry_cache(max(B for B, _ in buckets))
-    print(f"{'B':>3} {'q':>2} {'P':>2}  {'host_plan us':>22}  {'host_plan + pack us':>22}")
+    print(f"{'B':>3} {'q':>2} {'P':>2}  {'general us':>22}  {'fast us':>22}  {'fast + pack us':>22}")
     for B, q in buckets:
         P, R = a.pages, min(a.requests or B, B)
         fields = step_inputs(cache, scratch_slot, scratch_page, B, q, P, R, a.start)
         layout = hp.plan_layout(cache, B, q, P, base=0)
         dst = hp.host_views(layout, np.zeros(layout.end, np.int64))
-        plan = lambda: hp.host_plan(cache, B, q, P, *fields, scratch_page)   # noqa: E731
-        plan()
-        alone = time_calls(plan, a.calls, a.repeats)
-        packed = time_calls(lambda: hp.pack(dst, plan()), a.calls, a.repeats)
+        args = (cache, B, q, P, *fields, scratch_page)
+        fns = [lambda: hp.host_plan(*args, fast=False), lambda: hp.host_plan(*args),
+               lambda: hp.pack(dst, hp.host_plan(*args))]
+        time_calls(fns, a.calls // 4, 1)            # warm: the first timings run slow
+        times = time_calls(fns, a.calls, a.repeats)
         fmt = lambda t: f"best {min(t):7.1f} med {statistics.median(t):7.1f}"   # noqa: E731
-        print(f"{B:>3} {q:>2} {P:>2}  {fmt(alone)}  {fmt(packed)}")
+        print(f"{B:>3} {q:>2} {P:>2}  " + "  ".join(fmt(t) for t in times))
 
 
 if __name__ == "__main__":

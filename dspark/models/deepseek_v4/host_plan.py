@@ -121,17 +121,28 @@ def _static(key, make):
 
 def host_plan(cache, B: int, q: int, P: int, pos, req_start, req_slot, req_valid, page_table,
               scratch_page: int, fast: bool = True) -> dict:
-    """Numpy twin of static_forward.derive_plan: {field: array} for int64 host inputs pos [B*q], req_start
-    / req_slot / req_valid [B], page_table [B, P] (also the int64 window_ids and
+    """Numpy twin of static_forward.derive_plan: {field: array} for int64 host inputs pos [B*q],
+    req_start / req_slot / req_valid [B], page_table [B, P] (also the int64 window_ids and
     all_visible_ids, for tests). Same formulas in the same order; numpy's // and % floor like
-    torch's. fast: one request decoding one token takes `_decode_plan` (same result; False:
-    the general formulas, for tests)."""
-    T = B * q
+    torch's. Arrays of the result may be shared with later plans: read them, do not write.
+    fast: one real request whose rows are positions start..start+q-1 (batch-1 decode, DSpark
+    verify at concurrency 1) takes `_block_plan`, every other step `_batch_plan`; both give the
+    general formulas' fields, values and dtypes with fewer numpy ops (False: the general
+    formulas, for tests)."""
     pos, pt = np.asarray(pos, np.int64), np.asarray(page_table, np.int64)
     st, sl = np.asarray(req_start, np.int64), np.asarray(req_slot, np.int64)
-    if fast and B == 1 and req_valid[0] and pos[0] == st[0] and pos[-1] == st[0] + q - 1:
-        return _block_plan(cache, q, P, pos, int(st[0]), int(sl[0]), pt, scratch_page)
-    C = cache.capacity
+    if not fast:
+        return _general_plan(cache, B, q, P, pos, st, sl, req_valid, pt, scratch_page)
+    b = _bucket(cache, B, q, P)
+    if B == 1 and req_valid[0] and pos[0] == st[0] and pos[-1] == st[0] + q - 1:
+        return _block_plan(b, pos, int(st[0]), int(sl[0]), pt, scratch_page)
+    return _batch_plan(b, pos, st, sl, np.asarray(req_valid) != 0, pt, scratch_page)
+
+
+# ---- the general formulas (the reference of the fast paths) -----------------------------------
+
+def _general_plan(cache, B, q, P, pos, st, sl, req_valid, pt, scratch_page) -> dict:
+    T, C = B * q, cache.capacity
     req, req_i32, stage_win, offs, stage, stage_page, stage_row = _window_static(cache, B, q)
     valid_r = np.asarray(req_valid) != 0
     valid_t, s_t, slot_t = valid_r[req], st[req], sl[req]
@@ -139,15 +150,15 @@ def host_plan(cache, B: int, q: int, P: int, pos, req_start, req_slot, req_valid
     win = np.where(qw >= s_t[:, None], stage_win, slot_t[:, None] * C + qw % C)
     window_ids = np.where((qw >= 0) & valid_t[:, None], win, -1)
     ring_dst = slot_t * C + pos % C
-    split = np.empty((4, T), np.int64)       # (rows assigned: np.stack costs ~5 us here)
+    split = np.empty((4, T), np.int64)
     split[0], split[1], split[2], split[3] = stage_page, stage_row, ring_dst // C, ring_dst % C
     out = dict(req_index=req, req_index_i32=req_i32,
                page_table_i32=pt.astype(np.int32), window_ids=window_ids,
                window_ids_i32=window_ids.astype(np.int32), stage_ids=stage, ring_dst=ring_dst,
                ring_split=split)
     for m in _ratios(cache):
-        out.update(_ratio_plan(cache, m, B, q, P, pos, st, sl, valid_r, valid_t, slot_t, req, pt,
-                               scratch_page))
+        out.update(_general_ratio_plan(cache, m, B, q, P, pos, st, sl, valid_r, valid_t, slot_t,
+                                       req, pt, scratch_page))
     return out
 
 
@@ -182,8 +193,8 @@ def _ratio_static(cache, m, B, q, P):
     return _static(("ratio", m, B, q, P, E, cm, N), make)
 
 
-def _ratio_plan(cache, m, B, q, P, pos, st, sl, valid_r, valid_t, slot_t, req, pt,
-                scratch_page) -> dict:
+def _general_ratio_plan(cache, m, B, q, P, pos, st, sl, valid_r, valid_t, slot_t, req, pt,
+                        scratch_page) -> dict:
     """The ratio-m fields (RatioStatic's): candidate entries e (request e // K, entry
     j = start // m + e % K), their pooling rows, the ring rows this forward persists."""
     T, R = B * q, cache.comp_ring(m)
@@ -213,87 +224,171 @@ def _ratio_plan(cache, m, B, q, P, pos, st, sl, valid_r, valid_t, slot_t, req, p
     return out
 
 
-def _block_plan(cache, q: int, P: int, pos, s: int, slot: int, pt, scratch_page) -> dict:
-    """host_plan of one request feeding q tokens at positions s..s+q-1 (batch bucket 1: the
-    batch-1 decode step, q = 1, and the DSpark verify block, q = γ + 1): the same fields, values
-    and dtypes as the general formulas (tests/test_v4_host_plan.py compares them), with Python
-    integers where those build one-element arrays and, per ratio, the pooling-row fields looked
-    up by the start's residue (every numpy op on a tiny array costs ~1 us: this plan costs about
-    half the general one's host time)."""
-    C, W = cache.capacity, cache.window
-    req, req_i32, stage_win, offs, stage, stage_page, stage_row = _window_static(cache, 1, q)
-    qw = pos[:, None] + offs                                   # [q, W] window positions
+# ---- the fast paths ----------------------------------------------------------------------------
+
+class _RatioBucket:
+    """Ratio m's numbers, field names and position-independent arrays in bucket (B, q, P)."""
+
+    def __init__(self, cache, m, B, q, P):
+        E, cm, N = _shapes(cache, m, B, q, P)
+        self.m, self.R, self.N, self.E, self.c = m, cache.comp_ring(m), N, E, cm // m
+        (self.i, self.e_mod, self.offs, self.fresh_base, self.local, self.local_page,
+         self.local_row) = _ratio_static(cache, m, B, q, P)
+        self.names = tuple(f"{m}.{k}" for k in (
+            "n_visible", "n_visible_i32", "emit_valid", "emit_dst", "emit_pos", "from_ring",
+            "ring_rows", "fresh_rows", "before_zero", "persist_dst", "all_visible_ids",
+            "all_visible_ids_i32"))
+        self.hca = m != 4              # (the indexer of ratio 4 scores pages, not a list)
+        # one request: its entries' pooled positions less j0*m, [E, c*m]; which of them
+        # complete, by how many do ([K + 1, K])
+        self.block_rel = (np.arange(E) * m)[:, None] + self.offs
+        self.done_mask = np.arange(E)[None, :] < np.arange(E + 1)[:, None]
+        self.last_visible = None       # (inputs, all_visible_ids, its int32 twin) of the last step
+        for a in (self.block_rel, self.done_mask):
+            a.setflags(write=False)
+
+
+class _Bucket:
+    """Everything of bucket (B, q, P) on one cache geometry that no position changes."""
+
+    def __init__(self, cache, B, q, P):
+        self.B, self.q, self.P, self.T = B, q, P, B * q
+        self.C, self.W = cache.capacity, cache.window
+        (self.req, self.req_i32, self.stage_win, self.win_offs, self.stage, self.stage_page,
+         self.stage_row) = _window_static(cache, B, q)
+        self.ratios = [_RatioBucket(cache, m, B, q, P) for m in _ratios(cache)]
+
+
+_BUCKETS: dict = {}       # (bucket, every number of the cache geometry) -> _Bucket
+
+
+def _bucket(cache, B, q, P) -> _Bucket:
+    key = (B, q, P, cache.window, cache.capacity, cache.stage_base, cache.block_size,
+           cache.lookahead, cache.ratios)
+    got = _BUCKETS.get(key)
+    if got is None:
+        got = _BUCKETS[key] = _Bucket(cache, B, q, P)
+    return got
+
+
+def _visible(rb: _RatioBucket, key, ids_of, n_vis):
+    """all_visible_ids and its int32 twin, the last step's when its inputs `key` are these (the
+    visible entries change once per m positions), read-only as the _static arrays."""
+    last = rb.last_visible
+    if last is None or last[0] != key:
+        vis = np.where(rb.local < n_vis[:, None], ids_of(), -1)
+        vis32 = vis.astype(np.int32)
+        vis.setflags(write=False)
+        vis32.setflags(write=False)
+        last = rb.last_visible = (key, vis, vis32)
+    return last[1], last[2]
+
+
+def _block_plan(b: _Bucket, pos, s: int, slot: int, pt, scratch_page) -> dict:
+    """host_plan of one request feeding q tokens at positions s..s+q-1 (batch bucket 1): Python
+    integers where the general formulas build one-element arrays, and per ratio the
+    pooling-row fields looked up by the start's residue (every numpy op on a tiny array costs
+    ~1 us: this plan costs about half the general one's host time)."""
+    C, q = b.C, b.q
+    qw = pos[:, None] + b.win_offs                             # [q, W] window positions
     window_ids = qw % C
     window_ids += slot * C
-    np.copyto(window_ids, stage_win, where=qw >= s)            # this forward's staged rows
-    if s < W - 1:                                              # the window reaches before 0
+    np.copyto(window_ids, b.stage_win, where=qw >= s)          # this forward's staged rows
+    if s < b.W - 1:                                            # the window reaches before 0
         window_ids[qw < 0] = -1
     pos_c = pos % C
-    split = np.empty((4, q), np.int64)
-    split[0], split[1], split[2], split[3] = stage_page, stage_row, slot, pos_c
-    out = dict(req_index=req, req_index_i32=req_i32, page_table_i32=pt.astype(np.int32),
+    split = np.empty((4, q), np.int64)     # ring_dst // C is the slot, ring_dst % C pos % C
+    split[0], split[1], split[2], split[3] = b.stage_page, b.stage_row, slot, pos_c
+    out = dict(req_index=b.req, req_index_i32=b.req_i32, page_table_i32=pt.astype(np.int32),
                window_ids=window_ids, window_ids_i32=window_ids.astype(np.int32),
-               stage_ids=stage, ring_dst=pos_c + slot * C, ring_split=split)
-    pos1 = pos + 1
-    for m in _ratios(cache):
-        out.update(_block_ratio_plan(cache, m, q, P, pos, pos1, s, slot, pt, scratch_page))
+               stage_ids=b.stage, ring_dst=pos_c + slot * C, ring_split=split)
+    pos1, row = pos + 1, pt[0]
+    for rb in b.ratios:
+        m, R, N, E = rb.m, rb.R, rb.N, rb.E
+        j0 = s // m
+        done = (s + q) // m - j0                               # entries completing: k < done
+        from_ring, fresh, before_zero = _block_entries(rb, q, s % m, min(j0, rb.c - 1))
+        ring = rb.block_rel + j0 * m
+        ring %= R
+        ring += slot * R
+        n_vis = pos1 // m
+        persist = pos % R
+        persist += slot * R
+        nv, nv32, ev, ed, ep, fr, rr, fs, bz, pd, av, av32 = rb.names
+        out[nv], out[nv32], out[ev] = n_vis, n_vis.astype(np.int32), rb.done_mask[done]
+        out[ed] = np.array([int(row[min((j0 + k) // N, b.P - 1)]) * N + (j0 + k) % N
+                            if k < done else scratch_page * N for k in range(E)])
+        out[ep] = np.array([(j0 + k) * m if k < done else 0 for k in range(E)])
+        out[fr], out[rr], out[fs], out[bz], out[pd] = from_ring, ring, fresh, before_zero, persist
+        if rb.hca:
+            out[av], out[av32] = _visible(rb, (n_vis.tobytes(), row.tobytes()),
+                                          lambda: row[rb.local_page] * N + rb.local_row, n_vis)
     return out
 
 
-def _block_entries_static(cache, m, q, P, r: int, j0_low: int):
-    """(from_ring, fresh_rows, before_zero) of `_block_plan`'s ratio-m entries for a start s with
-    s % m == r and min(s // m, c - 1) == j0_low: pooled position p = s - r + k*m + offs, so
-    p - s and (for s // m >= c - 1, when p >= 0 throughout) p < 0 depend on these two only."""
-    _, _, offs, _, _, _, _ = _ratio_static(cache, m, 1, q, P)
-    E, cm, _ = _shapes(cache, m, 1, q, P)
-    c = cm // m
-
+def _block_entries(rb: _RatioBucket, q: int, r: int, j0_low: int):
+    """(from_ring, fresh_rows, before_zero) of `_block_plan`'s ratio entries for a start s with
+    s % m == r and min(s // m, c - 1) == j0_low: the pooled positions are p = s - r + block_rel,
+    so p - s depends on r only, and p < 0 (possible only while s // m < c - 1) on both."""
     def make():
-        rel = (np.arange(E) * m)[:, None] + offs - r                # p - s, [E, c*m]
-        return rel < 0, np.clip(rel, 0, q - 1), rel + (j0_low * m + r) < 0
-    return _static(("block entries", m, q, E, cm, r, j0_low), make)
+        rel = rb.block_rel - r                                 # p - s, [E, c*m]
+        return rel < 0, np.clip(rel, 0, q - 1), rel + (j0_low * rb.m + r) < 0
+    return _static(("block entries", rb.m, q, rb.E, rb.c, rb.offs.shape[0], r, j0_low), make)
 
 
-def _block_ratio_plan(cache, m, q, P, pos, pos1, s, slot, pt, scratch_page) -> dict:
-    """_ratio_plan for `_block_plan`'s step: candidate entries j = s // m + k, k < K."""
-    R, N = cache.comp_ring(m), cache.entries_per_page(m)
-    _, _, offs, _, local, local_page, local_row = _ratio_static(cache, m, 1, q, P)
-    E, cm, _ = _shapes(cache, m, 1, q, P)
-    j0 = s // m
-    done = (s + q) // m - j0                                   # entries completing: k < done
-    from_ring, fresh, before_zero = _block_entries_static(cache, m, q, P, s % m,
-                                                          min(j0, cm // m - 1))
-    row = pt[0]
-    dst = [int(row[min((j0 + k) // N, P - 1)]) * N + (j0 + k) % N if k < done
-           else scratch_page * N for k in range(E)]
-    ring = (np.arange(E) * m)[:, None] + offs if E > 1 else offs[None]
-    ring = ring + j0 * m
-    ring %= R
-    ring += slot * R
-    n_vis = pos1 // m
-    persist = pos % R
-    persist += slot * R
-    f = f"{m}."
-    out = {f + "n_visible": n_vis, f + "n_visible_i32": n_vis.astype(np.int32),
-           f + "emit_valid": np.array([k < done for k in range(E)]),
-           f + "emit_dst": np.array(dst),
-           f + "emit_pos": np.array([(j0 + k) * m if k < done else 0 for k in range(E)]),
-           f + "from_ring": from_ring, f + "ring_rows": ring, f + "fresh_rows": fresh,
-           f + "before_zero": before_zero, f + "persist_dst": persist}
-    if m != 4:
-        # the visible entries change once per m positions: the last answer per ratio is kept
-        # (read-only, as the _static arrays)
-        key = (q, P, N, n_vis.tobytes(), row.tobytes())
-        last = _LAST_VISIBLE.get(m)
-        if last is None or last[0] != key:
-            ids = row[local_page] * N + local_row
-            vis = np.where(local < n_vis[:, None], ids, -1)
-            vis32 = vis.astype(np.int32)
-            vis.setflags(write=False)
-            vis32.setflags(write=False)
-            last = _LAST_VISIBLE[m] = (key, vis, vis32)
-        out[f + "all_visible_ids"], out[f + "all_visible_ids_i32"] = last[1], last[2]
+def _batch_plan(b: _Bucket, pos, st, sl, valid_r, pt, scratch_page) -> dict:
+    """The general formulas with fewer numpy ops: results written in place, the padding masks
+    skipped when every request is real (and the window starts past 0), ring_split's slot and
+    row columns taken from their parts, the visible lists of the last inputs kept per ratio."""
+    C, q, T, req = b.C, b.q, b.T, b.req
+    all_valid = bool(valid_r.all())
+    s_t, slot_t = st[req], sl[req]
+    qw = pos[:, None] + b.win_offs
+    window_ids = qw % C
+    window_ids += (slot_t * C)[:, None]
+    np.copyto(window_ids, b.stage_win, where=qw >= s_t[:, None])
+    if not all_valid:
+        np.copyto(window_ids, -1, where=(qw < 0) | ~valid_r[req][:, None])
+    elif pos.min() < b.W - 1:
+        np.copyto(window_ids, -1, where=qw < 0)
+    pos_c = pos % C
+    split = np.empty((4, T), np.int64)
+    split[0], split[1], split[2], split[3] = b.stage_page, b.stage_row, slot_t, pos_c
+    out = dict(req_index=req, req_index_i32=b.req_i32, page_table_i32=pt.astype(np.int32),
+               window_ids=window_ids, window_ids_i32=window_ids.astype(np.int32),
+               stage_ids=b.stage, ring_dst=pos_c + slot_t * C, ring_split=split)
+    pos1 = pos + 1
+    invalid_t = None if all_valid else ~valid_r[req]
+    for rb in b.ratios:
+        m, R, N, i = rb.m, rb.R, rb.N, rb.i
+        st_i = st[i]
+        j = st_i // m
+        j += rb.e_mod
+        ok = j < (st_i + q) // m
+        if not all_valid:
+            ok &= valid_r[i]
+        page = pt[i, np.minimum(j // N, b.P - 1)]
+        page *= N
+        page += j % N
+        jm = j * m
+        s_i = st_i[:, None]
+        p = jm[:, None] + rb.offs                                        # [E, c*m]
+        n_vis = pos1 // m
+        if invalid_t is not None:
+            n_vis[invalid_t] = 0
+        fresh = p - s_i
+        fresh += rb.fresh_base
+        np.minimum(np.maximum(fresh, 0, out=fresh), T - 1, out=fresh)
+        ring = p % R
+        ring += (sl[i] * R)[:, None]
+        persist = pos % R
+        persist += slot_t * R
+        nv, nv32, ev, ed, ep, fr, rr, fs, bz, pd, av, av32 = rb.names
+        out[nv], out[nv32], out[ev] = n_vis, n_vis.astype(np.int32), ok
+        out[ed], out[ep] = np.where(ok, page, scratch_page * N), np.where(ok, jm, 0)
+        out[fr], out[rr], out[fs], out[bz], out[pd] = p < s_i, ring, fresh, p < 0, persist
+        if rb.hca:
+            out[av], out[av32] = _visible(
+                rb, (n_vis.tobytes(), pt.tobytes()),
+                lambda: pt[req[:, None], rb.local_page] * N + rb.local_row, n_vis)
     return out
-
-
-_LAST_VISIBLE: dict = {}      # ratio -> (inputs, all_visible_ids, its int32 twin)
