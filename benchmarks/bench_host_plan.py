@@ -3,7 +3,7 @@
 on the shipped pair's cache geometry (window 128, ratios 4 / 128, 256-token pages) over the tiny
 preset's layers (the plan depends on the cache geometry only).
 
-    python benchmarks/bench_host_plan.py --buckets 1x1,1x6,4x6,16x6 --repeats 5
+    python benchmarks/bench_host_plan.py --buckets 1x1,1x6,4x6,16x6 --repeats 40
 
 Each request is mid-sequence (a start that is not a page, ratio or window boundary) on its own slot
 and pages; padding requests fill the bucket up to B where --requests is below it. Prints, per
@@ -67,8 +67,8 @@ def main(argv=None):
     p.add_argument("--pages", type=int, default=4, help="page bucket P (256-token pages)")
     p.add_argument("--start", type=int, default=613, help="first request's start position")
     p.add_argument("--requests", type=int, default=0, help="real requests (0: B, no padding)")
-    p.add_argument("--calls", type=int, default=2000)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--calls", type=int, default=100)
+    p.add_argument("--repeats", type=int, default=40)
     a = p.parse_args(argv)
     buckets = [tuple(int(x) for x in b.split("x")) for b in a.buckets.split(",")]
     cache, scratch_slot, scratch_page = shipped_geometry_cache(max(B for B, _ in buckets))
@@ -81,7 +81,7 @@ def main(argv=None):
         args = (cache, B, q, P, *fields, scratch_page)
         fns = [lambda: hp.host_plan(*args, fast=False), lambda: hp.host_plan(*args),
                lambda: hp.pack(dst, hp.host_plan(*args))]
-        time_calls(fns, a.calls // 4, 1)            # warm: the first timings run slow
+        time_calls(fns, 4 * a.calls, 1)             # warm: the first timings run slow
         times = time_calls(fns, a.calls, a.repeats)
         fmt = lambda t: f"best {min(t):7.1f} med {statistics.median(t):7.1f}"   # noqa: E731
         print(f"{B:>3} {q:>2} {P:>2}  " + "  ".join(fmt(t) for t in times))

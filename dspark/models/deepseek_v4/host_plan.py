@@ -125,18 +125,21 @@ def host_plan(cache, B: int, q: int, P: int, pos, req_start, req_slot, req_valid
     req_start / req_slot / req_valid [B], page_table [B, P] (also the int64 window_ids and
     all_visible_ids, for tests). Same formulas in the same order; numpy's // and % floor like
     torch's. Arrays of the result may be shared with later plans: read them, do not write.
-    fast: one real request whose rows are positions start..start+q-1 (batch-1 decode, DSpark
-    verify at concurrency 1) takes `_block_plan`, every other step `_batch_plan`; both give the
-    general formulas' fields, values and dtypes with fewer numpy ops (False: the general
-    formulas, for tests)."""
+    fast: one real request (batch-1 decode, DSpark verify at concurrency 1) takes `_block_plan`,
+    other steps whose request rows are positions start..start+q-1 (as V4DecodeGraphs fills
+    them, padding included) `_batch_plan`; both give the general formulas' fields, values and
+    dtypes with fewer numpy ops (False: the general formulas, for tests)."""
     pos, pt = np.asarray(pos, np.int64), np.asarray(page_table, np.int64)
     st, sl = np.asarray(req_start, np.int64), np.asarray(req_slot, np.int64)
     if not fast:
         return _general_plan(cache, B, q, P, pos, st, sl, req_valid, pt, scratch_page)
     b = _bucket(cache, B, q, P)
-    if B == 1 and req_valid[0] and pos[0] == st[0] and pos[-1] == st[0] + q - 1:
+    if B == 1 and req_valid[0]:
         return _block_plan(b, pos, int(st[0]), int(sl[0]), pt, scratch_page)
-    return _batch_plan(b, pos, st, sl, np.asarray(req_valid) != 0, pt, scratch_page)
+    s_t = st[b.req]
+    if (pos - s_t - b.tok_in_req).any():      # not start..start+q-1 (V4DecodeGraphs never)
+        return _general_plan(cache, B, q, P, pos, st, sl, req_valid, pt, scratch_page)
+    return _batch_plan(b, pos, st, s_t, sl, np.asarray(req_valid) != 0, pt, scratch_page)
 
 
 # ---- the general formulas (the reference of the fast paths) -----------------------------------
@@ -257,6 +260,36 @@ class _Bucket:
         (self.req, self.req_i32, self.stage_win, self.win_offs, self.stage, self.stage_page,
          self.stage_row) = _window_static(cache, B, q)
         self.ratios = [_RatioBucket(cache, m, B, q, P) for m in _ratios(cache)]
+        # request rows at positions s..s+q-1: window column w of token k reads position
+        # s - (W-1) + k + w, the (k+w)-th of the request's run of W + q - 1 positions, so the
+        # window ids are a gather from one [B, W + q - 1] table (positions before s: ring rows,
+        # from s on: staged rows, stage_base + i*q + (position - s))
+        W, L = self.W, self.W + q - 1
+        self.tok_in_req = np.arange(self.T) % q
+        self.run_before = np.arange(W - 1) - (W - 1)           # ring part's positions less s
+        self.run_staged = cache.stage_base + np.arange(self.T).reshape(B, q)
+        self.run_index = ((self.req * L + self.tok_in_req)[:, None] + np.arange(W))
+        for a in (self.tok_in_req, self.run_before, self.run_staged, self.run_index):
+            a.setflags(write=False)
+        self.across = _AcrossRatios(self.ratios)
+
+
+class _AcrossRatios:
+    """The candidate entries of every ratio concatenated: per entry its request i, index k
+    within the request, ratio m, entries per page N, ring rows R; each ratio's slice of them;
+    the ratios and ring sizes as [ratios, 1] columns."""
+
+    def __init__(self, ratios):
+        cat = lambda f: np.concatenate([f(rb) for rb in ratios]).astype(np.int64)  # noqa: E731
+        self.i, self.k = cat(lambda rb: rb.i), cat(lambda rb: rb.e_mod)
+        self.m, self.N, self.R = (cat(lambda rb, f=f: np.full(rb.E, f(rb))) for f in (
+            lambda rb: rb.m, lambda rb: rb.N, lambda rb: rb.R))
+        ends = np.cumsum([0] + [rb.E for rb in ratios])
+        self.slices = [slice(int(x), int(y)) for x, y in zip(ends[:-1], ends[1:])]
+        self.m_col = np.array([[rb.m] for rb in ratios], np.int64)
+        self.R_col = np.array([[rb.R] for rb in ratios], np.int64)
+        for a in (self.i, self.k, self.m, self.N, self.R, self.m_col, self.R_col):
+            a.setflags(write=False)
 
 
 _BUCKETS: dict = {}       # (bucket, every number of the cache geometry) -> _Bucket
@@ -294,7 +327,7 @@ def _block_plan(b: _Bucket, pos, s: int, slot: int, pt, scratch_page) -> dict:
     window_ids = qw % C
     window_ids += slot * C
     np.copyto(window_ids, b.stage_win, where=qw >= s)          # this forward's staged rows
-    if s < b.W - 1:                                            # the window reaches before 0
+    if pos.min() < b.W - 1:                                    # the window reaches before 0
         window_ids[qw < 0] = -1
     pos_c = pos % C
     split = np.empty((4, q), np.int64)     # ring_dst // C is the slot, ring_dst % C pos % C
@@ -336,59 +369,71 @@ def _block_entries(rb: _RatioBucket, q: int, r: int, j0_low: int):
     return _static(("block entries", rb.m, q, rb.E, rb.c, rb.offs.shape[0], r, j0_low), make)
 
 
-def _batch_plan(b: _Bucket, pos, st, sl, valid_r, pt, scratch_page) -> dict:
-    """The general formulas with fewer numpy ops: results written in place, the padding masks
-    skipped when every request is real (and the window starts past 0), ring_split's slot and
-    row columns taken from their parts, the visible lists of the last inputs kept per ratio."""
-    C, q, T, req = b.C, b.q, b.T, b.req
+def _batch_plan(b: _Bucket, pos, st, s_t, sl, valid_r, pt, scratch_page) -> dict:
+    """The general formulas with fewer numpy ops, for request rows at positions s..s+q-1 (s_t:
+    each row's start): the window ids gathered from one [B, W + q - 1] table, results written
+    in place, the padding masks skipped when every request is real (and the window starts
+    past 0), ring_split's slot and row columns taken from their parts, the visible lists of the
+    last inputs kept per ratio."""
+    C, q, T, req, W = b.C, b.q, b.T, b.req, b.W
     all_valid = bool(valid_r.all())
-    s_t, slot_t = st[req], sl[req]
-    qw = pos[:, None] + b.win_offs
-    window_ids = qw % C
-    window_ids += (slot_t * C)[:, None]
-    np.copyto(window_ids, b.stage_win, where=qw >= s_t[:, None])
+    slot_t = sl[req]
+    run = np.empty((b.B, W + q - 1), np.int64)               # (see _Bucket.run_index)
+    before = st[:, None] + b.run_before                       # positions before the start
+    ring_part = run[:, :W - 1]
+    np.remainder(before, C, out=ring_part)
+    ring_part += (sl * C)[:, None]
+    if st.min() < W - 1:
+        np.copyto(ring_part, -1, where=before < 0)
+    run[:, W - 1:] = b.run_staged
     if not all_valid:
-        np.copyto(window_ids, -1, where=(qw < 0) | ~valid_r[req][:, None])
-    elif pos.min() < b.W - 1:
-        np.copyto(window_ids, -1, where=qw < 0)
+        run[~valid_r] = -1
+    window_ids = run.ravel().take(b.run_index)
     pos_c = pos % C
     split = np.empty((4, T), np.int64)
     split[0], split[1], split[2], split[3] = b.stage_page, b.stage_row, slot_t, pos_c
     out = dict(req_index=req, req_index_i32=b.req_i32, page_table_i32=pt.astype(np.int32),
                window_ids=window_ids, window_ids_i32=window_ids.astype(np.int32),
                stage_ids=b.stage, ring_dst=pos_c + slot_t * C, ring_split=split)
-    pos1 = pos + 1
-    invalid_t = None if all_valid else ~valid_r[req]
-    for rb in b.ratios:
-        m, R, N, i = rb.m, rb.R, rb.N, rb.i
-        st_i = st[i]
-        j = st_i // m
-        j += rb.e_mod
-        ok = j < (st_i + q) // m
-        if not all_valid:
-            ok &= valid_r[i]
-        page = pt[i, np.minimum(j // N, b.P - 1)]
-        page *= N
-        page += j % N
-        jm = j * m
-        s_i = st_i[:, None]
-        p = jm[:, None] + rb.offs                                        # [E, c*m]
-        n_vis = pos1 // m
-        if invalid_t is not None:
-            n_vis[invalid_t] = 0
+    # the candidate entries of every ratio side by side ([E_all]: one op each for all ratios),
+    # the per-token fields as [ratios, T]; each ratio's fields are views of them
+    a = b.across
+    st_e, sl_e = st[a.i], sl[a.i]
+    j = st_e // a.m
+    j += a.k
+    ok = j < (st_e + q) // a.m
+    if not all_valid:
+        ok &= valid_r[a.i]
+    page_of, row_of = np.divmod(j, a.N)
+    np.minimum(page_of, b.P - 1, out=page_of)
+    dst = pt[a.i, page_of]
+    dst *= a.N
+    dst += row_of
+    dst = np.where(ok, dst, a.N * scratch_page)
+    jm = j * a.m
+    emit_pos = np.where(ok, jm, 0)
+    slot_r = sl_e * a.R
+    n_vis = (pos + 1) // a.m_col                                          # [ratios, T]
+    if not all_valid:
+        n_vis[:, ~valid_r[req]] = 0
+    n_vis32 = n_vis.astype(np.int32)
+    persist = pos % a.R_col
+    persist += slot_t * a.R_col
+    for r, (rb, e) in enumerate(zip(b.ratios, a.slices)):
+        s_i = st_e[e, None]
+        p = jm[e, None] + rb.offs                                         # [E, c*m]
         fresh = p - s_i
         fresh += rb.fresh_base
         np.minimum(np.maximum(fresh, 0, out=fresh), T - 1, out=fresh)
-        ring = p % R
-        ring += (sl[i] * R)[:, None]
-        persist = pos % R
-        persist += slot_t * R
+        ring = p % rb.R
+        ring += slot_r[e, None]
         nv, nv32, ev, ed, ep, fr, rr, fs, bz, pd, av, av32 = rb.names
-        out[nv], out[nv32], out[ev] = n_vis, n_vis.astype(np.int32), ok
-        out[ed], out[ep] = np.where(ok, page, scratch_page * N), np.where(ok, jm, 0)
-        out[fr], out[rr], out[fs], out[bz], out[pd] = p < s_i, ring, fresh, p < 0, persist
+        out[nv], out[nv32], out[ev], out[ed], out[ep] = (n_vis[r], n_vis32[r], ok[e], dst[e],
+                                                         emit_pos[e])
+        out[fr], out[rr], out[fs], out[bz], out[pd] = p < s_i, ring, fresh, p < 0, persist[r]
         if rb.hca:
+            N = rb.N
             out[av], out[av32] = _visible(
-                rb, (n_vis.tobytes(), pt.tobytes()),
-                lambda: pt[req[:, None], rb.local_page] * N + rb.local_row, n_vis)
+                rb, (n_vis[r].tobytes(), pt.tobytes()),
+                lambda: pt[req[:, None], rb.local_page] * N + rb.local_row, n_vis[r])
     return out
