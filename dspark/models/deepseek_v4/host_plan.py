@@ -247,6 +247,7 @@ class _RatioBucket:
         self.block_rel = (np.arange(E) * m)[:, None] + self.offs
         self.done_mask = np.arange(E)[None, :] < np.arange(E + 1)[:, None]
         self.last_visible = None       # (inputs, all_visible_ids, its int32 twin) of the last step
+        self.block_entries = {}        # (start % m, min(start // m, c - 1)) -> _block_entries'
         for a in (self.block_rel, self.done_mask):
             a.setflags(write=False)
 
@@ -335,8 +336,12 @@ def _block_plan(b: _Bucket, pos, s: int, slot: int, pt, scratch_page) -> dict:
     out = dict(req_index=b.req, req_index_i32=b.req_i32, page_table_i32=pt.astype(np.int32),
                window_ids=window_ids, window_ids_i32=window_ids.astype(np.int32),
                stage_ids=b.stage, ring_dst=pos_c + slot * C, ring_split=split)
-    pos1, row = pos + 1, pt[0]
-    for rb in b.ratios:
+    row, a = pt[0], b.across
+    n_vis_all = (pos + 1) // a.m_col                                     # [ratios, q]
+    n_vis32_all = n_vis_all.astype(np.int32)
+    persist_all = pos % a.R_col
+    persist_all += slot * a.R_col
+    for r, rb in enumerate(b.ratios):
         m, R, N, E = rb.m, rb.R, rb.N, rb.E
         j0 = s // m
         done = (s + q) // m - j0                               # entries completing: k < done
@@ -344,11 +349,9 @@ def _block_plan(b: _Bucket, pos, s: int, slot: int, pt, scratch_page) -> dict:
         ring = rb.block_rel + j0 * m
         ring %= R
         ring += slot * R
-        n_vis = pos1 // m
-        persist = pos % R
-        persist += slot * R
+        n_vis, persist = n_vis_all[r], persist_all[r]
         nv, nv32, ev, ed, ep, fr, rr, fs, bz, pd, av, av32 = rb.names
-        out[nv], out[nv32], out[ev] = n_vis, n_vis.astype(np.int32), rb.done_mask[done]
+        out[nv], out[nv32], out[ev] = n_vis, n_vis32_all[r], rb.done_mask[done]
         out[ed] = np.array([int(row[min((j0 + k) // N, b.P - 1)]) * N + (j0 + k) % N
                             if k < done else scratch_page * N for k in range(E)])
         out[ep] = np.array([(j0 + k) * m if k < done else 0 for k in range(E)])
@@ -362,11 +365,16 @@ def _block_plan(b: _Bucket, pos, s: int, slot: int, pt, scratch_page) -> dict:
 def _block_entries(rb: _RatioBucket, q: int, r: int, j0_low: int):
     """(from_ring, fresh_rows, before_zero) of `_block_plan`'s ratio entries for a start s with
     s % m == r and min(s // m, c - 1) == j0_low: the pooled positions are p = s - r + block_rel,
-    so p - s depends on r only, and p < 0 (possible only while s // m < c - 1) on both."""
-    def make():
+    so p - s depends on r only, and p < 0 (possible only while s // m < c - 1) on both. Built
+    once per (r, j0_low) of the bucket (at most c*m of them)."""
+    got = rb.block_entries.get((r, j0_low))
+    if got is None:
         rel = rb.block_rel - r                                 # p - s, [E, c*m]
-        return rel < 0, np.clip(rel, 0, q - 1), rel + (j0_low * rb.m + r) < 0
-    return _static(("block entries", rb.m, q, rb.E, rb.c, rb.offs.shape[0], r, j0_low), make)
+        got = rel < 0, np.clip(rel, 0, q - 1), rel + (j0_low * rb.m + r) < 0
+        for x in got:
+            x.setflags(write=False)
+        rb.block_entries[(r, j0_low)] = got
+    return got
 
 
 def _batch_plan(b: _Bucket, pos, st, s_t, sl, valid_r, pt, scratch_page) -> dict:
