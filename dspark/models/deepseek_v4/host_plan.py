@@ -423,7 +423,7 @@ def _batch_plan(b: _Bucket, pos, st, s_t, sl, valid_r, pt, scratch_page) -> dict
     slot_r = sl_e * a.R
     n_vis = (pos + 1) // a.m_col                                          # [ratios, T]
     if not all_valid:
-        n_vis[:, ~valid_r[req]] = 0
+        n_vis *= valid_r[req]                                 # (a bool mask: 0 for padding)
     n_vis32 = n_vis.astype(np.int32)
     persist = pos % a.R_col
     persist += slot_t * a.R_col
