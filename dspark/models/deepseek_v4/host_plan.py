@@ -6,7 +6,11 @@ integer ops; inside a CUDA graph each one is a kernel launch per step (~2-3 us e
 every value is a function of integers the engine knows on the host before the step (positions,
 request starts, slots, page tables). `host_plan` is its numpy twin (same formulas, same order,
 same dtypes: tests/test_v4_host_plan.py compares every field on random schedules); the graph then
-only takes views of the uploaded buffer.
+only takes views of the uploaded buffer. The plan is on the step's host critical path (a DSpark
+round's host work shows 1:1 in its time), so steps take one of two fast paths with the same
+fields, values and dtypes in fewer numpy ops: `_block_plan` (one request's q-token block:
+batch-1 decode and verify) and `_batch_plan` (several requests); `fast=False` keeps the general
+formulas, the fast paths' reference in the tests.
 
 Layout: per bucket (B, q, P) a fixed list of fields (`plan_fields`), each a run of int64 words of
 the buffer, viewed as int64, int32 (two per word) or bool (eight per word), so int32 and bool
@@ -281,10 +285,12 @@ class _AcrossRatios:
     the ratios and ring sizes as [ratios, 1] columns."""
 
     def __init__(self, ratios):
-        cat = lambda f: np.concatenate([f(rb) for rb in ratios]).astype(np.int64)  # noqa: E731
-        self.i, self.k = cat(lambda rb: rb.i), cat(lambda rb: rb.e_mod)
-        self.m, self.N, self.R = (cat(lambda rb, f=f: np.full(rb.E, f(rb))) for f in (
-            lambda rb: rb.m, lambda rb: rb.N, lambda rb: rb.R))
+        def per_entry(of):
+            return np.concatenate([np.broadcast_to(of(rb), (rb.E,)) for rb in ratios]).astype(
+                np.int64)
+        self.i, self.k = per_entry(lambda rb: rb.i), per_entry(lambda rb: rb.e_mod)
+        self.m, self.N = per_entry(lambda rb: rb.m), per_entry(lambda rb: rb.N)
+        self.R = per_entry(lambda rb: rb.R)
         ends = np.cumsum([0] + [rb.E for rb in ratios])
         self.slices = [slice(int(x), int(y)) for x, y in zip(ends[:-1], ends[1:])]
         self.m_col = np.array([[rb.m] for rb in ratios], np.int64)
@@ -319,10 +325,12 @@ def _visible(rb: _RatioBucket, key, ids_of, n_vis):
 
 
 def _block_plan(b: _Bucket, pos, s: int, slot: int, pt, scratch_page) -> dict:
-    """host_plan of one request feeding q tokens at positions s..s+q-1 (batch bucket 1): Python
-    integers where the general formulas build one-element arrays, and per ratio the
-    pooling-row fields looked up by the start's residue (every numpy op on a tiny array costs
-    ~1 us: this plan costs about half the general one's host time)."""
+    """host_plan of one real request feeding q tokens from start s (batch bucket 1; its rows
+    are s..s+q-1 in every engine step, though nothing here needs that): Python integers where
+    the general formulas build one-element arrays, per ratio the pooling-row fields looked up
+    by the start's residue, the per-token ratio fields of all ratios in one op each (every
+    numpy op on a tiny array costs ~1 us: this plan costs about a third of the general one's
+    host time at q = 6)."""
     C, q = b.C, b.q
     qw = pos[:, None] + b.win_offs                             # [q, W] window positions
     window_ids = qw % C
