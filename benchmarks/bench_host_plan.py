@@ -1,6 +1,7 @@
 """Host cost of one fixed-shape V4 step's plan per call: `host_plan` by its general formulas
-(fast=False), by its fast paths, and the fast paths with `pack` into the host buffer's views, for the buckets of batch-1 decode (1, 1) and DSpark verify rounds (B, 6),
-on the shipped pair's cache geometry (window 128, ratios 4 / 128, 256-token pages) over the tiny
+(fast=False), by its fast paths, and the fast paths with `pack` into the host buffer's views,
+for the buckets of batch-1 decode (1, 1) and DSpark verify rounds (B, 6), on the shipped pair's
+cache geometry (window 128, ratios 4 / 128, 256-token pages) over the tiny
 preset's layers (the plan depends on the cache geometry only).
 
     python benchmarks/bench_host_plan.py --buckets 1x1,1x6,4x6,16x6 --repeats 40
@@ -27,8 +28,9 @@ from dspark.tools.make_checkpoint import preset_config
 def shipped_geometry_cache(max_num_seqs: int, lookahead: int = 5):
     cfg = preset_config("tiny", overrides={"compress_ratios": (0, 4, 128, 4, 128, 0),
                                            "sliding_window": 128})
-    cache = PagedKVCache(cfg, kv_cache_dtype="fp32", block_size=256, num_blocks=4 * max_num_seqs + 2,
-                         max_num_seqs=max_num_seqs + 1, lookahead=lookahead,
+    cache = PagedKVCache(cfg, kv_cache_dtype="fp32", block_size=256,
+                         num_blocks=4 * max_num_seqs + 2, max_num_seqs=max_num_seqs + 1,
+                         lookahead=lookahead,
                          max_batch_tokens=max_num_seqs * (lookahead + 1))
     return cache, *reserve_scratch(cache)
 
@@ -72,7 +74,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     buckets = [tuple(int(x) for x in b.split("x")) for b in a.buckets.split(",")]
     cache, scratch_slot, scratch_page = shipped_geometry_cache(max(B for B, _ in buckets))
-    print(f"{'B':>3} {'q':>2} {'P':>2}  {'general us':>22}  {'fast us':>22}  {'fast + pack us':>22}")
+    heads = ("general us", "fast us", "fast + pack us")
+    print(f"{'B':>3} {'q':>2} {'P':>2}  " + "  ".join(f"{h:>22}" for h in heads))
     for B, q in buckets:
         P, R = a.pages, min(a.requests or B, B)
         fields = step_inputs(cache, scratch_slot, scratch_page, B, q, P, R, a.start)

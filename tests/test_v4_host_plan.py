@@ -181,5 +181,6 @@ def test_fast_paths_equal_general_formulas(name):
         rng.shuffle(pos)
         args = (cache, B, q, P, pos, *fields[1:], scratch_page)
         assert_plans_equal(hp.host_plan(*args), hp.host_plan(*args, fast=False), (n, "shuffled"))
-    assert {b for b, _, _ in seen} == set(range(1, 9)) and {q for _, q, _ in seen} == set(range(1, 9))
+    assert {b for b, _, _ in seen} == set(range(1, 9))
+    assert {q for _, q, _ in seen} == set(range(1, 9))
     assert any(full for _, _, full in seen) and not all(full for _, _, full in seen)
