@@ -23,8 +23,9 @@ SCHEDULES = {"tiny 4/16": ((0, 4, 16, 4, 16, 0), 16),
              "4/128": ((0, 4, 128, 4, 128, 0), 128)}
 
 
-def make_cache(ratios, block_size):
-    cfg = preset_config("tiny", overrides={"compress_ratios": ratios})
+def make_cache(ratios, block_size, window=None):
+    over = {"compress_ratios": ratios} | ({"sliding_window": window} if window else {})
+    cfg = preset_config("tiny", overrides=over)
     cache = PagedKVCache(cfg, kv_cache_dtype="fp32", block_size=block_size, num_blocks=24,
                          max_num_seqs=9, lookahead=LOOKAHEAD, max_batch_tokens=64)
     return cache, *reserve_scratch(cache)
@@ -118,9 +119,10 @@ def test_layout_fits_the_largest_bucket():
 def boundary_step(rng, cache, scratch_slot, scratch_page, B, q, P):
     """Inputs of bucket (B, q, P) whose real requests start at 0, just before or on a page, a
     ratio-4 or a largest-ratio entry boundary (so the block crosses it), past the window and the
-    rings (mid-ring), or anywhere; some buckets padded (req_valid 0 rows)."""
+    rings (mid-ring), or anywhere; some buckets padded (req_valid 0 rows), some all padding (as
+    a graph capture's step)."""
     bs, m_max = cache.block_size, max(cache.ratios)
-    R = rng.randint(1, B) if rng.random() < 0.4 else B
+    R = rng.choice([0, rng.randint(1, B), rng.randint(1, B)]) if rng.random() < 0.4 else B
     pos, st = np.zeros(B * q, np.int64), np.zeros(B, np.int64)
     sl, va = np.full(B, scratch_slot, np.int64), np.zeros(B, np.int64)
     pt = np.full((B, P), scratch_page, np.int64)
@@ -149,14 +151,19 @@ def assert_plans_equal(fast, general, where):
         assert np.array_equal(got, want), (where, k, got, want)
 
 
-@pytest.mark.parametrize("name", list(SCHEDULES))
+# the shipped pair's geometry too: window 128, 256-token pages
+FAST_SCHEDULES = {**SCHEDULES, "shipped 4/128 w128": ((0, 4, 128, 4, 128, 0), 256, 128)}
+
+
+@pytest.mark.parametrize("name", list(FAST_SCHEDULES))
 def test_fast_paths_equal_general_formulas(name):
     """host_plan's fast paths (one request's q-token block, the batched formulas) against its
     general formulas (fast=False): every field, dtype and shape, on buckets B 1..8, q 1..8,
     blocks crossing page, ratio-4 and largest-ratio entry boundaries, starting at 0 and mid-ring,
-    padded or not, with the same request stepping on (cached visible lists reused) and its
-    page table changing under it (not reused); and with rows out of position order."""
-    cache, scratch_slot, scratch_page = make_cache(*SCHEDULES[name])
+    padded, all padding (a graph capture's step) or not, with the same requests stepping on
+    (cached visible lists reused) and a page table changing under them (not reused); and with
+    rows out of position order."""
+    cache, scratch_slot, scratch_page = make_cache(*FAST_SCHEDULES[name])
     rng = random.Random(name)
     seen = set()
     for n in range(400):
@@ -175,12 +182,13 @@ def test_fast_paths_equal_general_formulas(name):
                 pos[:va.sum() * q] += adv
                 st[va != 0] += adv
             fields = pos, st, sl, va, pt
-        seen.add((B, q, bool(va.all())))
+        seen.add((B, q, bool(va.all()), bool(va.any())))
         # rows out of order (no engine step has them): the fast paths must see it too
         pos = fields[0].copy()
         rng.shuffle(pos)
         args = (cache, B, q, P, pos, *fields[1:], scratch_page)
         assert_plans_equal(hp.host_plan(*args), hp.host_plan(*args, fast=False), (n, "shuffled"))
-    assert {b for b, _, _ in seen} == set(range(1, 9))
-    assert {q for _, q, _ in seen} == set(range(1, 9))
-    assert any(full for _, _, full in seen) and not all(full for _, _, full in seen)
+    assert {b for b, _, _, _ in seen} == set(range(1, 9))
+    assert {q for _, q, _, _ in seen} == set(range(1, 9))
+    assert {(full, some) for _, _, full, some in seen} == {(True, True), (False, True),
+                                                           (False, False)}
