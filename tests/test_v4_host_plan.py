@@ -23,8 +23,9 @@ SCHEDULES = {"tiny 4/16": ((0, 4, 16, 4, 16, 0), 16),
              "4/128": ((0, 4, 128, 4, 128, 0), 128)}
 
 
-def make_cache(ratios, block_size):
-    cfg = preset_config("tiny", overrides={"compress_ratios": ratios})
+def make_cache(ratios, block_size, window=None):
+    over = {"compress_ratios": ratios} | ({"sliding_window": window} if window else {})
+    cfg = preset_config("tiny", overrides=over)
     cache = PagedKVCache(cfg, kv_cache_dtype="fp32", block_size=block_size, num_blocks=24,
                          max_num_seqs=9, lookahead=LOOKAHEAD, max_batch_tokens=64)
     return cache, *reserve_scratch(cache)
@@ -115,21 +116,79 @@ def test_layout_fits_the_largest_bucket():
                 assert firsts[0] == 100 and lay.end <= top
 
 
-@pytest.mark.parametrize("name", list(SCHEDULES))
-def test_decode_fast_path_equals_general_formulas(name):
-    """One request decoding one token (the batch-1 decode step) takes `_decode_plan`: every
-    field, dtype and shape equal to the general path's, at every position of P pages (entry
-    boundaries, window and ring wraps included)."""
-    ratios, bs = SCHEDULES[name]
-    cache, scratch_slot, scratch_page = make_cache(ratios, bs)
-    P = 2
-    pt = np.array([[5, 11]], np.int64)
-    sl, va = np.array([3], np.int64), np.array([1], np.int64)
-    for n in range(P * bs):
-        args = (cache, 1, 1, P, np.array([n]), np.array([n]), sl, va, pt, scratch_page)
-        fast, general = hp.host_plan(*args), hp.host_plan(*args, fast=False)
-        assert fast.keys() == general.keys()
-        for k, want in general.items():
-            got = fast[k]
-            assert got.dtype == want.dtype and got.shape == want.shape, (n, k)
-            assert np.array_equal(got, want), (n, k, got, want)
+def boundary_step(rng, cache, scratch_slot, scratch_page, B, q, P):
+    """Inputs of bucket (B, q, P) whose real requests start at 0, just before or on a page, a
+    ratio-4 or a largest-ratio entry boundary (so the block crosses it), past the window and the
+    rings (mid-ring), or anywhere; some buckets padded (req_valid 0 rows), some all padding (as
+    a graph capture's step)."""
+    bs, m_max = cache.block_size, max(cache.ratios)
+    R = rng.choice([0, rng.randint(1, B), rng.randint(1, B)]) if rng.random() < 0.4 else B
+    pos, st = np.zeros(B * q, np.int64), np.zeros(B, np.int64)
+    sl, va = np.full(B, scratch_slot, np.int64), np.zeros(B, np.int64)
+    pt = np.full((B, P), scratch_page, np.int64)
+    slots = rng.sample([s for s in range(cache.num_slots) if s != scratch_slot], R)
+    pages = [p for p in range(cache.num_blocks) if p != scratch_page]
+    top = P * bs - q
+    for i in range(R):
+        unit = rng.choice([bs, 4, m_max, cache.capacity])
+        near = rng.randint(0, top // unit) * unit + rng.randint(-q, 1)
+        start = min(top, max(0, rng.choice([0, near, near, rng.randint(0, top)])))
+        pos[i * q:(i + 1) * q] = np.arange(start, start + q)
+        st[i], sl[i], va[i] = start, slots[i], 1
+        need = -(-(start + q) // bs)
+        pt[i, :need] = rng.sample(pages, need)
+    pos[R * q:] = np.tile(np.arange(q), B - R)
+    return pos, st, sl, va, pt
+
+
+def assert_plans_equal(fast, general, where):
+    assert fast.keys() == general.keys(), (where, fast.keys() ^ general.keys())
+    for k, want in general.items():
+        got = fast[k]
+        assert isinstance(got, np.ndarray), (where, k, type(got))
+        assert got.dtype == want.dtype and got.shape == want.shape, (
+            where, k, got.dtype, want.dtype, got.shape, want.shape)
+        assert np.array_equal(got, want), (where, k, got, want)
+
+
+# the shipped pair's geometry too: window 128, 256-token pages
+FAST_SCHEDULES = {**SCHEDULES, "shipped 4/128 w128": ((0, 4, 128, 4, 128, 0), 256, 128)}
+
+
+@pytest.mark.parametrize("name", list(FAST_SCHEDULES))
+def test_fast_paths_equal_general_formulas(name):
+    """host_plan's fast paths (one request's q-token block, the batched formulas) against its
+    general formulas (fast=False): every field, dtype and shape, on buckets B 1..8, q 1..8,
+    blocks crossing page, ratio-4 and largest-ratio entry boundaries, starting at 0 and mid-ring,
+    padded, all padding (a graph capture's step) or not, with the same requests stepping on
+    (cached visible lists reused) and a page table changing under them (not reused); and with
+    rows out of position order."""
+    cache, scratch_slot, scratch_page = make_cache(*FAST_SCHEDULES[name])
+    rng = random.Random(name)
+    seen = set()
+    for n in range(400):
+        B = 1 if n % 2 else rng.randint(1, 8)
+        q, P = rng.randint(1, 8), rng.choice([1, 2, 4, 8])
+        fields = boundary_step(rng, cache, scratch_slot, scratch_page, B, q, P)
+        for step in range(2):                 # the next block of the same requests
+            args = (cache, B, q, P, *fields, scratch_page)
+            assert_plans_equal(hp.host_plan(*args), hp.host_plan(*args, fast=False),
+                               (n, step, B, q, P, fields))
+            pos, st, sl, va, pt = (a.copy() for a in fields)
+            adv = rng.randint(1, q)
+            if (st + adv + q > P * cache.block_size).any() or rng.random() < 0.2:
+                pt[0, 0] = scratch_page if pt[0, 0] != scratch_page else pt[0, -1]
+            else:
+                pos[:va.sum() * q] += adv
+                st[va != 0] += adv
+            fields = pos, st, sl, va, pt
+        seen.add((B, q, bool(va.all()), bool(va.any())))
+        # rows out of order (no engine step has them): the fast paths must see it too
+        pos = fields[0].copy()
+        rng.shuffle(pos)
+        args = (cache, B, q, P, pos, *fields[1:], scratch_page)
+        assert_plans_equal(hp.host_plan(*args), hp.host_plan(*args, fast=False), (n, "shuffled"))
+    assert {b for b, _, _, _ in seen} == set(range(1, 9))
+    assert {q for _, q, _, _ in seen} == set(range(1, 9))
+    assert {(full, some) for _, _, full, some in seen} == {(True, True), (False, True),
+                                                           (False, False)}

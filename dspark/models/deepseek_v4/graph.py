@@ -346,7 +346,7 @@ class V4DecodeGraphs:
     def _plan(self, B, q, P, fields) -> dict:
         """host_plan for these inputs: the one computed ahead during the previous step when its
         inputs are identical (the usual decode step: every request one position further, same
-        pages), else computed now (~0.2-0.4 ms of numpy on the step's critical path)."""
+        pages), else computed now (tens of microseconds of numpy on the step's critical path)."""
         ahead, self._next_plan = self._next_plan, None
         if ahead is not None and ahead[0] == _plan_key(B, q, P, fields):
             self.plans_ahead_used += 1

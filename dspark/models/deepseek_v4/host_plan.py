@@ -6,7 +6,11 @@ integer ops; inside a CUDA graph each one is a kernel launch per step (~2-3 us e
 every value is a function of integers the engine knows on the host before the step (positions,
 request starts, slots, page tables). `host_plan` is its numpy twin (same formulas, same order,
 same dtypes: tests/test_v4_host_plan.py compares every field on random schedules); the graph then
-only takes views of the uploaded buffer.
+only takes views of the uploaded buffer. The plan is on the step's host critical path (a DSpark
+round's host work shows 1:1 in its time), so steps take one of two fast paths with the same
+fields, values and dtypes in fewer numpy ops: `_block_plan` (one request's q-token block:
+batch-1 decode and verify) and `_batch_plan` (several requests); `fast=False` keeps the general
+formulas, the fast paths' reference in the tests.
 
 Layout: per bucket (B, q, P) a fixed list of fields (`plan_fields`), each a run of int64 words of
 the buffer, viewed as int64, int32 (two per word) or bool (eight per word), so int32 and bool
@@ -121,17 +125,31 @@ def _static(key, make):
 
 def host_plan(cache, B: int, q: int, P: int, pos, req_start, req_slot, req_valid, page_table,
               scratch_page: int, fast: bool = True) -> dict:
-    """Numpy twin of static_forward.derive_plan: {field: array} for int64 host inputs pos [B*q], req_start
-    / req_slot / req_valid [B], page_table [B, P] (also the int64 window_ids and
+    """Numpy twin of static_forward.derive_plan: {field: array} for int64 host inputs pos [B*q],
+    req_start / req_slot / req_valid [B], page_table [B, P] (also the int64 window_ids and
     all_visible_ids, for tests). Same formulas in the same order; numpy's // and % floor like
-    torch's. fast: one request decoding one token takes `_decode_plan` (same result; False:
-    the general formulas, for tests)."""
-    T = B * q
+    torch's. Arrays of the result may be shared with later plans: read them, do not write.
+    fast: one real request (batch-1 decode, DSpark verify at concurrency 1) takes `_block_plan`,
+    other steps whose request rows are positions start..start+q-1 (as V4DecodeGraphs fills
+    them, padding included) `_batch_plan`; both give the general formulas' fields, values and
+    dtypes with fewer numpy ops (False: the general formulas, for tests)."""
     pos, pt = np.asarray(pos, np.int64), np.asarray(page_table, np.int64)
     st, sl = np.asarray(req_start, np.int64), np.asarray(req_slot, np.int64)
-    if fast and B == 1 and q == 1 and req_valid[0] and st[0] == pos[0]:
-        return _decode_plan(cache, P, int(pos[0]), int(sl[0]), pt, scratch_page)
-    C = cache.capacity
+    if not fast:
+        return _general_plan(cache, B, q, P, pos, st, sl, req_valid, pt, scratch_page)
+    b = _bucket(cache, B, q, P)
+    if B == 1 and req_valid[0]:
+        return _block_plan(b, pos, int(st[0]), int(sl[0]), pt, scratch_page)
+    s_t = st[b.req]
+    if (pos - s_t - b.tok_in_req).any():      # not start..start+q-1 (V4DecodeGraphs never)
+        return _general_plan(cache, B, q, P, pos, st, sl, req_valid, pt, scratch_page)
+    return _batch_plan(b, pos, st, s_t, sl, np.asarray(req_valid) != 0, pt, scratch_page)
+
+
+# ---- the general formulas (the reference of the fast paths) -----------------------------------
+
+def _general_plan(cache, B, q, P, pos, st, sl, req_valid, pt, scratch_page) -> dict:
+    T, C = B * q, cache.capacity
     req, req_i32, stage_win, offs, stage, stage_page, stage_row = _window_static(cache, B, q)
     valid_r = np.asarray(req_valid) != 0
     valid_t, s_t, slot_t = valid_r[req], st[req], sl[req]
@@ -139,15 +157,15 @@ def host_plan(cache, B: int, q: int, P: int, pos, req_start, req_slot, req_valid
     win = np.where(qw >= s_t[:, None], stage_win, slot_t[:, None] * C + qw % C)
     window_ids = np.where((qw >= 0) & valid_t[:, None], win, -1)
     ring_dst = slot_t * C + pos % C
-    split = np.empty((4, T), np.int64)       # (rows assigned: np.stack costs ~5 us here)
+    split = np.empty((4, T), np.int64)
     split[0], split[1], split[2], split[3] = stage_page, stage_row, ring_dst // C, ring_dst % C
     out = dict(req_index=req, req_index_i32=req_i32,
                page_table_i32=pt.astype(np.int32), window_ids=window_ids,
                window_ids_i32=window_ids.astype(np.int32), stage_ids=stage, ring_dst=ring_dst,
                ring_split=split)
     for m in _ratios(cache):
-        out.update(_ratio_plan(cache, m, B, q, P, pos, st, sl, valid_r, valid_t, slot_t, req, pt,
-                               scratch_page))
+        out.update(_general_ratio_plan(cache, m, B, q, P, pos, st, sl, valid_r, valid_t, slot_t,
+                                       req, pt, scratch_page))
     return out
 
 
@@ -182,8 +200,8 @@ def _ratio_static(cache, m, B, q, P):
     return _static(("ratio", m, B, q, P, E, cm, N), make)
 
 
-def _ratio_plan(cache, m, B, q, P, pos, st, sl, valid_r, valid_t, slot_t, req, pt,
-                scratch_page) -> dict:
+def _general_ratio_plan(cache, m, B, q, P, pos, st, sl, valid_r, valid_t, slot_t, req, pt,
+                        scratch_page) -> dict:
     """The ratio-m fields (RatioStatic's): candidate entries e (request e // K, entry
     j = start // m + e % K), their pooling rows, the ring rows this forward persists."""
     T, R = B * q, cache.comp_ring(m)
@@ -213,58 +231,225 @@ def _ratio_plan(cache, m, B, q, P, pos, st, sl, valid_r, valid_t, slot_t, req, p
     return out
 
 
-def _decode_plan(cache, P: int, n: int, slot: int, pt, scratch_page) -> dict:
-    """host_plan of one request decoding one token at position n (its start; batch bucket 1):
-    the same fields, values and dtypes (tests/test_v4_host_plan.py compares the two), computed
-    with Python integers where the general formulas work on one-element arrays (a batch-1 decode
-    step's plan costs about half the host time then: every numpy op on a tiny array is ~1 us)."""
-    C = cache.capacity
-    req, req_i32, stage_win, offs, stage, stage_page, stage_row = _window_static(cache, 1, 1)
-    qw = offs + n                                              # [W] window positions
-    win = np.where(qw >= n, stage_win[0], qw % C + slot * C)
-    window_ids = np.where(qw >= 0, win, -1)[None]
-    ring = slot * C + n % C
-    split = np.array([[stage_page[0]], [stage_row[0]], [ring // C], [ring % C]])
-    out = dict(req_index=req, req_index_i32=req_i32, page_table_i32=pt.astype(np.int32),
+# ---- the fast paths ----------------------------------------------------------------------------
+
+class _RatioBucket:
+    """Ratio m's numbers, field names and position-independent arrays in bucket (B, q, P)."""
+
+    def __init__(self, cache, m, B, q, P):
+        E, cm, N = _shapes(cache, m, B, q, P)
+        self.m, self.R, self.N, self.E, self.c = m, cache.comp_ring(m), N, E, cm // m
+        (self.i, self.e_mod, self.offs, self.fresh_base, self.local, self.local_page,
+         self.local_row) = _ratio_static(cache, m, B, q, P)
+        self.names = tuple(f"{m}.{k}" for k in (
+            "n_visible", "n_visible_i32", "emit_valid", "emit_dst", "emit_pos", "from_ring",
+            "ring_rows", "fresh_rows", "before_zero", "persist_dst", "all_visible_ids",
+            "all_visible_ids_i32"))
+        self.hca = m != 4              # (the indexer of ratio 4 scores pages, not a list)
+        # one request: its entries' pooled positions less j0*m, [E, c*m]; which of them
+        # complete, by how many do ([K + 1, K])
+        self.block_rel = (np.arange(E) * m)[:, None] + self.offs
+        self.done_mask = np.arange(E)[None, :] < np.arange(E + 1)[:, None]
+        self.last_visible = None       # (inputs, all_visible_ids, its int32 twin) of the last step
+        self.block_entries = {}        # (start % m, min(start // m, c - 1)) -> _block_entries'
+        for a in (self.block_rel, self.done_mask):
+            a.setflags(write=False)
+
+
+class _Bucket:
+    """Everything of bucket (B, q, P) on one cache geometry that no position changes."""
+
+    def __init__(self, cache, B, q, P):
+        self.B, self.q, self.P, self.T = B, q, P, B * q
+        self.C, self.W = cache.capacity, cache.window
+        (self.req, self.req_i32, self.stage_win, self.win_offs, self.stage, self.stage_page,
+         self.stage_row) = _window_static(cache, B, q)
+        self.ratios = [_RatioBucket(cache, m, B, q, P) for m in _ratios(cache)]
+        # request rows at positions s..s+q-1: window column w of token k reads position
+        # s - (W-1) + k + w, the (k+w)-th of the request's run of W + q - 1 positions, so the
+        # window ids are a gather from one [B, W + q - 1] table (positions before s: ring rows,
+        # from s on: staged rows, stage_base + i*q + (position - s))
+        W, L = self.W, self.W + q - 1
+        self.tok_in_req = np.arange(self.T) % q
+        self.run_before = np.arange(W - 1) - (W - 1)           # ring part's positions less s
+        self.run_staged = cache.stage_base + np.arange(self.T).reshape(B, q)
+        self.run_index = ((self.req * L + self.tok_in_req)[:, None] + np.arange(W))
+        for a in (self.tok_in_req, self.run_before, self.run_staged, self.run_index):
+            a.setflags(write=False)
+        self.across = _AcrossRatios(self.ratios)
+
+
+class _AcrossRatios:
+    """The candidate entries of every ratio concatenated: per entry its request i, index k
+    within the request, ratio m, entries per page N, ring rows R; each ratio's slice of them;
+    the ratios and ring sizes as [ratios, 1] columns."""
+
+    def __init__(self, ratios):
+        def per_entry(of):
+            return np.concatenate([np.broadcast_to(of(rb), (rb.E,)) for rb in ratios]).astype(
+                np.int64)
+        self.i, self.k = per_entry(lambda rb: rb.i), per_entry(lambda rb: rb.e_mod)
+        self.m, self.N = per_entry(lambda rb: rb.m), per_entry(lambda rb: rb.N)
+        self.R = per_entry(lambda rb: rb.R)
+        ends = np.cumsum([0] + [rb.E for rb in ratios])
+        self.slices = [slice(int(x), int(y)) for x, y in zip(ends[:-1], ends[1:])]
+        self.m_col = np.array([[rb.m] for rb in ratios], np.int64)
+        self.R_col = np.array([[rb.R] for rb in ratios], np.int64)
+        for a in (self.i, self.k, self.m, self.N, self.R, self.m_col, self.R_col):
+            a.setflags(write=False)
+
+
+_BUCKETS: dict = {}       # (bucket, every number of the cache geometry) -> _Bucket
+
+
+def _bucket(cache, B, q, P) -> _Bucket:
+    key = (B, q, P, cache.window, cache.capacity, cache.stage_base, cache.block_size,
+           cache.lookahead, cache.ratios)
+    got = _BUCKETS.get(key)
+    if got is None:
+        got = _BUCKETS[key] = _Bucket(cache, B, q, P)
+    return got
+
+
+def _visible(rb: _RatioBucket, key, ids_of, n_vis):
+    """all_visible_ids and its int32 twin, the last step's when its inputs `key` are these (the
+    visible entries change once per m positions), read-only as the _static arrays."""
+    last = rb.last_visible
+    if last is None or last[0] != key:
+        vis = np.where(rb.local < n_vis[:, None], ids_of(), -1)
+        vis32 = vis.astype(np.int32)
+        vis.setflags(write=False)
+        vis32.setflags(write=False)
+        last = rb.last_visible = (key, vis, vis32)
+    return last[1], last[2]
+
+
+def _block_plan(b: _Bucket, pos, s: int, slot: int, pt, scratch_page) -> dict:
+    """host_plan of one real request feeding q tokens from start s (batch bucket 1; its rows
+    are s..s+q-1 in every engine step, though nothing here needs that): Python integers where
+    the general formulas build one-element arrays, per ratio the pooling-row fields looked up
+    by the start's residue, the per-token ratio fields of all ratios in one op each (every
+    numpy op on a tiny array costs ~1 us: this plan costs about a third of the general one's
+    host time at q = 6)."""
+    C, q = b.C, b.q
+    qw = pos[:, None] + b.win_offs                             # [q, W] window positions
+    window_ids = qw % C
+    window_ids += slot * C
+    np.copyto(window_ids, b.stage_win, where=qw >= s)          # this forward's staged rows
+    if pos.min() < b.W - 1:                                    # the window reaches before 0
+        window_ids[qw < 0] = -1
+    pos_c = pos % C
+    split = np.empty((4, q), np.int64)     # ring_dst // C is the slot, ring_dst % C pos % C
+    split[0], split[1], split[2], split[3] = b.stage_page, b.stage_row, slot, pos_c
+    out = dict(req_index=b.req, req_index_i32=b.req_i32, page_table_i32=pt.astype(np.int32),
                window_ids=window_ids, window_ids_i32=window_ids.astype(np.int32),
-               stage_ids=stage, ring_dst=np.array([ring]), ring_split=split)
-    for m in _ratios(cache):
-        out.update(_decode_ratio_plan(cache, m, P, n, slot, pt, scratch_page))
+               stage_ids=b.stage, ring_dst=pos_c + slot * C, ring_split=split)
+    row, a = pt[0], b.across
+    n_vis_all = (pos + 1) // a.m_col                                     # [ratios, q]
+    n_vis32_all = n_vis_all.astype(np.int32)
+    persist_all = pos % a.R_col
+    persist_all += slot * a.R_col
+    for r, rb in enumerate(b.ratios):
+        m, R, N, E = rb.m, rb.R, rb.N, rb.E
+        j0 = s // m
+        done = (s + q) // m - j0                               # entries completing: k < done
+        from_ring, fresh, before_zero = _block_entries(rb, q, s % m, min(j0, rb.c - 1))
+        ring = rb.block_rel + j0 * m
+        ring %= R
+        ring += slot * R
+        n_vis, persist = n_vis_all[r], persist_all[r]
+        nv, nv32, ev, ed, ep, fr, rr, fs, bz, pd, av, av32 = rb.names
+        out[nv], out[nv32], out[ev] = n_vis, n_vis32_all[r], rb.done_mask[done]
+        out[ed] = np.array([int(row[min((j0 + k) // N, b.P - 1)]) * N + (j0 + k) % N
+                            if k < done else scratch_page * N for k in range(E)])
+        out[ep] = np.array([(j0 + k) * m if k < done else 0 for k in range(E)])
+        out[fr], out[rr], out[fs], out[bz], out[pd] = from_ring, ring, fresh, before_zero, persist
+        if rb.hca:
+            out[av], out[av32] = _visible(rb, (n_vis.tobytes(), row.tobytes()),
+                                          lambda: row[rb.local_page] * N + rb.local_row, n_vis)
     return out
 
 
-def _decode_ratio_plan(cache, m, P, n, slot, pt, scratch_page) -> dict:
-    """_ratio_plan for _decode_plan's step (B = q = 1: one candidate entry j = n // m)."""
-    R, N = cache.comp_ring(m), cache.entries_per_page(m)
-    _, _, offs, _, local, local_page, local_row = _ratio_static(cache, m, 1, 1, P)
-    # fresh rows: clip(base + p - n, 0, T - 1) with T = 1: always row 0
-    fresh = _static(("decode fresh", offs.shape[0]),
-                    lambda: (np.zeros((1, offs.shape[0]), np.int64),))[0]
-    j = n // m
-    ok = j < (n + 1) // m                                      # the entry completes here
-    dst = int(pt[0, min(j // N, P - 1)]) * N + j % N if ok else scratch_page * N
-    p = offs + j * m                                           # [c*m] pooled positions
-    n_vis = (n + 1) // m
-    f = f"{m}."
-    out = {f + "n_visible": np.array([n_vis]), f + "n_visible_i32": np.array([n_vis], np.int32),
-           f + "emit_valid": np.array([ok]), f + "emit_dst": np.array([dst]),
-           f + "emit_pos": np.array([j * m if ok else 0]), f + "from_ring": (p < n)[None],
-           f + "ring_rows": (p % R + slot * R)[None], f + "fresh_rows": fresh,
-           f + "before_zero": (p < 0)[None], f + "persist_dst": np.array([slot * R + n % R])}
-    if m != 4:
-        # the visible entries change once per m steps: the last answer per ratio is kept
-        # (read-only, as the _static arrays)
-        key = (m, P, N, n_vis, pt[0].tobytes())
-        last = _LAST_VISIBLE.get(m)
-        if last is None or last[0] != key:
-            ids = pt[0, local_page] * N + local_row
-            vis = np.where(local < n_vis, ids, -1)[None]
-            vis32 = vis.astype(np.int32)
-            vis.setflags(write=False)
-            vis32.setflags(write=False)
-            last = _LAST_VISIBLE[m] = (key, vis, vis32)
-        out[f + "all_visible_ids"], out[f + "all_visible_ids_i32"] = last[1], last[2]
+def _block_entries(rb: _RatioBucket, q: int, r: int, j0_low: int):
+    """(from_ring, fresh_rows, before_zero) of `_block_plan`'s ratio entries for a start s with
+    s % m == r and min(s // m, c - 1) == j0_low: the pooled positions are p = s - r + block_rel,
+    so p - s depends on r only, and p < 0 (possible only while s // m < c - 1) on both. Built
+    once per (r, j0_low) of the bucket (at most c*m of them)."""
+    got = rb.block_entries.get((r, j0_low))
+    if got is None:
+        rel = rb.block_rel - r                                 # p - s, [E, c*m]
+        got = rel < 0, np.clip(rel, 0, q - 1), rel + (j0_low * rb.m + r) < 0
+        for x in got:
+            x.setflags(write=False)
+        rb.block_entries[(r, j0_low)] = got
+    return got
+
+
+def _batch_plan(b: _Bucket, pos, st, s_t, sl, valid_r, pt, scratch_page) -> dict:
+    """The general formulas with fewer numpy ops, for request rows at positions s..s+q-1 (s_t:
+    each row's start): the window ids gathered from one [B, W + q - 1] table, results written
+    in place, the padding masks skipped when every request is real (and the window starts
+    past 0), ring_split's slot and row columns taken from their parts, the visible lists of the
+    last inputs kept per ratio."""
+    C, q, T, req, W = b.C, b.q, b.T, b.req, b.W
+    all_valid = bool(valid_r.all())
+    slot_t = sl[req]
+    run = np.empty((b.B, W + q - 1), np.int64)               # (see _Bucket.run_index)
+    before = st[:, None] + b.run_before                       # positions before the start
+    ring_part = run[:, :W - 1]
+    np.remainder(before, C, out=ring_part)
+    ring_part += (sl * C)[:, None]
+    if st.min() < W - 1:
+        np.copyto(ring_part, -1, where=before < 0)
+    run[:, W - 1:] = b.run_staged
+    if not all_valid:
+        run[~valid_r] = -1
+    window_ids = run.ravel().take(b.run_index)
+    pos_c = pos % C
+    split = np.empty((4, T), np.int64)
+    split[0], split[1], split[2], split[3] = b.stage_page, b.stage_row, slot_t, pos_c
+    out = dict(req_index=req, req_index_i32=b.req_i32, page_table_i32=pt.astype(np.int32),
+               window_ids=window_ids, window_ids_i32=window_ids.astype(np.int32),
+               stage_ids=b.stage, ring_dst=pos_c + slot_t * C, ring_split=split)
+    # the candidate entries of every ratio side by side ([E_all]: one op each for all ratios),
+    # the per-token fields as [ratios, T]; each ratio's fields are views of them
+    a = b.across
+    st_e, sl_e = st[a.i], sl[a.i]
+    j = st_e // a.m
+    j += a.k
+    ok = j < (st_e + q) // a.m
+    if not all_valid:
+        ok &= valid_r[a.i]
+    page_of, row_of = np.divmod(j, a.N)
+    np.minimum(page_of, b.P - 1, out=page_of)
+    dst = pt[a.i, page_of]
+    dst *= a.N
+    dst += row_of
+    dst = np.where(ok, dst, a.N * scratch_page)
+    jm = j * a.m
+    emit_pos = np.where(ok, jm, 0)
+    slot_r = sl_e * a.R
+    n_vis = (pos + 1) // a.m_col                                          # [ratios, T]
+    if not all_valid:
+        n_vis *= valid_r[req]                                 # (a bool mask: 0 for padding)
+    n_vis32 = n_vis.astype(np.int32)
+    persist = pos % a.R_col
+    persist += slot_t * a.R_col
+    for r, (rb, e) in enumerate(zip(b.ratios, a.slices)):
+        s_i = st_e[e, None]
+        p = jm[e, None] + rb.offs                                         # [E, c*m]
+        fresh = p - s_i
+        fresh += rb.fresh_base
+        np.minimum(np.maximum(fresh, 0, out=fresh), T - 1, out=fresh)
+        ring = p % rb.R
+        ring += slot_r[e, None]
+        nv, nv32, ev, ed, ep, fr, rr, fs, bz, pd, av, av32 = rb.names
+        out[nv], out[nv32], out[ev], out[ed], out[ep] = (n_vis[r], n_vis32[r], ok[e], dst[e],
+                                                         emit_pos[e])
+        out[fr], out[rr], out[fs], out[bz], out[pd] = p < s_i, ring, fresh, p < 0, persist[r]
+        if rb.hca:
+            N = rb.N
+            out[av], out[av32] = _visible(
+                rb, (n_vis[r].tobytes(), pt.tobytes()),
+                lambda: pt[req[:, None], rb.local_page] * N + rb.local_row, n_vis[r])
     return out
-
-
-_LAST_VISIBLE: dict = {}      # ratio -> (inputs, all_visible_ids, its int32 twin)
