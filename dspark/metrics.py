@@ -22,6 +22,14 @@ def _add_lists(x, y):
     return [(x[i] if i < len(x) else 0) + (y[i] if i < len(y) else 0) for i in range(n)]
 
 
+def _count(hist: list, lo: int, hi: int) -> None:
+    """hist[k] += 1 for lo <= k < hi, the list grown with zeros as needed."""
+    if len(hist) < hi:
+        hist.extend([0] * (hi - len(hist)))
+    for k in range(lo, hi):
+        hist[k] += 1
+
+
 @dataclass
 class SpecMetrics:
     rounds: int = 0
@@ -52,10 +60,11 @@ class SpecMetrics:
         self.verified += verified
         self.accepted += accepted
         self.emitted += emitted
-        self.tau_hist = _add_lists(self.tau_hist, [0] * emitted + [1])
-        self.pos_verified = _add_lists(self.pos_verified, [1] * verified)
-        self.pos_reached = _add_lists(self.pos_reached, [1] * min(accepted + 1, verified))
-        self.pos_accepted = _add_lists(self.pos_accepted, [1] * accepted)
+        # counted in place: this runs per request and round (rebuilding the lists cost ~15 us)
+        _count(self.tau_hist, emitted, emitted + 1)
+        _count(self.pos_verified, 0, verified)
+        _count(self.pos_reached, 0, min(accepted + 1, verified))
+        _count(self.pos_accepted, 0, accepted)
 
     def record_timing(self, ttft: float | None = None, decode_time: float = 0.0,
                       decode_tokens: int = 0) -> None:
