@@ -504,7 +504,7 @@ class Engine:
             accepted, nxt = [row[0] for row in table], [row[1] for row in table]
         emitted, finish = emit_and_stop_host(
             host_drafts, accepted, nxt,
-            [set(r.params.all_stop_ids(self.eos_token_ids)) for r in reqs],
+            [r.stop_ids for r in reqs],          # user stop ids + EOS, fixed at admission
             [len(r.output_ids) for r in reqs],
             [self._token_limit(r) for r in reqs])
 
