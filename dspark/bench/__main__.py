@@ -124,16 +124,20 @@ def plot(rows, path):
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     for pol in policies:
         sel = [r for r in rows if r["policy"] == pol]
-        ax[0].plot([r["concurrency"] for r in sel], [r["dspark"]["tok_s"] for r in sel], "o-",
-                   label=f"DSpark ({pol})")
+        for t in dict.fromkeys(r.get("temperature") for r in sel):
+            at = [r for r in sel if r.get("temperature") == t]
+            ax[0].plot([r["concurrency"] for r in at], [r["dspark"]["tok_s"] for r in at], "o-",
+                       label=f"DSpark ({pol}, T={t})")
     sel = [r for r in rows if r["policy"] == policies[0]]
-    ax[0].plot([r["concurrency"] for r in sel], [r["off"]["tok_s"] for r in sel], "s--",
-               label="speculation off")
+    for t in dict.fromkeys(r.get("temperature") for r in sel):
+        at = [r for r in sel if r.get("temperature") == t]
+        ax[0].plot([r["concurrency"] for r in at], [r["off"]["tok_s"] for r in at], "s--",
+                   label=f"speculation off (T={t})")
     ax[0].set_xscale("log", base=2), ax[0].set_xlabel("concurrency"), ax[0].set_ylabel("output tok/s")
     ax[0].legend(), ax[0].set_title("throughput")
     for r in rows:
         ax[1].plot(range(1, len(r["dspark"]["cond_accept"]) + 1), r["dspark"]["cond_accept"], "o-",
-                   label=f"c={r['concurrency']} {r['policy']}")
+                   label=f"c={r['concurrency']} {r['policy']} T={r.get('temperature')}")
     ax[1].set_xlabel("draft position k"), ax[1].set_ylabel("P(accept k | accepted < k)")
     ax[1].set_ylim(0, 1), ax[1].legend(), ax[1].set_title("conditional acceptance")
     fig.tight_layout()
@@ -158,7 +162,9 @@ def main(argv=None):
     p.add_argument("--num-prompts", type=int, default=None,
                    help="default 32 (8 with --profile)")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=1.0, help="1.0 = paper protocol; 0 = greedy")
+    p.add_argument("--temperature", default="1.0",
+                   help="1.0 = paper protocol; 0 = greedy; a comma list (e.g. 1,0) runs each "
+                        "with the same engines (one build and capture), a table per temperature")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true",
@@ -201,6 +207,13 @@ def main(argv=None):
     p.add_argument("--results-dir", default=None,
                    help="--profile: where the benchmark JSONs are (default benchmarks/results)")
     a = p.parse_args(argv)
+    try:
+        temps = [float(x) for x in str(a.temperature).split(",") if x.strip()]
+    except ValueError:
+        sys.exit(f"--temperature {a.temperature!r}: give a number or a comma list of numbers")
+    if not temps:
+        sys.exit("--temperature: give at least one temperature")
+    a.temperature = temps[0]          # --profile runs the first
     if a.num_prompts is None:
         a.num_prompts = 8 if a.profile else 32
     if a.profile:
@@ -214,8 +227,8 @@ def main(argv=None):
     model = a.model or default_model_path()
     dataset = a.dataset or os.path.join(model, "heldout_prompts.jsonl")
     prompts = load_prompts(dataset, a.num_prompts)
-    sp = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                        max_tokens=a.max_tokens, ignore_eos=a.ignore_eos)
+    sps_by_t = [SamplingParams(temperature=t, top_p=a.top_p, top_k=a.top_k,
+                               max_tokens=a.max_tokens, ignore_eos=a.ignore_eos) for t in temps]
     conc = [int(c) for c in a.concurrency.split(",")]
     policies = list(dict.fromkeys(x.strip() for x in (a.policies or a.verify_policy).split(",")
                                   if x.strip()))
@@ -236,7 +249,7 @@ def main(argv=None):
         prompts = token_prompts(prompts, spec.cfg.vocab_size)
     print(f"model {model}  device {spec.device}  dtype {str(spec.dtype).replace('torch.', '')}  "
           f"weights {kw['weight_format']}  γ={spec.cfg.dspark_block_size}  policies "
-          f"{','.join(policies)}  temperature {a.temperature}  {len(prompts)} prompts × "
+          f"{','.join(policies)}  temperature {','.join(map(str, temps))}  {len(prompts)} prompts × "
           f"{a.max_tokens} tokens" + ("  deterministic" if a.deterministic else ""),
           file=sys.stderr)
     split = a.split if a.split is not None else a.model is not None
@@ -252,23 +265,28 @@ def main(argv=None):
             print(f"warm-up {name}: graphs held {info['graphs']}, {info['seconds']:.1f} s",
                   file=sys.stderr)
     rows, split_rows = [], []
-    for c in conc:
-        # untimed warm-up of EVERY engine at this concurrency: kernel compiles and CUDA-graph
-        # captures should happen here, not inside a timed run (the counts say if they did not)
-        for eng, name in [(off, "off")] + [(e, pol) for pol, e in specs.items()]:
-            warm_up(eng, prompts, sp, c, name)
-        o = run_once(off, prompts, sp, c, f"off c={c}")
-        for pol, eng in specs.items():
-            s = run_once(eng, prompts, sp, c, f"dspark {pol} c={c}")
-            rows.append({"concurrency": c, "policy": pol, "dspark": s, "off": o,
-                         "speedup": s["tok_s"] / o["tok_s"]})
-        if split:
-            off_split = split_rounds(off, prompts, sp, c, run_once)
+    for sp in sps_by_t:
+        for c in conc:
+            # untimed warm-up of EVERY engine at this concurrency: kernel compiles and CUDA-graph
+            # captures should happen here, not inside a timed run (the counts say if they did not)
+            for eng, name in [(off, "off")] + [(e, pol) for pol, e in specs.items()]:
+                warm_up(eng, prompts, sp, c, name)
+            o = run_once(off, prompts, sp, c, f"off c={c} T={sp.temperature}")
             for pol, eng in specs.items():
-                split_rows.append({"concurrency": c, "policy": pol, "off_split": off_split,
-                                   "split": split_rounds(eng, prompts, sp, c, run_once),
-                                   "tau": rows[-len(specs) + policies.index(pol)]["dspark"]["tau"]})
-    print_table(rows)
+                s = run_once(eng, prompts, sp, c, f"dspark {pol} c={c} T={sp.temperature}")
+                rows.append({"temperature": sp.temperature, "concurrency": c, "policy": pol,
+                             "dspark": s, "off": o, "speedup": s["tok_s"] / o["tok_s"]})
+            if split:
+                off_split = split_rounds(off, prompts, sp, c, run_once)
+                for pol, eng in specs.items():
+                    split_rows.append({"temperature": sp.temperature, "concurrency": c,
+                                       "policy": pol, "off_split": off_split,
+                                       "split": split_rounds(eng, prompts, sp, c, run_once),
+                                       "tau": rows[-len(specs) + policies.index(pol)]["dspark"]["tau"]})
+    for t in temps:
+        if len(temps) > 1:
+            print(f"\ntemperature {t}")
+        print_table([r for r in rows if r["temperature"] == t])
     if split_rows:
         print_split(split_rows, spec.cfg.dspark_block_size, acc, src)
     print(f"sample: {rows[0]['dspark']['sample']!r}"[:300])
