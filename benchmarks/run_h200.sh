@@ -103,7 +103,8 @@ bench)   # DSpark vs speculation off on the shipped pair, per concurrency and po
     --json "$R/bench_dspark_vs_off_h200.json" --plot "$R/bench_dspark_vs_off_h200.png" \
     > "$R/bench_dspark_vs_off_h200.txt" 2>&1
   tr '\r' '\n' < "$R/bench_dspark_vs_off_h200.txt" | grep -v "it/s\]\|req/s\]\|s/req\]\|bucket\|tensor/s\|^ *$" \
-    | grep -v "^conditional\|^WARNING: c=.* off:" | tail -24 | cut -c1-200
+    | grep -v "^conditional\|^WARNING: c=.* off:\|^T=.* c=.*: DSpark" | tail -24 | cut -c1-200
+  grep -q "^ conc" "$R/bench_dspark_vs_off_h200.txt" || grep "^T=.* c=.*: DSpark" "$R/bench_dspark_vs_off_h200.txt"
   step "round profile + kernel trace T=1"
   timeout "$(left 60)" python -m dspark.bench --profile --trace --temperature 1.0 \
     --json "$R/profile_T1.json" > "$R/profile_T1.txt" 2>&1

@@ -276,6 +276,10 @@ def main(argv=None):
                 s = run_once(eng, prompts, sp, c, f"dspark {pol} c={c} T={sp.temperature}")
                 rows.append({"temperature": sp.temperature, "concurrency": c, "policy": pol,
                              "dspark": s, "off": o, "speedup": s["tok_s"] / o["tok_s"]})
+                # as it comes (a run cut short still leaves what finished)
+                print(f"T={sp.temperature} c={c} {pol}: DSpark {s['tok_s']:.1f} vs off "
+                      f"{o['tok_s']:.1f} tok/s ({rows[-1]['speedup']:.2f}x), tau {s['tau']:.2f}, "
+                      f"c/g/e {_once(s['compile_stats'])}", flush=True)
             if split:
                 off_split = split_rounds(off, prompts, sp, c, run_once)
                 for pol, eng in specs.items():
