@@ -80,12 +80,32 @@ def _qwen3(d: dict) -> str:
 
 
 def _tp(d: dict) -> str:
-    """bench_tp.py: decode tokens/s per world size and batch."""
+    """bench_tp.py: per run (single device or TP world N) and batch, the decode step and the
+    DSpark round (older files: decode tok/s only)."""
     parts = []
     for run in d["runs"]:
-        parts.append(f"world {run['world']}: " + ", ".join(
-            f"b{x['batch']} {x['decode_tok_s']:.1f}" for x in run["decode"]) + " tok/s")
-    return "tensor parallel: " + "; ".join(parts)
+        name = f"{run.get('kind', 'tp')} world {run['world']}"
+        if "batches" in run:
+            cells = []
+            for b, x in run["batches"].items():
+                cell = f"b{b} decode {x['decode']['step_ms']:.2f} ms"
+                if x.get("round"):
+                    cell += f", round {x['round']['round_ms']:.2f} ms"
+                cells.append(cell)
+            parts.append(f"{name}: " + "; ".join(cells))
+        else:
+            parts.append(f"{name}: " + ", ".join(
+                f"b{x['batch']} {x['decode_tok_s']:.1f}" for x in run["decode"]) + " tok/s")
+    return "tensor parallel: " + " | ".join(parts)
+
+
+def _timeline(d: dict) -> str:
+    """benchmarks/round_timeline.py: the batch-1 round plain vs synced per step, and the
+    device's busy time in the traced run."""
+    tr = d["traced"]
+    return (f"batch-1 round T={d['temperature']}: {d['plain']['round_ms']:.2f} ms "
+            f"({d['synced']['round_ms']:.2f} ms synced per step); traced: device busy "
+            f"{tr['device_busy_ms']:.2f} of {tr['round_ms']:.2f} ms per round")
 
 
 def _matches(d: dict) -> list:
@@ -101,6 +121,7 @@ def _matches(d: dict) -> list:
         (isinstance(d.get("rounds_batch1"), dict), _draft),
         (isinstance(d.get("batches"), dict) and "layers" in d, _qwen3),
         (isinstance(d.get("runs"), list) and "world" in (d["runs"][0] if d["runs"] else {}), _tp),
+        (all(isinstance(d.get(k), dict) for k in ("plain", "synced", "traced")), _timeline),
     ]
 
 
