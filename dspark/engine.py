@@ -6,8 +6,9 @@
 
 One `step()` is one DSpark round for every running request (architecture.md):
   policy picks ℓ per request -> one flattened target forward (verify blocks + prefill chunks)
-  -> lossless accept/reject (device part: dspark/spec/accept.py) -> one read back -> commit
-  tokens and draft context (`_commit`) -> draft the next blocks.
+  -> lossless accept/reject (device part: dspark/spec/accept.py) -> the next blocks drafted on
+  the device from that result (ModelRunner.draft_ahead) -> one read back -> commit tokens
+  (`_commit`) while the device drafts.
 Without a drafter, plain decode steps overlap (dspark/overlap.py): a step launches the next
 round from the device-side tokens of the one before, then commits that one.
 
@@ -323,10 +324,11 @@ class Engine:
 
     def _round(self) -> list:
         """1. ℓ per request (policy) and its pages; 2. one flattened target forward of the
-        verify blocks and prompt chunks; 3. accept / reject with one read back; 4. commit the
-        accepted tokens; 5. draft the next blocks, launched as soon as the committed tokens
-        are known, so the device drafts while the host finishes the round (outputs, text,
-        metrics, rolling every cache back past the accepted tokens)."""
+        verify blocks and prompt chunks; 3. accept / reject, on the device; 5. the next blocks
+        drafted from that device-side result, queued before 4. the one read back and the
+        commit of the accepted tokens, so the device drafts while the host finishes the round
+        (outputs, text, metrics, rolling every cache back past the accepted tokens). Where a
+        draft needs host-side history (Engine._drafts_ahead), 5. follows 4."""
         sch = self.scheduler
         width = self._verify_lengths(sch.running)                               # 1.
         plan = sch.schedule(prefill_width=width)
