@@ -21,7 +21,7 @@ from dspark.sampling import SamplingParams
 
 PHASES = ("_round", "_verify_lengths", "schedule", "_forward_items", "target_forward", "run",
           "_producers", "_accept", "decide", "_commit", "_draft_running", "draft", "flush_context",
-          "_output", "step")
+          "_output", "step", "draft_ahead")
 
 
 def main(argv=None):
