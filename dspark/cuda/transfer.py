@@ -50,13 +50,13 @@ class StagedUpload:
     (an event per destination; normally long done, a round ago)."""
 
     def __init__(self):
-        self._staged: dict = {}         # (address, numel, dtype) -> [pinned tensor, event]
+        self._staged: dict = {}         # (address, shape, dtype) -> [pinned tensor, event]
 
     def __call__(self, dst: torch.Tensor, rows, dtype) -> None:
         if dst.device.type != "cuda":
             dst.copy_(torch.tensor(rows, dtype=dtype))
             return
-        key = (dst.data_ptr(), dst.numel(), dtype)
+        key = (dst.data_ptr(), tuple(dst.shape), dtype)
         entry = self._staged.get(key)
         if entry is None:
             entry = self._staged[key] = [torch.empty(dst.shape, dtype=dtype, pin_memory=True),
