@@ -18,12 +18,12 @@ CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA")])
 
 
-def _run(path, prompts, params, ahead: bool, monkeypatch, device="cpu", **kw):
+def _run(path, prompts, params, ahead: bool, monkeypatch, device="cpu", max_num_seqs=3, **kw):
     calls = []
     with monkeypatch.context() as m:
         if not ahead:
             m.setattr(ModelRunner, "drafts_ahead", property(lambda self: False))
-        eng = Engine(path, device=device, max_num_seqs=3, **kw)
+        eng = Engine(path, device=device, max_num_seqs=max_num_seqs, **kw)
         orig = eng.runner.draft_ahead
         m.setattr(eng.runner, "draft_ahead", lambda *a, **k: calls.append(1) or orig(*a, **k))
         outs = eng.generate(prompts, params)
@@ -95,3 +95,24 @@ def test_draft_ahead_reads_nothing_back(monkeypatch):
                                                      for t in (0.0, 1.0)])
     assert len(calls) > 3
     assert guard.hits == [], f"{len(guard.hits)} device->host reads; first:\n{guard.hits[0]}"
+
+
+def test_draft_ahead_through_preemption(monkeypatch):
+    """Two requests crossing into their second 256-token page of a 2-page cache: one is
+    preempted and recomputed from its tokens (its next block drafted by the host path, the
+    other's ahead of the read back); both paths give the same tokens and acceptance."""
+    prompts = [[3, 5, 7] * 83 + [2], [6, 4] * 125 + [1, 2, 3]]         # 250, 253 tokens
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=12, ignore_eos=True)
+              for t, s in ((1.0, 1), (0.0, 2))]
+    kw = dict(num_kv_blocks=2)
+    want, _ = _run(None, prompts, params, False, monkeypatch, max_num_seqs=2, **kw)
+    calls = []
+    with monkeypatch.context() as m:
+        eng = Engine(device="cpu", max_num_seqs=2, **kw)
+        orig = eng.runner.draft_ahead
+        m.setattr(eng.runner, "draft_ahead", lambda *a, **k: calls.append(1) or orig(*a, **k))
+        outs = eng.generate(prompts, params)
+    got = [(o.token_ids, o.finish_reason, o.metrics.rounds, o.metrics.accepted,
+            list(o.metrics.pos_accepted)) for o in outs]
+    assert eng.scheduler.num_preemptions > 0, "the cache was sized to force preemption"
+    assert calls and got == want
