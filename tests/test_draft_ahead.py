@@ -74,22 +74,10 @@ def test_draft_ahead_reads_nothing_back(monkeypatch):
     to read that alone."""
     from test_host_sync import SyncGuard
     eng = Engine(device="cpu", max_num_seqs=2)
-    guard, orig = SyncGuard(), eng.runner.draft_ahead
-    tolist = torch.Tensor.tolist
-
-    def guarded_tolist(self):
-        guard.record("Tensor.tolist")
-        return tolist(self)
-
-    def armed(*a, **k):
-        guard.armed = True
-        try:
-            return orig(*a, **k)
-        finally:
-            guard.armed = False
-    calls = []
+    guard = SyncGuard()
+    armed, calls = guard.arm(eng.runner.draft_ahead), []
     monkeypatch.setattr(eng.runner, "draft_ahead", lambda *a, **k: calls.append(1) or armed(*a, **k))
-    monkeypatch.setattr(torch.Tensor, "tolist", guarded_tolist)
+    guard.watch_tolist(monkeypatch)
     with guard:
         eng.generate(["def fib(n):", "import os\n"], [SamplingParams(temperature=t, max_tokens=12)
                                                      for t in (0.0, 1.0)])

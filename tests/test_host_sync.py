@@ -31,6 +31,25 @@ class SyncGuard(TorchDispatchMode):
         if self.armed and not self.paused:
             self.hits.append(what + "\n" + "".join(traceback.format_stack(limit=10)[:-2]))
 
+    def arm(self, fn):
+        """fn, recording the reads made while it runs."""
+        def wrapped(*a, **k):
+            self.armed = True
+            try:
+                return fn(*a, **k)
+            finally:
+                self.armed = False
+        return wrapped
+
+    def watch_tolist(self, monkeypatch):
+        """Count Tensor.tolist() too (not a dispatched op)."""
+        tolist = torch.Tensor.tolist
+
+        def guarded_tolist(t):
+            self.record("Tensor.tolist")
+            return tolist(t)
+        monkeypatch.setattr(torch.Tensor, "tolist", guarded_tolist)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # (under inference_mode `.item()` / `int(t)` dispatch as aten.item, else as
         # aten._local_scalar_dense)
@@ -48,14 +67,7 @@ def _guarded(engine, monkeypatch):
     guard = SyncGuard()
     model, be = engine.model, engine.runner.backend
 
-    def arm(fn):
-        def wrapped(*a, **k):
-            guard.armed = True
-            try:
-                return fn(*a, **k)
-            finally:
-                guard.armed = False
-        return wrapped
+    arm = guard.arm
 
     def pause(fn):
         def wrapped(*a, **k):
@@ -71,12 +83,7 @@ def _guarded(engine, monkeypatch):
     for hook in ("store", "select", "sparse_mqa"):
         monkeypatch.setattr(be, hook, pause(getattr(be, hook)))
     monkeypatch.setattr(MoE, "gathered_devices", ("cuda", "cpu"))
-    tolist = torch.Tensor.tolist
-
-    def guarded_tolist(self):
-        guard.record("Tensor.tolist")
-        return tolist(self)
-    monkeypatch.setattr(torch.Tensor, "tolist", guarded_tolist)
+    guard.watch_tolist(monkeypatch)
     return guard
 
 
