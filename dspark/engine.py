@@ -484,7 +484,7 @@ class Engine:
         """Whether this round drafts its next blocks before the host reads its acceptance: the
         runner can (runner.drafts_ahead) and no request's draft depends on host-side history
         (penalties, logit_bias, min_tokens: their adjustment reads the committed tokens)."""
-        return (self.drafter is not None and getattr(self.runner, "drafts_ahead", False)
+        return (self.drafter is not None and self.runner.drafts_ahead
                 and not any(r.params.adjusts_logits for r in reqs))
 
     def _commit(self, reqs, dec, table, taps, first_rows, lengths, anchor_pos,

@@ -263,9 +263,7 @@ class ModelRunner:
         if pick:
             slots, positions, rows = [], [], []
             for i in pick:
-                st = reqs[i].draft_state
-                st.length = max(st.length, anchor_pos[i] + 1)   # at least the anchor's row
-                slots += [st.take_slot()] * (g + 1)
+                slots += [reqs[i].draft_state.take_slot()] * (g + 1)   # its length: _commit
                 positions += range(anchor_pos[i], anchor_pos[i] + g + 1)
                 last = reqs[i].feed_len if reqs[i].draft is not None else 0   # block's last row
                 rows += [first_rows[i] + min(k, last) for k in range(g + 1)]

@@ -116,7 +116,8 @@ def decide(reqs, logits, first_rows, lengths, anchor_pos, gamma: int,
             return Decision(logits.argmax(-1)[row_idx], drafts, verified, True, lens)
     if greedy:
         # greedy fast path: argmaxes only, no softmax over V, no random draws; the compare
-        # runs on the host after the one read back
+        # runs on the host after the one read back (and on the device, accepted_next, for a
+        # draft queued ahead of it)
         return Decision(_row_argmax(logits)[row_idx], drafts, verified, True, lens)  # [R, γ+1]
     use_top_k, use_top_p = filters_used([r.params for r in reqs])
     # q = None: every verified draft is a point mass at its token (greedy drafts, or
