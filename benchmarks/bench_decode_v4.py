@@ -61,11 +61,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from dspark.models.deepseek_v4.weights import (scale_name, stored_tensors,  # noqa: E402
                                                tensor_inventory)
+from dspark.bench.roofline import kv_bytes, target_bytes  # noqa: E402
 from dspark.tools import make_checkpoint as mc  # noqa: E402
 
 H200_COPY_TBPS = 4.3
-KV_RECORD_BYTES = 584          # fp8_ds_mla record (512-d kv)
-INDEXER_ROW_BYTES = 132        # fp8 indexer key row (128-d)
 TARGET_ROOFLINE_PCT = 60.0
 TARGET_HF_RATIO = 5.0
 PRESET_DEFAULTS = {   # contexts, new tokens, prompt length
@@ -152,59 +151,9 @@ def write_checkpoint(out: str, preset: str, layers: int | None, seed: int = 0,
 
 # ---- bytes a decode step reads ----------------------------------------------------------------------
 
-def weight_bytes_per_step(cfg, dtype: torch.dtype, tokens: int = 1) -> dict:
-    """Bytes of target weights one decode step of `tokens` tokens reads, by category."""
-    inv = tensor_inventory(cfg)
-    k, E, V = cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.vocab_size
-    frac = min(k * tokens, E) / E
-    elt = torch.empty((), dtype=dtype).element_size()
-    cats = dict(attention=0, routed_experts=0, shared_experts=0, router=0, mhc_norms=0, head=0,
-                embed=0)
-    for name, spec in inv.items():
-        if name.startswith("mtp."):
-            continue
-        if spec.kind == "bf16":       # loaded in the engine dtype
-            nb = math.prod(spec.shape) * elt
-        else:
-            nb = sum(st.nbytes for st in stored_tensors(name, spec))
-        if name == "embed.weight":
-            cats["embed"] += min(tokens, V) * nb / V
-        elif name == "head.weight":
-            cats["head"] += nb
-        elif ".ffn.experts." in name:
-            cats["routed_experts"] += nb * frac
-        elif ".ffn.shared_experts." in name:
-            cats["shared_experts"] += nb
-        elif name.endswith("gate.tid2eid"):
-            cats["router"] += min(tokens, V) * nb / V
-        elif ".ffn.gate." in name:
-            cats["router"] += nb
-        elif ".attn." in name:
-            cats["attention"] += nb
-        else:
-            cats["mhc_norms"] += nb
-    cats = {c: int(v) for c, v in cats.items()}
-    cats["total"] = sum(cats.values())
-    return cats
-
-
-def kv_bytes_per_step(cfg, context: int, kv_cache_dtype: str = "fp8") -> dict:
-    """Bytes of KV cache one decode step at position `context` reads (see the module doc)."""
-    rec = {"fp8": KV_RECORD_BYTES, "bf16": 1024, "fp32": 2048}[kv_cache_dtype]
-    irow = {"fp8": INDEXER_ROW_BYTES, "bf16": 256, "fp32": 512}[kv_cache_dtype]
-    p = context
-    out = dict(window=0, compressed=0, indexer=0)
-    for i in range(cfg.num_hidden_layers):
-        m = cfg.layer_ratio(i)
-        out["window"] += min(p + 1, cfg.sliding_window) * rec
-        if m == 4:
-            n = (p + 1) // 4
-            out["indexer"] += n * irow
-            out["compressed"] += min(n, cfg.index_topk) * rec
-        elif m > 0:
-            out["compressed"] += (p + 1) // m * rec
-    out["total"] = sum(out.values())
-    return out
+# the formulas live in dspark/bench/roofline.py (the DSpark round's roofline uses them too)
+weight_bytes_per_step = target_bytes
+kv_bytes_per_step = kv_bytes
 
 
 def hf_model_bytes(cfg, dtype: torch.dtype) -> int:

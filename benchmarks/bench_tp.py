@@ -51,7 +51,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))  # repo root
 sys.path.insert(0, _HERE)
 
-from bench_decode_v4 import _leading_agreement as _leading, prepare_checkpoint  # noqa: E402
+from bench_decode_v4 import (_leading_agreement as _leading, copy_bandwidth,  # noqa: E402
+                             prepare_checkpoint)
 
 from dspark.models.deepseek_v4.weights import stored_tensors, tensor_inventory  # noqa: E402
 from dspark.tools import make_checkpoint as mc  # noqa: E402
@@ -264,10 +265,16 @@ def run_row(path, cfg, kind, world, device, dtype, args, prompts) -> dict:
                 row["memory"] = [{k: v for k, v in s.items() if k in (
                     "rank", "weights", "cuda_allocated", "cuda_max_allocated", "fixed_steps")}
                     for s in runner.worker_stats()]
+            roof = roofline(cfg, dtype, b, args, dec, rnd) if world == 1 else None
+            row["roofline"] = roof
             res["batches"][b] = row
             print(f"{kind} {world} B={b}: decode {dec['step_ms']:.2f} ms ({dec['tok_s']:.0f} tok/s)"
                   f", round {rnd['round_ms']:.2f} ms (verify {rnd['verify_ms']:.2f}, draft "
-                  f"{rnd['draft_ms']:.2f})", flush=True)
+                  f"{rnd['draft_ms']:.2f})" + (
+                      f"; bytes roofline: decode {roof['decode_ms']:.3f} ms "
+                      f"({roof['decode_pct']:.0f}%), round {roof['round_ms']:.3f} ms "
+                      f"({roof['round_pct']:.0f}%)" if roof and "decode_pct" in roof else ""),
+                  flush=True)
         finally:
             close()
             del runner, cache
@@ -275,6 +282,25 @@ def run_row(path, cfg, kind, world, device, dtype, args, prompts) -> dict:
             if torch.device(device).type == "cuda":
                 torch.cuda.empty_cache()
     return res
+
+
+def roofline(cfg, dtype, batch: int, args, dec: dict, rnd: dict) -> dict:
+    """Bytes of the decode step and of the round (dspark/bench/roofline.py: the verify of
+    B (γ + 1) tokens and the draft pass, routed experts at their expectation under uniform
+    routing) over the copy bandwidth measured in this run: the roofline ms and the measured
+    step's share of it (one device; a TP rank reads its shard)."""
+    from dspark.bench.roofline import decode_bytes, round_bytes
+    ctx = args.prompt_len + args.warmup + args.steps // 2          # mid-run position
+    out = {"decode_bytes": decode_bytes(cfg, dtype, batch, ctx, args.kv_cache_dtype),
+           "round_bytes": round_bytes(cfg, dtype, batch, ctx, args.kv_cache_dtype)}
+    bw = getattr(args, "copy_bandwidth", None)
+    if bw:
+        out["copy_tbps"] = bw["tbps"]
+        out["decode_ms"] = out["decode_bytes"] / (bw["tbps"] * 1e9)
+        out["round_ms"] = out["round_bytes"]["total"] / (bw["tbps"] * 1e9)
+        out["decode_pct"] = 100 * out["decode_ms"] / dec["step_ms"]
+        out["round_pct"] = 100 * out["round_ms"] / rnd["round_ms"]
+    return out
 
 
 # ---- driver -------------------------------------------------------------------------------------
@@ -333,7 +359,8 @@ def main(argv=None):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.batches = [int(b) for b in args.batch.split(",") if b]
     worlds = [int(w) for w in args.world.split(",") if w]
-    result = {"args": {k: v for k, v in vars(args).items() if k != "cfg"}, "runs": [],
+    result = {"args": {k: v for k, v in vars(args).items() if k not in ("cfg", "copy_bandwidth")},
+              "runs": [],
               "skipped": []}
     t_all = time.perf_counter()
 
@@ -361,6 +388,8 @@ def main(argv=None):
         for w in result["skipped"]:
             print(f"world {w}: skipped ({avail} GPU(s) visible)")
         worlds = [w for w in worlds if w <= avail]
+        args.copy_bandwidth = copy_bandwidth(device)
+        print(f"copy bandwidth {args.copy_bandwidth['tbps']:.2f} TB/s", flush=True)
     else:
         result["device"] = {"name": "cpu", "torch": torch.__version__}
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

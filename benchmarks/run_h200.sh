@@ -120,6 +120,14 @@ flash)   # V4-Flash width, 4 layers + the DSpark stages, random weights (tau ~ 1
     --json "$R/bench_flash4_round_split_h200.json" --plot "$R/bench_flash4_round_split_h200.png" \
     > "$R/bench_flash4_round_split_h200.txt" 2>&1
   grep -v "it/s\]\|req/s\]\|s/req\]\|bucket" "$R/bench_flash4_round_split_h200.txt" | tail -22 | cut -c1-200 ;;
+flashprof) # V4-Flash width, 4 layers, batch 1: the round split and its kernels per phase (the
+         # checkpoint bench_tp writes, or FLASH_DIR)
+  D=${FLASH_DIR:-/tmp/dspark_bench/flash-4L-fp8-fp4-dspark}
+  step "flash round profile + kernel trace T=0 ($D)"
+  timeout "$(left ${FLASHPROF_S:-150})" python -m dspark.bench --model "$D" --profile --trace \
+    --dataset dspark/assets/default/heldout_prompts.jsonl --num-prompts 4 --max-tokens 64 \
+    --temperature 0 --json "$R/profile_flash4_T0.json" > "$R/profile_flash4_T0.txt" 2>&1
+  grep -v "^  [a-z_]*: \|^benchmark results\|\.json:" "$R/profile_flash4_T0.txt" | head -30 | cut -c1-250 ;;
 trace)   # which kernels each phase of a round runs (kernels / device-busy ms per round)
   step "round profile + kernel trace T=1"
   timeout "$(left 90)" python -m dspark.bench --profile --trace \

@@ -28,7 +28,7 @@ from .cuda.graph_capture import capture, warm_up
 from .cuda.transfer import StagedUpload, to_device
 from .logit_adjust import LogitAdjust
 from .spec.gumbel import gumbel_token
-from .sampling import (Purpose, filters_used, fused_filters_enabled,
+from .sampling import (Purpose, argmax_rows, filters_used, fused_filters_enabled,
                        fused_sampling_enabled, probs_from_logits,
                        sample_from_probs, uniforms)
 
@@ -386,7 +386,7 @@ class DraftPass:
             elif greedy:
                 # what probs_from_logits + sample_from_probs give at temperature 0: the point
                 # mass on the argmax (first index on ties), so that token, without the [R, V] work
-                prev = x.argmax(dim=1)
+                prev = argmax_rows(x)       # x.argmax(1): two short launches, not ~27 us
             elif fused:
                 t = temperature
                 if top_k is not None or top_p is not None:

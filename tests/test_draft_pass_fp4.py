@@ -250,6 +250,9 @@ def test_gpu_fp4_draft_graphs_replay_equals_eager_and_capture_in_warmup(tiny_qua
         runner.commit_context(ds, _taps(eng, P, seed=i).to("cuda", eng.dtype), 0)
         reqs.append(SimpleNamespace(anchor=(7 * i + 3) % eng.cfg.vocab_size, num_committed=P,
                                     draft_state=ds, seed=11 + i, params=PARAMS[i % 2]))
+    # the queued context rows (bf16 taps of lengths traffic never had) are written now: a
+    # context-write graph of their row bucket may be captured here, before the draft passes
+    runner.flush_context()
     captures = draft_stats()["graph_captures"]
     for R in (1, 4, 8):            # full buckets: the graph runs the eager kernels on its shapes
         graph_blocks = runner.draft(reqs[:R])
