@@ -243,8 +243,8 @@ def comm_per_step(runner, cfg, world, key) -> dict | None:
     return {"collectives": len(shapes), "comm_ms": 1e3 * runner.collective_time(shapes)}
 
 
-def run_row(path, cfg, kind, world, device, dtype, args, prompts) -> dict:
-    res = {"kind": kind, "world": world, "batches": {}}
+def run_row(path, cfg, kind, world, device, dtype, args, prompts, res: dict, save) -> dict:
+    """Fill `res` batch by batch, calling `save()` after each (a run cut short keeps them)."""
     for b in args.batches:
         t0 = time.perf_counter()
         if kind == "single":
@@ -268,6 +268,7 @@ def run_row(path, cfg, kind, world, device, dtype, args, prompts) -> dict:
             roof = roofline(cfg, dtype, b, args, dec, rnd) if world == 1 else None
             row["roofline"] = roof
             res["batches"][b] = row
+            save()
             print(f"{kind} {world} B={b}: decode {dec['step_ms']:.2f} ms ({dec['tok_s']:.0f} tok/s)"
                   f", round {rnd['round_ms']:.2f} ms (verify {rnd['verify_ms']:.2f}, draft "
                   f"{rnd['draft_ms']:.2f})" + (
@@ -408,13 +409,14 @@ def main(argv=None):
                for _ in range(max(args.batches))]
     rows = ([] if args.no_single else [("single", 1)]) + [("tp", w) for w in worlds]
     for kind, w in rows:
+        r = {"kind": kind, "world": w, "batches": {}}
+        result["runs"].append(r)
         try:
-            r = run_row(path, cfg, kind, w, device, dtype, args, prompts)
+            run_row(path, cfg, kind, w, device, dtype, args, prompts, r, save)
         except Exception as exc:          # keep the other rows
             msg = f"{type(exc).__name__}: {str(exc)[:2000]}"
             print(f"{kind} {w} failed: {msg}", flush=True)
-            r = {"kind": kind, "world": w, "error": msg}
-        result["runs"].append(r)
+            r["error"] = msg
         save()
 
     ok = [r for r in result["runs"] if "error" not in r]

@@ -32,6 +32,7 @@ from .sampling import (Purpose, argmax_rows, filters_used, fused_filters_enabled
                        fused_sampling_enabled, probs_from_logits,
                        sample_from_probs, uniforms)
 
+TWO_PASS_ARGMAX_MIN_V = 16384         # greedy Markov steps over wider rows use argmax_rows
 PAD_INTS = (0, 0, 0, 0, 0)            # slot, anchor, start, seed, top_k: slot 0 = EMPTY_SLOT
 PAD_FLOATS = (1.0, 1.0)               # temperature 1, top_p 1 = off
 MAX_GRAPH_CONTEXT_ROWS = 1024         # larger context writes (prefill of many requests) run eagerly
@@ -386,7 +387,9 @@ class DraftPass:
             elif greedy:
                 # what probs_from_logits + sample_from_probs give at temperature 0: the point
                 # mass on the argmax (first index on ties), so that token, without the [R, V] work
-                prev = argmax_rows(x)       # x.argmax(1): two short launches, not ~27 us
+                # a large vocabulary: argmax_rows' two short launches, not torch's ~27 us
+                # one-pass argmax (V = 129280); a small one keeps the single launch
+                prev = argmax_rows(x) if x.shape[1] >= TWO_PASS_ARGMAX_MIN_V else x.argmax(dim=1)
             elif fused:
                 t = temperature
                 if top_k is not None or top_p is not None:
