@@ -11,9 +11,16 @@
 #              on CUDA, and their time box
 #   GPU_S=300  the time box of the GPU-marked tests; GPU_K="expr": their pytest -k
 #   KERNEL_ARGS="--skip-moe ..."  extra arguments of the kernels step
+# Triton's compile cache comes back as $OUT/triton-cache.tgz (when under 16 MiB): copy it to
+# .triton-cache.tgz in the repo root (git-ignored) and name it in the next call's carry; that
+# call unpacks it first and skips the cold compiles (~100 s of a fresh machine's bench
+# warm-up); kernels whose source changed compile again.
 set -uo pipefail
 OUT=${OUT:-out}; R="$OUT/r"; mkdir -p "$R"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 DSPARK_INSTAFAIL=1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache}; mkdir -p "$TRITON_CACHE_DIR"
+[ -f .triton-cache.tgz ] && tar xzf .triton-cache.tgz -C "$TRITON_CACHE_DIR"
+echo "Triton cache $TRITON_CACHE_DIR: $(find "$TRITON_CACHE_DIR" -type f | wc -l) files at the start"
 BUDGET=${BUDGET:-570}; T0=$SECONDS
 STEPS=${STEPS:-"tests decode kernels bench trace draft qwen3 sweep mhc tp"}   # also: pdl (PDL off / on), flash
 left() { local l=$((BUDGET - SECONDS + T0)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 1 ] && l=1; echo $l; }
@@ -201,3 +208,8 @@ tp)      # the TP runner against the single-device runner (world 1 on one GPU; 1
 esac; done
 step "done"
 tar czf "$OUT/results.tgz" -C "$OUT" r && rm -rf "$R"
+tar czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null
+if [ "$(stat -c %s "$OUT/triton-cache.tgz")" -gt $((16 << 20)) ]; then
+  echo "Triton cache: $(du -sh "$OUT/triton-cache.tgz" | cut -f1) packed, over the 16 MiB a file may bring back"
+  rm -f "$OUT/triton-cache.tgz"
+fi
