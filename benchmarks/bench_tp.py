@@ -244,21 +244,24 @@ def comm_per_step(runner, cfg, world, key) -> dict | None:
 
 
 def run_row(path, cfg, kind, world, device, dtype, args, prompts, res: dict, save) -> dict:
-    """Fill `res` batch by batch, calling `save()` after each (a run cut short keeps them)."""
-    for b in args.batches:
-        t0 = time.perf_counter()
-        if kind == "single":
-            runner, cache, close = single_runner(path, device, dtype, args, b)
-        else:
-            runner, cache, close = tp_runner(path, cfg, world, device, dtype, args, b)
-        load_s = time.perf_counter() - t0
-        try:
-            if hasattr(runner, "capture_graphs") and torch.device(device).type == "cuda":
-                runner.capture_graphs(range(1, cfg.dspark_block_size + 2),
-                                      args.prompt_len + _cache_args(cfg, args, b)["total"])
+    """Fill `res` batch by batch, calling `save()` after each (a run cut short keeps them). One
+    runner serves every batch size (loaded once, sized for the largest: a V4-Flash-width load
+    takes about a minute)."""
+    top = max(args.batches)
+    t0 = time.perf_counter()
+    if kind == "single":
+        runner, cache, close = single_runner(path, device, dtype, args, top)
+    else:
+        runner, cache, close = tp_runner(path, cfg, world, device, dtype, args, top)
+    res["load_s"] = time.perf_counter() - t0
+    try:
+        if hasattr(runner, "capture_graphs") and torch.device(device).type == "cuda":
+            runner.capture_graphs(range(1, cfg.dspark_block_size + 2),
+                                  args.prompt_len + _cache_args(cfg, args, top)["total"])
+        for b in args.batches:
             dec, toks, dkey = measure_decode(runner, cache, prompts[:b], args, device)
             rnd, rkey = measure_rounds(runner, cache, prompts[:b], args, device)
-            row = {"load_s": load_s, "decode": dec, "round": rnd, "tokens": toks,
+            row = {"decode": dec, "round": rnd, "tokens": toks,
                    "decode_comm": comm_per_step(runner, cfg, world, dkey) if kind == "tp" else None,
                    "verify_comm": comm_per_step(runner, cfg, world, rkey) if kind == "tp" else None}
             if kind == "tp":
@@ -276,12 +279,12 @@ def run_row(path, cfg, kind, world, device, dtype, args, prompts, res: dict, sav
                       f"({roof['decode_pct']:.0f}%), round {roof['round_ms']:.3f} ms "
                       f"({roof['round_pct']:.0f}%)" if roof and "decode_pct" in roof else ""),
                   flush=True)
-        finally:
-            close()
-            del runner, cache
-            gc.collect()
-            if torch.device(device).type == "cuda":
-                torch.cuda.empty_cache()
+    finally:
+        close()
+        del runner, cache
+        gc.collect()
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
     return res
 
 
