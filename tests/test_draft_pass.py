@@ -351,3 +351,42 @@ def test_gpu_generation_same_with_and_without_graphs():
     assert [t for t, _ in outs[True][n:]] == [t for t, _ in outs[False][n:]] or abs(
         sum(a for _, a in outs[True][n:]) - sum(a for _, a in outs[False][n:])) <= 0.15 * max(
         1, sum(a for _, a in outs[False][n:]))
+
+
+def test_fused_norm_rope_backend_drafts_the_reference_blocks(tiny_ckpt, monkeypatch):
+    """The draft pass with the fused norm / RoPE kernel at every stage call site (the stages'
+    DraftRope included; the Triton interpreter on CPU) drafts the torch composition's blocks:
+    the same tokens, confidences and q to rounding."""
+    import triton_env  # noqa: F401  (TRITON_INTERPRET before triton is imported)
+    from dspark.kernels import norm_rope as kernel
+    from dspark.models.deepseek_v4 import norm as N
+    eng = Engine(tiny_ckpt, device="cpu", dtype="bf16", kv_cache_dtype="fp32")
+    runner = eng.runner
+    reqs = []
+    for i, (P, params) in enumerate([(5, PARAMS[0]), (140, PARAMS[0]), (60, PARAMS[1])]):
+        _, ds = runner.new_states()
+        runner.commit_context(ds, _taps(eng, P, seed=i).to(eng.dtype), 0)
+        reqs.append(SimpleNamespace(anchor=i + 3, num_committed=P, draft_state=ds, seed=7 + i,
+                                    params=params))
+    runner.flush_context()
+    launches, launch = [], kernel.norm_rope
+
+    def counted(*args, **kwargs):
+        launches.append((args[3] if len(args) > 3 else kwargs.get("cis")) is not None)  # RoPE
+        return launch(*args, **kwargs)
+    monkeypatch.setattr(kernel, "norm_rope", counted)
+    monkeypatch.setattr(N, "NORM_BACKEND", "reference")
+    want = runner.draft(reqs)
+    assert not launches
+    monkeypatch.setattr(N, "NORM_BACKEND", "triton")
+    got = runner.draft(reqs)
+    # q head norm + RoPE, kv norm + RoPE and the inverse output RoPE of every stage
+    assert sum(launches) == 3 * len(eng.drafter.stages), launches
+    for g, w in zip(got[:2], want[:2]):              # greedy: the same tokens
+        assert torch.equal(g.tokens, w.tokens)
+        torch.testing.assert_close(g.conf_logits, w.conf_logits, rtol=2e-2, atol=2e-2)
+    # sampled: slot 0's law to rounding (a later slot follows its own draw, which a last-bit
+    # difference in q may move to a neighbouring token)
+    g, w = got[2], want[2]
+    torch.testing.assert_close(g.probs[0], w.probs[0], rtol=2e-2, atol=1e-3)
+    torch.testing.assert_close(g.conf_logits[0], w.conf_logits[0], rtol=2e-2, atol=2e-2)

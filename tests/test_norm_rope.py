@@ -91,6 +91,48 @@ def test_norm_rope_every_decode_use(dtype, inverse):
 
 
 @triton_ok
+@pytest.mark.parametrize("inverse", [False, True])
+def test_draft_rope_through_the_fused_kernel(inverse, monkeypatch):
+    """The drafter's DraftRope (its own tables, a host-side bound inside `bounded`) takes the
+    fused kernel like the layers' Rope: the same values as its torch composition, with the
+    bound from the `bounded` block (the kernel gathers the rows) and without one (rows gathered
+    first)."""
+    from dspark.models.drafter import DraftRope
+    rope = DraftRope(Rope(64, 160000.0, YARN))
+    T, H, D = 5, 4, 512
+    pos = torch.tensor([0, 7, 127, 128, 300], device=DEV)
+    norm = make_norm(D, torch.bfloat16, seed=2)
+    q = (torch.randn(T, H, D) * 2).bfloat16().to(DEV)
+    kv = (torch.randn(T, D) * 2).bfloat16().to(DEV)
+    o32 = torch.randn(T, H, D, device=DEV)
+    cases = {
+        "q head norm + rope": lambda: norm_rope(q, rope, pos, "unweighted", 1e-6, inverse),
+        "kv norm + rope": lambda: norm_rope(kv, rope, pos, norm, inverse=inverse),
+        "output cast + rope": lambda: norm_rope(o32, rope, pos, inverse=inverse,
+                                                dtype=torch.bfloat16),
+    }
+    from dspark.kernels import norm_rope as kernel
+    launches, launch = [], kernel.norm_rope
+
+    def counted(*args, **kwargs):
+        launches.append(kwargs.get("positions") is not None)
+        return launch(*args, **kwargs)
+    monkeypatch.setattr(kernel, "norm_rope", counted)
+    with torch.no_grad():
+        for name, fn in cases.items():
+            got, want = both(fn)
+            assert launches == [False], (name, launches)  # the kernel ran, rows gathered first
+            assert_rounding_close(got, want)
+            launches.clear()
+            with rope.bounded(512, DEV):
+                got_b, want_b = both(fn)
+            assert launches == [True], (name, launches)   # the kernel gathers the rows
+            launches.clear()
+            assert_rounding_close(got_b, want_b)
+            assert torch.equal(got_b, got), name         # the same rows either way
+
+
+@triton_ok
 def test_strided_rows_and_grad_fallback():
     rope = Rope(64, 10000.0)
     big = torch.randn(4, 2 * 256).bfloat16().to(DEV)

@@ -198,11 +198,30 @@ class DraftRope:
                 self.cis = torch.complex(cos, sin).to(device)
                 self.conj = torch.complex(cos, -sin).to(device)
 
+    def table(self, bound: int, device, inverse: bool = False) -> torch.Tensor:
+        """complex64 [>= bound, r/2] (Rope.table's contract: fused.norm_rope's kernel gathers
+        its rows by position itself)."""
+        self.reserve(max(bound, 1), device)
+        return self.conj if inverse else self.cis
+
+    def rows(self, positions: torch.Tensor, device, inverse: bool = False,
+             bound: int | None = None, memo: dict | None = None) -> torch.Tensor:
+        """complex64 [T, r/2] for `positions` (Rope.rows' contract; inside `bounded` nothing is
+        read back)."""
+        if bound is None:
+            bound = self._bound
+        if bound is None:
+            bound = int(positions.max()) + 1 if positions.numel() else 1
+        return self.table(bound, device, inverse)[positions]
+
+    @property
+    def bound(self) -> int | None:
+        """The host-side position bound of the current `bounded` block, or None."""
+        return self._bound
+
     def apply(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """Rotate the last rope_dim dims of x [..., T, (heads,) dim] at positions [T]."""
-        if self._bound is None:
-            self.reserve(int(positions.max()) + 1 if positions.numel() else 1, x.device)
-        return rotate(x, (self.conj if inverse else self.cis)[positions], self.rope_dim)
+        return rotate(x, self.rows(positions, x.device, inverse), self.rope_dim)
 
 
 class DSparkDrafter(nn.Module):

@@ -1,14 +1,13 @@
 """`norm_rope`: RMSNorm and / or RoPE with the roundings of the model's torch code, one fused
 Triton launch on CUDA (dspark.kernels.norm_rope) instead of 3-8 small ops.
 
-The torch composition below is the definition (and what runs on CPU, under autograd, and for
-ropes other than the shared `Rope`, e.g. the drafter's DraftRope)."""
+The torch composition below is the definition (and what runs on CPU and under autograd). A rope
+is anything with `Rope`'s table / rows contract: the layers' `Rope` and the drafter's `DraftRope`."""
 from __future__ import annotations
 
 import torch
 
 from .norm import fused_kernels, rms_normalize
-from .rope import Rope
 
 
 def norm_rope(x: torch.Tensor, rope, positions: torch.Tensor, norm=None, eps: float = 1e-6,
@@ -23,8 +22,12 @@ def norm_rope(x: torch.Tensor, rope, positions: torch.Tensor, norm=None, eps: fl
     out = out_dtype or dtype
     weight = norm.weight if norm is not None and norm != "unweighted" else None
     k = fused_kernels(x, dtype, out, *(() if weight is None else (weight,)))
-    if k is not None and (rope is None or isinstance(rope, Rope)) and (
+    if k is not None and (rope is None or hasattr(rope, "table")) and (
             weight is None or weight.is_contiguous()):
+        # any rope with Rope's table / rows contract (the drafter's DraftRope too); a rope
+        # holding a host-side bound of its own (DraftRope inside `bounded`) lends it here
+        if bound is None and rope is not None:
+            bound = getattr(rope, "bound", None)
         cis, pos = None, None
         if rope is not None and bound is not None:     # the kernel gathers the table's rows
             cis, pos = rope.table(bound, x.device, inverse), positions
