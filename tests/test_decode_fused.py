@@ -35,6 +35,26 @@ def test_swiglu(dtype, limit):
 
 
 @triton_ok
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_swiglu_with_routing_weights(dtype):
+    """The dense draft MoE's form: [T, E·I] columns of E experts, each row's expert group scaled
+    by its routing weight (0 off the route) before the cast, as clamped_swiglu over [T, E, I]."""
+    from dspark.kernels.decode_fused import swiglu
+    torch.manual_seed(2)
+    T, E, I = 5, 8, 96
+    gu = (torch.randn(T, 2 * E * I) * 6).to(dtype).to(DEV)
+    g, u = gu[:, :E * I], gu[:, E * I:]
+    route = torch.zeros(T, E, device=DEV).scatter_(1, torch.randint(0, E, (T, 2), device=DEV),
+                                                   torch.rand(T, 2, device=DEV) + 0.1)
+    want = clamped_swiglu(g.float().view(T, E, I), u.float().view(T, E, I), 7.0,
+                          route).to(dtype).flatten(1)
+    got = swiglu(g, u, 7.0, route)
+    close(got, want, 2.0 ** -7 if dtype == torch.bfloat16 else 1e-5)
+    assert torch.equal(got == 0, want == 0)          # off-route experts give exact zeros
+    assert (want != 0).any(1).all()
+
+
+@triton_ok
 def test_expert_module_fused_equals_reference():
     torch.manual_seed(1)
     e = Expert(64, 96, 7.0).to(torch.bfloat16).to(DEV)

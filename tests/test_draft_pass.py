@@ -353,11 +353,13 @@ def test_gpu_generation_same_with_and_without_graphs():
         1, sum(a for _, a in outs[False][n:]))
 
 
-def test_fused_norm_rope_backend_drafts_the_reference_blocks(tiny_ckpt, monkeypatch):
-    """The draft pass with the fused norm / RoPE kernel at every stage call site (the stages'
-    DraftRope included; the Triton interpreter on CPU) drafts the torch composition's blocks:
-    the same tokens, confidences and q to rounding."""
+def test_fused_backend_drafts_the_reference_blocks(tiny_ckpt, monkeypatch):
+    """The draft pass with the fused kernels at every stage call site (norm / RoPE through the
+    stages' DraftRope, the dense MoE's SwiGLU with its routing weights; the Triton interpreter
+    on CPU) drafts the torch composition's blocks: the same tokens, confidences and q to
+    rounding."""
     import triton_env  # noqa: F401  (TRITON_INTERPRET before triton is imported)
+    from dspark.kernels import decode_fused
     from dspark.kernels import norm_rope as kernel
     from dspark.models.deepseek_v4 import norm as N
     eng = Engine(tiny_ckpt, device="cpu", dtype="bf16", kv_cache_dtype="fp32")
@@ -375,13 +377,20 @@ def test_fused_norm_rope_backend_drafts_the_reference_blocks(tiny_ckpt, monkeypa
         launches.append((args[3] if len(args) > 3 else kwargs.get("cis")) is not None)  # RoPE
         return launch(*args, **kwargs)
     monkeypatch.setattr(kernel, "norm_rope", counted)
+    swiglus, swiglu = [], decode_fused.swiglu
+
+    def counted_swiglu(g, u, limit, weight=None):
+        swiglus.append(weight is not None)
+        return swiglu(g, u, limit, weight)
+    monkeypatch.setattr(decode_fused, "swiglu", counted_swiglu)
     monkeypatch.setattr(N, "NORM_BACKEND", "reference")
     want = runner.draft(reqs)
-    assert not launches
+    assert not launches and not swiglus
     monkeypatch.setattr(N, "NORM_BACKEND", "triton")
     got = runner.draft(reqs)
     # q head norm + RoPE, kv norm + RoPE and the inverse output RoPE of every stage
     assert sum(launches) == 3 * len(eng.drafter.stages), launches
+    assert swiglus.count(True) == len(eng.drafter.stages), swiglus    # the dense routed experts
     for g, w in zip(got[:2], want[:2]):              # greedy: the same tokens
         assert torch.equal(g.tokens, w.tokens)
         torch.testing.assert_close(g.conf_logits, w.conf_logits, rtol=2e-2, atol=2e-2)

@@ -73,9 +73,9 @@ def _div(a, b, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, limit,
+def _swiglu_kernel(g_ptr, u_ptr, out_ptr, w_ptr, N, stride_g, stride_u, limit, GROUP, G,
                    DT: tl.constexpr, EXACT: tl.constexpr, BLOCK: tl.constexpr,
-                   PDL: tl.constexpr = False):
+                   HAS_W: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl.launch_dependents(PDL)          # the GEMV after it may start fetching its weights
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -87,6 +87,8 @@ def _swiglu_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, limit,
     u = tl.where(clamp, tl.minimum(tl.maximum(u, -limit), limit), u)
     g = tl.where(clamp, tl.minimum(g, limit), g)
     h = _div(g, 1.0 + _exp(-g, EXACT), EXACT) * u        # torch's silu: g / (1 + exp(-g))
+    if HAS_W:                           # the routing weight of the column's expert (fp32)
+        h = h * tl.load(w_ptr + row * G + cols // GROUP, mask=mask, other=0.0)
     tl.store(out_ptr + row * N + cols, _round_to(h, DT).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -95,16 +97,27 @@ def swiglu_supported(g: torch.Tensor, u: torch.Tensor) -> bool:
             and g.stride(-1) == 1 and u.stride(-1) == 1 and g.numel() > 0)
 
 
-def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
+def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float,
+           weight: torch.Tensor | None = None) -> torch.Tensor:
     """g.dtype( silu(min(g, limit)) · clamp(u, ±limit) ) computed in fp32 (no clamp when
-    limit <= 0): `moe.clamped_swiglu(g.float(), u.float(), limit).to(g.dtype)` in one launch."""
+    limit <= 0): `moe.clamped_swiglu(g.float(), u.float(), limit).to(g.dtype)` in one launch.
+    weight (fp32 [rows, G], G dividing the last dim): row r's columns in group j (of N / G
+    each: expert j's) are scaled by weight[r, j] before the cast, as clamped_swiglu's routing
+    weight over [rows, G, N / G]."""
     N = g.shape[-1]
     g2, u2 = g.reshape(-1, N), u.reshape(-1, N)
+    G = 1
+    if weight is not None:
+        G = weight.shape[-1]
+        assert weight.dtype == torch.float32 and N % G == 0 and weight.shape == (g2.shape[0], G), \
+            (weight.shape, weight.dtype, g2.shape)
+        weight = weight.contiguous()
     out = torch.empty(g2.shape, dtype=g.dtype, device=g.device)
     BLOCK = min(1024, triton.next_power_of_2(N))
     _swiglu_kernel[(g2.shape[0], triton.cdiv(N, BLOCK))](
-        g2, u2, out, N, g2.stride(0), u2.stride(0), float(limit), DT=_DT[g.dtype],
-        EXACT=g.is_cuda, BLOCK=BLOCK, PDL=pdl.enabled(g.device), num_warps=4)
+        g2, u2, out, weight if weight is not None else out, N, g2.stride(0), u2.stride(0),
+        float(limit), N // G, G, DT=_DT[g.dtype], EXACT=g.is_cuda, BLOCK=BLOCK,
+        HAS_W=weight is not None, PDL=pdl.enabled(g.device), num_warps=4)
     return out.view(g.shape)
 
 
