@@ -294,9 +294,12 @@ def roofline(cfg, dtype, batch: int, args, dec: dict, rnd: dict) -> dict:
     routing) over the copy bandwidth measured in this run: the roofline ms and the measured
     step's share of it (one device; a TP rank reads its shard)."""
     from dspark.bench.roofline import decode_bytes, round_bytes
-    ctx = args.prompt_len + args.warmup + args.steps // 2          # mid-run position
-    out = {"decode_bytes": decode_bytes(cfg, dtype, batch, ctx, args.kv_cache_dtype),
-           "round_bytes": round_bytes(cfg, dtype, batch, ctx, args.kv_cache_dtype)}
+    mid = args.warmup + args.steps // 2                  # the median step's position
+    gamma = cfg.dspark_block_size
+    out = {"decode_bytes": decode_bytes(cfg, dtype, batch, args.prompt_len + mid,
+                                        args.kv_cache_dtype),
+           "round_bytes": round_bytes(cfg, dtype, batch, args.prompt_len + mid * (gamma + 1),
+                                      args.kv_cache_dtype)}
     bw = getattr(args, "copy_bandwidth", None)
     if bw:
         out["copy_tbps"] = bw["tbps"]
@@ -363,8 +366,7 @@ def main(argv=None):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.batches = [int(b) for b in args.batch.split(",") if b]
     worlds = [int(w) for w in args.world.split(",") if w]
-    result = {"args": {k: v for k, v in vars(args).items() if k not in ("cfg", "copy_bandwidth")},
-              "runs": [],
+    result = {"args": {k: v for k, v in vars(args).items() if k != "cfg"}, "runs": [],
               "skipped": []}
     t_all = time.perf_counter()
 
@@ -393,6 +395,7 @@ def main(argv=None):
             print(f"world {w}: skipped ({avail} GPU(s) visible)")
         worlds = [w for w in worlds if w <= avail]
         args.copy_bandwidth = copy_bandwidth(device)
+        torch.cuda.empty_cache()                 # its buffers go back before the runners load
         print(f"copy bandwidth {args.copy_bandwidth['tbps']:.2f} TB/s", flush=True)
     else:
         result["device"] = {"name": "cpu", "torch": torch.__version__}

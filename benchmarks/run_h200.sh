@@ -22,7 +22,7 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache}; mkdir -p "$TRIT
 [ -f .triton-cache.tgz ] && tar xzf .triton-cache.tgz -C "$TRITON_CACHE_DIR"
 echo "Triton cache $TRITON_CACHE_DIR: $(find "$TRITON_CACHE_DIR" -type f | wc -l) files at the start"
 BUDGET=${BUDGET:-570}; T0=$SECONDS
-STEPS=${STEPS:-"tests decode kernels bench trace draft qwen3 sweep mhc tp"}   # also: pdl (PDL off / on), flash
+STEPS=${STEPS:-"tests decode kernels bench trace draft qwen3 sweep mhc tp"}   # also: pdl (PDL off / on), flash, flashtp, flashprof, host, timeline
 left() { local l=$((BUDGET - SECONDS + T0)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 1 ] && l=1; echo $l; }
 step() { echo "[t=$((SECONDS - T0))s] $1"; }
 for s in $STEPS; do case $s in

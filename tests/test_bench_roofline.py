@@ -42,3 +42,16 @@ def test_round_bytes_add_up_from_the_tensors():
     t1, tn, tall = (target_bytes(cfg, dt, n)["routed_experts"] for n in (1, B * (g + 1), 10 ** 6))
     assert t1 < tn <= tall
     assert math.isclose(tall / t1, cfg.n_routed_experts / cfg.num_experts_per_tok, rel_tol=1e-6)
+
+
+def test_small_unquantized_draft_experts_are_all_read():
+    """A drafter whose routed experts run densely (models/drafter.py DENSE_MOE_MAX_BYTES) reads
+    every expert whatever the batch; quantized ones are counted by the routing expectation."""
+    dense = mc.preset_config("tiny", dspark=True)
+    inv = tensor_inventory(dense)
+    every = sum(math.prod(s.shape) * 2 for n, s in inv.items()
+                if n.startswith("mtp.") and ".ffn.experts." in n)
+    assert draft_bytes(dense, torch.bfloat16, 1)["routed_experts"] == every
+    quant = mc.preset_config("tiny", dtype="fp8", fp4_experts=True, dspark=True)
+    one, many = (draft_bytes(quant, torch.bfloat16, b)["routed_experts"] for b in (1, 8))
+    assert one < many

@@ -41,7 +41,7 @@ def test_swiglu_with_routing_weights(dtype):
     by its routing weight (0 off the route) before the cast, as clamped_swiglu over [T, E, I]."""
     from dspark.kernels.decode_fused import swiglu
     torch.manual_seed(2)
-    T, E, I = 5, 8, 96
+    T, E, I = 5, 8, 160                              # E·I = 1280: two column blocks
     gu = (torch.randn(T, 2 * E * I) * 6).to(dtype).to(DEV)
     g, u = gu[:, :E * I], gu[:, E * I:]
     route = torch.zeros(T, E, device=DEV).scatter_(1, torch.randint(0, E, (T, 2), device=DEV),

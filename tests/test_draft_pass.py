@@ -14,6 +14,7 @@ from dspark.models.deepseek_v4.mhc import hc_head
 from dspark.models.deepseek_v4.rope import Rope
 from dspark.runner import QuantSim
 from dspark.sampling import Purpose, probs_from_logits, sample_from_probs, uniforms
+from triton_env import DEV, triton_ok
 
 PARAMS = [SamplingParams(temperature=0), SamplingParams(temperature=1.0),
           SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=1.3, top_p=0.8)]
@@ -353,21 +354,23 @@ def test_gpu_generation_same_with_and_without_graphs():
         1, sum(a for _, a in outs[False][n:]))
 
 
+@triton_ok
 def test_fused_backend_drafts_the_reference_blocks(tiny_ckpt, monkeypatch):
     """The draft pass with the fused kernels at every stage call site (norm / RoPE through the
     stages' DraftRope, the dense MoE's SwiGLU with its routing weights; the Triton interpreter
     on CPU) drafts the torch composition's blocks: the same tokens, confidences and q to
     rounding."""
-    import triton_env  # noqa: F401  (TRITON_INTERPRET before triton is imported)
     from dspark.kernels import decode_fused
     from dspark.kernels import norm_rope as kernel
     from dspark.models.deepseek_v4 import norm as N
-    eng = Engine(tiny_ckpt, device="cpu", dtype="bf16", kv_cache_dtype="fp32")
+    # eager passes (no graphs: a graph captured under one backend would replay under the other)
+    eng = Engine(tiny_ckpt, device=DEV, dtype="bf16", kv_cache_dtype="fp32", cuda_graphs=False,
+                 target_cuda_graphs=False)
     runner = eng.runner
     reqs = []
     for i, (P, params) in enumerate([(5, PARAMS[0]), (140, PARAMS[0]), (60, PARAMS[1])]):
         _, ds = runner.new_states()
-        runner.commit_context(ds, _taps(eng, P, seed=i).to(eng.dtype), 0)
+        runner.commit_context(ds, _taps(eng, P, seed=i).to(DEV, eng.dtype), 0)
         reqs.append(SimpleNamespace(anchor=i + 3, num_committed=P, draft_state=ds, seed=7 + i,
                                     params=params))
     runner.flush_context()

@@ -130,6 +130,11 @@ def test_draft_rope_through_the_fused_kernel(inverse, monkeypatch):
             launches.clear()
             assert_rounding_close(got_b, want_b)
             assert torch.equal(got_b, got), name         # the same rows either way
+    # the drafter's tables against the layers' own Rope (tables built independently)
+    plain = Rope(64, 160000.0, YARN)
+    with torch.no_grad(), backend("reference"):
+        assert_rounding_close(norm_rope(kv, rope, pos, norm, inverse=inverse),
+                              norm_rope(kv, plain, pos, norm, inverse=inverse))
 
 
 @triton_ok

@@ -8,7 +8,7 @@ What counts, per forward of n tokens (`target_bytes`): every dense target tensor
 of `distinct_experts(n)` of them per layer; the embedding and hash-router rows of the n tokens; the
 KV records each request's attention reads (`kv_bytes`). A DSpark round (`round_bytes`) is the
 verify forward of B·(γ+1) tokens plus the draft pass (`draft_bytes`): the stages' weights for B·γ
-rows, the vocabulary head once (the base logits of all γ slots in one GEMM), the Markov head's W2
+rows (small unquantized experts run densely: all of them), the vocabulary head once (the base logits of all γ slots in one GEMM), the Markov head's W2
 once per sequential step (γ reads) and the W1 rows, the stages' context windows.
 
 Routed experts are counted at their expectation under uniform routing: n tokens each choosing k
@@ -23,6 +23,7 @@ import math
 import torch
 
 from ..models.deepseek_v4.weights import stored_tensors, tensor_inventory
+from ..models.drafter import DENSE_MOE_MAX_BYTES
 
 KV_RECORD_BYTES = 584          # fp8_ds_mla record (512-d kv)
 INDEXER_ROW_BYTES = 132        # fp8 indexer key row (128-d)
@@ -107,6 +108,15 @@ def draft_bytes(cfg, dtype: torch.dtype, batch: int = 1, context: int = 0) -> di
     frac = distinct_experts(rows, cfg.num_experts_per_tok, cfg.n_routed_experts) / cfg.n_routed_experts
     cats = dict(stages=0, routed_experts=0, head=0, markov=0, context=0)
     inv = tensor_inventory(cfg)
+    # a stage whose routed experts are small unquantized tensors runs them densely (every row
+    # through every expert, models/drafter.py DENSE_MOE_MAX_BYTES): all of them are read
+    experts = {}
+    for name, spec in inv.items():
+        if name.startswith("mtp.") and ".ffn.experts." in name:
+            st = experts.setdefault(name.split(".")[1], [0, True])
+            st[0] += _tensor_bytes(name, spec, elt)
+            st[1] &= spec.kind == "bf16"
+    dense = {s for s, (nb, plain) in experts.items() if plain and nb <= DENSE_MOE_MAX_BYTES}
     for name, spec in inv.items():
         if name == "head.weight":
             cats["head"] += _tensor_bytes(name, spec, elt)
@@ -114,7 +124,7 @@ def draft_bytes(cfg, dtype: torch.dtype, batch: int = 1, context: int = 0) -> di
             continue
         nb = _tensor_bytes(name, spec, elt)
         if ".ffn.experts." in name:
-            cats["routed_experts"] += nb * frac
+            cats["routed_experts"] += nb * (1.0 if name.split(".")[1] in dense else frac)
         elif name.endswith("markov_w2.weight"):
             cats["markov"] += gamma * nb                       # once per sequential step
         elif name.endswith("markov_w1.weight"):

@@ -446,7 +446,7 @@ class DSparkDrafter(nn.Module):
         y = F.linear(x, w13)                                                   # [T, 2·E·I]
         g, u, limit = y[:, :y.shape[1] // 2], y[:, y.shape[1] // 2:], ffn.experts[0].limit
         h = None
-        if fused_backend(y):
+        if fused_backend(y, route):
             from dspark.kernels import decode_fused as K    # imports triton: only where it runs
             if K.swiglu_supported(g, u):
                 # clamp, silu, ·u, ·routing weight and the cast: one launch instead of 7
@@ -480,6 +480,7 @@ class DSparkDrafter(nn.Module):
         e = rows.float()
         # W2 in its own dtype, products exact, fp32 sums (the vocabulary head's skinny kernel on
         # CUDA: W2 is a [V, r] head)
-        bias = linear_fp32(rows, self.markov_w2, head=True)
+        bias = linear_fp32(rows, self.markov_w2, head=True) if rows.shape[-1] else \
+            rows.new_zeros(rows.shape[0], self.markov_w2.shape[0], dtype=torch.float32)
         conf = F.linear(torch.cat([hidden_k.float(), e], -1), fp32(self.confidence.weight))[:, 0]
         return bias, conf
