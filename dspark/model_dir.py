@@ -47,3 +47,16 @@ def load_tokenizer(path: str):
     """tokenizer.json + tokenizer_config.json (special tokens, chat template), or None."""
     from .tokenizer import Tokenizer
     return Tokenizer.from_dir(path)
+
+
+def weight_format_for(path: str, choice: str = "auto") -> str:
+    """The benchmarks' weight format for checkpoint `path`: `choice` unless "auto", then
+    "quantized" for a checkpoint with a quantization_config (FP8 / FP4 kept as stored), else
+    "bf16"."""
+    if choice != "auto":
+        return choice
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return "quantized" if json.load(f).get("quantization_config") else "bf16"
+    except (OSError, ValueError):
+        return "bf16"

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from ..compile_stats import delta, total
 from ..engine import Engine, default_model_path
+from ..model_dir import weight_format_for
 from ..metrics import aggregate
 from ..sampling import SamplingParams
 from .datasets import load_prompts, token_prompts
@@ -144,16 +145,6 @@ def plot(rows, path):
     fig.savefig(path, dpi=100)
 
 
-def _weight_format(model: str, choice: str) -> str:
-    if choice != "auto":
-        return choice
-    try:
-        with open(os.path.join(model, "config.json")) as f:
-            return "quantized" if json.load(f).get("quantization_config") else "bf16"
-    except (OSError, ValueError):
-        return "bf16"
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m dspark.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -237,7 +228,7 @@ def main(argv=None):
         acc, src = [float(x) for x in a.acceptance.split(",")], "--acceptance"
         tokens_per_round(acc, len(acc))          # bad numbers fail here, before any run
     kw = dict(device=a.device, dtype=a.dtype, target_cuda_graphs=a.target_cuda_graphs,
-              weight_format=_weight_format(model, a.weight_format))
+              weight_format=weight_format_for(model, a.weight_format))
     if a.deterministic:
         kw["deterministic"] = True
     specs = {pol: Engine(model, verify_policy=pol, progress=True, **kw) for pol in policies}

@@ -213,11 +213,11 @@ def main_profile(a) -> dict:
     prompts = load_prompts(dataset, a.num_prompts + 1)
     sp = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                         max_tokens=a.max_tokens, ignore_eos=False)
-    from .__main__ import _weight_format
+    from ..model_dir import weight_format_for
     from .datasets import token_prompts
     eng = Engine(model, device=a.device, dtype=a.dtype, verify_policy=a.verify_policy,
                  max_num_seqs=1, target_cuda_graphs=getattr(a, "target_cuda_graphs", None),
-                 weight_format=_weight_format(model, getattr(a, "weight_format", "auto")))
+                 weight_format=weight_format_for(model, getattr(a, "weight_format", "auto")))
     if eng.drafter is None:
         sys.exit(f"{model}: no DSpark drafter, so there are no draft / verify rounds to profile")
     if eng.tokenizer is None:                    # random-weight checkpoints have no tokenizer

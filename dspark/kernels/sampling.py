@@ -204,12 +204,14 @@ def _fused_verify_kernel(
     tl.store(next_out_ptr + r, y)
 
 
-def _as_vec(v: torch.Tensor, dtype, device, n: int) -> torch.Tensor:
-    """v as a contiguous [n] `dtype` vector on `device`; v itself when it is one already (the
-    conversions cost host time even as no-ops, and this runs every round)."""
-    if v.dtype == dtype and v.device == device and v.dim() == 1 and v.is_contiguous():
+def _as(v: torch.Tensor, dtype, device, shape=None) -> torch.Tensor:
+    """v as a contiguous `dtype` tensor on `device` (of `shape` when given); v itself when it is
+    one already (the conversions cost host time even as no-ops, and this runs every round)."""
+    if (v.dtype == dtype and v.device == device and v.is_contiguous()
+            and (shape is None or v.shape == shape)):
         return v
-    return v.to(device=device, dtype=dtype).reshape(n).contiguous()
+    v = v.to(device=device, dtype=dtype)
+    return (v if shape is None else v.reshape(shape)).contiguous()
 
 
 def fused_verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -225,18 +227,16 @@ def fused_verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
     R, G = draft_tokens.shape
     V = target_logits.shape[2]
     dev = target_logits.device
-    x = draft_tokens if draft_tokens.dtype == torch.int64 and draft_tokens.device == dev \
-        and draft_tokens.is_contiguous() else draft_tokens.to(device=dev, dtype=torch.int64).contiguous()
+    x = _as(draft_tokens, torch.int64, dev)
     q = None
     if draft_probs is not None:
         if draft_probs.shape != (R, G, V):
             raise ValueError(f"draft_probs must be [R, γ, V] = [{R}, {G}, {V}], "
                              f"got {tuple(draft_probs.shape)}")
-        q = draft_probs if draft_probs.dtype == torch.float32 and draft_probs.device == dev \
-            and draft_probs.is_contiguous() else draft_probs.to(device=dev, dtype=torch.float32).contiguous()
-    temp = _as_vec(temperature, torch.float32, dev, R)
-    lens, seeds = _as_vec(lengths, torch.int64, dev, R), _as_vec(seeds, torch.int64, dev, R)
-    positions = _as_vec(positions, torch.int64, dev, R)
+        q = _as(draft_probs, torch.float32, dev)
+    temp = _as(temperature, torch.float32, dev, (R,))
+    lens, seeds = _as(lengths, torch.int64, dev, (R,)), _as(seeds, torch.int64, dev, (R,))
+    positions = _as(positions, torch.int64, dev, (R,))
     accepted = torch.empty(R, dtype=torch.int64, device=dev)
     next_token = torch.empty(R, dtype=torch.int64, device=dev)
     if R == 0:

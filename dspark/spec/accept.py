@@ -59,17 +59,20 @@ def _row_argmax(logits: torch.Tensor) -> torch.Tensor:
     return got if got is not None else argmax_rows(logits)
 
 
-_LAST_TEMPERATURES: list = [None, None]    # (key, device tensor) of the last round's
+_last_temperatures = (None, None)    # (key, device tensor) of the last round's, swapped whole
 
 
 def _temperatures(reqs, dev) -> torch.Tensor:
     """fp32 [R] temperatures on the device; the last round's tensor when they are the same (the
     usual case: the same requests round after round), else one asynchronous upload. Read-only:
-    fused_verify only reads it."""
+    fused_verify only reads it. The memo is one (key, tensor) pair replaced in one assignment,
+    so engines in other threads never see one's key with another's tensor."""
+    global _last_temperatures
     key = (dev, tuple(float(r.params.temperature) for r in reqs))
-    if _LAST_TEMPERATURES[0] != key:
-        _LAST_TEMPERATURES[:] = [key, to_device(list(key[1]), torch.float32, dev)]
-    return _LAST_TEMPERATURES[1]
+    last = _last_temperatures
+    if last[0] != key:
+        last = _last_temperatures = (key, to_device(list(key[1]), torch.float32, dev))
+    return last[1]
 
 
 def decide(reqs, logits, first_rows, lengths, anchor_pos, gamma: int,

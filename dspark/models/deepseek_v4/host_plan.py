@@ -143,7 +143,7 @@ def host_plan(cache, B: int, q: int, P: int, pos, req_start, req_slot, req_valid
     s_t = st[b.req]
     if (pos - s_t - b.tok_in_req).any():      # not start..start+q-1 (V4DecodeGraphs never)
         return _general_plan(cache, B, q, P, pos, st, sl, req_valid, pt, scratch_page)
-    return _batch_plan(b, pos, st, s_t, sl, np.asarray(req_valid) != 0, pt, scratch_page)
+    return _batch_plan(b, pos, st, sl, np.asarray(req_valid) != 0, pt, scratch_page)
 
 
 # ---- the general formulas (the reference of the fast paths) -----------------------------------
@@ -385,9 +385,9 @@ def _block_entries(rb: _RatioBucket, q: int, r: int, j0_low: int):
     return got
 
 
-def _batch_plan(b: _Bucket, pos, st, s_t, sl, valid_r, pt, scratch_page) -> dict:
-    """The general formulas with fewer numpy ops, for request rows at positions s..s+q-1 (s_t:
-    each row's start): the window ids gathered from one [B, W + q - 1] table, results written
+def _batch_plan(b: _Bucket, pos, st, sl, valid_r, pt, scratch_page) -> dict:
+    """The general formulas with fewer numpy ops, for request rows at positions s..s+q-1: the
+    window ids gathered from one [B, W + q - 1] table, results written
     in place, the padding masks skipped when every request is real (and the window starts
     past 0), ring_split's slot and row columns taken from their parts, the visible lists of the
     last inputs kept per ratio."""
