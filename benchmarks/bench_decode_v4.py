@@ -151,11 +151,6 @@ def write_checkpoint(out: str, preset: str, layers: int | None, seed: int = 0,
 
 # ---- bytes a decode step reads ----------------------------------------------------------------------
 
-# the formulas live in dspark/bench/roofline.py (the DSpark round's roofline uses them too)
-weight_bytes_per_step = target_bytes
-kv_bytes_per_step = kv_bytes
-
-
 def hf_model_bytes(cfg, dtype: torch.dtype) -> int:
     """Bytes of the HF model's weights: every non-mtp tensor at its logical shape, de-quantized
     FP8 / FP4 / bf16 tensors in `dtype`, fp32 parameters fp32, the hash table int64."""
@@ -876,7 +871,7 @@ def main(argv=None):
 
     # -- (a) decode step vs roofline --
     t_phase = time.perf_counter()
-    wbytes = weight_bytes_per_step(cfg, eng_dtype)
+    wbytes = target_bytes(cfg, eng_dtype)
     result["weight_bytes_per_step"] = wbytes
     rows = []
     if not args.skip_decode:
@@ -890,7 +885,7 @@ def main(argv=None):
                 print(f"decode at context {L} failed: {msg}")
                 result.setdefault("decode_errors", {})[L] = msg
                 continue
-            kv = kv_bytes_per_step(cfg, L, args.kv_cache_dtype)
+            kv = kv_bytes(cfg, L, args.kv_cache_dtype)
             total = wbytes["total"] + kv["total"]
             roof_ms = 1e3 * total / (bw["tbps"] * 1e12)
             r.update(weight_bytes=wbytes["total"], kv_bytes=kv, bytes=total,

@@ -61,13 +61,13 @@ def test_hf_fill_equals_from_pretrained(tiny_pair):
 
 def test_byte_accounting():
     cfg = mc.preset_config("flash", 4, "fp8", True, False)
-    w = bd.weight_bytes_per_step(cfg, torch.bfloat16)
+    w = bd.target_bytes(cfg, torch.bfloat16)
     k, D, I = cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
     per_expert = 3 * (D * I // 2 + D * I // 32)                 # packed FP4 + one e8m0 per 32
     assert w["routed_experts"] == cfg.num_hidden_layers * k * per_expert
     assert w["head"] == cfg.vocab_size * D * 2 and w["embed"] == D * 2
     assert w["total"] == sum(v for c, v in w.items() if c != "total")
-    kv = bd.kv_bytes_per_step(cfg, 4096)
+    kv = bd.kv_bytes(cfg, 4096)
     # ratios (0, 0, 4, 128): 4 windows of 128, CSA top-512 of 1024 entries + 1024 indexer keys,
     # HCA 32 entries
     assert kv["window"] == 4 * 128 * 584
