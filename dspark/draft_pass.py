@@ -2,7 +2,8 @@
 
 Draft pass: gather every request's context ring from the `DraftContextPool`, run the parallel
 block through the stages, base logits, then the Markov head left to right: γ steps of (Markov
-bias, `probs_from_logits`, inverse-CDF sample). Randomness is `uniforms(seed, position, DRAFT)`
+bias, `probs_from_logits`, inverse-CDF sample), with the fused backend all in one launch where
+the head is small (`kernels/markov_loop.py`). Randomness is `uniforms(seed, position, DRAFT)`
 (counter-based), so a replay draws exactly what an eager pass draws.
 Context write: the rows committed in a round (anchor + accepted drafts of every request, or a
 prefill chunk's last window) projected and written into the pool in one batch.
@@ -87,13 +88,16 @@ class DraftPass:
         return to_device(rows, dtype, self.device)
 
     def _fused_sampling(self, greedy: bool, use_top_k: bool, use_top_p: bool, rows: int) -> bool:
-        """Whether the Markov steps draw through one Triton launch each (fused_sample) instead of
-        torch ops: sampled requests, without top-k / top-p or where fused_filters_enabled says
-        so for `rows` rows of the vocabulary (then filter_logits first: two launches per step).
-        Part of the graph key, so sampling.FUSED_BACKEND switches a captured pass too."""
-        if greedy or not fused_sampling_enabled(self.device):
+        """Whether the Markov steps run through Triton launches instead of torch ops: greedy, or
+        sampled without top-k / top-p, the whole loop in one where the head allows it
+        (`_sample_block`); else sampled steps draw through one launch each (fused_sample),
+        with top-k / top-p where fused_filters_enabled says so for `rows` rows of the
+        vocabulary (then filter_logits first: two launches per step), and greedy steps keep
+        their argmax. Part of the graph key, so sampling.FUSED_BACKEND switches a captured pass
+        too."""
+        if not fused_sampling_enabled(self.device):
             return False
-        return not (use_top_k or use_top_p) or fused_filters_enabled(
+        return greedy or not (use_top_k or use_top_p) or fused_filters_enabled(
             self.device, rows, self.head.weight.shape[0])
 
     def _fill(self, buffer: torch.Tensor, rows, dtype):
@@ -349,28 +353,54 @@ class DraftPass:
         hidden = d.block_hidden_batched(self.embed, anchors, starts, ctx_kv, ctx_pos, quant,
                                         self.max_position)
         base = d.base_logits(self.head, hidden)                               # [R, γ, V]
-        hidden = hidden.float()          # once, not per Markov step (markov_step casts to fp32)
+        fp32_hidden = []
+
+        def head_step(k, prev):
+            # cast once, not per Markov step (markov_step casts to fp32), and only on this
+            # path: the fused loop reads the hidden state in its own dtype
+            if not fp32_hidden:
+                fp32_hidden.append(hidden.float())
+            return d.markov_step(fp32_hidden[0][:, k], prev)
         return self._sample_block(base, anchors, starts, seeds, temperature, top_k, top_p, greedy,
-                                  lambda k, prev: d.markov_step(hidden[:, k], prev), fused)
+                                  head_step, fused,
+                                  (hidden, d.markov_w1, d.markov_w2, d.confidence.weight))
 
     def _sample_block(self, base, anchors, starts, seeds, temperature, top_k, top_p,
-                      greedy: bool, head_step, fused: bool = False):
+                      greedy: bool, head_step, fused: bool = False, markov=None):
         """The sequential part of a draft pass: slot k's logits are base[:, k] plus the head's
-        bias given the previous token; `head_step(k, prev)` -> (bias [R, V], confidence [R])."""
+        bias given the previous token; `head_step(k, prev)` -> (bias [R, V], confidence [R]).
+        markov: (hidden [R, γ, D], W1, W2, confidence weight) when the head is
+        `markov_step`'s (e = W1[prev], bias = W2 e, confidence = w · [hidden_k ; e]): with
+        `fused` and no per-step work in between (top-k / top-p, logit adjustments, Gumbel
+        draws) the whole loop is one launch where markov_loop.supported says so."""
+        gumbel = getattr(self, "_gumbel_reqs", None)
+        adjust = getattr(self, "_adjust", None)
+        if (fused and markov is not None and gumbel is None and adjust is None
+                and top_k is None and top_p is None
+                # the kernel has no backward: autograd keeps the per-step path
+                and not (torch.is_grad_enabled() and any(t.requires_grad for t in markov))):
+            from .kernels import markov_loop
+            hidden, w1, w2, conf_w = markov
+            if markov_loop.supported(w2.shape[0], w2.shape[1]):
+                u = None
+                if not greedy:
+                    from .kernels.sampling import uniforms_triton
+                    u = uniforms_triton(seeds[:, None], starts[:, None] + self._offsets,
+                                        Purpose.DRAFT)
+                return markov_loop.markov_loop(base, anchors, w1, w2, hidden, conf_w,
+                                               None if greedy else temperature, u, greedy)
         # fused: one Triton launch per Markov step (softmax, q written, inverse-CDF sample) instead
         # of ~20 small kernels, and the uniforms' hash in one; with top-k / top-p (where
         # fused_filters_enabled says so) filter_logits first, else the torch path's sort
         if fused:
             from .kernels.sampling import fused_sample, uniforms_triton
             from .kernels.sampling_filters import filter_logits
-        gumbel = getattr(self, "_gumbel_reqs", None)
         if not greedy and gumbel is None:
             # the uniform deciding the token at P+k+1, for all k at once (elementwise the same
             # values as one uniforms() call per step)
             u = (uniforms_triton if fused else uniforms)(
                 seeds[:, None], starts[:, None] + self._offsets, Purpose.DRAFT)
         prev, toks, probs, confs = anchors, [], [], []
-        adjust = getattr(self, "_adjust", None)
         for k in range(self.gamma):
             bias, conf = head_step(k, prev)
             x = base[:, k] + bias

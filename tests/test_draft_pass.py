@@ -402,3 +402,57 @@ def test_fused_backend_drafts_the_reference_blocks(tiny_ckpt, monkeypatch):
     g, w = got[2], want[2]
     torch.testing.assert_close(g.probs[0], w.probs[0], rtol=2e-2, atol=1e-3)
     torch.testing.assert_close(g.conf_logits[0], w.conf_logits[0], rtol=2e-2, atol=2e-2)
+
+
+@triton_ok
+def test_fused_backend_runs_the_markov_loop_in_one_launch(tiny_ckpt, monkeypatch):
+    """With the fused sampling backend forced (sampling.FUSED_BACKEND "triton"; the Triton
+    interpreter on CPU) a draft pass runs its whole Markov loop as ONE markov_loop launch, no
+    per-step markov_step / fused_sample, for an all-greedy batch and for greedy and sampled rows
+    mixed, and drafts what the per-step torch path (the "reference" backend, the oracle) drafts:
+    the same tokens, q and confidences to rounding. A batch with top-k keeps the per-step path."""
+    from dspark import sampling
+    from dspark.kernels import markov_loop
+    from dspark.kernels import sampling as ks
+    eng = Engine(tiny_ckpt, device=DEV, dtype="bf16", kv_cache_dtype="fp32", cuda_graphs=False,
+                 target_cuda_graphs=False)
+    runner, d = eng.runner, eng.drafter
+    assert markov_loop.supported(*d.markov_w2.shape)
+    states = []
+    for i, P in enumerate((5, 140, 60)):
+        _, ds = runner.new_states()
+        runner.commit_context(ds, _taps(eng, P, seed=i).to(DEV, eng.dtype), 0)
+        states.append((P, ds))
+    runner.flush_context()
+    calls = {"loop": 0, "step": 0, "sample": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+    monkeypatch.setattr(markov_loop, "markov_loop", counted("loop", markov_loop.markov_loop))
+    monkeypatch.setattr(d, "markov_step", counted("step", d.markov_step))
+    monkeypatch.setattr(ks, "fused_sample", counted("sample", ks.fused_sample))
+    batches = {"greedy": [PARAMS[0]] * 3,
+               "mixed": [PARAMS[1], PARAMS[0], SamplingParams(temperature=0.6)],
+               "top-k": [PARAMS[0], PARAMS[2], PARAMS[1]]}
+    for name, params in batches.items():
+        reqs = [SimpleNamespace(anchor=3 + 5 * i, num_committed=P, draft_state=ds, seed=7 + i,
+                                params=p) for i, ((P, ds), p) in enumerate(zip(states, params))]
+        out = {}
+        for backend in ("reference", "triton"):
+            monkeypatch.setattr(sampling, "FUSED_BACKEND", backend)
+            calls.update(loop=0, step=0, sample=0)
+            out[backend] = runner.draft(reqs)
+            fused_loop = backend == "triton" and name != "top-k"
+            want = ({"loop": 1, "step": 0, "sample": 0} if fused_loop else
+                    {"loop": 0, "step": d.gamma, "sample": d.gamma if backend == "triton" else 0})
+            assert calls == want, (name, backend, calls)
+        for g, w, p in zip(out["triton"], out["reference"], params):
+            assert torch.equal(g.tokens, w.tokens), (name, p)
+            torch.testing.assert_close(g.conf_logits, w.conf_logits, rtol=1e-4, atol=1e-4)
+            if p.greedy:
+                assert g.probs is None and w.probs is None
+            else:
+                torch.testing.assert_close(g.probs, w.probs, rtol=1e-4, atol=1e-6)

@@ -192,6 +192,10 @@ class Qwen3DraftPass(DraftPass):
         def head_step(k, prev):
             bias, conf, state[0] = d.head_step(hidden[:, k], prev, state[0])
             return bias, conf
+        # no one-launch Markov loop (kernels/markov_loop.py): this head is not markov_step's
+        # math (W2 runs in the weight dtype, so a bf16 bias; the confidence has a bias and reads
+        # W1[prev] only with confidence_head_with_markov; gated / rnn heads add a gate or a
+        # carried state), and Qwen3's 151936-token vocabulary is past the kernel's width
         return self._sample_block(base, anchors, starts, seeds, temperature, top_k, top_p, greedy,
                                   head_step, fused)
 
