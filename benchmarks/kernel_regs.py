@@ -308,8 +308,28 @@ def _decode_fused_cases():
                                  "NORM": True}, 8, 1, None)
 
 
+def _markov_loop_cases():
+    import dspark.kernels.markov_loop as ml       # the drafter's Markov loop, one program a row
+    sig = {"base_ptr": "*fp32", "stride_b_r": "i32", "stride_b_k": "i32", "anchor_ptr": "*i64",
+           "w1_ptr": "*bf16", "stride_w1": "i32", "w2_ptr": "*bf16", "stride_w2": "i32",
+           "hid_ptr": "*bf16", "stride_h_r": "i32", "stride_h_k": "i32", "wc_ptr": "*bf16",
+           "temp_ptr": "*fp32", "u_ptr": "*fp32", "stride_u_r": "i32", "tok_ptr": "*i64",
+           "q_ptr": "*fp32", "conf_ptr": "*fp32", "V": "i32", "RANK": "i32", "D": "i32",
+           "G": "i32"}
+    # unit strides, as the launcher specialises them
+    unit = {n: 1 for n in ("stride_b_v", "stride_a", "stride_h_d", "stride_wc", "stride_t",
+                           "stride_u_k")}
+    for V, rank, D in ((512, 64, 192), (4096, 64, 192), (1024, 256, 512), (512, 0, 192)):
+        bv, br = ml._blocks(V, rank)
+        for greedy in (True, False):
+            yield ("_markov_loop_kernel", f"V={V} r={rank} BLOCK_V={bv} GREEDY={greedy} warps=4",
+                   ml._markov_loop_kernel, sig,
+                   {**unit, "GREEDY": greedy, "BLOCK_V": bv, "BLOCK_R": br,
+                    "BLOCK_D": triton.next_power_of_2(D)}, 4, 1, None)
+
+
 KERNELS = {"moe": _moe_cases, "fp8": _fp8_cases, "attention": _attention_cases,
-           "decode_fused": _decode_fused_cases}
+           "decode_fused": _decode_fused_cases, "markov_loop": _markov_loop_cases}
 
 
 def main(argv=None):
