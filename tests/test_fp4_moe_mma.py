@@ -74,8 +74,8 @@ def test_mma_not_held_experts_and_block_choice(experts):
 @pytest.mark.parametrize("T", [1, 6, 40])
 def test_mma_flash_shapes_gpu(T):
     """V4-Flash widths: == the per-expert loop to bf16 rounding, == the CUDA-core grouped kernels
-    (a given block: fp4_moe_grouped's CUDA-core path), fp4_moe_grouped dispatches to it from
-    MMA_MIN_TOKENS tokens on, and a CUDA-graph replay with new inputs == eager."""
+    (a given block: fp4_moe_grouped's CUDA-core path), fp4_moe_grouped dispatches to it where
+    mma_takes says so, and a CUDA-graph replay with new inputs == eager."""
     gen = torch.Generator().manual_seed(T)
     n, k, d, inter = 8, 6, 4096, 2048
     # quantized on the GPU (the CPU quantization of flash-width experts takes most of a minute)
@@ -90,7 +90,8 @@ def test_mma_flash_shapes_gpu(T):
     assert rel_err(y, loop.float()) < 2e-2
     fma = fp4_moe_grouped(x, idx, w, st, 10.0, block=(4, 32))
     assert rel_err(y, fma) < 2e-2
-    if T >= mm.MMA_MIN_TOKENS:
+    from dspark.kernels.fp4_moe_tc import tc_applies
+    if mm.mma_takes(T, k, n, tc_applies(x, st, k)):
         assert torch.equal(fp4_moe_grouped(x, idx, w, st, 10.0), y)   # dispatch, deterministic
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -105,3 +106,15 @@ def test_mma_flash_shapes_gpu(T):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(ys, mm.fp4_moe_mma(x, idx, w, st, 10.0))
+
+
+def test_mma_takes_over_from_the_per_pair_kernels_by_pairs_per_expert():
+    """Against the per-pair tensor-core kernels the expert-grouped path starts where the
+    (token, slot) pairs reach MMA_MIN_PAIRS_PER_EXPERT per expert (V4-Flash: 256 experts, 6
+    slots); against the CUDA-core kernels at MMA_MIN_TOKENS tokens."""
+    c = mm.MMA_MIN_PAIRS_PER_EXPERT
+    first = -(-c * 256 // 6)                       # fewest tokens with 6 T >= c * 256
+    assert not mm.mma_takes(first - 1, 6, 256, per_pair_tc=True)
+    assert mm.mma_takes(first, 6, 256, per_pair_tc=True)
+    assert not mm.mma_takes(mm.MMA_MIN_TOKENS - 1, 6, 256, per_pair_tc=False)
+    assert mm.mma_takes(mm.MMA_MIN_TOKENS, 6, 256, per_pair_tc=False)

@@ -33,11 +33,24 @@ import triton.language as tl
 from dspark.kernels.fp4_moe import _DT_NAME, FP4ExpertStack, _round_to, _swiglu_h
 
 BLOCK_T = 16          # token columns per program (the MMA's N side)
-# tokens from which fp4_moe_grouped takes this path by default (below it every expert is used by
-# ~1 token: the align step's launches cost more than the shared weight reads save). H200,
-# benchmarks/results/bench_moe_h200.json: at 16 tokens the CUDA-core kernels (int32 pair loads,
-# 4 x 32 blocks) take 1273 us per layer vs 1526 here, so 32.
+# When fp4_moe_grouped takes this path. Against the CUDA-core per-pair kernels (GPUs before
+# sm_90): from MMA_MIN_TOKENS tokens (below it every expert is used by ~1 token: the align
+# step's launches cost more than the shared weight reads save; H200,
+# benchmarks/results/bench_moe_h200.json: at 16 tokens 1273 us per layer there vs 1526 here).
+# Against the per-pair tensor-core kernels of fp4_moe_tc.py, which read an expert once per
+# (token, slot) pair at a far higher rate than dot_scaled reaches here: only once the pairs
+# outnumber the experts MMA_MIN_PAIRS_PER_EXPERT times (an expert then serves several tokens).
 MMA_MIN_TOKENS = 32
+MMA_MIN_PAIRS_PER_EXPERT = 3
+
+
+def mma_takes(tokens: int, k: int, num_experts: int, per_pair_tc: bool) -> bool:
+    """Whether `fp4_moe_grouped` runs `tokens` tokens of k slots over `num_experts` experts
+    here rather than on the per-pair kernels (`per_pair_tc`: the tensor-core ones serve the
+    call, else the CUDA-core ones). Shape-only: the same choice for every batch of a size."""
+    if per_pair_tc:
+        return tokens * k >= MMA_MIN_PAIRS_PER_EXPERT * num_experts
+    return tokens >= MMA_MIN_TOKENS
 
 
 def align_pairs(idx: torch.Tensor, num_experts: int, block_t: int = BLOCK_T):
