@@ -382,9 +382,9 @@ def test_fused_backend_drafts_the_reference_blocks(tiny_ckpt, monkeypatch):
     monkeypatch.setattr(kernel, "norm_rope", counted)
     swiglus, swiglu = [], decode_fused.swiglu
 
-    def counted_swiglu(g, u, limit, weight=None):
+    def counted_swiglu(g, u, limit, weight=None, **route):
         swiglus.append(weight is not None)
-        return swiglu(g, u, limit, weight)
+        return swiglu(g, u, limit, weight, **route)
     monkeypatch.setattr(decode_fused, "swiglu", counted_swiglu)
     monkeypatch.setattr(N, "NORM_BACKEND", "reference")
     want = runner.draft(reqs)
@@ -393,7 +393,8 @@ def test_fused_backend_drafts_the_reference_blocks(tiny_ckpt, monkeypatch):
     got = runner.draft(reqs)
     # q head norm + RoPE, kv norm + RoPE and the inverse output RoPE of every stage
     assert sum(launches) == 3 * len(eng.drafter.stages), launches
-    assert swiglus.count(True) == len(eng.drafter.stages), swiglus    # the dense routed experts
+    # the dense routed experts with the shared one: one SwiGLU per stage
+    assert swiglus == [True] * len(eng.drafter.stages), swiglus
     for g, w in zip(got[:2], want[:2]):              # greedy: the same tokens
         assert torch.equal(g.tokens, w.tokens)
         torch.testing.assert_close(g.conf_logits, w.conf_logits, rtol=2e-2, atol=2e-2)

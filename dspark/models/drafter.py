@@ -438,36 +438,54 @@ class DSparkDrafter(nn.Module):
             return ffn(x, token_ids)
         # Expert.forward for every expert at once, as two plain GEMMs over the experts' weights
         # laid side by side; the routing weight of an expert a token is not routed to is 0
-        # (applied before w2, as the reference does)
+        # (applied before w2, as the reference does). The shared expert (plain linears with the
+        # routed experts' clamp) rides in the same GEMMs with weight 1: its output joins the
+        # routed sum in w2's fp32 accumulator instead of in 4 GEMMs, 2 casts, an add and a cast
+        # of its own.
         idx, w = ffn.gate(x, token_ids)
         E, T = len(ffn.experts), x.shape[0]
-        route = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_(1, idx, w)
-        w13, w2 = self._dense_expert_weights(ffn)
-        y = F.linear(x, w13)                                                   # [T, 2·E·I]
-        g, u, limit = y[:, :y.shape[1] // 2], y[:, y.shape[1] // 2:], ffn.experts[0].limit
+        w13, w2, shared = self._dense_expert_weights(ffn)
+        y = F.linear(x, w13)                                       # [T, 2·N], N = E·I (+ shared)
+        N = y.shape[1] // 2
+        g, u, limit = y[:, :N], y[:, N:], ffn.experts[0].limit
+        inter = ffn.experts[0].w1.out_features
         h = None
-        if fused_backend(y, route):
+        if fused_backend(y, w):
             from dspark.kernels import decode_fused as K    # imports triton: only where it runs
             if K.swiglu_supported(g, u):
-                # clamp, silu, ·u, ·routing weight and the cast: one launch instead of 7
-                h = K.swiglu(g, u, limit, route)                               # [T, E·I]
+                # clamp, silu, ·u, ·routing weight (from the gate's pairs) and the cast: one
+                # launch instead of 9
+                h = K.swiglu(g, u, limit, w, experts=idx, group=inter, routed=E)   # [T, N]
         if h is None:
-            h = clamped_swiglu(g.float().view(T, E, -1), u.float().view(T, E, -1), limit,
-                               route).to(x.dtype).flatten(1)
-        out = F.linear(h, w2).float()
-        out += ffn.shared_experts(x).float()
-        return out.to(x.dtype)
+            route = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_(1, idx, w)
+            r = E * inter
+            h = clamped_swiglu(g[:, :r].float().view(T, E, -1), u[:, :r].float().view(T, E, -1),
+                               limit, route).flatten(1)
+            if shared:
+                h = torch.cat([h, clamped_swiglu(g[:, r:].float(), u[:, r:].float(), limit)], 1)
+            h = h.to(x.dtype)
+        out = F.linear(h, w2)
+        # shared expert apart (not plain linears, or another clamp): x.dtype + x.dtype is the
+        # fp32 sum rounded once, as the reference's fp32 accumulation
+        return out if shared else out + ffn.shared_experts(x)
 
     @staticmethod
     def _dense_expert_weights(ffn):
-        """(w13 [2·E·I, D]: every expert's w1 rows then every w3 row, w2 [D, E·I]) — built once
-        and kept on the module while the expert weights are unchanged (same storage and version
-        counter: `derived`), so a draft pass does not copy every expert per call."""
-        ws = [e.w1.weight for e in ffn.experts] + [e.w3.weight for e in ffn.experts] + \
-            [e.w2.weight for e in ffn.experts]
-        n = 2 * len(ffn.experts)
-        return derived(ffn, "_draft_dense_w", ws,
-                       lambda: (torch.cat(ws[:n]), torch.cat(ws[n:], dim=1)))
+        """(w13 [2·N, D]: every expert's w1 rows then every w3 row, w2 [D, N], shared): N = E·I
+        routed columns, then (shared True) the shared expert's I_s, when its linears are plain
+        and it clamps as the routed ones do. Built once and kept on the module while the expert
+        weights are unchanged (same storage and version counter: `derived`), so a draft pass
+        does not copy every expert per call."""
+        se = ffn.shared_experts
+        shared = (all(type(lin) is nn.Linear for lin in (se.w1, se.w2, se.w3))
+                  and se.limit == ffn.experts[0].limit)
+        experts = list(ffn.experts) + ([se] if shared else [])
+        ws = [e.w1.weight for e in experts] + [e.w3.weight for e in experts] + \
+            [e.w2.weight for e in experts]
+        n = 2 * len(experts)
+        w13, w2 = derived(ffn, "_draft_dense_w", ws,
+                          lambda: (torch.cat(ws[:n]), torch.cat(ws[n:], dim=1)))
+        return w13, w2, shared
 
     def base_logits(self, head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
         return linear_fp32(self.norm(hidden), head.weight)
