@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .deepseek_v4.mhc import hc_head, hc_post
+from .deepseek_v4.mhc import hc_expand, hc_head, hc_post
 from .deepseek_v4.model import Block
 from .deepseek_v4.moe import MoE, clamped_swiglu
 from .deepseek_v4.norm import RMSNorm, derived, fp32, fused_backend, linear_fp32
@@ -364,13 +364,18 @@ class DSparkDrafter(nn.Module):
         P = starts[:, None]
         visible = (ctx_pos >= 0) & (ctx_pos >= P - W) & (ctx_pos < P)
         mask = torch.cat([visible, visible.new_ones(R, g)], 1)                  # [R, cap+γ]
-        X = embed(ids)
-        X = X.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        # each hc_post / hc_expand is told which collapse reads its streams next (the next
+        # sub-block's `pre_hint`: the kernels then start and finish it in their own launch)
+        hints = [stage.pre_hint("attn") for stage in self.stages] + [self.hc_head_fn]
+        if type(embed) is nn.Embedding and embed.max_norm is None:
+            # the embedding lookup, the n streams and the first collapse: one launch (kernels)
+            X = hc_expand(embed.weight, self.cfg.hc_mult, hints[0], ids=ids)
+        else:
+            X = hc_expand(embed(ids), self.cfg.hc_mult, hints[0])
         with self.rope_bound(max_position, X.device):
             for s, stage in enumerate(self.stages):
-                nxt = (self.stages[s + 1].hc_attn_fn if s + 1 < len(self.stages)
-                       else self.hc_head_fn)
-                X = self._stage_forward(stage, X, ids, positions, ctx_kv[s], mask, quant, nxt)
+                X = self._stage_forward(stage, X, ids, positions, ctx_kv[s], mask, quant,
+                                        hints[s + 1])
         h = hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg.hc_eps,
                     self.cfg.rms_norm_eps)
         return h.view(R, g, -1)
@@ -379,7 +384,7 @@ class DSparkDrafter(nn.Module):
         """Block.forward with batched block attention and the sync-free MoE."""
         x, post, comb = stage._pre(X, "attn")       # (x: attn_norm of the collapsed streams)
         o = self._block_attention(stage.attn, x, positions, ctx_kv, mask, quant)
-        X = hc_post(o, X, post, comb, stage.hc_ffn_fn)
+        X = hc_post(o, X, post, comb, stage.pre_hint("ffn"))
         x, post, comb = stage._pre(X, "ffn")
         o = self._moe(stage.ffn, x, ids)
         return hc_post(o, X, post, comb, next_fn)
