@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 PKG = os.path.join(ROOT, "dspark") + os.sep
-SITES = ("models/drafter.py", "draft_pass.py")       # the lines a census row is charged to
+SITES = ("models/drafter.py", "models/draft_block.py", "draft_pass.py")   # rows charged to
 # aten ops that launch nothing on the GPU (allocation, aliasing, metadata)
 NO_KERNEL = {"empty", "empty_strided", "empty_like", "detach", "lift_fresh", "alias",
              "_unsafe_view", "set_", "resize_", "sym_size", "sym_stride", "sym_numel",

@@ -75,10 +75,9 @@ def _div(a, b, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_kernel(g_ptr, u_ptr, out_ptr, w_ptr, N, stride_g, stride_u, limit, GROUP, G,
-                   DT: tl.constexpr, EXACT: tl.constexpr, BLOCK: tl.constexpr,
-                   HAS_W: tl.constexpr = False, PDL: tl.constexpr = False,
-                   idx_ptr=None, K: tl.constexpr = 0):
+def _swiglu_kernel(g_ptr, u_ptr, out_ptr, w_ptr, idx_ptr, N, stride_g, stride_u, limit, GROUP,
+                   G, DT: tl.constexpr, EXACT: tl.constexpr, BLOCK: tl.constexpr,
+                   HAS_W: tl.constexpr = False, PDL: tl.constexpr = False, K: tl.constexpr = 0):
     pdl.launch_dependents(PDL)          # the GEMV after it may start fetching its weights
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -138,10 +137,10 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float,
     out = torch.empty(g2.shape, dtype=g.dtype, device=g.device)
     BLOCK = min(1024, triton.next_power_of_2(N))
     _swiglu_kernel[(g2.shape[0], triton.cdiv(N, BLOCK))](
-        g2, u2, out, weight if weight is not None else out, N, g2.stride(0), u2.stride(0),
+        g2, u2, out, weight if weight is not None else out,
+        experts if experts is not None else out, N, g2.stride(0), u2.stride(0),
         float(limit), group or N, G, DT=_DT[g.dtype], EXACT=g.is_cuda, BLOCK=BLOCK,
-        HAS_W=weight is not None, PDL=pdl.enabled(g.device),
-        idx_ptr=experts if experts is not None else out, K=K, num_warps=4)
+        HAS_W=weight is not None, PDL=pdl.enabled(g.device), K=K, num_warps=4)
     return out.view(g.shape)
 
 

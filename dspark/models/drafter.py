@@ -10,7 +10,8 @@ confidence head scores each slot from [pre-norm hidden ; W1[prev]].
 
 Serving keeps the context rows of all requests in one `DraftContextPool` (a ring of window rows
 per request slot) and runs the block of all requests as one batch of fixed shapes
-(`block_hidden_batched`): context entries are masked by the position they hold, the MoE of small
+(`block_hidden_batched`; the stages' attention in draft_block.py): context entries are read in
+place by slot and masked by the position they hold, the MoE of small
 stages runs dense (packed FP4 stages take QuantMoE's grouped kernels up to their row cap) and the
 stages' RoPE (`DraftRope`) takes a host-side position bound, so nothing is read back from the
 device and the pass can be replayed as a CUDA graph (dspark/draft_pass.py, per batch bucket:
@@ -30,6 +31,7 @@ from .deepseek_v4.model import Block
 from .deepseek_v4.moe import MoE, clamped_swiglu
 from .deepseek_v4.norm import RMSNorm, derived, fp32, fused_backend, linear_fp32
 from .deepseek_v4.rope import rotate
+from .draft_block import BlockContext, block_attention
 
 # Routed experts up to this many bytes per stage run densely (every token through every expert,
 # off-route tokens weighted 0): no data-dependent shapes, so the draft pass needs no host sync
@@ -148,20 +150,6 @@ class DraftState:
             return torch.zeros(0, 0)
         idx = torch.arange(lo, P, device=self.pool.device) % self.capacity
         return self.pool.kv[stage][self.slot][idx]
-
-
-def attention_with_sink_batched(q, keys, mask, sink, scale):
-    """`sparse_attention_with_sink` for R requests at once, each with its own keys.
-
-    q [R, L, H, d], keys [R, N, d] (K = V), mask [R, N] bool (the same for the L queries of a
-    request: block attention is non-causal), sink [H]. Returns fp32 [R, L, H, d]."""
-    keys = keys.float()                                    # one cast for both products
-    logits = torch.einsum("rlhd,rnd->rlhn", q.float(), keys) * scale
-    logits = logits.masked_fill(~mask[:, None, None, :], float("-inf"))
-    R, L, H, _ = q.shape
-    sink_col = sink.float()[None, None, :, None].expand(R, L, H, 1)
-    probs = torch.softmax(torch.cat([logits, sink_col], -1), dim=-1)[..., :-1]
-    return torch.einsum("rlhn,rnd->rlhd", probs, keys)
 
 
 class DraftRope:
@@ -330,40 +318,38 @@ class DSparkDrafter(nn.Module):
         """Pre-norm head hidden [R, γ, D] for blocks [anchor, noise...] at positions P_r + (0..γ-1)."""
         dev = anchors.device
         pools = {id(st.pool): st.pool for st in states if st.slot is not None}
-        if len(pools) <= 1:            # one shared pool (or no context at all): one gather
+        starts_t = torch.tensor(starts, dtype=torch.long, device=dev)
+        if len(pools) <= 1:            # one shared pool (or no context at all): read in place
             pool = next(iter(pools.values())) if pools else self.new_pool(0, dev)
             slots = [st.slot if st.slot is not None else pool.EMPTY_SLOT for st in states]
-            ctx_kv, ctx_pos = pool.gather(torch.tensor(slots, device=pool.device))
-        else:                          # states with private pools: gather each
+            slots_t = torch.tensor(slots, device=pool.device)
+            kv, pos = pool.kv, pool.pos
+        else:                          # states with private pools: their rows gathered
             parts = [st.pool.gather(torch.tensor([st.slot], device=st.pool.device))
                      if st.slot is not None else self.new_pool(0, dev).gather(
                          torch.zeros(1, dtype=torch.long, device=dev)) for st in states]
-            ctx_kv = [torch.cat([p[0][s] for p in parts]) for s in range(len(self.stages))]
-            ctx_pos = torch.cat([p[1] for p in parts])
-        starts_t = torch.tensor(starts, dtype=torch.long, device=dev)
-        return self.block_hidden_batched(embed, anchors, starts_t, ctx_kv, ctx_pos, quant,
+            kv = [torch.cat([p[0][s] for p in parts]) for s in range(len(self.stages))]
+            pos = torch.cat([p[1] for p in parts])
+            slots_t = torch.arange(len(states), device=dev)
+        return self.block_hidden_batched(embed, anchors, starts_t, slots_t, kv, pos, quant,
                                          max(starts) + self.gamma)
 
     def block_hidden_batched(self, embed: nn.Embedding, anchors: torch.Tensor, starts: torch.Tensor,
-                             ctx_kv: list, ctx_pos: torch.Tensor, quant=None,
-                             max_position: int | None = None) -> torch.Tensor:
+                             slots: torch.Tensor, ring_kv: list, ring_pos: torch.Tensor,
+                             quant=None, max_position: int | None = None) -> torch.Tensor:
         """`block_hidden` from tensors only, for R requests at once with the same shapes whatever
-        their positions: anchors / starts [R] int64, per stage context ring rows ctx_kv
-        [R, capacity, hd] and the positions they hold ctx_pos [R, capacity] (-1: empty), as
-        `DraftContextPool.gather` returns them. max_position: host bound (exclusive) on
+        their positions: anchors / starts / slots [R] int64 (slot: the request's row of the
+        rings), per stage the context rings ring_kv [slots, capacity, hd] and the positions
+        their entries hold ring_pos [slots, capacity] (-1: empty): a `DraftContextPool`'s .kv
+        and .pos (read in place, nothing gathered). max_position: host bound (exclusive) on
         starts + γ, so nothing is read back from the device (CUDA-graph capturable when every
         stage's MoE serves R·γ rows without a host sync, see `moe_graph_blocker`)."""
-        R, g, W = anchors.shape[0], self.gamma, self.cfg.sliding_window
-        offsets = torch.arange(g, device=anchors.device)
+        R, g = anchors.shape[0], self.gamma
+        offsets, first = self._block_constants(anchors.device)
         positions = (starts[:, None] + offsets).flatten()                       # [R*γ]
-        ids = torch.where(offsets == 0, anchors[:, None],
+        ids = torch.where(first, anchors[:, None],
                           self.cfg.dspark_noise_token_id).flatten()             # [anchor, noise...]
-        # a query block at P sees the ring entries holding positions max(0, P-W)..P-1; entries
-        # holding anything else (older rows, -1 = never written) are masked out. The block
-        # itself is seen whole (non-causal).
-        P = starts[:, None]
-        visible = (ctx_pos >= 0) & (ctx_pos >= P - W) & (ctx_pos < P)
-        mask = torch.cat([visible, visible.new_ones(R, g)], 1)                  # [R, cap+γ]
+        ctx = BlockContext(slots, starts, ring_kv, ring_pos, self.cfg.sliding_window, g)
         # each hc_post / hc_expand is told which collapse reads its streams next (the next
         # sub-block's `pre_hint`: the kernels then start and finish it in their own launch)
         hints = [stage.pre_hint("attn") for stage in self.stages] + [self.hc_head_fn]
@@ -374,28 +360,29 @@ class DSparkDrafter(nn.Module):
             X = hc_expand(embed(ids), self.cfg.hc_mult, hints[0])
         with self.rope_bound(max_position, X.device):
             for s, stage in enumerate(self.stages):
-                X = self._stage_forward(stage, X, ids, positions, ctx_kv[s], mask, quant,
-                                        hints[s + 1])
+                X = self._stage_forward(stage, X, ids, positions, ctx, s, quant, hints[s + 1])
         h = hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg.hc_eps,
                     self.cfg.rms_norm_eps)
         return h.view(R, g, -1)
 
-    def _stage_forward(self, stage: Block, X, ids, positions, ctx_kv, mask, quant, next_fn=None):
+    def _block_constants(self, device):
+        """(offsets 0..γ-1, offsets == 0) on `device`, made once (not per pass)."""
+        cache = self.__dict__.setdefault("_block_consts", {})
+        device = torch.device(device)
+        if device not in cache:
+            with torch.inference_mode(False):
+                offsets = torch.arange(self.gamma, device=device)
+                cache[device] = (offsets, offsets == 0)
+        return cache[device]
+
+    def _stage_forward(self, stage: Block, X, ids, positions, ctx, s: int, quant, next_fn=None):
         """Block.forward with batched block attention and the sync-free MoE."""
         x, post, comb = stage._pre(X, "attn")       # (x: attn_norm of the collapsed streams)
-        o = self._block_attention(stage.attn, x, positions, ctx_kv, mask, quant)
+        o = block_attention(stage.attn, x, positions, ctx, s, quant)
         X = hc_post(o, X, post, comb, stage.pre_hint("ffn"))
         x, post, comb = stage._pre(X, "ffn")
         o = self._moe(stage.ffn, x, ids)
         return hc_post(o, X, post, comb, next_fn)
-
-    def _block_attention(self, attn, x, positions, ctx_kv, mask, quant):
-        R = mask.shape[0]
-        _, q, kv = attn.project_q_kv(x, positions, quant)            # [R*γ, H, hd], [R*γ, hd]
-        keys = torch.cat([ctx_kv.to(kv.dtype), kv.view(R, -1, kv.shape[-1])], 1)
-        o = attention_with_sink_batched(q.view(R, -1, *q.shape[1:]), keys, mask, attn.attn_sink,
-                                        attn.head_dim ** -0.5)
-        return attn.output(o.flatten(0, 1), positions, x.dtype)
 
     # MoE --------------------------------------------------------------------------------
     def moe_graph_blocker(self, rows: int, device) -> str | None:
