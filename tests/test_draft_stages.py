@@ -165,3 +165,63 @@ def test_fused_block_equals_the_torch_block_in_fp32(engines, monkeypatch):
             monkeypatch.setattr(N, "NORM_BACKEND", backend)
             out[backend] = d.block_hidden(eng.model.embed, anchors, starts, states)
     assert _rel(out["triton"], out["reference"]) < 1e-5, _rel(out["triton"], out["reference"])
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=triton_ok)])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_context_rows_equal_every_stage_projected_apart(engines, backend, dtype, monkeypatch):
+    """context_rows (the stages' wkv as one GEMM, their kv norms + RoPE in one launch, the
+    storage rounding once) against each stage's own `project_kv` with the fp8 record rounding,
+    in the torch reference: fp32 to rounding, bf16 within one rounding step."""
+    from dspark.models.draft_block import context_rows
+    from dspark.runner import QuantSim
+    eng = engines[dtype]
+    d = eng.drafter
+    torch.manual_seed(5)
+    x = torch.randn(9, eng.cfg.hidden_size).to(DEV, eng.dtype)
+    pos = torch.tensor([0, 1, 2, 77, 130, 131, 400, 3, 9], device=DEV)
+    with torch.inference_mode():
+        monkeypatch.setattr(N, "NORM_BACKEND", backend)
+        with d.rope_bound(401, DEV):
+            got = context_rows(d, x, pos, QuantSim())
+        monkeypatch.setattr(N, "NORM_BACKEND", "reference")
+        want = torch.stack([st.attn.project_kv(x, pos, QuantSim()) for st in d.stages], 1)
+    assert got.shape == (9, len(d.stages), d.stages[0].attn.head_dim) and got.dtype == x.dtype
+    if dtype == "fp32":
+        # fp32 to rounding, except where that moved a value across an fp8 rounding boundary
+        close = (got - want).abs() <= 1e-5 * want.abs() + 1e-6
+        assert close.float().mean() > 0.999, close.float().mean()
+    else:
+        ulp = (got.float() - want.float()).abs() <= 2.0 ** -7 * want.float().abs() + 1e-6
+        assert ulp.float().mean() > 0.99 and (got != want).float().mean() < 0.02
+
+
+@triton_ok
+def test_launch_census_of_the_parallel_block_and_the_context_write(tiny_ckpt):
+    """benchmarks/count_draft_launches.py on the tiny pair (3 stages; bf16, fp8 records, the
+    kernels CUDA picks): the draft pass's parallel block and one context write launch exactly
+    what their fused form should. Per stage 17: attn hc_pre (Sinkhorn), wq_a + wkv GEMM, q_norm,
+    wq_b, q norm + RoPE, kv norm + RoPE, fp8 rounding, attention (+ inverse RoPE), wo_a, wo_b,
+    hc_post, ffn hc_pre, gate, w13 GEMM, SwiGLU, w2 GEMM, hc_post; per pass 6: positions, ids,
+    hc_expand, hc_head, the base logits' norm and GEMM. Context write 8: main_proj, main_norm,
+    the stacked wkv GEMM, every stage's norm + RoPE, the fp8 rounding, the ring index, the two
+    stores. (The Markov loop after the block is not counted here.)"""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    import count_draft_launches as census
+    rows = census.census(batch=1, temperature=1.0, path=tiny_ckpt)
+    markov = ("markov_step", "_sample_block", "_draft")
+    block = [r for r in rows if r[0] == "draft" and r[1] != "sync"
+             and (r[4] or "? ?").split()[1] not in markov]
+    S = 3
+    assert len(block) == 17 * S + 6, _table(census, block)
+    assert sum(r[0] == "context" and r[1] != "sync" for r in rows) == 8
+    assert not any(r[1] == "sync" for r in rows)                 # nothing read back
+
+
+def _table(census, rows) -> str:
+    import io
+    out = io.StringIO()
+    census.report(rows, out=out)
+    return out.getvalue()

@@ -1,5 +1,6 @@
 """The attention sub-block of the drafter stages over a batch of draft blocks (dspark.md §3):
-R requests' γ queries each, non-causal over the request's context ring ∪ its whole block.
+R requests' γ queries each, non-causal over the request's context ring ∪ its whole block; and
+the stages' context rows (`context_rows`: every stage's window kv of committed positions).
 
 `block_attention` runs one stage's: the q / kv projections (wq_a and wkv as one GEMM), the
 attention with sink, the inverse RoPE, the grouped output projection. With the fused kernels
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .deepseek_v4.fused import norm_rope
-from .deepseek_v4.norm import derived, fp32, fused_backend
+from .deepseek_v4.norm import RMSNorm, derived, fp32, fused_backend, fused_kernels
 
 # the grouped wo_a as one GEMM over its block-diagonal weight up to this many bytes (the
 # einsum's batched GEMM leaves [groups, T, r] to reorder: a copy launch); larger stays grouped
@@ -102,3 +103,43 @@ def _output(attn, o):
     w = derived(attn, "_draft_wo_a_diag", (wa,),
                 lambda: torch.block_diag(*wa.view(G, r, -1).unbind(0)))
     return attn.wo_b(F.linear(o.flatten(1), w))
+
+
+def context_rows(holder, main_x, positions, quant):
+    """Every stage's context row (`Attention.project_kv`) of main_x [n, D] at positions [n]:
+    [n, stages, hd]. Plain wkv linears: one GEMM of their stacked rows; with the fused kernels
+    every stage's kv_norm + RoPE in one launch (per-stage norm weights, one RoPE table: the
+    stages' RoPE share their frequencies) and the storage rounding once over all rows.
+    `holder` keeps the stacked weights (`derived`)."""
+    attns = [stage.attn for stage in holder.stages]
+    if not all(type(a.wkv) is nn.Linear for a in attns):
+        return torch.stack([a.project_kv(main_x, positions, quant) for a in attns], 1)
+    ws = [a.wkv.weight for a in attns]
+    y = F.linear(main_x, derived(holder, "_draft_wkv_stack", ws, lambda: torch.cat(ws)))
+    y = y.view(main_x.shape[0], len(attns), -1)                      # [n, stages, hd]
+    rows = _norms_ropes(holder, attns, y, positions, main_x.dtype)
+    if rows is None:
+        rows = torch.stack([norm_rope(y[:, s], a.rope, positions, a.kv_norm, dtype=main_x.dtype)
+                            for s, a in enumerate(attns)], 1)
+    return rows if quant is None else quant.kv(rows)
+
+
+def _norms_ropes(holder, attns, y, positions, dtype):
+    """`norm_rope(y[:, s], rope_s, positions, kv_norm_s)` of every stage s in one launch, or
+    None where that launch does not apply (no kernels here, norms of other kinds or epsilons,
+    RoPE of other frequencies, no host-side position bound)."""
+    norms, ropes = [a.kv_norm for a in attns], [a.rope for a in attns]
+    r0 = ropes[0]
+    bound = getattr(r0, "bound", None)
+    if (bound is None or not hasattr(r0, "table")
+            or any(type(n) is not RMSNorm or n.eps != norms[0].eps for n in norms)
+            or any(r.rope_dim != r0.rope_dim or not (r.freqs is r0.freqs or torch.equal(
+                r.freqs, r0.freqs)) for r in ropes)):
+        return None
+    ws = [n.weight for n in norms]
+    k = fused_kernels(y, dtype, dtype, *ws)
+    if k is None:
+        return None
+    w = derived(holder, "_draft_kv_norm_stack", ws, lambda: torch.stack(ws))
+    return k.norm_rope(y, w, norms[0].eps, r0.table(bound, y.device), r0.rope_dim, dtype,
+                       positions=positions)

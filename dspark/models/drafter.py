@@ -31,7 +31,7 @@ from .deepseek_v4.model import Block
 from .deepseek_v4.moe import MoE, clamped_swiglu
 from .deepseek_v4.norm import RMSNorm, derived, fp32, fused_backend, linear_fp32
 from .deepseek_v4.rope import rotate
-from .draft_block import BlockContext, block_attention
+from .draft_block import BlockContext, block_attention, context_rows
 
 # Routed experts up to this many bytes per stage run densely (every token through every expert,
 # off-route tokens weighted 0): no data-dependent shapes, so the draft pass needs no host sync
@@ -41,8 +41,10 @@ DENSE_MOE_MAX_BYTES = 16 << 20
 
 
 class DraftContextPool:
-    """Draft context rows of many requests: per stage one tensor [slots, capacity, head_dim],
-    plus the absolute position each ring entry holds ([slots, capacity] int64, -1 = empty).
+    """Draft context rows of many requests: per stage one tensor [slots, capacity, head_dim]
+    (`kv`: views of one [stages, slots, capacity, head_dim] tensor, so a context write stores
+    every stage's rows in one launch), plus the absolute position each ring entry holds
+    ([slots, capacity] int64, -1 = empty).
 
     A request owns one slot (as a request owns pages in the KV cache); its row for position p
     lives at ring entry p % capacity. A draft pass gathers the slots of all its requests and masks
@@ -58,7 +60,7 @@ class DraftContextPool:
     def __init__(self, num_stages: int, window: int, head_dim: int, dtype, device, num_slots: int = 8):
         self.num_stages, self.window, self.capacity = num_stages, window, window
         self.head_dim, self.dtype, self.device = head_dim, dtype, torch.device(device)
-        self.kv, self.pos = [], None
+        self.kv, self.pos, self._rows = [], None, None
         self._free: list = []
         self._resize(num_slots + self._RESERVED)
         self.device = self.pos.device      # with its index ("cuda" -> "cuda:0")
@@ -81,17 +83,25 @@ class DraftContextPool:
         old = self.pos.shape[0] if self.pos is not None else 0
         # normal (not inference-mode) tensors: they are written in and outside inference mode
         with torch.inference_mode(False):
-            kv = [torch.zeros(n, self.capacity, self.head_dim, dtype=self.dtype, device=self.device)
-                  for _ in range(self.num_stages)]
+            rows = torch.zeros(self.num_stages, n, self.capacity, self.head_dim, dtype=self.dtype,
+                               device=self.device)
             pos = torch.full((n, self.capacity), -1, dtype=torch.long, device=self.device)
             if old:
-                for new, cur in zip(kv, self.kv):
-                    new[:old] = cur
+                rows[:, :old] = self._rows
                 pos[:old] = self.pos
-        self.kv, self.pos = kv, pos
+            self._stage_index = torch.arange(self.num_stages, device=self.device)[:, None]
+        self._rows, self.kv, self.pos = rows, list(rows.unbind(0)), pos
         # pop() hands out low slots first. Tensors read by address (captured CUDA graphs) are
         # stale from here on: users compare `kv` / `pos` by identity.
         self._free.extend(range(n - 1, max(old, self._RESERVED) - 1, -1))
+
+    def write(self, slots: torch.Tensor, ring: torch.Tensor, rows: torch.Tensor,
+              positions: torch.Tensor) -> None:
+        """Every stage's row of n context positions: entries ring [n] of slots [n] (distinct
+        pairs) get rows [n, stages, head_dim] and hold positions [n] from now on."""
+        self._rows.index_put_((self._stage_index, slots, ring),
+                              rows.to(self.dtype).transpose(0, 1))
+        self.pos.index_put_((slots, ring), positions)
 
     def gather(self, slots: torch.Tensor):
         """(per stage kv [R, capacity, head_dim], positions [R, capacity]) of slots [R]."""
@@ -294,12 +304,9 @@ class DSparkDrafter(nn.Module):
         so RoPE needs no device read; None reads it from the device."""
         proj = self.main_proj
         main_x = self.main_norm(proj(taps.to(self.context_dtype())))
-        ring = positions % pool.capacity
         with self.rope_bound(max_position, main_x.device):
-            for s, stage in enumerate(self.stages):
-                rows = stage.attn.project_kv(main_x, positions, quant)
-                pool.kv[s].index_put_((slots, ring), rows.to(pool.dtype))
-        pool.pos.index_put_((slots, ring), positions)
+            rows = context_rows(self, main_x, positions, quant)         # [n, stages, hd]
+        pool.write(slots, positions % pool.capacity, rows, positions)
 
     def rope_bound(self, max_position: int | None, device):
         """Context in which the stages' RoPE trusts `max_position` instead of a device read."""
