@@ -10,9 +10,9 @@ Per request r (block at positions P..P+γ-1, ring slot s), head h, query i:
     out    = o rounded to out's dtype, its last rope_dim dims (interleaved pairs) rotated by
              cis[P + i] (the conjugated table: the inverse rotation) and rounded again
 
-which is the drafter's torch composition (the ring gathered by slot, the mask built from the
-positions, the keys concatenated, `attention_with_sink_batched`, then `norm_rope(inverse)`: 15-18
-launches per stage and per round) with the same roundings. The ring is read in place (no
+which is the drafter's torch composition (the ring gathered by slot, the keys concatenated,
+`attention_with_sink_batched`, then `norm_rope(inverse)`: 12 launches per stage, and 8 per round
+for the positions' gather and the mask) with the same roundings. The ring is read in place (no
 gather), the mask made from the positions in the loads.
 
 One program = one request x BLOCK_M of its γ·H (query, head) rows, which share every key tile.
