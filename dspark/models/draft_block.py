@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .deepseek_v4.attention import Attention
 from .deepseek_v4.fused import norm_rope
 from .deepseek_v4.norm import RMSNorm, derived, fp32, fused_backend, fused_kernels
 
@@ -93,11 +94,13 @@ def _project(attn, x, positions, quant):
 
 
 def _output(attn, o):
-    """`Attention.output` of o [T, H, hd], already inversely rotated and in x.dtype. A plain
-    wo_a of few bytes as one GEMM of its block-diagonal weight (the groups' products and
-    sums as in the grouped einsum, plus exact zeros)."""
+    """`attn.output` of o [T, H, hd], already inversely rotated and in x.dtype. Where that is
+    Attention's own (not a subclass adding e.g. a tensor-parallel reduction) and wo_a a plain
+    linear of few bytes: one GEMM of its block-diagonal weight (the groups' products and sums
+    as in the grouped einsum, plus exact zeros)."""
     wa, G = attn.wo_a.weight, attn.cfg.o_groups
-    if type(attn.wo_a) is not nn.Linear or wa.numel() * G * wa.element_size() > BLOCK_DIAG_MAX_BYTES:
+    if (type(attn).output is not Attention.output or type(attn.wo_a) is not nn.Linear
+            or wa.numel() * G * wa.element_size() > BLOCK_DIAG_MAX_BYTES):
         return attn.output(o, None, o.dtype, rotated=True)
     r = attn.cfg.o_lora_rank
     w = derived(attn, "_draft_wo_a_diag", (wa,),
