@@ -255,11 +255,14 @@ V3_CONFIGS = [(64, 8, 1, None), (64, 8, 2, None), (32, 8, 1, None), (32, 8, 2, N
 
 def _decode_fused_cases():
     import dspark.kernels.decode_fused as df     # the small fused decode kernels
-    sw = {"g_ptr": "*bf16", "u_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "stride_g": "i32",
-          "stride_u": "i32", "limit": "fp32"}
+    sw = {"g_ptr": "*bf16", "u_ptr": "*bf16", "out_ptr": "*bf16", "w_ptr": "*fp32",
+          "idx_ptr": "*i64", "N": "i32", "stride_g": "i32", "stride_u": "i32", "limit": "fp32",
+          "GROUP": "i32", "G": "i32"}
     for block in (1024, 512):
         yield ("_swiglu_kernel", f"BLOCK={block} warps=4", df._swiglu_kernel, sw,
                {"DT": "bf16", "EXACT": True, "BLOCK": block}, 4, 1, None)
+    yield ("_swiglu_kernel", "BLOCK=1024 warps=4 (expert, weight) pairs K=2", df._swiglu_kernel,
+           sw, {"DT": "bf16", "EXACT": True, "BLOCK": 1024, "HAS_W": True, "K": 2}, 4, 1, None)
     gp = {"ring_a_ptr": "*fp32", "ring_z_ptr": "*fp32", "a_ptr": "*fp32", "z_ptr": "*fp32",
           "stride_ra": "i32", "stride_rz": "i32", "stride_a": "i32", "stride_z": "i32",
           "from_ring_ptr": "*u8", "ring_rows_ptr": "*i64", "fresh_rows_ptr": "*i64",
@@ -328,8 +331,26 @@ def _markov_loop_cases():
                     "BLOCK_D": triton.next_power_of_2(D)}, 4, 1, None)
 
 
+def _draft_attention_cases():
+    import dspark.kernels.draft_attention as da    # the drafter stages' block attention
+    sig = {"q_ptr": "*bf16", "stride_qt": "i32", "stride_qh": "i32", "ring_ptr": "*bf16",
+           "stride_rs": "i32", "stride_rj": "i32", "slots_ptr": "*i64", "rpos_ptr": "*i64",
+           "stride_ps": "i32", "starts_ptr": "*i64", "blk_ptr": "*bf16", "stride_bt": "i32",
+           "sink_ptr": "*fp32", "cis_ptr": "*fp32", "out_ptr": "*bf16", "stride_ot": "i32",
+           "stride_oh": "i32", "H": "i32", "D": "i32", "CAP": "i32", "W": "i32",
+           "scale_log2": "fp32", "R_HALF": "i32"}
+    # the shipped drafter: γ = 5, 4 heads of 512, a 128-entry ring; the launch's config first
+    for warps, stages in ((da.NUM_WARPS, da.NUM_STAGES), (8, 2), (4, 1)):
+        yield ("_draft_attention_kernel", f"D=512 G=5 bf16 split ROPE warps={warps} "
+               f"stages={stages}", da._draft_attention_kernel, sig,
+               {"G": 5, "BLOCK_D": 512, "BLOCK_G": 16, "BLOCK_M": da.BLOCK_M,
+                "BLOCK_N": da.BLOCK_N, "SPLIT": True, "BF16": True, "ROPE": True, "ROUND": 1},
+               warps, stages, None)
+
+
 KERNELS = {"moe": _moe_cases, "fp8": _fp8_cases, "attention": _attention_cases,
-           "decode_fused": _decode_fused_cases, "markov_loop": _markov_loop_cases}
+           "decode_fused": _decode_fused_cases, "markov_loop": _markov_loop_cases,
+           "draft_attention": _draft_attention_cases}
 
 
 def main(argv=None):

@@ -1,7 +1,7 @@
 """The drafter's per-round work for many requests as fixed-shape tensor ops, replayed as CUDA graphs.
 
-Draft pass: gather every request's context ring from the `DraftContextPool`, run the parallel
-block through the stages, base logits, then the Markov head left to right: γ steps of (Markov
+Draft pass: the parallel block through the stages (reading every request's context ring of the
+`DraftContextPool` by slot), base logits, then the Markov head left to right: γ steps of (Markov
 bias, `probs_from_logits`, inverse-CDF sample), with the fused backend all in one launch where
 the head is small (`kernels/markov_loop.py`). Randomness is `uniforms(seed, position, DRAFT)`
 (counter-based), so a replay draws exactly what an eager pass draws.
@@ -349,9 +349,9 @@ class DraftPass:
         slots, anchors, starts, seeds, top_k = ints
         temperature, top_p = floats
         top_k, top_p = (top_k if use_top_k else None), (top_p if use_top_p else None)
-        ctx_kv, ctx_pos = self.pool.gather(slots)
-        hidden = d.block_hidden_batched(self.embed, anchors, starts, ctx_kv, ctx_pos, quant,
-                                        self.max_position)
+        # the stages read the pool's rings in place, by slot
+        hidden = d.block_hidden_batched(self.embed, anchors, starts, slots, self.pool.kv,
+                                        self.pool.pos, quant, self.max_position)
         base = d.base_logits(self.head, hidden)                               # [R, γ, V]
         fp32_hidden = []
 

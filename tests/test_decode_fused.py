@@ -55,6 +55,37 @@ def test_swiglu_with_routing_weights(dtype):
 
 
 @triton_ok
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_swiglu_with_expert_pairs_and_shared_columns(dtype):
+    """The merged draft MoE's form: [T, E·I + S] columns (E routed experts of I, then S shared
+    columns), the routing given as the gate's (expert, weight) pairs: a routed expert's columns
+    scaled by its pair's weight (0 where the row does not route to it), the shared ones by 1;
+    against clamped_swiglu over the weights scattered into [T, E] and the unweighted shared
+    part."""
+    from dspark.kernels.decode_fused import swiglu
+    torch.manual_seed(3)
+    T, E, I, S, k = 6, 8, 160, 96, 2                 # 1376 columns: two column blocks
+    N = E * I + S
+    gu = (torch.randn(T, 2 * N) * 6).to(dtype).to(DEV)
+    g, u = gu[:, :N], gu[:, N:]
+    idx = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).to(DEV)
+    w = (torch.rand(T, k) + 0.1).to(DEV)
+    route = torch.zeros(T, E, device=DEV).scatter_(1, idx, w)
+    routed = clamped_swiglu(g[:, :E * I].float().view(T, E, I), u[:, :E * I].float().view(T, E, I),
+                            7.0, route).flatten(1)
+    shared = clamped_swiglu(g[:, E * I:].float(), u[:, E * I:].float(), 7.0)
+    want = torch.cat([routed, shared], 1).to(dtype)
+    got = swiglu(g, u, 7.0, w, experts=idx, group=I, routed=E)
+    close(got, want, 2.0 ** -7 if dtype == torch.bfloat16 else 1e-5)
+    assert torch.equal(got == 0, want == 0)          # off-route experts give exact zeros
+    assert (got[:, :E * I].view(T, E, I) != 0).any(2).sum(1).eq(k).all()    # k experts per row
+    assert (got[:, E * I:] != 0).any(1).all()        # the shared columns are never dropped
+    # the same columns through the dense weights (no shared part): the same values
+    dense = swiglu(g[:, :E * I], u[:, :E * I], 7.0, route)
+    assert torch.equal(got[:, :E * I], dense)
+
+
+@triton_ok
 def test_expert_module_fused_equals_reference():
     torch.manual_seed(1)
     e = Expert(64, 96, 7.0).to(torch.bfloat16).to(DEV)

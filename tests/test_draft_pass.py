@@ -360,7 +360,7 @@ def test_fused_backend_drafts_the_reference_blocks(tiny_ckpt, monkeypatch):
     stages' DraftRope, the dense MoE's SwiGLU with its routing weights; the Triton interpreter
     on CPU) drafts the torch composition's blocks: the same tokens, confidences and q to
     rounding."""
-    from dspark.kernels import decode_fused
+    from dspark.kernels import decode_fused, draft_attention
     from dspark.kernels import norm_rope as kernel
     from dspark.models.deepseek_v4 import norm as N
     # eager passes (no graphs: a graph captured under one backend would replay under the other)
@@ -382,18 +382,27 @@ def test_fused_backend_drafts_the_reference_blocks(tiny_ckpt, monkeypatch):
     monkeypatch.setattr(kernel, "norm_rope", counted)
     swiglus, swiglu = [], decode_fused.swiglu
 
-    def counted_swiglu(g, u, limit, weight=None):
+    def counted_swiglu(g, u, limit, weight=None, **route):
         swiglus.append(weight is not None)
-        return swiglu(g, u, limit, weight)
+        return swiglu(g, u, limit, weight, **route)
     monkeypatch.setattr(decode_fused, "swiglu", counted_swiglu)
+    attentions, attention = [], draft_attention.draft_attention
+
+    def counted_attention(*args, **kwargs):
+        attentions.append(len(args) > 9 or "cis" in kwargs)            # the inverse RoPE
+        return attention(*args, **kwargs)
+    monkeypatch.setattr(draft_attention, "draft_attention", counted_attention)
     monkeypatch.setattr(N, "NORM_BACKEND", "reference")
     want = runner.draft(reqs)
-    assert not launches and not swiglus
+    assert not launches and not swiglus and not attentions
     monkeypatch.setattr(N, "NORM_BACKEND", "triton")
     got = runner.draft(reqs)
-    # q head norm + RoPE, kv norm + RoPE and the inverse output RoPE of every stage
-    assert sum(launches) == 3 * len(eng.drafter.stages), launches
-    assert swiglus.count(True) == len(eng.drafter.stages), swiglus    # the dense routed experts
+    # q head norm + RoPE and kv norm + RoPE of every stage; its attention with the inverse
+    # output RoPE in one launch
+    assert sum(launches) == 2 * len(eng.drafter.stages), launches
+    assert attentions == [True] * len(eng.drafter.stages), attentions
+    # the dense routed experts with the shared one: one SwiGLU per stage
+    assert swiglus == [True] * len(eng.drafter.stages), swiglus
     for g, w in zip(got[:2], want[:2]):              # greedy: the same tokens
         assert torch.equal(g.tokens, w.tokens)
         torch.testing.assert_close(g.conf_logits, w.conf_logits, rtol=2e-2, atol=2e-2)

@@ -206,3 +206,24 @@ def test_kernel_gathers_table_rows_like_rows(inverse):
     other = K.norm_rope(x, None, 1e-6, rope.table(5000, x.device, inverse), 64,
                         positions=pos + 1)
     assert not torch.equal(rows, other)
+
+
+@triton_ok
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_per_head_weights(dtype):
+    """weight [H, D]: head h normalised with its own row (the drafter's context write: every
+    stage's kv_norm + RoPE in one launch), as the torch composition of H separate norms, on
+    strided rows of one GEMM output."""
+    from dspark.kernels import norm_rope as kernel
+    H, D = 3, 96
+    norms = [make_norm(D, dtype, seed=h) for h in range(H)]
+    rope = Rope(32, 10000.0)
+    torch.manual_seed(4)
+    y = (torch.randn(7, H * D + 5) * 3).to(dtype).to(DEV)[:, :H * D].view(7, H, D)
+    pos = torch.tensor([0, 3, 9, 130, 17, 5, 2], device=DEV)
+    w = torch.stack([n.weight.detach() for n in norms])
+    with torch.no_grad():
+        got = kernel.norm_rope(y, w, 1e-6, rope.table(200, DEV), 32, dtype, positions=pos)
+        with backend("reference"):
+            want = torch.stack([norm_rope(y[:, h], rope, pos, norms[h]) for h in range(H)], 1)
+    assert_rounding_close(got, want)

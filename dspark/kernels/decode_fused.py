@@ -5,7 +5,9 @@ forward is launch-bound: each launch costs ~2-3 us inside a CUDA graph).
 * `swiglu` — the shared expert's activation: g, u (the w1 / w3 outputs, x.dtype) ->
   x.dtype( silu(min(g, limit)) · clamp(u, ±limit) ) in fp32, as `moe.clamped_swiglu` followed
   by ``.to(x.dtype)`` (2 casts, 2 clamps, silu, mul, cast: 7 launches); torch's silu formula
-  g / (1 + exp(-g)).
+  g / (1 + exp(-g)). With routing weights (the dense draft MoE, all experts side by side):
+  per-expert weights, or the gate's (expert, weight) pairs read in the launch (no [T, E]
+  weights scattered first) with shared-expert columns after the routed ones at weight 1.
 * `gather_pool` — the compressor's candidate-entry pooling of the fixed-shape step
   (`graph._emit`): per candidate entry e and slot s, the row comes from the compressor ring
   (rows before this forward) or from this forward's rows; slots before position 0 are empty
@@ -73,9 +75,9 @@ def _div(a, b, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_kernel(g_ptr, u_ptr, out_ptr, w_ptr, N, stride_g, stride_u, limit, GROUP, G,
-                   DT: tl.constexpr, EXACT: tl.constexpr, BLOCK: tl.constexpr,
-                   HAS_W: tl.constexpr = False, PDL: tl.constexpr = False):
+def _swiglu_kernel(g_ptr, u_ptr, out_ptr, w_ptr, idx_ptr, N, stride_g, stride_u, limit, GROUP,
+                   G, DT: tl.constexpr, EXACT: tl.constexpr, BLOCK: tl.constexpr,
+                   HAS_W: tl.constexpr = False, PDL: tl.constexpr = False, K: tl.constexpr = 0):
     pdl.launch_dependents(PDL)          # the GEMV after it may start fetching its weights
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -88,7 +90,15 @@ def _swiglu_kernel(g_ptr, u_ptr, out_ptr, w_ptr, N, stride_g, stride_u, limit, G
     g = tl.where(clamp, tl.minimum(g, limit), g)
     h = _div(g, 1.0 + _exp(-g, EXACT), EXACT) * u        # torch's silu: g / (1 + exp(-g))
     if HAS_W:                           # the routing weight of the column's expert (fp32)
-        h = h * tl.load(w_ptr + row * G + cols // GROUP, mask=mask, other=0.0)
+        if K == 0:                      # dense weights [rows, G]
+            h = h * tl.load(w_ptr + row * G + cols // GROUP, mask=mask, other=0.0)
+        else:                           # the gate's (expert, weight) pairs [rows, K]
+            e = cols // GROUP
+            wt = tl.zeros([BLOCK], dtype=tl.float32)
+            for j in tl.static_range(K):
+                wt += tl.where(e == tl.load(idx_ptr + row * K + j),
+                               tl.load(w_ptr + row * K + j), 0.0)
+            h = h * tl.where(e < G, wt, 1.0)      # columns past the G routed experts: weight 1
     tl.store(out_ptr + row * N + cols, _round_to(h, DT).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -98,26 +108,39 @@ def swiglu_supported(g: torch.Tensor, u: torch.Tensor) -> bool:
 
 
 def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float,
-           weight: torch.Tensor | None = None) -> torch.Tensor:
+           weight: torch.Tensor | None = None, experts: torch.Tensor | None = None,
+           group: int | None = None, routed: int | None = None) -> torch.Tensor:
     """g.dtype( silu(min(g, limit)) · clamp(u, ±limit) ) computed in fp32 (no clamp when
     limit <= 0): `moe.clamped_swiglu(g.float(), u.float(), limit).to(g.dtype)` in one launch.
     weight (fp32 [rows, G], G dividing the last dim): row r's columns in group j (of N / G
     each: expert j's) are scaled by weight[r, j] before the cast, as clamped_swiglu's routing
-    weight over [rows, G, N / G]."""
+    weight over [rows, G, N / G].
+    experts (int [rows, k]) with weight [rows, k] (the gate's top-k, distinct per row), `group`
+    columns per expert and `routed` experts: column c of row r belongs to expert c // group and
+    is scaled by the weight of the slot routing r to it, 0 when none does, as the dense weights
+    scattered from those pairs would scale it; columns from routed·group on (the shared
+    experts laid after the routed ones) are not scaled. No [rows, E] weights to build first."""
     N = g.shape[-1]
     g2, u2 = g.reshape(-1, N), u.reshape(-1, N)
-    G = 1
-    if weight is not None:
+    G, K = 1, 0
+    if experts is not None:
+        K, G = experts.shape[-1], int(routed)
+        assert weight is not None and weight.dtype == torch.float32 and group > 0 and \
+            weight.shape == experts.shape == (g2.shape[0], K) and G * group <= N, \
+            (weight.shape, weight.dtype, experts.shape, g2.shape, group, routed)
+        weight, experts = weight.contiguous(), experts.contiguous()
+    elif weight is not None:
         G = weight.shape[-1]
         assert weight.dtype == torch.float32 and N % G == 0 and weight.shape == (g2.shape[0], G), \
             (weight.shape, weight.dtype, g2.shape)
-        weight = weight.contiguous()
+        weight, group = weight.contiguous(), N // G
     out = torch.empty(g2.shape, dtype=g.dtype, device=g.device)
     BLOCK = min(1024, triton.next_power_of_2(N))
     _swiglu_kernel[(g2.shape[0], triton.cdiv(N, BLOCK))](
-        g2, u2, out, weight if weight is not None else out, N, g2.stride(0), u2.stride(0),
-        float(limit), N // G, G, DT=_DT[g.dtype], EXACT=g.is_cuda, BLOCK=BLOCK,
-        HAS_W=weight is not None, PDL=pdl.enabled(g.device), num_warps=4)
+        g2, u2, out, weight if weight is not None else out,
+        experts if experts is not None else out, N, g2.stride(0), u2.stride(0),
+        float(limit), group or N, G, DT=_DT[g.dtype], EXACT=g.is_cuda, BLOCK=BLOCK,
+        HAS_W=weight is not None, PDL=pdl.enabled(g.device), K=K, num_warps=4)
     return out.view(g.shape)
 
 

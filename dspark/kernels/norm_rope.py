@@ -41,7 +41,7 @@ def _rnd(v, ROUND: tl.constexpr):
 
 @triton.jit
 def _norm_rope_kernel(x_ptr, w_ptr, cis_ptr, out_ptr, H, D, R_HALF,
-                      stride_xt, stride_xh, stride_ot, stride_oh, eps, pos_ptr,
+                      stride_xt, stride_xh, stride_ot, stride_oh, stride_wh, eps, pos_ptr,
                       ROUND_IN: tl.constexpr, NORM: tl.constexpr, HAS_W: tl.constexpr,
                       ROPE: tl.constexpr, ROUND: tl.constexpr,
                       BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, GATHER: tl.constexpr,
@@ -57,6 +57,7 @@ def _norm_rope_kernel(x_ptr, w_ptr, cis_ptr, out_ptr, H, D, R_HALF,
         cis_row = tl.load(pos_ptr + t).to(tl.int64)
     src = x_ptr + t * stride_xt + h * stride_xh
     dst = out_ptr + t * stride_ot + h * stride_oh
+    w_ptr += h * stride_wh                        # per-head weights (stride 0: one for all)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
     # every load first (none depends on this program's arithmetic; the rotation's table row on
@@ -116,7 +117,8 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float | 
               cis: torch.Tensor | None = None, rope_dim: int = 0, dtype: torch.dtype | None = None,
               out_dtype: torch.dtype | None = None,
               positions: torch.Tensor | None = None) -> torch.Tensor:
-    """See the module doc. x [T, D] or [T, H, D] (last dim contiguous); weight [D] or None;
+    """See the module doc. x [T, D] or [T, H, D] (last dim contiguous); weight [D], [H, D] (head
+    h's row for head h: several norms of one width in one launch) or None;
     eps None = no normalisation; cis complex64 [T, rope_dim/2] (already conjugated for the
     inverse rotation) or None; dtype (rounding, default x.dtype), out_dtype (default dtype).
     positions [T] (integers): cis is then a whole table [>= max position + 1, rope_dim/2] and
@@ -141,11 +143,12 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float | 
         assert positions.shape == (T,), (positions.shape, T)
         positions = positions.contiguous()
     if weight is not None:
-        assert weight.shape == (D,) and weight.is_contiguous(), weight.shape
+        assert weight.shape in ((D,), (H, D)) and weight.is_contiguous(), weight.shape
     block_d = triton.next_power_of_2(D)
     _norm_rope_kernel[(T * H,)](
         x3, weight if weight is not None else x3, cis if cis is not None else x3, o3,
         H, D, r_half, x3.stride(0), x3.stride(1), o3.stride(0), o3.stride(1),
+        D if weight is not None and weight.dim() == 2 else 0,
         float(eps) if eps is not None else 0.0, positions if gather else x3,
         ROUND_IN=x.dtype != dtype, NORM=eps is not None, HAS_W=weight is not None,
         ROPE=cis is not None, ROUND=ROUNDINGS[dtype], BLOCK_D=block_d,

@@ -10,7 +10,8 @@ confidence head scores each slot from [pre-norm hidden ; W1[prev]].
 
 Serving keeps the context rows of all requests in one `DraftContextPool` (a ring of window rows
 per request slot) and runs the block of all requests as one batch of fixed shapes
-(`block_hidden_batched`): context entries are masked by the position they hold, the MoE of small
+(`block_hidden_batched`; the stages' attention in draft_block.py): context entries are read in
+place by slot and masked by the position they hold, the MoE of small
 stages runs dense (packed FP4 stages take QuantMoE's grouped kernels up to their row cap) and the
 stages' RoPE (`DraftRope`) takes a host-side position bound, so nothing is read back from the
 device and the pass can be replayed as a CUDA graph (dspark/draft_pass.py, per batch bucket:
@@ -25,11 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .deepseek_v4.mhc import hc_head, hc_post
+from .deepseek_v4.mhc import hc_expand, hc_head, hc_post
 from .deepseek_v4.model import Block
 from .deepseek_v4.moe import MoE, clamped_swiglu
 from .deepseek_v4.norm import RMSNorm, derived, fp32, fused_backend, linear_fp32
 from .deepseek_v4.rope import rotate
+from .draft_block import BlockContext, block_attention, context_rows
 
 # Routed experts up to this many bytes per stage run densely (every token through every expert,
 # off-route tokens weighted 0): no data-dependent shapes, so the draft pass needs no host sync
@@ -39,8 +41,10 @@ DENSE_MOE_MAX_BYTES = 16 << 20
 
 
 class DraftContextPool:
-    """Draft context rows of many requests: per stage one tensor [slots, capacity, head_dim],
-    plus the absolute position each ring entry holds ([slots, capacity] int64, -1 = empty).
+    """Draft context rows of many requests: per stage one tensor [slots, capacity, head_dim]
+    (`kv`: views of one [stages, slots, capacity, head_dim] tensor, so a context write stores
+    every stage's rows in one launch), plus the absolute position each ring entry holds
+    ([slots, capacity] int64, -1 = empty).
 
     A request owns one slot (as a request owns pages in the KV cache); its row for position p
     lives at ring entry p % capacity. A draft pass gathers the slots of all its requests and masks
@@ -56,7 +60,7 @@ class DraftContextPool:
     def __init__(self, num_stages: int, window: int, head_dim: int, dtype, device, num_slots: int = 8):
         self.num_stages, self.window, self.capacity = num_stages, window, window
         self.head_dim, self.dtype, self.device = head_dim, dtype, torch.device(device)
-        self.kv, self.pos = [], None
+        self.kv, self.pos, self._rows = [], None, None
         self._free: list = []
         self._resize(num_slots + self._RESERVED)
         self.device = self.pos.device      # with its index ("cuda" -> "cuda:0")
@@ -79,17 +83,25 @@ class DraftContextPool:
         old = self.pos.shape[0] if self.pos is not None else 0
         # normal (not inference-mode) tensors: they are written in and outside inference mode
         with torch.inference_mode(False):
-            kv = [torch.zeros(n, self.capacity, self.head_dim, dtype=self.dtype, device=self.device)
-                  for _ in range(self.num_stages)]
+            rows = torch.zeros(self.num_stages, n, self.capacity, self.head_dim, dtype=self.dtype,
+                               device=self.device)
             pos = torch.full((n, self.capacity), -1, dtype=torch.long, device=self.device)
             if old:
-                for new, cur in zip(kv, self.kv):
-                    new[:old] = cur
+                rows[:, :old] = self._rows
                 pos[:old] = self.pos
-        self.kv, self.pos = kv, pos
+            self._stage_index = torch.arange(self.num_stages, device=self.device)[:, None]
+        self._rows, self.kv, self.pos = rows, list(rows.unbind(0)), pos
         # pop() hands out low slots first. Tensors read by address (captured CUDA graphs) are
         # stale from here on: users compare `kv` / `pos` by identity.
         self._free.extend(range(n - 1, max(old, self._RESERVED) - 1, -1))
+
+    def write(self, slots: torch.Tensor, ring: torch.Tensor, rows: torch.Tensor,
+              positions: torch.Tensor) -> None:
+        """Every stage's row of n context positions: entries ring [n] of slots [n] (distinct
+        pairs) get rows [n, stages, head_dim] and hold positions [n] from now on."""
+        self._rows.index_put_((self._stage_index, slots, ring),
+                              rows.to(self.dtype).transpose(0, 1))
+        self.pos.index_put_((slots, ring), positions)
 
     def gather(self, slots: torch.Tensor):
         """(per stage kv [R, capacity, head_dim], positions [R, capacity]) of slots [R]."""
@@ -148,20 +160,6 @@ class DraftState:
             return torch.zeros(0, 0)
         idx = torch.arange(lo, P, device=self.pool.device) % self.capacity
         return self.pool.kv[stage][self.slot][idx]
-
-
-def attention_with_sink_batched(q, keys, mask, sink, scale):
-    """`sparse_attention_with_sink` for R requests at once, each with its own keys.
-
-    q [R, L, H, d], keys [R, N, d] (K = V), mask [R, N] bool (the same for the L queries of a
-    request: block attention is non-causal), sink [H]. Returns fp32 [R, L, H, d]."""
-    keys = keys.float()                                    # one cast for both products
-    logits = torch.einsum("rlhd,rnd->rlhn", q.float(), keys) * scale
-    logits = logits.masked_fill(~mask[:, None, None, :], float("-inf"))
-    R, L, H, _ = q.shape
-    sink_col = sink.float()[None, None, :, None].expand(R, L, H, 1)
-    probs = torch.softmax(torch.cat([logits, sink_col], -1), dim=-1)[..., :-1]
-    return torch.einsum("rlhn,rnd->rlhd", probs, keys)
 
 
 class DraftRope:
@@ -306,12 +304,9 @@ class DSparkDrafter(nn.Module):
         so RoPE needs no device read; None reads it from the device."""
         proj = self.main_proj
         main_x = self.main_norm(proj(taps.to(self.context_dtype())))
-        ring = positions % pool.capacity
         with self.rope_bound(max_position, main_x.device):
-            for s, stage in enumerate(self.stages):
-                rows = stage.attn.project_kv(main_x, positions, quant)
-                pool.kv[s].index_put_((slots, ring), rows.to(pool.dtype))
-        pool.pos.index_put_((slots, ring), positions)
+            rows = context_rows(self, main_x, positions, quant)         # [n, stages, hd]
+        pool.write(slots, positions % pool.capacity, rows, positions)
 
     def rope_bound(self, max_position: int | None, device):
         """Context in which the stages' RoPE trusts `max_position` instead of a device read."""
@@ -330,67 +325,71 @@ class DSparkDrafter(nn.Module):
         """Pre-norm head hidden [R, γ, D] for blocks [anchor, noise...] at positions P_r + (0..γ-1)."""
         dev = anchors.device
         pools = {id(st.pool): st.pool for st in states if st.slot is not None}
-        if len(pools) <= 1:            # one shared pool (or no context at all): one gather
+        starts_t = torch.tensor(starts, dtype=torch.long, device=dev)
+        if len(pools) <= 1:            # one shared pool (or no context at all): read in place
             pool = next(iter(pools.values())) if pools else self.new_pool(0, dev)
             slots = [st.slot if st.slot is not None else pool.EMPTY_SLOT for st in states]
-            ctx_kv, ctx_pos = pool.gather(torch.tensor(slots, device=pool.device))
-        else:                          # states with private pools: gather each
+            slots_t = torch.tensor(slots, device=pool.device)
+            kv, pos = pool.kv, pool.pos
+        else:                          # states with private pools: their rows gathered
             parts = [st.pool.gather(torch.tensor([st.slot], device=st.pool.device))
                      if st.slot is not None else self.new_pool(0, dev).gather(
                          torch.zeros(1, dtype=torch.long, device=dev)) for st in states]
-            ctx_kv = [torch.cat([p[0][s] for p in parts]) for s in range(len(self.stages))]
-            ctx_pos = torch.cat([p[1] for p in parts])
-        starts_t = torch.tensor(starts, dtype=torch.long, device=dev)
-        return self.block_hidden_batched(embed, anchors, starts_t, ctx_kv, ctx_pos, quant,
+            kv = [torch.cat([p[0][s] for p in parts]) for s in range(len(self.stages))]
+            pos = torch.cat([p[1] for p in parts])
+            slots_t = torch.arange(len(states), device=dev)
+        return self.block_hidden_batched(embed, anchors, starts_t, slots_t, kv, pos, quant,
                                          max(starts) + self.gamma)
 
     def block_hidden_batched(self, embed: nn.Embedding, anchors: torch.Tensor, starts: torch.Tensor,
-                             ctx_kv: list, ctx_pos: torch.Tensor, quant=None,
-                             max_position: int | None = None) -> torch.Tensor:
+                             slots: torch.Tensor, ring_kv: list, ring_pos: torch.Tensor,
+                             quant=None, max_position: int | None = None) -> torch.Tensor:
         """`block_hidden` from tensors only, for R requests at once with the same shapes whatever
-        their positions: anchors / starts [R] int64, per stage context ring rows ctx_kv
-        [R, capacity, hd] and the positions they hold ctx_pos [R, capacity] (-1: empty), as
-        `DraftContextPool.gather` returns them. max_position: host bound (exclusive) on
+        their positions: anchors / starts / slots [R] int64 (slot: the request's row of the
+        rings), per stage the context rings ring_kv [slots, capacity, hd] and the positions
+        their entries hold ring_pos [slots, capacity] (-1: empty): a `DraftContextPool`'s .kv
+        and .pos (read in place, nothing gathered). max_position: host bound (exclusive) on
         starts + γ, so nothing is read back from the device (CUDA-graph capturable when every
         stage's MoE serves R·γ rows without a host sync, see `moe_graph_blocker`)."""
-        R, g, W = anchors.shape[0], self.gamma, self.cfg.sliding_window
-        offsets = torch.arange(g, device=anchors.device)
+        R, g = anchors.shape[0], self.gamma
+        offsets, first = self._block_constants(anchors.device)
         positions = (starts[:, None] + offsets).flatten()                       # [R*γ]
-        ids = torch.where(offsets == 0, anchors[:, None],
+        ids = torch.where(first, anchors[:, None],
                           self.cfg.dspark_noise_token_id).flatten()             # [anchor, noise...]
-        # a query block at P sees the ring entries holding positions max(0, P-W)..P-1; entries
-        # holding anything else (older rows, -1 = never written) are masked out. The block
-        # itself is seen whole (non-causal).
-        P = starts[:, None]
-        visible = (ctx_pos >= 0) & (ctx_pos >= P - W) & (ctx_pos < P)
-        mask = torch.cat([visible, visible.new_ones(R, g)], 1)                  # [R, cap+γ]
-        X = embed(ids)
-        X = X.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        ctx = BlockContext(slots, starts, ring_kv, ring_pos, self.cfg.sliding_window, g)
+        # each hc_post / hc_expand is told which collapse reads its streams next (the next
+        # sub-block's `pre_hint`: the kernels then start and finish it in their own launch)
+        hints = [stage.pre_hint("attn") for stage in self.stages] + [self.hc_head_fn]
+        if type(embed) is nn.Embedding and embed.max_norm is None:
+            # the embedding lookup, the n streams and the first collapse: one launch (kernels)
+            X = hc_expand(embed.weight, self.cfg.hc_mult, hints[0], ids=ids)
+        else:
+            X = hc_expand(embed(ids), self.cfg.hc_mult, hints[0])
         with self.rope_bound(max_position, X.device):
             for s, stage in enumerate(self.stages):
-                nxt = (self.stages[s + 1].hc_attn_fn if s + 1 < len(self.stages)
-                       else self.hc_head_fn)
-                X = self._stage_forward(stage, X, ids, positions, ctx_kv[s], mask, quant, nxt)
+                X = self._stage_forward(stage, X, ids, positions, ctx, s, quant, hints[s + 1])
         h = hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg.hc_eps,
                     self.cfg.rms_norm_eps)
         return h.view(R, g, -1)
 
-    def _stage_forward(self, stage: Block, X, ids, positions, ctx_kv, mask, quant, next_fn=None):
+    def _block_constants(self, device):
+        """(offsets 0..γ-1, offsets == 0) on `device`, made once (not per pass)."""
+        cache = self.__dict__.setdefault("_block_consts", {})
+        device = torch.device(device)
+        if device not in cache:
+            with torch.inference_mode(False):
+                offsets = torch.arange(self.gamma, device=device)
+                cache[device] = (offsets, offsets == 0)
+        return cache[device]
+
+    def _stage_forward(self, stage: Block, X, ids, positions, ctx, s: int, quant, next_fn=None):
         """Block.forward with batched block attention and the sync-free MoE."""
         x, post, comb = stage._pre(X, "attn")       # (x: attn_norm of the collapsed streams)
-        o = self._block_attention(stage.attn, x, positions, ctx_kv, mask, quant)
-        X = hc_post(o, X, post, comb, stage.hc_ffn_fn)
+        o = block_attention(stage.attn, x, positions, ctx, s, quant)
+        X = hc_post(o, X, post, comb, stage.pre_hint("ffn"))
         x, post, comb = stage._pre(X, "ffn")
         o = self._moe(stage.ffn, x, ids)
         return hc_post(o, X, post, comb, next_fn)
-
-    def _block_attention(self, attn, x, positions, ctx_kv, mask, quant):
-        R = mask.shape[0]
-        _, q, kv = attn.project_q_kv(x, positions, quant)            # [R*γ, H, hd], [R*γ, hd]
-        keys = torch.cat([ctx_kv.to(kv.dtype), kv.view(R, -1, kv.shape[-1])], 1)
-        o = attention_with_sink_batched(q.view(R, -1, *q.shape[1:]), keys, mask, attn.attn_sink,
-                                        attn.head_dim ** -0.5)
-        return attn.output(o.flatten(0, 1), positions, x.dtype)
 
     # MoE --------------------------------------------------------------------------------
     def moe_graph_blocker(self, rows: int, device) -> str | None:
@@ -438,36 +437,54 @@ class DSparkDrafter(nn.Module):
             return ffn(x, token_ids)
         # Expert.forward for every expert at once, as two plain GEMMs over the experts' weights
         # laid side by side; the routing weight of an expert a token is not routed to is 0
-        # (applied before w2, as the reference does)
+        # (applied before w2, as the reference does). The shared expert (plain linears with the
+        # routed experts' clamp) rides in the same GEMMs with weight 1: its output joins the
+        # routed sum in w2's fp32 accumulator instead of in 4 GEMMs, 2 casts, an add and a cast
+        # of its own.
         idx, w = ffn.gate(x, token_ids)
         E, T = len(ffn.experts), x.shape[0]
-        route = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_(1, idx, w)
-        w13, w2 = self._dense_expert_weights(ffn)
-        y = F.linear(x, w13)                                                   # [T, 2·E·I]
-        g, u, limit = y[:, :y.shape[1] // 2], y[:, y.shape[1] // 2:], ffn.experts[0].limit
+        w13, w2, shared = self._dense_expert_weights(ffn)
+        y = F.linear(x, w13)                                       # [T, 2·N], N = E·I (+ shared)
+        N = y.shape[1] // 2
+        g, u, limit = y[:, :N], y[:, N:], ffn.experts[0].limit
+        inter = ffn.experts[0].w1.out_features
         h = None
-        if fused_backend(y, route):
+        if fused_backend(y, w):
             from dspark.kernels import decode_fused as K    # imports triton: only where it runs
             if K.swiglu_supported(g, u):
-                # clamp, silu, ·u, ·routing weight and the cast: one launch instead of 7
-                h = K.swiglu(g, u, limit, route)                               # [T, E·I]
+                # clamp, silu, ·u, ·routing weight (from the gate's pairs) and the cast: one
+                # launch instead of 9
+                h = K.swiglu(g, u, limit, w, experts=idx, group=inter, routed=E)   # [T, N]
         if h is None:
-            h = clamped_swiglu(g.float().view(T, E, -1), u.float().view(T, E, -1), limit,
-                               route).to(x.dtype).flatten(1)
-        out = F.linear(h, w2).float()
-        out += ffn.shared_experts(x).float()
-        return out.to(x.dtype)
+            route = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_(1, idx, w)
+            r = E * inter
+            h = clamped_swiglu(g[:, :r].float().view(T, E, -1), u[:, :r].float().view(T, E, -1),
+                               limit, route).flatten(1)
+            if shared:
+                h = torch.cat([h, clamped_swiglu(g[:, r:].float(), u[:, r:].float(), limit)], 1)
+            h = h.to(x.dtype)
+        out = F.linear(h, w2)
+        # shared expert apart (not plain linears, or another clamp): x.dtype + x.dtype is the
+        # fp32 sum rounded once, as the reference's fp32 accumulation
+        return out if shared else out + ffn.shared_experts(x)
 
     @staticmethod
     def _dense_expert_weights(ffn):
-        """(w13 [2·E·I, D]: every expert's w1 rows then every w3 row, w2 [D, E·I]) — built once
-        and kept on the module while the expert weights are unchanged (same storage and version
-        counter: `derived`), so a draft pass does not copy every expert per call."""
-        ws = [e.w1.weight for e in ffn.experts] + [e.w3.weight for e in ffn.experts] + \
-            [e.w2.weight for e in ffn.experts]
-        n = 2 * len(ffn.experts)
-        return derived(ffn, "_draft_dense_w", ws,
-                       lambda: (torch.cat(ws[:n]), torch.cat(ws[n:], dim=1)))
+        """(w13 [2·N, D]: every expert's w1 rows then every w3 row, w2 [D, N], shared): N = E·I
+        routed columns, then (shared True) the shared expert's I_s, when its linears are plain
+        and it clamps as the routed ones do. Built once and kept on the module while the expert
+        weights are unchanged (same storage and version counter: `derived`), so a draft pass
+        does not copy every expert per call."""
+        se = ffn.shared_experts
+        shared = (all(type(lin) is nn.Linear for lin in (se.w1, se.w2, se.w3))
+                  and se.limit == ffn.experts[0].limit)
+        experts = list(ffn.experts) + ([se] if shared else [])
+        ws = [e.w1.weight for e in experts] + [e.w3.weight for e in experts] + \
+            [e.w2.weight for e in experts]
+        n = 2 * len(experts)
+        w13, w2 = derived(ffn, "_draft_dense_w", ws,
+                          lambda: (torch.cat(ws[:n]), torch.cat(ws[n:], dim=1)))
+        return w13, w2, shared
 
     def base_logits(self, head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
         return linear_fp32(self.norm(hidden), head.weight)
