@@ -27,5 +27,8 @@ SKIP_REASON = ("needs CUDA, or TRITON_INTERPRET=1 set before triton is first imp
                f"(triton already imported: {TRITON_PREIMPORTED})")
 DEV = "cuda" if HAS_CUDA else "cpu"
 triton_ok = pytest.mark.skipif(not (HAS_CUDA or _interp_usable), reason=SKIP_REASON)
+# CPU-side launch censuses run CUDA's kernel choices through the interpreter on CPU tensors
+interpreter_ok = pytest.mark.skipif(not _interp_usable, reason="runs the kernels on CPU under "
+                                    "TRITON_INTERPRET=1 (set before triton is first imported)")
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")

@@ -137,16 +137,22 @@ def _draft_attention_kernel(
     tl.store(dst + d[None, :], o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
-def supported(q: torch.Tensor, ring: torch.Tensor, block: torch.Tensor) -> bool:
-    """Whether `draft_attention` takes these: bf16 operands with unit last strides; fp32 ones
-    only off CUDA (the interpreter: on sm_90 the exact fp32 dots of [16, 512] tiles spill ~2 KB
-    per thread, offline compile, so an fp32 drafter keeps the torch path there)."""
-    dts = (torch.bfloat16,) if q.is_cuda else (torch.bfloat16, torch.float32)
+def runs_on(q: torch.Tensor, ring: torch.Tensor, block: torch.Tensor) -> bool:
+    """Whether the kernel takes these operands: bf16 or fp32, unit last strides, one device."""
+    dts = (torch.bfloat16, torch.float32)
     return (q.dim() == 3 and ring.dim() == 3 and block.dim() == 2 and q.dtype in dts
             and ring.dtype in dts and block.dtype in dts and q.shape[-1] == ring.shape[-1]
             == block.shape[-1] and q.shape[-1] % 2 == 0 and q.stride(-1) == 1
             and ring.stride(-1) == 1 and block.stride(-1) == 1
             and q.device == ring.device == block.device)
+
+
+def supported(q: torch.Tensor, ring: torch.Tensor, block: torch.Tensor) -> bool:
+    """Whether the drafter should take the kernel for these: bf16 operands, or fp32 ones off
+    CUDA only (the interpreter). On sm_90 the exact fp32 dots of [16, 512] tiles spill ~2 KB per
+    thread (offline compile): right but slow, so an fp32 drafter keeps the torch path there."""
+    return runs_on(q, ring, block) and (not q.is_cuda or q.dtype == ring.dtype == block.dtype
+                                        == torch.bfloat16)
 
 
 def draft_attention(q: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor,
@@ -160,7 +166,7 @@ def draft_attention(q: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor,
     (its own keys), sink [H] fp32, scale, window W. cis (complex64 [> max P + γ - 1, r/2], the
     conjugated table) with rope_dim: the output's inverse RoPE, rounded to out_dtype (fp32 or
     bf16); without: the fp32 attention output. Returns [R·γ, H, D] in out_dtype."""
-    assert supported(q, ring, block), (q.shape, q.dtype, ring.shape, ring.dtype, block.shape)
+    assert runs_on(q, ring, block), (q.shape, q.dtype, ring.shape, ring.dtype, block.shape)
     R = slots.shape[0]
     T, H, D = q.shape
     G = T // R
