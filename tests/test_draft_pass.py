@@ -407,9 +407,13 @@ def test_fused_backend_drafts_the_reference_blocks(tiny_ckpt, monkeypatch):
     assert attentions == [True] * len(eng.drafter.stages), attentions
     # the dense routed experts with the shared one: one SwiGLU per stage
     assert swiglus == [True] * len(eng.drafter.stages), swiglus
+    # confidences: bf16 roundings in another order through 3 stages and the head (a slot 0.04
+    # apart, 5.6%, seen on an AMD host): to a few percent of the block's confidences together,
+    # none off by more than 0.1 (a wrong kernel is off by O(1))
     for g, w in zip(got[:2], want[:2]):              # greedy: the same tokens
         assert torch.equal(g.tokens, w.tokens)
-        torch.testing.assert_close(g.conf_logits, w.conf_logits, rtol=2e-2, atol=2e-2)
+        d = (g.conf_logits.float() - w.conf_logits.float())
+        assert d.norm() <= 5e-2 * w.conf_logits.float().norm() and d.abs().max() <= 0.1, d
     # sampled: slot 0's law to rounding (a later slot follows its own draw, which a last-bit
     # difference in q may move to a neighbouring token)
     g, w = got[2], want[2]
