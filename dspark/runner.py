@@ -273,9 +273,8 @@ class ModelRunner:
             idx = to_device(rows + list(range(g + 1)) * m + pick + [p + 1 for p in anchor_pos],
                             torch.long, dev)
             a = accepted if m == len(reqs) else accepted[idx[2 * n:2 * n + m]]
-            keep = (idx[n:2 * n].view(m, g + 1) <= a[:, None]).view(-1)
-            picked = taps.index_select(0, idx[:n])
-            dp.write_context(slots, positions, [picked], self.quant, keep=keep)
+            drop = (idx[n:2 * n].view(m, g + 1) > a[:, None]).view(-1)
+            dp.write_context(slots, positions, [taps], self.quant, drop=drop, rows=idx[:n])
             after_anchor = idx[2 * n + m:]
         else:
             after_anchor = to_device([p + 1 for p in anchor_pos], torch.long, dev)

@@ -139,7 +139,7 @@ def decide(reqs, logits, first_rows, lengths, anchor_pos, gamma: int,
     # nothing verified), which verify and fused_verify build implicitly
     q = None
     if all(lengths) and all(r.draft.probs is not None for r in reqs):
-        q = torch.stack([r.draft.probs for r in reqs])
+        q = reqs[0].draft.probs[None] if R == 1 else torch.stack([r.draft.probs for r in reqs])
     elif any(r.draft.probs is not None for r, n in zip(reqs, lengths) if n):
         q = torch.zeros(R, g, V, device=dev)
         for i, r in enumerate(reqs):
