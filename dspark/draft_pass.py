@@ -191,9 +191,14 @@ class DraftPass:
             finally:
                 self._adjust = self._gumbel_reqs = None
         ints, floats = self._host_inputs(reqs, size, on_device is not None)
-        self._fill(graph.inputs[0], ints, torch.long)
-        self._fill(graph.inputs[1], floats, torch.float32)
+        # the same requests round after round: their inputs are on the device already, but
+        # for the anchors and starts, which a pass drafting ahead writes there itself
+        if graph.filled != (ints, floats) or (graph.anchors_on_device and on_device is None):
+            self._fill(graph.inputs[0], ints, torch.long)
+            self._fill(graph.inputs[1], floats, torch.float32)
+            graph.filled = (ints, floats)
         self._device_inputs(graph.inputs[0], on_device, R)
+        graph.anchors_on_device = on_device is not None
         graph.graph.replay()
         # copies: the graph's outputs are overwritten by its next replay
         toks, probs, confs = graph.outputs
@@ -267,12 +272,12 @@ class DraftPass:
         return len(self._graphs)
 
     def write_context(self, slots: list, positions: list, taps: list, quant=None,
-                      keep: torch.Tensor | None = None):
+                      drop: torch.Tensor | None = None, rows: torch.Tensor | None = None):
         """Context rows for committed positions: host lists slots / positions [n] and the taps
-        rows as a list of [n_i, taps*D] tensors (n = Σ n_i). (slot, position % capacity) must be
-        distinct over the n kept rows. keep: a device bool [n] known only on the device (a
-        round's accepted drafts before the host reads them): rows not kept go to the scratch
-        slot, as if not written."""
+        rows as a list of [n_i, taps*D] tensors (n = Σ n_i), or with `rows` (device int64 [n])
+        the rows `rows` of taps[0]. (slot, position % capacity) must be distinct over the n
+        kept rows. drop: a device bool [n] known only on the device (a round's rejected drafts
+        before the host reads them): those rows go to the scratch slot, as if not written."""
         n = len(positions)
         bound = self.position_bound(max(positions) + 1)
         d = self.drafter
@@ -284,39 +289,44 @@ class DraftPass:
                 count_fallback(self, "capture failed" if not self.cuda_graphs else
                                "context rows past the largest bucket")
             index = self.to_device([slots, positions], torch.long)
-            if keep is not None:
-                index[0].masked_fill_(~keep, self.pool.SCRATCH_SLOT)
-            d.commit_rows(self.pool, index[0], torch.cat(taps), index[1], quant, bound)
+            if drop is not None:
+                index[0].masked_fill_(drop, self.pool.SCRATCH_SLOT)
+            x = taps[0].index_select(0, rows) if rows is not None else torch.cat(taps)
+            d.commit_rows(self.pool, index[0], x, index[1], quant, bound)
             return
-        self._replay_context(graph, slots, positions, taps, size, keep)
+        self._replay_context(graph, slots, positions, taps, size, drop, rows)
 
     def _replay_context(self, graph, slots: list, positions: list, taps: list, size: int,
-                        keep: torch.Tensor | None = None):
+                        drop: torch.Tensor | None = None, rows: torch.Tensor | None = None):
         """Fill a captured context write's inputs (padded to `size` with the scratch slot at
         position 0) and replay it."""
         n, pad = len(positions), size - len(positions)
         self._fill(graph.inputs[0], [slots + [self.pool.SCRATCH_SLOT] * pad, positions + [0] * pad],
                    torch.long)
-        if keep is not None:
-            graph.inputs[0][0, :n].masked_fill_(~keep, self.pool.SCRATCH_SLOT)
+        if drop is not None:
+            graph.inputs[0][0, :n].masked_fill_(drop, self.pool.SCRATCH_SLOT)
         # rows past n keep what an earlier round left there: they land in the scratch slot
-        graph.inputs[1][:n].copy_(taps[0] if len(taps) == 1 else torch.cat(taps))
+        dst = graph.inputs[1][:n]
+        if rows is not None:            # gathered straight into the graph's input
+            torch.index_select(taps[0], 0, rows, out=dst)
+        else:
+            dst.copy_(taps[0] if len(taps) == 1 else torch.cat(taps))
         graph.graph.replay()
 
     # ---- graphs ----------------------------------------------------------------------------
-    def _tensors_read(self) -> tuple:
-        ropes = self.drafter.ropes()
+    def _tensors_read(self, ropes) -> tuple:
         return (self.pool.pos, *self.pool.kv, *[r.cis for r in ropes], *[r.conj for r in ropes])
 
     def _graph(self, key, bound: int, capture):
         """The graph for `key`; `capture()` -> (static input buffers, fn(*buffers)) builds it.
         None when capturing failed: graphs are then off for good and the caller runs eagerly."""
-        for rope in self.drafter.ropes():    # grow the RoPE tables now, not inside a capture
+        ropes = self.drafter.ropes()
+        for rope in ropes:               # grow the RoPE tables now, not inside a capture
             rope.reserve(bound, self.device)
-        if self._captured_on is None or any(a is not b for a, b in
-                                            zip(self._captured_on, self._tensors_read())):
+        read = self._tensors_read(ropes)
+        if self._captured_on is None or any(a is not b for a, b in zip(self._captured_on, read)):
             self._graphs.clear()        # pool or RoPE tables reallocated: graphs read stale memory
-            self._captured_on = self._tensors_read()
+            self._captured_on = read
         if key not in self._graphs:
             buffers, fn = capture()
             try:
@@ -440,3 +450,5 @@ class DraftPass:
 class _Captured:
     def __init__(self, graph, inputs, outputs):
         self.graph, self.inputs, self.outputs = graph, inputs, outputs
+        self.filled = None               # the host rows last uploaded into `inputs` (draft pass)
+        self.anchors_on_device = False   # whether its anchors / starts were written on the device

@@ -130,8 +130,8 @@ class ModelRunner:
         """items: list of (target_state, start, token list); with a paged backend the state is
         the request id registered in backend.cache. Returns (logits fp32 [N, V] for the flat
         rows in `logit_rows` (all rows when None), taps [T, taps*D] or None). snapshot=False:
-        the logits may be a view of the V4 graphs' output buffer, valid until the next forward
-        is queued (V4DecodeGraphs.run)."""
+        the logits and taps may be views of the V4 graphs' output buffers, valid until the next
+        forward is queued (V4DecodeGraphs.run; queued context rows are flushed before it)."""
         self.flush_context()        # leftovers of a step that drafted nothing
         if self.target_graphs is not None:
             out = self.target_graphs.run(items, snapshot)  # None: not a fixed-shape step
@@ -273,9 +273,8 @@ class ModelRunner:
             idx = to_device(rows + list(range(g + 1)) * m + pick + [p + 1 for p in anchor_pos],
                             torch.long, dev)
             a = accepted if m == len(reqs) else accepted[idx[2 * n:2 * n + m]]
-            keep = (idx[n:2 * n].view(m, g + 1) <= a[:, None]).view(-1)
-            picked = taps.index_select(0, idx[:n])
-            dp.write_context(slots, positions, [picked], self.quant, keep=keep)
+            drop = (idx[n:2 * n].view(m, g + 1) > a[:, None]).view(-1)
+            dp.write_context(slots, positions, [taps], self.quant, drop=drop, rows=idx[:n])
             after_anchor = idx[2 * n + m:]
         else:
             after_anchor = to_device([p + 1 for p in anchor_pos], torch.long, dev)

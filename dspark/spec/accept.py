@@ -27,7 +27,9 @@ class Decision:
     drafts: torch.Tensor
     verified: bool                   # any request verified drafts this round
     greedy: bool
-    lengths: torch.Tensor | None = None    # [R] ℓ on the device (greedy: for accepted_next)
+    # [R] ℓ on the device (greedy: for accepted_next); None when every request verifies all
+    # its γ drafts (nothing to cut at)
+    lengths: torch.Tensor | None = None
 
     def table(self) -> torch.Tensor:
         """What the host needs, one tensor (one read back): head, then the drafts if verified."""
@@ -39,12 +41,14 @@ class Decision:
         if not self.greedy:
             return self.head[:, 0], self.head[:, 1]
         R, w = self.head.shape
-        if w == 1 or self.lengths is None or not self.verified:
+        if w == 1 or not self.verified:
             a = torch.zeros(R, dtype=torch.long, device=self.head.device)
         else:
-            # the leading run of drafts equal to the argmaxes, cut at ℓ (five small kernels:
-            # each costs host time in the round)
-            a = torch.minimum((self.drafts == self.head[:, :-1]).cumprod(1).sum(1), self.lengths)
+            # the leading run of drafts equal to the argmaxes, cut at ℓ (every small kernel
+            # costs host time in the round: no cut when every block is verified whole)
+            a = (self.drafts == self.head[:, :-1]).cumprod(1).sum(1)
+            if self.lengths is not None:
+                a = torch.minimum(a, self.lengths)
         return a, self.head.gather(1, a[:, None])[:, 0]
 
     def next_tokens(self) -> torch.Tensor:
@@ -96,6 +100,25 @@ def decide(reqs, logits, first_rows, lengths, anchor_pos, gamma: int,
         # argmaxes as they are: no row indices to upload, no gather, no drafts
         head = _row_argmax(logits)[:, None]                                      # [R, 1]
         return Decision(head, head.new_empty(R, 0), False, True)
+    # every request verifies all γ drafts in its own γ+1 rows, back to back (a uniform verify
+    # step, the usual round): the rows are the logits as they are, no index upload or gather
+    whole = (list(lengths) == [g] * R and logits.shape[0] == R * (g + 1)
+             and list(first_rows) == list(range(0, R * (g + 1), g + 1)))
+    verified = any(lengths)
+    if not verified:
+        drafts = torch.zeros(R, g, dtype=torch.long, device=dev)
+    elif R == 1 and lengths[0]:
+        drafts = reqs[0].draft.tokens[None]
+    elif all(lengths):
+        drafts = torch.stack([r.draft.tokens for r in reqs])
+    else:
+        none = torch.zeros(g, dtype=torch.long, device=dev)
+        drafts = torch.stack([r.draft.tokens if n else none for r, n in zip(reqs, lengths)])
+    if greedy and adjust is None and whole:
+        # greedy fast path: argmaxes only, no softmax over V, no random draws; the compare
+        # runs on the host after the one read back (and on the device, accepted_next, for a
+        # draft queued ahead of it)
+        return Decision(_row_argmax(logits).view(R, g + 1), drafts, verified, True)
     # the host integers the device part needs in ONE upload (pinned and asynchronous on
     # CUDA; a tensor per field costs a synchronous copy each): target rows [R, γ+1] (row i
     # predicts anchor position + i + 1, padded past ℓ), ℓ, seeds, anchor positions
@@ -104,30 +127,19 @@ def decide(reqs, logits, first_rows, lengths, anchor_pos, gamma: int,
     ints = to_device(flat, torch.long, dev)
     row_idx = ints[:R * (g + 1)].view(R, g + 1)
     lens, seeds, P = ints[R * (g + 1):R * (g + 4)].view(3, R).unbind(0)
-    verified = any(lengths)
-    if not verified:
-        drafts = torch.zeros(R, g, dtype=torch.long, device=dev)
-    elif all(lengths):
-        drafts = torch.stack([r.draft.tokens for r in reqs])
-    else:
-        none = torch.zeros(g, dtype=torch.long, device=dev)
-        drafts = torch.stack([r.draft.tokens if n else none for r, n in zip(reqs, lengths)])
     if adjust is not None:
         logits = adjust.apply_block(logits[row_idx], drafts).flatten(0, 1)     # [R * (γ+1), V]
         row_idx = torch.arange(R * (g + 1), device=dev).view(R, g + 1)
         if greedy:
             return Decision(logits.argmax(-1)[row_idx], drafts, verified, True, lens)
-    if greedy:
-        # greedy fast path: argmaxes only, no softmax over V, no random draws; the compare
-        # runs on the host after the one read back (and on the device, accepted_next, for a
-        # draft queued ahead of it)
+    if greedy:         # (the fast path above, on rows gathered by row_idx)
         return Decision(_row_argmax(logits)[row_idx], drafts, verified, True, lens)  # [R, γ+1]
     use_top_k, use_top_p = filters_used([r.params for r in reqs])
     # q = None: every verified draft is a point mass at its token (greedy drafts, or
     # nothing verified), which verify and fused_verify build implicitly
     q = None
     if all(lengths) and all(r.draft.probs is not None for r in reqs):
-        q = torch.stack([r.draft.probs for r in reqs])
+        q = reqs[0].draft.probs[None] if R == 1 else torch.stack([r.draft.probs for r in reqs])
     elif any(r.draft.probs is not None for r, n in zip(reqs, lengths) if n):
         q = torch.zeros(R, g, V, device=dev)
         for i, r in enumerate(reqs):
@@ -141,7 +153,8 @@ def decide(reqs, logits, first_rows, lengths, anchor_pos, gamma: int,
         from ..kernels.sampling import fused_verify   # Triton: imported only when used
     if fused and not filters:
         temp = _temperatures(reqs, dev)
-        res = fused_verify(drafts, q, logits[row_idx], temp, lens, seeds, P)
+        rows = logits.view(R, g + 1, V) if whole else logits[row_idx]
+        res = fused_verify(drafts, q, rows, temp, lens, seeds, P)
         return Decision(torch.stack([res.accepted, res.next_token], 1), drafts, verified, False)
     temp, top_k, top_p = stack_params([r.params for r in reqs], dev)
     rep = lambda t: None if t is None else t.repeat_interleave(g + 1)  # noqa: E731

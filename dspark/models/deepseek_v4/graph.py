@@ -205,7 +205,8 @@ class V4DecodeGraphs:
         graph's output buffers, valid until the next step is queued (for a caller that queues
         its reads of them at once, as decide and the overlapped decode's read back and next
         anchors do: no 0.5 MB copy per step for a 129k vocabulary, no copy launch between two
-        decode steps for the argmax)."""
+        decode steps for the argmax). The taps too: the draft context rows taken from them
+        are queued before the next forward (ModelRunner.target_forward flushes them first)."""
         key = self.fits(items)
         if key is None:
             count_fallback(self, target_fallback_reason(items, self))
@@ -280,7 +281,9 @@ class V4DecodeGraphs:
         if meanwhile is not None:
             meanwhile()
         self.num_replays += 1
-        taps = self.taps_out[:T].clone() if self.taps_out is not None else None
+        taps = self.taps_out[:T] if self.taps_out is not None else None
+        if snapshot and taps is not None:
+            taps = taps.clone()
         logits = self.logits_out[:T].clone() if snapshot else self.logits_out[:T]
         logits.row_argmax = self.argmax_out[:T].clone() if snapshot else self.argmax_out[:T]
         return logits, taps

@@ -1,0 +1,166 @@
+"""Host work of one batch-1 DSpark round, measured on CPU along the CUDA path's code.
+
+    PYTHONPATH=. python benchmarks/host_round_cpu.py --temperature 0 --rounds 200
+
+The shipped pair on CPU, set up as the engine runs it on CUDA: the V4 target's fixed-shape step
+(V4DecodeGraphs) and the draft pass / context writes as "graphs", sampled verification through
+the fused kernel. Every graph replay and the fused kernel are stand-ins that do no work (the
+drafts and logits stay what the buffers hold), so what is timed and counted is the host side a
+round issues around its replays:
+
+* CPU us per round (wall, no profiler) and Python function calls per round (cProfile);
+* torch ops per round issued outside the graphs (TorchDispatchMode; each is a launch or more on
+  CUDA, ~5-20 us of host there);
+* host reads per round (Tensor.tolist / item / cpu / numpy / bool / int / float calls: on CUDA
+  each is a wait for the device unless it reads a host tensor);
+* with --top N, the N functions with the most own time under cProfile.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import cProfile
+import pstats
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import dspark.draft_pass as draft_pass_mod
+import dspark.kernels.sampling as sampling_kernels
+from dspark import Engine, SamplingParams
+from dspark.engine import default_model_path
+from dspark.formats.sampling import VerifyResult
+from dspark.models.deepseek_v4.graph import V4DecodeGraphs, reserve_scratch
+
+
+class _NoWorkGraph:
+    """A captured graph whose replay does nothing (its outputs keep their buffers' values)."""
+
+    def replay(self):
+        pass
+
+
+def _capture_once(fn, pool):
+    return _NoWorkGraph(), fn()          # run once for the output buffers, never again
+
+
+def _fused_verify_stub(drafts, q, logits, temp, lens, seeds, P):
+    """fused_verify's outputs from one op (the kernel's single launch on CUDA): all accepted."""
+    a = lens.clone()
+    return VerifyResult(a, a)
+
+
+def cuda_path_engine(max_num_seqs: int = 4) -> Engine:
+    """The shipped pair on CPU with the CUDA round's code path and no device work in replays."""
+    draft_pass_mod.capture, draft_pass_mod.warm_up = _capture_once, lambda *a, **k: None
+    torch.cuda.graph_pool_handle = lambda: None
+    import dspark.spec.accept as accept_mod
+    accept_mod.fused_sampling_enabled = lambda dev: True
+    sampling_kernels.fused_verify = _fused_verify_stub
+    eng = Engine(default_model_path(), device="cpu", dtype="fp32", max_num_seqs=max_num_seqs,
+                 num_kv_blocks=4 * max_num_seqs + 2)
+    r = eng.runner
+    reserve_scratch(eng.cache)
+    r.target_graphs = V4DecodeGraphs(r.model, eng.cache, "torch",
+                                     q_lens=range(1, r.drafter.gamma + 2), max_batch=max_num_seqs,
+                                     tap_layers=r.tap_layers, capture=False)
+    r.target_graphs._forward = lambda B, q, P: None      # the target graph's replay: no work
+    r.uniform_verify = True
+    eng.policy.uniform = True if hasattr(eng.policy, "uniform") else None
+    dp = r.draft_pass
+    dp.cuda_graphs = dp.graphs_wanted = True
+    return eng
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+READS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+@contextlib.contextmanager
+def count_reads(counter):
+    saved = {name: getattr(torch.Tensor, name) for name in READS}
+
+    def wrap(name, fn):
+        def read(self, *a, **k):
+            counter[name] += 1
+            return fn(self, *a, **k)
+        return read
+    for name, fn in saved.items():
+        setattr(torch.Tensor, name, wrap(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+
+
+def fresh_request(eng, sp, prompt) -> None:
+    """Abort what runs, admit `prompt` and run its prompt step (not a steady-state round)."""
+    for rid in eng.request_ids():
+        eng.abort(rid)
+    eng.add_request(prompt, sp)
+    eng.step()
+
+
+def rounds_of(eng, n: int) -> None:
+    for _ in range(n):
+        eng.step()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--rounds", type=int, default=200)
+    p.add_argument("--top", type=int, default=0)
+    a = p.parse_args(argv)
+    eng = cuda_path_engine()
+    sp = SamplingParams(temperature=a.temperature, max_tokens=10 ** 6, ignore_eos=True, seed=1)
+    prompt = "def fibonacci(n):\n"
+    with torch.inference_mode():
+        fresh_request(eng, sp, prompt)
+        rounds_of(eng, 50)                                     # warm
+        best = float("inf")
+        for _ in range(10):
+            fresh_request(eng, sp, prompt)
+            t0 = time.perf_counter()
+            rounds_of(eng, a.rounds)
+            best = min(best, (time.perf_counter() - t0) / a.rounds * 1e6)
+        fresh_request(eng, sp, prompt)
+        prof = cProfile.Profile()
+        prof.enable()
+        rounds_of(eng, a.rounds)
+        prof.disable()
+        calls = sum(nc for (_, nc, _, _, _) in pstats.Stats(prof).stats.values())
+        fresh_request(eng, sp, prompt)
+        ops, reads = OpCounter(), collections.Counter()
+        with ops, count_reads(reads):
+            rounds_of(eng, a.rounds)
+    n = a.rounds
+    print(f"T={a.temperature}: {best:.0f} us/round (best of 10 x {n}), "
+          f"{calls / n:.0f} Python calls/round, {sum(ops.ops.values()) / n:.1f} torch ops/round, "
+          f"{sum(reads.values()) / n:.1f} host reads/round")
+    print("  ops/round:", ", ".join(f"{k} {v / n:.1f}" for k, v in ops.ops.most_common()))
+    print("  reads/round:", ", ".join(f"{k} {v / n:.1f}" for k, v in reads.most_common()))
+    if a.top:
+        st = pstats.Stats(prof)
+        rows = sorted(((tt, ct, nc, f"{fn[0].split('/')[-1]}:{fn[1]}({fn[2]})")
+                       for fn, (_, nc, tt, ct, _) in st.stats.items()), reverse=True)
+        print(f"{'own us':>8} {'cum us':>8} {'calls':>6}  (per round, under cProfile)")
+        for tt, ct, nc, name in rows[:a.top]:
+            print(f"{1e6 * tt / n:>8.1f} {1e6 * ct / n:>8.1f} {nc / n:>6.1f}  {name}")
+
+
+if __name__ == "__main__":
+    main()
