@@ -192,3 +192,22 @@ def test_fast_paths_equal_general_formulas(name):
     assert {q for _, q, _, _ in seen} == set(range(1, 9))
     assert {(full, some) for _, _, full, some in seen} == {(True, True), (False, True),
                                                            (False, False)}
+
+
+def test_block_plan_stepping_round_the_rings():
+    """One request's blocks stepping on past every ring's length (the fields looked up by a
+    residue of the start and the slot are reused), moving to another slot on the way, against
+    the general formulas."""
+    cache, scratch_slot, scratch_page = make_cache(*FAST_SCHEDULES["shipped 4/128 w128"])
+    rng = random.Random(7)
+    q, P = 6, 8
+    slots = [s for s in range(cache.num_slots) if s != scratch_slot][:2]
+    pages = rng.sample([p for p in range(cache.num_blocks) if p != scratch_page], P)
+    start, top = 0, P * cache.block_size - q
+    while start <= top:
+        slot = slots[0] if start < top // 2 else slots[1]
+        pt = np.array([pages], np.int64)
+        args = (cache, 1, q, P, np.arange(start, start + q), np.array([start]),
+                np.array([slot]), np.array([1]), pt, scratch_page)
+        assert_plans_equal(hp.host_plan(*args), hp.host_plan(*args, fast=False), start)
+        start += rng.randint(1, q)

@@ -134,6 +134,7 @@ class V4DecodeGraphs:
         self.disabled = False
         self.num_replays = 0
         self._next_plan = None               # (inputs key, host plan) computed ahead
+        self._packed = None                  # (bucket, plan) the host buffer's plan words hold
         self.plans_ahead_used = 0
         if follower and share_inputs is None:
             raise ValueError("V4DecodeGraphs: a follower needs share_inputs (its inputs come "
@@ -244,7 +245,7 @@ class V4DecodeGraphs:
             raise ValueError(f"V4DecodeGraphs: a request's pages do not cover its rows "
                              f"{[(rid, start, start + q) for rid, start, _ in items]}; reserve "
                              "them before the step")
-        hp.pack(self._host_plan_views(B, q, P), self._plan(B, q, P, fields))
+        self._pack((B, q, P), self._plan(B, q, P, fields))
         for rid, start, _ in items:
             c.begin_forward(rid, start, start + q)
         # one copy: the inputs and this bucket's plan (the words past it belong to larger buckets)
@@ -304,8 +305,7 @@ class V4DecodeGraphs:
         ids[:B * q] = 0
         fields = (pos[:B * q], st[:B], sl[:B], va[:B], pt[:B * P].reshape(B, P))
         self._fill_positions([], B, q, P, *fields)
-        hp.pack(self._host_plan_views(B, q, P),
-                hp.host_plan(self.cache, B, q, P, *fields, self.scratch_page))
+        self._pack((B, q, P), hp.host_plan(self.cache, B, q, P, *fields, self.scratch_page))
         end = self._layout(B, q, P).end
         self.ints[:end].copy_(self._host_t[:end])
         self._next_plan = None
@@ -345,6 +345,14 @@ class V4DecodeGraphs:
             pos[R * q:B * q] = np.tile(np.arange(q), B - R)
             st[R:B], sl[R:B], va[R:B] = 0, self.scratch_slot, 0
         return True
+
+    def _pack(self, key, plan: dict) -> None:
+        """Write bucket `key`'s plan into the host buffer; the fields the last one packed there
+        (the buckets share one region) holds with the same arrays are not rewritten."""
+        last = self._packed
+        hp.pack(self._host_plan_views(*key), plan,
+                last[1] if last is not None and last[0] == key else None)
+        self._packed = (key, plan)
 
     def _plan(self, B, q, P, fields) -> dict:
         """host_plan for these inputs: the one computed ahead during the previous step when its

@@ -95,10 +95,14 @@ def host_views(layout: PlanLayout, host_words: np.ndarray) -> dict:
             for name, (first, shape, dt) in layout.fields.items()}
 
 
-def pack(dst: dict, values: dict) -> None:
-    """Write a host plan into its fields (`host_views`) of the host buffer."""
+def pack(dst: dict, values: dict, packed: dict | None = None) -> None:
+    """Write a host plan into its fields (`host_views`) of the host buffer. packed: the plan
+    these views hold now (nothing written over them since): a field whose array is the one
+    written then (a shared read-only array: constants, values looked up by residue) is left."""
     for name, view in dst.items():
-        view[...] = values[name]
+        value = values[name]
+        if packed is None or packed[name] is not value:
+            view[...] = value
 
 
 def views(layout: PlanLayout, words: torch.Tensor) -> dict:
@@ -252,8 +256,45 @@ class _RatioBucket:
         self.done_mask = np.arange(E)[None, :] < np.arange(E + 1)[:, None]
         self.last_visible = None       # (inputs, all_visible_ids, its int32 twin) of the last step
         self.block_entries = {}        # (start % m, min(start // m, c - 1)) -> _block_entries'
+        # (j0*m % R, slot) -> one block's ring_rows; (start % R, slot) -> its persist_dst (the
+        # page bucket P changes neither: shared by the buckets of every P)
+        self.block_ring = _memo(("ring", m, self.R, q, E, cm), self.R)
+        self.block_persist = _memo(("persist", m, self.R, q), self.R)
+        self.last_emit = None          # (j0, entries done, page row bytes, emit_dst, emit_pos)
         for a in (self.block_rel, self.done_mask):
             a.setflags(write=False)
+
+
+class _Memo(dict):
+    """Read-only arrays of a plan by the residues they depend on, made on a key's first step:
+    at most `size` keys (about one ring's worth for the request of a batch-1 run); when a new
+    slot's keys would pass that, the old ones go."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.size = size
+
+    def get_or_make(self, key, make):
+        got = self.get(key)
+        if got is None:
+            if len(self) >= self.size:
+                self.clear()
+            got = self[key] = make()
+            for a in got:
+                a.setflags(write=False)
+        return got
+
+
+_MEMOS: dict = {}         # (what, every number it depends on but the residue) -> _Memo
+
+
+def _memo(key, size: int) -> _Memo:
+    """The _Memo of `key` (what a field's values depend on besides its residue key), shared by
+    the buckets whose values are the same functions of the residue."""
+    got = _MEMOS.get(key)
+    if got is None:
+        got = _MEMOS[key] = _Memo(size)
+    return got
 
 
 class _Bucket:
@@ -277,6 +318,10 @@ class _Bucket:
         for a in (self.tok_in_req, self.run_before, self.run_staged, self.run_index):
             a.setflags(write=False)
         self.across = _AcrossRatios(self.ratios)
+        # one request's block s..s+q-1 with s >= W - 1 (the window starts past 0): window column
+        # w of token k is ring row (s + k + w - (W-1)) % C of its slot or a staged row, so the
+        # window fields depend on (s % C, slot) alone
+        self.block_window = _memo(("window", q, self.W, self.C, cache.stage_base), self.C)
 
 
 class _AcrossRatios:
@@ -325,12 +370,62 @@ def _visible(rb: _RatioBucket, key, ids_of, n_vis):
 
 
 def _block_plan(b: _Bucket, pos, s: int, slot: int, pt, scratch_page) -> dict:
-    """host_plan of one real request feeding q tokens from start s (batch bucket 1; its rows
-    are s..s+q-1 in every engine step, though nothing here needs that): Python integers where
-    the general formulas build one-element arrays, per ratio the pooling-row fields looked up
-    by the start's residue, the per-token ratio fields of all ratios in one op each (every
-    numpy op on a tiny array costs ~1 us: this plan costs about a third of the general one's
-    host time at q = 6)."""
+    """host_plan of one real request feeding q tokens from start s (batch bucket 1): Python
+    integers where the general formulas build one-element arrays, the per-token ratio fields of
+    all ratios in one op each, and, for rows s..s+q-1 (every engine step's), the fields that
+    are functions of a residue of s and the slot looked up by it (`_Memo`; each numpy op on a
+    tiny array costs ~1 us, and a round's host work shows 1:1 in a batch-1 round's time)."""
+    C, q = b.C, b.q
+    in_block = pos.tobytes() == np.arange(s, s + q, dtype=np.int64).tobytes()
+    if in_block and s >= b.W - 1:
+        window_ids, window_ids_i32, ring_dst, split = b.block_window.get_or_make(
+            (s % C, slot), lambda: _block_window(b, pos, s, slot))
+    else:
+        window_ids, window_ids_i32, ring_dst, split = _block_window(b, pos, s, slot)
+    out = dict(req_index=b.req, req_index_i32=b.req_i32, page_table_i32=pt.astype(np.int32),
+               window_ids=window_ids, window_ids_i32=window_ids_i32, stage_ids=b.stage,
+               ring_dst=ring_dst, ring_split=split)
+    row, a = pt[0], b.across
+    row_bytes = row.tobytes()
+    n_vis_all = (pos + 1) // a.m_col                                     # [ratios, q]
+    n_vis32_all = n_vis_all.astype(np.int32)
+    if not in_block:
+        persist_all = pos % a.R_col
+        persist_all += slot * a.R_col
+    for r, rb in enumerate(b.ratios):
+        m, R, N, E = rb.m, rb.R, rb.N, rb.E
+        j0 = s // m
+        done = (s + q) // m - j0                               # entries completing: k < done
+        from_ring, fresh, before_zero = _block_entries(rb, q, s % m, min(j0, rb.c - 1))
+        # (block_rel + j0*m) % R + slot*R: a function of (j0*m % R, slot)
+        ring, = rb.block_ring.get_or_make(
+            (j0 * m % R, slot), lambda: ((rb.block_rel + j0 * m) % R + slot * R,))
+        if in_block:                     # (s + k) % R + slot*R: a function of (s % R, slot)
+            persist, = rb.block_persist.get_or_make((s % R, slot),
+                                                    lambda: (pos % R + slot * R,))
+        else:
+            persist = persist_all[r]
+        emit = rb.last_emit
+        if emit is None or emit[:4] != (j0, done, row_bytes, scratch_page):
+            dst = np.array([int(row[min((j0 + k) // N, b.P - 1)]) * N + (j0 + k) % N
+                            if k < done else scratch_page * N for k in range(E)])
+            emit_pos = np.array([(j0 + k) * m if k < done else 0 for k in range(E)])
+            dst.setflags(write=False)
+            emit_pos.setflags(write=False)
+            emit = rb.last_emit = (j0, done, row_bytes, scratch_page, dst, emit_pos)
+        n_vis = n_vis_all[r]
+        nv, nv32, ev, ed, ep, fr, rr, fs, bz, pd, av, av32 = rb.names
+        out[nv], out[nv32], out[ev] = n_vis, n_vis32_all[r], rb.done_mask[done]
+        out[ed], out[ep] = emit[4], emit[5]
+        out[fr], out[rr], out[fs], out[bz], out[pd] = from_ring, ring, fresh, before_zero, persist
+        if rb.hca:
+            out[av], out[av32] = _visible(rb, (n_vis.tobytes(), row_bytes),
+                                          lambda: row[rb.local_page] * N + rb.local_row, n_vis)
+    return out
+
+
+def _block_window(b: _Bucket, pos, s: int, slot: int):
+    """(window_ids, window_ids_i32, ring_dst, ring_split) of `_block_plan`."""
     C, q = b.C, b.q
     qw = pos[:, None] + b.win_offs                             # [q, W] window positions
     window_ids = qw % C
@@ -341,33 +436,7 @@ def _block_plan(b: _Bucket, pos, s: int, slot: int, pt, scratch_page) -> dict:
     pos_c = pos % C
     split = np.empty((4, q), np.int64)     # ring_dst // C is the slot, ring_dst % C pos % C
     split[0], split[1], split[2], split[3] = b.stage_page, b.stage_row, slot, pos_c
-    out = dict(req_index=b.req, req_index_i32=b.req_i32, page_table_i32=pt.astype(np.int32),
-               window_ids=window_ids, window_ids_i32=window_ids.astype(np.int32),
-               stage_ids=b.stage, ring_dst=pos_c + slot * C, ring_split=split)
-    row, a = pt[0], b.across
-    n_vis_all = (pos + 1) // a.m_col                                     # [ratios, q]
-    n_vis32_all = n_vis_all.astype(np.int32)
-    persist_all = pos % a.R_col
-    persist_all += slot * a.R_col
-    for r, rb in enumerate(b.ratios):
-        m, R, N, E = rb.m, rb.R, rb.N, rb.E
-        j0 = s // m
-        done = (s + q) // m - j0                               # entries completing: k < done
-        from_ring, fresh, before_zero = _block_entries(rb, q, s % m, min(j0, rb.c - 1))
-        ring = rb.block_rel + j0 * m
-        ring %= R
-        ring += slot * R
-        n_vis, persist = n_vis_all[r], persist_all[r]
-        nv, nv32, ev, ed, ep, fr, rr, fs, bz, pd, av, av32 = rb.names
-        out[nv], out[nv32], out[ev] = n_vis, n_vis32_all[r], rb.done_mask[done]
-        out[ed] = np.array([int(row[min((j0 + k) // N, b.P - 1)]) * N + (j0 + k) % N
-                            if k < done else scratch_page * N for k in range(E)])
-        out[ep] = np.array([(j0 + k) * m if k < done else 0 for k in range(E)])
-        out[fr], out[rr], out[fs], out[bz], out[pd] = from_ring, ring, fresh, before_zero, persist
-        if rb.hca:
-            out[av], out[av32] = _visible(rb, (n_vis.tobytes(), row.tobytes()),
-                                          lambda: row[rb.local_page] * N + rb.local_row, n_vis)
-    return out
+    return window_ids, window_ids.astype(np.int32), pos_c + slot * C, split
 
 
 def _block_entries(rb: _RatioBucket, q: int, r: int, j0_low: int):
