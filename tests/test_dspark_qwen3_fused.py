@@ -84,7 +84,10 @@ def test_launch_census_of_the_qwen3_draft_pass_and_context_write(tmp_path, head)
     the block 2 + 9 per layer (block_embed, first norm; per layer the stacked q|k|v GEMM,
     q/k norm + RoPE, attention, o GEMM, add + norm, gate|up GEMM, SwiGLU, down GEMM, add + norm);
     the context write 2 + 2 per layer (fc GEMM, hidden norm; per layer the k|v GEMM and the
-    norm + RoPE + pool store)."""
+    norm + RoPE + pool store). The whole pass, vanilla head: the block, the base logits (GEMM,
+    cast), the confidences' hidden part (cast, GEMM), the uniforms (positions, a copy, the hash),
+    2 per Markov step (markov_step, fused_sample) and the outputs' 3 stacks. Gated / rnn heads
+    keep the torch head step (their totals pinned here so that a change shows)."""
     import os
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
@@ -93,6 +96,9 @@ def test_launch_census_of_the_qwen3_draft_pass_and_context_write(tmp_path, head)
     block = [r for r in rows if r[0] == "draft" and r[1] != "sync"
              and (r[4] or "").endswith("block_hidden_fused")]
     assert len(block) == 2 + 9 * 5, _table(census, block)
+    draft = [r for r in rows if r[0] == "draft" and r[1] != "sync"]
+    assert len(draft) == {"vanilla": 47 + 2 + 2 + 3 + 2 * 7 + 3, "gated": 160, "rnn": 196}[head], \
+        _table(census, draft)
     assert sum(r[0] == "context" and r[1] != "sync" for r in rows) == 2 + 2 * 5
     assert not any(r[1] == "sync" for r in rows)                 # nothing read back
 

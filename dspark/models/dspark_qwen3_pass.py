@@ -233,9 +233,42 @@ class Qwen3DraftPass(DraftPass):
         # no one-launch Markov loop (kernels/markov_loop.py): this head is not markov_step's
         # math (W2 runs in the weight dtype, so a bf16 bias; the confidence has a bias and reads
         # W1[prev] only with confidence_head_with_markov; gated / rnn heads add a gate or a
-        # carried state), and Qwen3's 151936-token vocabulary is past the kernel's width
+        # carried state), and Qwen3's 151936-token vocabulary is past the kernel's width. The
+        # vanilla head on the fused kernels: one launch per step (kernels/qwen3_markov.py)
+        head_logits = self._vanilla_head_logits(base, hidden) \
+            if self.kernels == "triton" else None
         return self._sample_block(base, anchors, starts, seeds, temperature, top_k, top_p, greedy,
-                                  head_step, fused)
+                                  head_step, fused, head_logits=head_logits)
+
+    def _vanilla_head_logits(self, base, hidden):
+        """head_logits(k, prev) for `_sample_block` when the drafter's head is vanilla (else
+        None): the confidences' hidden part for all γ slots in one GEMM, then per step one
+        launch for the corrected logits and the confidence's W1[prev] part."""
+        d = self.drafter
+        mh, ch = d.markov_head, d.confidence_head
+        if mh is None or mh.kind != "vanilla":
+            return None
+        from ..kernels.qwen3_markov import markov_step
+        R, g, H = hidden.shape
+        if ch is None:
+            conf_base, w_e = torch.full((R, g), float("inf"), device=hidden.device), None
+        else:
+            w, b = self._conf_weights(ch)
+            conf_base = torch.addmm(b, hidden.reshape(R * g, H).float(), w[:H, None]).view(R, g)
+            w_e = w[H:] if d.cfg.confidence_head_with_markov else None
+        w1, w2 = mh.markov_w1.weight, mh.markov_w2.weight
+
+        def head_logits(k, prev):
+            return markov_step(base[:, k], prev, w1, w2, conf_base[:, k], w_e)
+        return head_logits
+
+    def _conf_weights(self, ch):
+        """(weight [H (+ r)], bias [1]) of the confidence head in fp32, cast once (§2.6: fp32)."""
+        cached = getattr(self, "_conf_fp32", None)
+        if cached is None or cached[0] is not ch.proj.weight:
+            cached = (ch.proj.weight, ch.proj.weight.float()[0].contiguous(), ch.proj.bias.float())
+            self._conf_fp32 = cached
+        return cached[1:]
 
 
 __all__ = ["Qwen3DraftPool", "Qwen3DraftState", "Qwen3DraftPass", "context_bucket"]
