@@ -1,5 +1,6 @@
 """Launch census of the DSpark drafter's graphs, counted on CPU: one draft pass and one context
-write of the shipped pair, with the kernels the H200 runs.
+write of the shipped pair (or, with --qwen3, of a tiny random Qwen3 target + DeepSpec drafter
+pair), with the kernels the H200 runs.
 
 On the GPU both run as CUDA graphs whose time, for the shipped model (hidden 192, vocabulary
 512), is set by how many kernels they hold, not by their widths. This builds the shipped engine
@@ -17,7 +18,12 @@ source line that issued it (innermost dspark frame, and the drafter / draft-pass
 there). An fp32 GEMM (mm / bmm / addmm in fp32) may be two kernels on CUDA (cuBLAS split-K plus
 its reduce): listed, counted once.
 
+The Qwen3 pair (dspark.tools.make_qwen3_checkpoint, preset `tiny`, bf16, no fp8 records) runs
+`Qwen3DraftPass` with kernels="triton" (what it picks on CUDA): its counts are the 4B drafter's
+per layer and per Markov step, only the widths differ.
+
     python benchmarks/count_draft_launches.py [--batch 1] [--temperature 1.0] [--top 40]
+    python benchmarks/count_draft_launches.py --qwen3 [--markov-head vanilla|gated|rnn]
 """
 from __future__ import annotations
 
@@ -38,7 +44,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 PKG = os.path.join(ROOT, "dspark") + os.sep
-SITES = ("models/drafter.py", "models/draft_block.py", "draft_pass.py")   # rows charged to
+SITES = ("models/drafter.py", "models/draft_block.py", "draft_pass.py",   # rows charged to
+         "models/dspark_qwen3.py", "models/dspark_qwen3_pass.py", "models/dspark_qwen3_fused.py")
 # aten ops that launch nothing on the GPU (allocation, aliasing, metadata)
 NO_KERNEL = {"empty", "empty_strided", "empty_like", "detach", "lift_fresh", "alias",
              "_unsafe_view", "set_", "resize_", "sym_size", "sym_stride", "sym_numel",
@@ -186,14 +193,43 @@ def gpu_backends():
         mhc.BACKEND, norm.NORM_BACKEND, sampling.FUSED_BACKEND = saved
 
 
-def build(batch: int, temperature: float, path: str | None = None):
-    """The engine (shipped model unless `path`: bf16, fp8 KV records, eager) and `batch` running
+QWEN3_4B_DRAFT = dict(draft_layers=5, block_size=7)    # dspark_qwen3_4b_block7's depth and γ
+
+
+def qwen3_pair(root: str, markov_head: str = "vanilla") -> tuple:
+    """(target dir, drafter dir): a random bf16 Qwen3 pair of `tiny` widths under `root` (made
+    once), the drafter with the 4B drafter's 5 layers and block of 7, so that its counts are the
+    4B pass's (launch counts depend on depth and γ, not on widths)."""
+    from dspark.tools.make_qwen3_checkpoint import make_qwen3_checkpoint
+    target, draft = os.path.join(root, "target"), os.path.join(root, f"dspark_{markov_head}")
+    if not os.path.exists(os.path.join(target, "config.json")):
+        make_qwen3_checkpoint(target, "tiny", "target", seed=0, dtype="bf16")
+    cfg = os.path.join(draft, "config.json")
+    if not os.path.exists(cfg):
+        make_qwen3_checkpoint(draft, "tiny", "dspark", seed=0, dtype="bf16", markov_head=markov_head,
+                              draft_layers=QWEN3_4B_DRAFT["draft_layers"])
+        with open(cfg) as f:
+            raw = json.load(f)
+        raw["block_size"] = QWEN3_4B_DRAFT["block_size"]    # no tensor depends on γ
+        with open(cfg, "w") as f:
+            json.dump(raw, f, indent=1)
+    return target, draft
+
+
+def build(batch: int, temperature: float, path=None):
+    """The engine (shipped model unless `path`: bf16, fp8 KV records, eager; `path` = (target,
+    drafter) dirs: a Qwen3 pair, bf16, its draft pass on the Triton kernels) and `batch` running
     requests with context committed at varied positions."""
     from types import SimpleNamespace
 
     from dspark import Engine, SamplingParams
-    eng = Engine(path, device="cpu", dtype="bf16", kv_cache_dtype="fp8", cuda_graphs=False,
-                 target_cuda_graphs=False, max_num_seqs=max(batch, 2))
+    if isinstance(path, (tuple, list)):
+        eng = Engine(path[0], draft=path[1], device="cpu", dtype="bf16", cuda_graphs=False,
+                     max_num_seqs=max(batch, 2))
+        eng.runner.draft_pass.kernels = "triton"
+    else:
+        eng = Engine(path, device="cpu", dtype="bf16", kv_cache_dtype="fp8", cuda_graphs=False,
+                     target_cuda_graphs=False, max_num_seqs=max(batch, 2))
     runner, cfg = eng.runner, eng.cfg
     gen = torch.Generator().manual_seed(0)
     width = len(cfg.dspark_target_layer_ids) * cfg.hidden_size
@@ -209,17 +245,20 @@ def build(batch: int, temperature: float, path: str | None = None):
     return eng, reqs
 
 
-def census(batch: int = 1, temperature: float = 1.0, rows: int = 3,
-           path: str | None = None) -> list:
+def census(batch: int = 1, temperature: float = 1.0, rows: int = 3, path=None) -> list:
     """[(phase, kind, op, inner, site)] of one draft pass ("draft") and one context write of
-    `rows` rows per request ("context"), after a warm-up of each (weight caches built)."""
+    `rows` rows per request ("context"), after a warm-up of each (weight caches built). `path`:
+    as in `build`."""
     global CENSUS
     CENSUS = Census()
     with instrument(), gpu_backends():
         eng, reqs = build(batch, temperature, path)
         runner, dp = eng.runner, eng.runner.draft_pass
         d = eng.drafter
-        draft, commit = dp._draft, d.commit_rows
+        # the context write's device work: the Qwen3 pass picks its kernels in _commit_rows
+        holder = dp if hasattr(dp, "_commit_rows") else d
+        name = "_commit_rows" if holder is dp else "commit_rows"
+        draft, commit = dp._draft, getattr(holder, name)
 
         def traced(phase, fn):
             def call(*args, **kwargs):
@@ -231,7 +270,7 @@ def census(batch: int = 1, temperature: float = 1.0, rows: int = 3,
                 finally:
                     CENSUS.phase = None
             return call
-        width = d.main_proj.weight.shape[1]
+        width = (d.fc if hasattr(d, "fc") else d.main_proj).weight.shape[1]
         taps = torch.randn(batch * rows, width).to(eng.dtype)
 
         def context_round():
@@ -241,13 +280,15 @@ def census(batch: int = 1, temperature: float = 1.0, rows: int = 3,
             runner.flush_context()
         with torch.inference_mode():
             runner.draft(reqs), context_round()          # warm-up: caches, RoPE tables
-            dp._draft, d.commit_rows = traced("draft", draft), traced("context", commit)
+            dp._draft = traced("draft", draft)
+            setattr(holder, name, traced("context", commit))
             try:
                 with CENSUS:
                     runner.draft(reqs)
                     context_round()
             finally:
-                del dp._draft, d.commit_rows             # the class's methods again
+                del dp._draft                            # the class's methods again
+                delattr(holder, name)
     return CENSUS.rows
 
 
@@ -283,10 +324,16 @@ def main(argv=None):
                     help="the requests' temperature (0: greedy Markov steps)")
     ap.add_argument("--rows", type=int, default=3, help="context rows written per request")
     ap.add_argument("--top", type=int, default=40, help="source lines listed per phase")
+    ap.add_argument("--qwen3", action="store_true",
+                    help="a tiny random Qwen3 target + DeepSpec drafter pair instead of V4")
+    ap.add_argument("--markov-head", default="vanilla", choices=("vanilla", "gated", "rnn"))
+    ap.add_argument("--workdir", default=os.path.join(ROOT, "out", "qwen3_pair"),
+                    help="where --qwen3 writes its pair (reused)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    rows = census(args.batch, args.temperature, args.rows)
+    path = qwen3_pair(args.workdir, args.markov_head) if args.qwen3 else None
+    rows = census(args.batch, args.temperature, args.rows, path)
     report(rows, args.top)
     print(f"\ntotal launches: {totals(rows)}")
     if args.json:

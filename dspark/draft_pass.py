@@ -376,9 +376,11 @@ class DraftPass:
                                   (hidden, d.markov_w1, d.markov_w2, d.confidence.weight))
 
     def _sample_block(self, base, anchors, starts, seeds, temperature, top_k, top_p,
-                      greedy: bool, head_step, fused: bool = False, markov=None):
+                      greedy: bool, head_step, fused: bool = False, markov=None,
+                      head_logits=None):
         """The sequential part of a draft pass: slot k's logits are base[:, k] plus the head's
-        bias given the previous token; `head_step(k, prev)` -> (bias [R, V], confidence [R]).
+        bias given the previous token; `head_step(k, prev)` -> (bias [R, V], confidence [R]),
+        or, given instead, `head_logits(k, prev)` -> (those logits fp32 [R, V], confidence).
         markov: (hidden [R, γ, D], W1, W2, confidence weight) when the head is
         `markov_step`'s (e = W1[prev], bias = W2 e, confidence = w · [hidden_k ; e]): with
         `fused` and no per-step work in between (top-k / top-p, logit adjustments, Gumbel
@@ -412,8 +414,11 @@ class DraftPass:
                 seeds[:, None], starts[:, None] + self._offsets, Purpose.DRAFT)
         prev, toks, probs, confs = anchors, [], [], []
         for k in range(self.gamma):
-            bias, conf = head_step(k, prev)
-            x = base[:, k] + bias
+            if head_logits is not None:
+                x, conf = head_logits(k, prev)
+            else:
+                bias, conf = head_step(k, prev)
+                x = base[:, k] + bias
             if adjust is not None:       # the same adjustment the target's row k gets
                 x = adjust.apply(x)
             if gumbel is not None:

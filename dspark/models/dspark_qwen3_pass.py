@@ -11,7 +11,10 @@ The same design as the DeepSeek-V4 `DraftPass` (dspark/draft_pass.py), which thi
 - nothing is read back from the device; shapes depend on (batch bucket, context bucket C), so on
   CUDA each pair is captured once (warm-up on all-padding inputs) and replayed; padding rows read
   the pool's empty slot at start 0 and write context to its scratch slot;
-- a capture failure warns and runs eagerly from then on.
+- a capture failure warns and runs eagerly from then on;
+- kernels="triton" (CUDA default) runs the block forward and the context write on fused kernels
+  (dspark_qwen3_fused.py), "torch" the drafter's own modules (the reference the fused path is
+  tested against on CPU under the Triton interpreter).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import weakref
 
 import torch
 
+from .. import debug
 from ..compile_stats import count_fallback
 from ..draft_pass import MAX_GRAPH_CONTEXT_ROWS, DraftPass, bucket_size
 from ..logit_adjust import LogitAdjust
@@ -103,7 +107,37 @@ class Qwen3DraftState:
 class Qwen3DraftPass(DraftPass):
     """`__call__(reqs, quant)` -> (tokens [R, γ], q [R, γ, V] | None when all greedy, confidence
     logits [R, γ]) for requests with .draft_state (a `Qwen3DraftState` of `pool`), .anchor,
-    .num_committed, .seed, .params; `write_context(slots, positions, taps)` as in `DraftPass`."""
+    .num_committed, .seed, .params; `write_context(slots, positions, taps)` as in `DraftPass`.
+    kernels: "triton" | "torch" (module doc); None: triton on CUDA (unless
+    debug.REFERENCE_KERNELS or the drafter has projection biases)."""
+
+    def __init__(self, drafter, embed, head, pool, cuda_graphs: bool = False,
+                 gumbel: bool = False, kernels: str | None = None):
+        super().__init__(drafter, embed, head, pool, cuda_graphs, gumbel)
+        from . import dspark_qwen3_fused as fused
+        if kernels is None:
+            kernels = "triton" if (self.device.type == "cuda" and not debug.REFERENCE_KERNELS
+                                   and fused.fusable(drafter)) else "torch"
+        if kernels not in ("triton", "torch"):
+            raise ValueError(f"kernels={kernels!r}: use 'triton' or 'torch'")
+        self.kernels = kernels
+
+    @property
+    def kernels(self) -> str:
+        return self._kernels
+
+    @kernels.setter
+    def kernels(self, value: str) -> None:
+        if value == "triton":      # the stacked projections exist before any graph is captured
+            from .dspark_qwen3_fused import stack_projections
+            stack_projections(self.drafter)
+        self._kernels = value
+
+    def _commit_rows(self, slots, taps, positions):
+        if self.kernels == "triton":
+            from .dspark_qwen3_fused import commit_rows_fused
+            return commit_rows_fused(self.drafter, self.pool, slots, taps, positions)
+        return self.drafter.commit_rows(self.pool, slots, taps, positions)
 
     def _tensors_read(self) -> tuple:
         return tuple(self.pool.kv)
@@ -159,13 +193,13 @@ class Qwen3DraftPass(DraftPass):
         pairs) and the taps rows as a list of [n_i, taps*D] tensors (n = Σ n_i)."""
         n = len(positions)
         self.pool.reserve(max(positions) + 1)
-        d, size, dtype = self.drafter, bucket_size(n, smallest=8), taps[0].dtype
+        size, dtype = bucket_size(n, smallest=8), taps[0].dtype
 
         def capture():
             buffers = (torch.tensor([[self.pool.SCRATCH_SLOT] * size, [0] * size],
                                     dtype=torch.long, device=self.device),
                        torch.zeros(size, taps[0].shape[-1], dtype=dtype, device=self.device))
-            return buffers, lambda index, rows: d.commit_rows(self.pool, index[0], rows, index[1])
+            return buffers, lambda index, rows: self._commit_rows(index[0], rows, index[1])
 
         graph = self._graph(("context", size, dtype), 0, capture) \
             if self.cuda_graphs and n <= MAX_GRAPH_CONTEXT_ROWS else None
@@ -174,7 +208,7 @@ class Qwen3DraftPass(DraftPass):
                 count_fallback(self, "capture failed" if not self.cuda_graphs else
                                "context rows past the largest bucket")
             index = self.to_device([slots, positions], torch.long)
-            d.commit_rows(self.pool, index[0], torch.cat(taps).to(self.device), index[1])
+            self._commit_rows(index[0], torch.cat(taps).to(self.device), index[1])
             return
         self._replay_context(graph, slots, positions, taps, size)
 
@@ -185,7 +219,11 @@ class Qwen3DraftPass(DraftPass):
         slots, anchors, starts, seeds, top_k = ints
         temperature, top_p = floats
         top_k, top_p = (top_k if use_top_k else None), (top_p if use_top_p else None)
-        hidden = d.block_hidden_batched(self.embed, anchors, starts, slots, self.pool, ctx)
+        if self.kernels == "triton":
+            from .dspark_qwen3_fused import block_hidden_fused
+            hidden = block_hidden_fused(d, self.embed, anchors, starts, slots, self.pool)
+        else:
+            hidden = d.block_hidden_batched(self.embed, anchors, starts, slots, self.pool, ctx)
         base = d.base_logits(self.head, hidden)                               # [R, γ, V]
         state = [d.markov_state(anchors.shape[0], hidden)]      # the RNN head's carry (or None)
 
@@ -195,9 +233,42 @@ class Qwen3DraftPass(DraftPass):
         # no one-launch Markov loop (kernels/markov_loop.py): this head is not markov_step's
         # math (W2 runs in the weight dtype, so a bf16 bias; the confidence has a bias and reads
         # W1[prev] only with confidence_head_with_markov; gated / rnn heads add a gate or a
-        # carried state), and Qwen3's 151936-token vocabulary is past the kernel's width
+        # carried state), and Qwen3's 151936-token vocabulary is past the kernel's width. The
+        # vanilla head on the fused kernels: one launch per step (kernels/qwen3_markov.py)
+        head_logits = self._vanilla_head_logits(base, hidden) \
+            if self.kernels == "triton" else None
         return self._sample_block(base, anchors, starts, seeds, temperature, top_k, top_p, greedy,
-                                  head_step, fused)
+                                  head_step, fused, head_logits=head_logits)
+
+    def _vanilla_head_logits(self, base, hidden):
+        """head_logits(k, prev) for `_sample_block` when the drafter's head is vanilla (else
+        None): the confidences' hidden part for all γ slots in one GEMM, then per step one
+        launch for the corrected logits and the confidence's W1[prev] part."""
+        d = self.drafter
+        mh, ch = d.markov_head, d.confidence_head
+        if mh is None or mh.kind != "vanilla":
+            return None
+        from ..kernels.qwen3_markov import markov_step
+        R, g, H = hidden.shape
+        if ch is None:
+            conf_base, w_e = torch.full((R, g), float("inf"), device=hidden.device), None
+        else:
+            w, b = self._conf_weights(ch)
+            conf_base = torch.addmm(b, hidden.reshape(R * g, H).float(), w[:H, None]).view(R, g)
+            w_e = w[H:] if d.cfg.confidence_head_with_markov else None
+        w1, w2 = mh.markov_w1.weight, mh.markov_w2.weight
+
+        def head_logits(k, prev):
+            return markov_step(base[:, k], prev, w1, w2, conf_base[:, k], w_e)
+        return head_logits
+
+    def _conf_weights(self, ch):
+        """(weight [H (+ r)], bias [1]) of the confidence head in fp32, cast once (§2.6: fp32)."""
+        cached = getattr(self, "_conf_fp32", None)
+        if cached is None or cached[0] is not ch.proj.weight:
+            cached = (ch.proj.weight, ch.proj.weight.float()[0].contiguous(), ch.proj.bias.float())
+            self._conf_fp32 = cached
+        return cached[1:]
 
 
 __all__ = ["Qwen3DraftPool", "Qwen3DraftState", "Qwen3DraftPass", "context_bucket"]
