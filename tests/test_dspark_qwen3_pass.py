@@ -39,15 +39,15 @@ def _taps(drafter, n, seed):
     return torch.randn(n, drafter.fc.weight.shape[1], generator=g)
 
 
-def _setup(pair, params, device="cpu", cuda_graphs=False, kernels=None):
-    target, drafter, _ = load_qwen3_pair(*pair, dtype=torch.float32, device=device)
+def _setup(pair, params, device="cpu", cuda_graphs=False, kernels=None, dtype=torch.float32):
+    target, drafter, _ = load_qwen3_pair(*pair, dtype=dtype, device=device)
     pool = drafter.new_pool(2, device)          # small: slots and rows grow on demand
     dp = Qwen3DraftPass(drafter, target.embed, target.head, pool, cuda_graphs, kernels=kernels)
     ref_runner = SimpleNamespace(drafter=drafter, model=target, device=torch.device(device), quant=None)
     pooled, ref = [], []
     slots, positions, rows = [], [], []
     for i, P in enumerate(POSITIONS):
-        taps = _taps(drafter, P, seed=i).to(device)
+        taps = _taps(drafter, P, seed=i).to(device, dtype)
         ps, rs = Qwen3DraftState(pool), drafter.new_state()
         if P:
             drafter.commit_context(rs, taps, torch.arange(P, device=device))
