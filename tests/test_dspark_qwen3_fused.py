@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from test_dspark_qwen3_pass import PARAMS, _setup, _taps, pairs, per_request_draft  # noqa: F401
-from triton_env import triton_ok
+from triton_env import DEV, interpreter_ok, triton_ok
 
 from dspark.kernels.gqa_draft_attention import gqa_draft_attention
 from dspark.models.dspark_qwen3_fused import stack_projections, stacked
@@ -19,7 +19,8 @@ from dspark.models.dspark_qwen3_fused import stack_projections, stacked
 @pytest.mark.parametrize("head", ["vanilla", "rnn"])
 @torch.inference_mode()
 def test_fused_pass_equals_per_request(pairs, head):
-    drafter, dp, pooled, ref, ref_runner = _setup(pairs[head], PARAMS, kernels="triton")
+    drafter, dp, pooled, ref, ref_runner = _setup(pairs[head], PARAMS, device=DEV,
+                                                  kernels="triton")
     toks, q, conf = dp(pooled)
     want = per_request_draft(ref_runner, ref)
     for i, b in enumerate(want):
@@ -32,12 +33,12 @@ def test_fused_pass_equals_per_request(pairs, head):
 @triton_ok
 @torch.inference_mode()
 def test_fused_context_write_equals_torch(pairs):
-    drafter, fused, pooled, _, _ = _setup(pairs["vanilla"], PARAMS, kernels="triton")
-    _, plain, _, _, _ = _setup(pairs["vanilla"], PARAMS, kernels="torch")
+    drafter, fused, pooled, _, _ = _setup(pairs["vanilla"], PARAMS, device=DEV, kernels="triton")
+    _, plain, _, _, _ = _setup(pairs["vanilla"], PARAMS, device=DEV, kernels="torch")
     for a, b in zip(fused.pool.kv, plain.pool.kv):        # the whole prefill, both ways
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     slots = [pooled[0].draft_state.slot] * 3 + [pooled[2].draft_state.slot] * 2
-    positions, taps = [53, 54, 55, 300, 301], [_taps(drafter, 5, 7)]
+    positions, taps = [53, 54, 55, 300, 301], [_taps(drafter, 5, 7).to(DEV)]
     for dp in (fused, plain):
         dp.write_context(slots, positions, taps)
     for a, b in zip(fused.pool.kv, plain.pool.kv):
@@ -66,7 +67,10 @@ def test_gqa_draft_attention_equals_brute_force(starts):
     qkv = torch.randn(R * G, 2 * Hkv + 1, D, generator=g)    # block k / v as strided views
     k, v = qkv[:, 1:1 + Hkv], qkv[:, 1 + Hkv:]
     slots = torch.tensor([3, 1])
-    out = gqa_draft_attention(q, pk, pv, slots, torch.tensor(starts), k, v)
+    qkv_dev = qkv.to(DEV)                                    # the same strided views there
+    out = gqa_draft_attention(q.to(DEV), pk.to(DEV), pv.to(DEV), slots.to(DEV),
+                              torch.tensor(starts, device=DEV), qkv_dev[:, 1:1 + Hkv],
+                              qkv_dev[:, 1 + Hkv:]).cpu()
     for r, (s, P) in enumerate(zip(slots.tolist(), starts)):
         blk = slice(r * G, (r + 1) * G)
         K = torch.cat([pk[s, :P], k[blk]]).double()
@@ -77,7 +81,7 @@ def test_gqa_draft_attention_equals_brute_force(starts):
             torch.testing.assert_close(out[blk, h].double(), w @ V[:, kv], rtol=1e-5, atol=1e-5)
 
 
-@triton_ok
+@interpreter_ok
 @pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
 def test_launch_census_of_the_qwen3_draft_pass_and_context_write(tmp_path, head):
     """benchmarks/count_draft_launches.py --qwen3 (5 draft layers, γ = 7, bf16, batch 1, T = 1):

@@ -139,8 +139,8 @@ class Qwen3DraftPass(DraftPass):
             return commit_rows_fused(self.drafter, self.pool, slots, taps, positions)
         return self.drafter.commit_rows(self.pool, slots, taps, positions)
 
-    def _tensors_read(self) -> tuple:
-        return tuple(self.pool.kv)
+    def _tensors_read(self, ropes) -> tuple:
+        return tuple(self.pool.kv)        # (no RoPE tables: angles from the positions)
 
     def __call__(self, reqs, quant=None):
         R = len(reqs)
