@@ -121,14 +121,17 @@ def test_gpu_bf16_fused_pass_equals_the_torch_pass(pairs):
     """bf16 on CUDA (the interpreter's fp32 -> bf16 casts do not round to nearest, so the CPU
     tests run fp32): the fused pass against the torch pass on the same pool contents. bf16
     roundings in another order through 5 layers: confidences and q to a few percent of their
-    block together; slot 0 (before any draw could move) the same token."""
+    block together; greedy rows' slot 0 the same token (a sampled draw of these near-uniform
+    random weights may move with q's last bits: one of 6 did on the H200)."""
     runs = {}
     for kernels in ("triton", "torch"):
         _, dp, pooled, _, _ = _setup(pairs["vanilla"], PARAMS, device="cuda", kernels=kernels,
                                      dtype=torch.bfloat16)
         runs[kernels] = dp(pooled)
     (toks, q, conf), (toks_t, q_t, conf_t) = runs["triton"], runs["torch"]
-    assert torch.equal(toks[:, 0], toks_t[:, 0])
+    greedy = torch.tensor([PARAMS[i % len(PARAMS)].greedy for i in range(toks.shape[0])])
+    assert greedy.any() and torch.equal(toks[greedy.to(toks.device), 0],
+                                        toks_t[greedy.to(toks.device), 0])
     assert (toks != toks_t).float().mean() <= 0.2
     for got, want in ((conf, conf_t), (q, q_t)):
         if want is None:
