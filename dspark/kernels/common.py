@@ -62,3 +62,16 @@ def dot(a, b, acc, PRECISION: tl.constexpr):
         return tl.dot(a, b, acc, input_precision="tf32")
     else:
         return tl.dot(a, b, acc, input_precision="ieee")
+
+
+@triton.jit
+def online_softmax_tile(s, valid, m_i, l_i):
+    """One key tile's logits s [M, K] (base 2; valid [K]) into a running softmax: (m, l, p,
+    alpha) with p = 2^(s - m) of the tile and alpha the factor rescaling what was summed
+    before. Rows with no valid key yet keep m = -inf, p = 0 (no (-inf) - (-inf))."""
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    return m_new, l_i * alpha + tl.sum(p, axis=1), p, alpha

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from dspark.kernels.cache_write import _bf16_round
-from dspark.kernels.common import interpreting
+from dspark.kernels.common import interpreting, online_softmax_tile
 from dspark.kernels.norm_rope import ROUNDINGS, _rnd
 
 LOG2E = 1.4426950408889634
@@ -59,12 +59,7 @@ def _attend(q, k, valid, m_i, l_i, acc, scale_log2, BLOCK_M: tl.constexpr,
     """One tile of BLOCK_K keys k [BLOCK_K, D] (valid [BLOCK_K]) into the online softmax
     (m, l in base 2; acc [BLOCK_M, D] fp32)."""
     s = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_K), tl.float32), BF16) * scale_log2
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)    # no (-inf) - (-inf)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_new, l_i, p, alpha = online_softmax_tile(s, valid, m_i, l_i)
     acc = acc * alpha[:, None]
     if SPLIT:       # P = hi + mid + lo, each exact in bf16: three exact-product MMAs
         hi = _bf16_round(p)

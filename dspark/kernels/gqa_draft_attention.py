@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.kernels.common import dot, interpreting, mma_operand
+from dspark.kernels.common import dot, interpreting, mma_operand, online_softmax_tile
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64            # context keys per tile
@@ -30,12 +30,7 @@ def _tile(q, k, v, valid, m_i, l_i, acc, scale_log2, BLOCK_M: tl.constexpr,
           BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     s = dot(q, tl.trans(mma_operand(k, PRECISION)), tl.zeros((BLOCK_M, BLOCK_K), tl.float32),
             PRECISION) * scale_log2
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)    # no (-inf) - (-inf)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_new, l_i, p, alpha = online_softmax_tile(s, valid, m_i, l_i)
     acc = dot(mma_operand(p, PRECISION), mma_operand(v, PRECISION), acc * alpha[:, None],
               PRECISION)
     return m_new, l_i, acc
