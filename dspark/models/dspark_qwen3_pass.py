@@ -121,17 +121,9 @@ class Qwen3DraftPass(DraftPass):
         if kernels not in ("triton", "torch"):
             raise ValueError(f"kernels={kernels!r}: use 'triton' or 'torch'")
         self.kernels = kernels
-
-    @property
-    def kernels(self) -> str:
-        return self._kernels
-
-    @kernels.setter
-    def kernels(self, value: str) -> None:
-        if value == "triton":      # the stacked projections exist before any graph is captured
-            from .dspark_qwen3_fused import stack_projections
-            stack_projections(self.drafter)
-        self._kernels = value
+        if kernels == "triton":    # the stacked projections exist before any graph is captured
+            fused.stack_projections(drafter)
+        self._conf_fp32 = None     # (confidence weight, its fp32 row, fp32 bias): _conf_weights
 
     def _commit_rows(self, slots, taps, positions):
         if self.kernels == "triton":
@@ -264,7 +256,7 @@ class Qwen3DraftPass(DraftPass):
 
     def _conf_weights(self, ch):
         """(weight [H (+ r)], bias [1]) of the confidence head in fp32, cast once (§2.6: fp32)."""
-        cached = getattr(self, "_conf_fp32", None)
+        cached = self._conf_fp32
         if cached is None or cached[0] is not ch.proj.weight:
             cached = (ch.proj.weight, ch.proj.weight.float()[0].contiguous(), ch.proj.bias.float())
             self._conf_fp32 = cached
