@@ -94,6 +94,11 @@ moe)     # the grouped FP4 MoE kernels at decode / verify token counts
   step "bench_decode_kernels --skip-fp8"
   timeout "$(left 120)" python benchmarks/bench_decode_kernels.py --skip-fp8 --moe-tokens 1 6 16 \
     --json "$R/bench_moe.json" > "$R/bench_moe.txt" 2>&1; grep -v -i warn "$R/bench_moe.txt" | tail -22 ;;
+moepaths) # one V4-Flash layer's routed MoE on each GPU path by batch tokens (graph replay, cold L2)
+  step "bench_moe_paths"
+  timeout "$(left ${MOEPATHS_S:-120})" python benchmarks/bench_moe_paths.py ${MOEPATHS_ARGS:-} \
+    --json "$R/bench_moe_paths_h200.json" > "$R/bench_moe_paths_h200.txt" 2>&1
+  grep -v -i warn "$R/bench_moe_paths_h200.txt" | tail -${MOEPATHS_LINES:-60} | cut -c1-160 ;;
 kernels) # the few-token FP8 / grouped FP4 MoE kernels alone (cold L2, graph replay)
   step "bench_decode_kernels (few-token FP8 / grouped FP4 MoE kernels, old vs new)"
   timeout "$(left 150)" python benchmarks/bench_decode_kernels.py ${KERNEL_ARGS:-} \

@@ -1,0 +1,363 @@
+"""Routed experts on tensor cores with the tokens of one expert in the MMA's 8 columns: the
+verify / few-token-batch path of `fp4_moe_grouped` (same contract, stack and numerics).
+
+    out = fp4_moe_tc_grouped(x, idx, weights, stack, swiglu_limit, add=None, out_dtype=fp32)
+
+`fp4_moe_tc` issues `mma.sync.m16n8k16` with the same token in all 8 columns of B, so an expert
+chosen by n of the batch's tokens is read n times: at 96 tokens x 6 slots over 256 V4-Flash
+experts that is 576 expert reads where ~230 distinct experts are used. Here the (token, slot)
+pairs are first sorted by expert into blocks of up to 8 pairs of one expert
+(`fp4_moe_mma.align_pairs`, fixed shapes, capturable), and lane (g, c) of a warp supplies B's
+column g from the activations of its block's pair g: one pass over an expert's weights serves
+up to 8 tokens. The weight side is `fp4_moe_tc`'s unchanged (lane g loads rows g and g + 8,
+columns 32c .. 32c + 31 of each 128-column step, decodes e2m1 straight to bf16 pairs), and so is
+the k order inside each MMA; a column's result depends on its own B column only, so every pair
+gets the per-pair kernel's fp32 sums in the same order: the outputs are the same bits.
+
+The MMA leaves each lane 4 sums per matrix: c0, c1 (row g, columns 2c, 2c + 1) and c2, c3 (row
+g + 8). The accumulators are [32 * warps, 4] tensors handed to the asm 4 at a time (pack 4: one
+call per thread, which reads its lane from %laneid / %tid.x); `_lane_slots` asks the same way
+which (thread, register) each element is, so the epilogue maps every element to its weight row
+and block column and stores it with ordinary Triton stores (no store asm, and no workspace when
+the K reduction is not split).
+
+* gate/up, grid (blocks, I / (16 * warps), KSPLIT): gate and up rows of the block's expert;
+  split K chunks go to a workspace and the program arriving last sums them in order (as
+  fp4_moe_tc); then the clamped SwiGLU of `_swiglu_h` with each column's routing weight ->
+  h [T * k, I] x.dtype at the column's pair.
+* down, grid (blocks, D / (16 * warps), NCH): y_p = h_p W2[e]^T, rounded to x.dtype per pair
+  into y [T * k, D]; `_slot_sum_kernel` then sums each token's k slots in slot order, adds `add`
+  and rounds to out_dtype (fp4_moe_tc_down's order).
+Blocks past the last used one exit at once (the grid is sized for the worst case); experts not
+held (emap -1) give zeros. Padding columns read a valid row (the table's -1 clamped to 0) and are
+never stored.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dspark.kernels.fp4_moe import _DT_NAME, FP4ExpertStack, _round_to, _swiglu_h
+from dspark.kernels.fp4_moe_mma import align_pairs
+from dspark.kernels.fp4_moe_tc import STEP, _decode, _split, _unroll, _warps
+from dspark.kernels.fp8_gemm import _arrival_counters
+
+COLS = 8                    # pairs per block: the MMA's N
+
+
+def _step_asm(two: bool, unroll: int = 1) -> str:
+    """`unroll` 128-column steps of one warp, 8 block columns. Operands (pack 4): outputs G
+    (c0..c3) [, U]; inputs G [, U]; then uniform scalars (first of 4 registers read): wbase,
+    sbase (u64: the expert's weight / scale rows of the program's first 16-row tile), xbase (u64:
+    activation row 0), ptab (u64: the block's 8 table entries), koff (column), wstride, sstride,
+    xstride (row bytes), kdiv (table entry -> activation row: entry / kdiv) [, upw, ups] (u32)."""
+    n_out = 2 if two else 1
+    o = [f"${i}" for i in range(4 * n_out)]
+    i0 = 8 * n_out
+    names = ["wbase", "sbase", "xbase", "ptab", "koff", "wstride", "sstride", "xstride",
+             "kdiv"] + (["upw", "ups"] if two else [])
+    op = {n: f"${i0 + 4 * k}" for k, n in enumerate(names)}
+    L = ["{", ".reg .u32 %lane, %g, %c, %t, %t1, %t2, %row, %xr;", ".reg .s32 %e;",
+         ".reg .u64 %pw, %pw8, %pv, %pv8, %px, %ps, %ps8, %pu, %pu8, %q, %r;",
+         ".reg .b32 %a<4>, %p<4>, %b<4>;"]
+    for u in range(unroll):
+        L.append(f".reg .b32 %w{u}_<8>, %v{u}_<8>, %x{u}_<16>, %s{u}_<4>, %sc{u}_<4>;")
+    L += ["mov.u32 %lane, %laneid;", "shr.u32 %g, %lane, 2;", "and.b32 %c, %lane, 3;",
+          "mov.u32 %t, %tid.x;", "shr.u32 %t, %t, 5;", "shl.b32 %t, %t, 4;",   # warp's 1st row
+          "add.u32 %row, %t, %g;"]                                             # lane's row g
+    for k in range(4 * n_out):                               # carry the accumulators
+        L.append(f"mov.f32 {o[k]}, ${4 * n_out + k};")
+    # column g's activations: row max(table[g], 0) / kdiv, columns koff + 32 c ..
+    L += [f"mul.wide.u32 %q, %g, 4;", f"add.u64 %q, {op['ptab']}, %q;",
+          "ld.global.nc.s32 %e, [%q];", "max.s32 %e, %e, 0;",
+          f"div.u32 %xr, %e, {op['kdiv']};", f"mul.wide.u32 %q, %xr, {op['xstride']};",
+          f"add.u64 %px, {op['xbase']}, %q;",
+          f"mad.lo.u32 %t, %c, 32, {op['koff']};", "mul.wide.u32 %q, %t, 2;",
+          "add.u64 %px, %px, %q;"]
+    # weights row g at byte koff / 2 + 16 c, row g + 8, up rows (+ upw); scales of group
+    # koff / 32 + c of the same rows (fp4_moe_tc's addressing)
+    L += [f"mul.wide.u32 %q, %row, {op['wstride']};", f"add.u64 %pw, {op['wbase']}, %q;",
+          f"shr.u32 %t, {op['koff']}, 1;", "mad.lo.u32 %t, %c, 16, %t;",
+          "cvt.u64.u32 %q, %t;", "add.u64 %pw, %pw, %q;",
+          f"mul.wide.u32 %r, {op['wstride']}, 8;", "add.u64 %pw8, %pw, %r;",
+          f"mul.wide.u32 %q, %row, {op['sstride']};", f"add.u64 %ps, {op['sbase']}, %q;",
+          f"shr.u32 %t, {op['koff']}, 5;", "add.u32 %t, %t, %c;", "cvt.u64.u32 %q, %t;",
+          "add.u64 %ps, %ps, %q;", f"mul.wide.u32 %r, {op['sstride']}, 8;",
+          "add.u64 %ps8, %ps, %r;"]
+    if two:
+        L += [f"cvt.u64.u32 %q, {op['upw']};", "add.u64 %pv, %pw, %q;", "add.u64 %pv8, %pw8, %q;",
+              f"cvt.u64.u32 %q, {op['ups']};", "add.u64 %pu, %ps, %q;", "add.u64 %pu8, %ps8, %q;"]
+    for u in range(unroll):
+        wo, xo, so = 64 * u, 256 * u, 4 * u
+        W = [f"%w{u}_{i}" for i in range(8)]
+        V = [f"%v{u}_{i}" for i in range(8)]
+        L += [f"ld.global.nc.v4.u32 {{{', '.join(W[:4])}}}, [%pw+{wo}];",
+              f"ld.global.nc.v4.u32 {{{', '.join(W[4:])}}}, [%pw8+{wo}];"]
+        if two:
+            L += [f"ld.global.nc.v4.u32 {{{', '.join(V[:4])}}}, [%pv+{wo}];",
+                  f"ld.global.nc.v4.u32 {{{', '.join(V[4:])}}}, [%pv8+{wo}];"]
+        for k in range(4):
+            X = ", ".join(f"%x{u}_{4 * k + q}" for q in range(4))
+            L.append(f"ld.global.nc.v4.u32 {{{X}}}, [%px+{xo + 16 * k}];")
+        L += [f"ld.global.nc.u8 %s{u}_0, [%ps+{so}];", f"ld.global.nc.u8 %s{u}_1, [%ps8+{so}];"]
+        if two:
+            L += [f"ld.global.nc.u8 %s{u}_2, [%pu+{so}];",
+                  f"ld.global.nc.u8 %s{u}_3, [%pu8+{so}];"]
+    for u in range(unroll):
+        for k in range(2 * n_out):    # 2^(s - 1) as a bf16 pair: (s + 126) << 7 in both halves
+            L.append(f"mad.lo.u32 %sc{u}_{k}, %s{u}_{k}, 0x00800080, 0x3F003F00;")
+        mats = [(f"%w{u}_", f"%sc{u}_0", f"%sc{u}_1", o[0:4])]
+        if two:
+            mats.append((f"%v{u}_", f"%sc{u}_2", f"%sc{u}_3", o[4:8]))
+        for j in range(4):            # word j: columns 8 j .. 8 j + 7 of the lane's 32
+            x = [f"%x{u}_{4 * j + q}" for q in range(4)]
+            L += [f"prmt.b32 %b0, {x[0]}, {x[2]}, 0x5410;",
+                  f"prmt.b32 %b1, {x[0]}, {x[2]}, 0x7632;",
+                  f"prmt.b32 %b2, {x[1]}, {x[3]}, 0x5410;",
+                  f"prmt.b32 %b3, {x[1]}, {x[3]}, 0x7632;"]
+            for w, sg, sg8, d in mats:
+                L += _decode(f"{w}{j}", "%a", sg) + _decode(f"{w}{j + 4}", "%p", sg8)
+                acc = ", ".join(d)
+                for lo, hi, b0, b1 in (("0", "1", "%b0", "%b1"), ("2", "3", "%b2", "%b3")):
+                    L.append("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                             f"{{{acc}}}, {{%a{lo}, %p{lo}, %a{hi}, %p{hi}}}, "
+                             f"{{{b0}, {b1}}}, {{{acc}}};")
+    L.append("}")
+    return "\n".join(L)
+
+
+def _constraints(two: bool) -> str:
+    n = 2 if two else 1
+    return ",".join(["=f"] * 4 * n + ["f"] * 4 * n + ["l"] * 16
+                    + ["r"] * 4 * (5 + (2 if two else 0)))
+
+
+_ID_ASM = tl.constexpr("{ .reg .u32 %t; mov.u32 %t, %tid.x; shl.b32 %t, %t, 2; mov.b32 $0, %t; "
+                       "add.u32 $1, %t, 1; add.u32 $2, %t, 2; add.u32 $3, %t, 3; }")
+_STEP_UP1, _STEP_DOWN1 = tl.constexpr(_step_asm(True)), tl.constexpr(_step_asm(False))
+_STEP_UP2, _STEP_DOWN2 = tl.constexpr(_step_asm(True, 2)), tl.constexpr(_step_asm(False, 2))
+_UP_C, _DOWN_C = tl.constexpr(_constraints(True)), tl.constexpr(_constraints(False))
+
+
+@triton.jit
+def _lane_slots(acc):
+    """int32 like acc: 4 * tid.x + i for register i of the thread holding the element, in the
+    order the step asm receives them (pack 4: the same elements, the same call per thread)."""
+    return tl.inline_asm_elementwise(_ID_ASM, "=r,=r,=r,=r,f,f,f,f", [acc], dtype=tl.int32,
+                                     is_pure=False, pack=4)
+
+
+@triton.jit
+def _block_gemm(acc_g, acc_u, wbase, sbase, xbase, ptab, k_lo, k_hi, wstride, sstride, xstride,
+                kdiv, upw, ups, TWO: tl.constexpr, UNROLL: tl.constexpr):
+    for koff in range(k_lo, k_hi, 128 * UNROLL):
+        if UNROLL == 2 and TWO:
+            acc_g, acc_u = tl.inline_asm_elementwise(
+                _STEP_UP2, _UP_C, [acc_g, acc_u, wbase, sbase, xbase, ptab, koff, wstride,
+                                   sstride, xstride, kdiv, upw, ups],
+                dtype=(tl.float32, tl.float32), is_pure=False, pack=4)
+        elif UNROLL == 2:
+            acc_g = tl.inline_asm_elementwise(
+                _STEP_DOWN2, _DOWN_C, [acc_g, wbase, sbase, xbase, ptab, koff, wstride, sstride,
+                                       xstride, kdiv], dtype=tl.float32, is_pure=False, pack=4)
+        elif TWO:
+            acc_g, acc_u = tl.inline_asm_elementwise(
+                _STEP_UP1, _UP_C, [acc_g, acc_u, wbase, sbase, xbase, ptab, koff, wstride,
+                                   sstride, xstride, kdiv, upw, ups],
+                dtype=(tl.float32, tl.float32), is_pure=False, pack=4)
+        else:
+            acc_g = tl.inline_asm_elementwise(
+                _STEP_DOWN1, _DOWN_C, [acc_g, wbase, sbase, xbase, ptab, koff, wstride, sstride,
+                                       xstride, kdiv], dtype=tl.float32, is_pure=False, pack=4)
+    return acc_g, acc_u
+
+
+@triton.jit
+def _element_place(acc, row0):
+    """(weight row, block column, workspace slot) of every accumulator element: lane (g, c)
+    register i holds row g + 8 (i // 2) of its warp's 16, column 2 c + i % 2."""
+    v = _lane_slots(acc)
+    lane = (v >> 2) & 31
+    slot = v & 3
+    row = row0 + (v >> 7) * 16 + (lane >> 2) + 8 * (slot >> 1)
+    col = 2 * (lane & 3) + (slot & 1)
+    return row, col, v
+
+
+@triton.jit
+def _expert_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, row, row0):
+    wbase = (w_ptr + row.to(tl.int64) * stride_we + row0.to(tl.int64) * stride_wn).to(
+        tl.int64, bitcast=True)
+    sbase = (s_ptr + row.to(tl.int64) * stride_se + row0.to(tl.int64) * stride_sn).to(
+        tl.int64, bitcast=True)
+    return wbase, sbase
+
+
+@triton.jit
+def _split_sum(g, u, v, ws_ptr, tile, ch, cnt_ptr, KSPLIT: tl.constexpr, WARPS: tl.constexpr,
+               MATS: tl.constexpr):
+    """(whether this program finishes its tile, g, u summed over the K chunks in chunk order):
+    each chunk stores its partials at [tile, chunk, matrix, element], and the program arriving
+    last reads them back (fp4_moe_tc's split-K)."""
+    last = True
+    if KSPLIT > 1:
+        tile_ws = ws_ptr + (tile * KSPLIT * MATS * WARPS * 128).to(tl.int64)
+        tl.store(tile_ws + ch * MATS * WARPS * 128 + v, g)
+        if MATS == 2:
+            tl.store(tile_ws + ch * MATS * WARPS * 128 + WARPS * 128 + v, u)
+        tl.debug_barrier()
+        last = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == KSPLIT - 1
+        if last:
+            g = tl.zeros_like(g)
+            u = tl.zeros_like(u)
+            for c in tl.static_range(KSPLIT):
+                g += tl.load(tile_ws + c * MATS * WARPS * 128 + v, cache_modifier=".cg")
+                if MATS == 2:
+                    u += tl.load(tile_ws + c * MATS * WARPS * 128 + WARPS * 128 + v,
+                                 cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+    return last, g, u
+
+
+@triton.jit
+def _grouped_gate_up_kernel(x_ptr, stride_xt, table_ptr, bexp_ptr, rw_ptr, emap_ptr, w_ptr,
+                            stride_we, stride_wn, s_ptr, stride_se, stride_sn, h_ptr, stride_hp,
+                            ws_ptr, cnt_ptr, KSLOTS, I, D, limit, KCH,
+                            KSPLIT: tl.constexpr, WARPS: tl.constexpr, DT: tl.constexpr,
+                            UNROLL: tl.constexpr):
+    b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    ch = tl.program_id(2)
+    e = tl.load(bexp_ptr + b)
+    if e >= 0:                                               # a used block
+        row = tl.load(emap_ptr + e)                          # stack row, -1: not held
+        row0 = pid_n * WARPS * 16
+        acc = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
+        g, u = acc, acc
+        if row >= 0:
+            wbase, sbase = _expert_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se,
+                                        stride_sn, row, row0)
+            g, u = _block_gemm(acc, acc, wbase, sbase, x_ptr.to(tl.int64, bitcast=True),
+                               (table_ptr + b * 8).to(tl.int64, bitcast=True), ch * KCH,
+                               tl.minimum(ch * KCH + KCH, D), stride_wn, stride_sn,
+                               stride_xt * 2, KSLOTS, I * stride_wn, I * stride_sn, True, UNROLL)
+        grow, col, v = _element_place(acc, row0)
+        last, g, u = _split_sum(g, u, v, ws_ptr, b * tl.num_programs(1) + pid_n, ch, cnt_ptr,
+                                KSPLIT, WARPS, 2)
+        if last:
+            pair = tl.load(table_ptr + b * 8 + col)
+            ok = pair >= 0
+            rw = tl.load(rw_ptr + pair, mask=ok, other=0.0).to(tl.float32)
+            h = _swiglu_h(g, u, limit, rw, DT)
+            tl.store(h_ptr + pair.to(tl.int64) * stride_hp + grow, h, mask=ok & (grow < I))
+
+
+@triton.jit
+def _grouped_down_kernel(h_ptr, stride_hp, table_ptr, bexp_ptr, emap_ptr, w_ptr, stride_we,
+                         stride_wn, s_ptr, stride_se, stride_sn, y_ptr, stride_yp, ws_ptr,
+                         cnt_ptr, D, I, KCH, NCH: tl.constexpr, WARPS: tl.constexpr,
+                         DT: tl.constexpr, UNROLL: tl.constexpr):
+    b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    ch = tl.program_id(2)
+    e = tl.load(bexp_ptr + b)
+    if e >= 0:
+        row = tl.load(emap_ptr + e)
+        row0 = pid_n * WARPS * 16
+        acc = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
+        y = acc
+        if row >= 0:
+            wbase, sbase = _expert_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se,
+                                        stride_sn, row, row0)
+            y, _ = _block_gemm(acc, acc, wbase, sbase, h_ptr.to(tl.int64, bitcast=True),
+                               (table_ptr + b * 8).to(tl.int64, bitcast=True), ch * KCH,
+                               tl.minimum(ch * KCH + KCH, I), stride_wn, stride_sn,
+                               stride_hp * 2, 1, 0, 0, False, UNROLL)
+        grow, col, v = _element_place(acc, row0)
+        last, y, _ = _split_sum(y, y, v, ws_ptr, b * tl.num_programs(1) + pid_n, ch, cnt_ptr,
+                                NCH, WARPS, 1)
+        if last:
+            pair = tl.load(table_ptr + b * 8 + col)
+            ok = pair >= 0
+            tl.store(y_ptr + pair.to(tl.int64) * stride_yp + grow, _round_to(y, DT),
+                     mask=ok & (grow < D))
+
+
+@triton.jit
+def _slot_sum_kernel(y_ptr, stride_yp, add_ptr, stride_at, out_ptr, stride_ot, D,
+                     KS: tl.constexpr, BLOCK: tl.constexpr, HAS_ADD: tl.constexpr,
+                     OUT_DT: tl.constexpr):
+    """out[t] = OUT_DT(sum over slots j in order of y[t * KS + j] (+ add[t])), fp32 sums."""
+    t = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = rn < D
+    out = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(KS):
+        out += tl.load(y_ptr + (t * KS + j).to(tl.int64) * stride_yp + rn, mask=ok,
+                       other=0.0).to(tl.float32)
+    if HAS_ADD:
+        out += tl.load(add_ptr + t.to(tl.int64) * stride_at + rn, mask=ok, other=0.0).to(
+            tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + rn, _round_to(out, OUT_DT), mask=ok)
+
+
+# Tuning (H200, V4-Flash widths): steps per asm block, warps per program, K chunks of the
+# gate/up and the down launch (blocks x row tiles already give thousands of programs).
+TUNING = dict(unroll=2, warps=1, up_split=1, down_split=1)
+
+
+def _split_buffers(dev, chunks: int, tiles: int, per_tile: int):
+    """(fp32 workspace of chunks x per_tile floats per tile, arrival counters) for a split K
+    reduction; unsplit launches touch neither (a 1-float stand-in for both)."""
+    if chunks == 1:
+        one = torch.empty(1, dtype=torch.float32, device=dev)
+        return one, one
+    ws = torch.empty(tiles * chunks * per_tile, dtype=torch.float32, device=dev)
+    return ws, _arrival_counters(dev, tiles)
+
+
+def fp4_moe_tc_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+                       stack: FP4ExpertStack, swiglu_limit: float,
+                       add: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
+                       up_split: int | None = None, down_split: int | None = None,
+                       warps: int | None = None, unroll: int | None = None) -> torch.Tensor:
+    """Routed-expert output [T, D] (`fp4_moe_grouped`'s contract; `fp4_moe_tc.tc_applies`
+    must hold)."""
+    T, D = x.shape
+    k = idx.shape[1]
+    I = stack.w13.shape[1] // 2
+    w13, s13, w2, s2, emap = stack
+    dev = x.device
+    table, bexp = align_pairs(idx, emap.numel(), COLS)
+    nb = bexp.numel()
+    weights = weights.contiguous()
+    P = T * k
+    un_up = min(_unroll(D, unroll or TUNING["unroll"]), 2)
+    un_dn = min(_unroll(I, unroll or TUNING["unroll"]), 2)
+    W_up, W_dn = _warps(warps or TUNING["warps"], I), _warps(warps or TUNING["warps"], D)
+    ks_up, kch_up = _split(D, up_split or TUNING["up_split"], un_up)
+    nch, kch_dn = _split(I, down_split or TUNING["down_split"], un_dn)
+    dt = _DT_NAME[x.dtype]
+    h = torch.empty(P, I, dtype=x.dtype, device=dev)
+    up_grid = (nb, I // (16 * W_up), ks_up)
+    ws_up, cnt_up = _split_buffers(dev, ks_up, nb * up_grid[1], 2 * W_up * 128)
+    _grouped_gate_up_kernel[up_grid](
+        x, x.stride(0), table, bexp, weights, emap, w13, w13.stride(0), w13.stride(1), s13,
+        s13.stride(0), s13.stride(1), h, h.stride(0), ws_up, cnt_up, k, I, D,
+        float(swiglu_limit), kch_up, KSPLIT=ks_up, WARPS=W_up, DT=dt, UNROLL=un_up,
+        num_warps=W_up)
+    y = torch.empty(P, D, dtype=x.dtype, device=dev)
+    dn_grid = (nb, D // (16 * W_dn), nch)
+    ws_dn, cnt_dn = _split_buffers(dev, nch, nb * dn_grid[1], W_dn * 128)
+    _grouped_down_kernel[dn_grid](
+        h, h.stride(0), table, bexp, emap, w2, w2.stride(0), w2.stride(1), s2, s2.stride(0),
+        s2.stride(1), y, y.stride(0), ws_dn, cnt_dn, D, I, kch_dn, NCH=nch, WARPS=W_dn, DT=dt,
+        UNROLL=un_dn, num_warps=W_dn)
+    out = torch.empty(T, D, dtype=out_dtype, device=dev)
+    block = 1024
+    _slot_sum_kernel[(T, triton.cdiv(D, block))](
+        y, y.stride(0), out if add is None else add, 0 if add is None else add.stride(0), out,
+        out.stride(0), D, KS=k, BLOCK=block, HAS_ADD=add is not None,
+        OUT_DT=_DT_NAME[out_dtype], num_warps=4)
+    return out
