@@ -91,7 +91,7 @@ def test_mma_flash_shapes_gpu(T):
     fma = fp4_moe_grouped(x, idx, w, st, 10.0, block=(4, 32))
     assert rel_err(y, fma) < 2e-2
     from dspark.kernels.fp4_moe_tc import tc_applies
-    if mm.mma_takes(T, k, n, tc_applies(x, st, k)):
+    if mm.mma_takes(T) and not tc_applies(x, st, k):
         assert torch.equal(fp4_moe_grouped(x, idx, w, st, 10.0), y)   # dispatch, deterministic
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -108,13 +108,11 @@ def test_mma_flash_shapes_gpu(T):
     assert torch.equal(ys, mm.fp4_moe_mma(x, idx, w, st, 10.0))
 
 
-def test_mma_takes_over_from_the_per_pair_kernels_by_pairs_per_expert():
-    """Against the per-pair tensor-core kernels the expert-grouped path starts where the
-    (token, slot) pairs reach MMA_MIN_PAIRS_PER_EXPERT per expert (V4-Flash: 256 experts, 6
-    slots); against the CUDA-core kernels at MMA_MIN_TOKENS tokens."""
-    c = mm.MMA_MIN_PAIRS_PER_EXPERT
-    first = -(-c * 256 // 6)                       # fewest tokens with 6 T >= c * 256
-    assert not mm.mma_takes(first - 1, 6, 256, per_pair_tc=True)
-    assert mm.mma_takes(first, 6, 256, per_pair_tc=True)
-    assert not mm.mma_takes(mm.MMA_MIN_TOKENS - 1, 6, 256, per_pair_tc=False)
-    assert mm.mma_takes(mm.MMA_MIN_TOKENS, 6, 256, per_pair_tc=False)
+def test_mma_takes_over_from_the_cuda_core_kernels_by_tokens():
+    """Where the tensor-core decode kernels do not apply, the expert-grouped path starts at
+    MMA_MIN_TOKENS tokens; the tensor-core kernels group by expert from
+    MIN_PAIRS_PER_EXPERT pairs per expert (V4-Flash: 256 experts, 6 slots: 26 tokens)."""
+    from dspark.kernels import fp4_moe_tc_grouped as tcg
+    assert not mm.mma_takes(mm.MMA_MIN_TOKENS - 1) and mm.mma_takes(mm.MMA_MIN_TOKENS)
+    first = next(t for t in range(1, 512) if tcg.takes(6 * t, 256))
+    assert first == 26 and not tcg.takes(6 * 25, 256)

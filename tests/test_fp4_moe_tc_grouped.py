@@ -1,9 +1,9 @@
 """Tensor-core FP4 MoE with the tokens of one expert in the MMA's columns (`fp4_moe_tc_grouped`):
 inline PTX, so CUDA sm_90 runs it. On CPU: the generated PTX names the operands its constraints
 declare, and every kernel variant assembles for sm_90 (Triton's own ptxas, no GPU needed). On the
-GPU: bit-identical to the per-pair kernels (`fp4_moe_tc`, themselves checked against float64)
-for batches where experts repeat, padding blocks and experts not held, the shared expert's add
-and the cast, the K splits, and a CUDA-graph replay with new routing == eager.
+GPU: h against float64 from the de-quantized weights and the output against the per-pair kernels
+(`fp4_moe_tc`) for batches where experts repeat, padding blocks and experts not held, the shared
+expert's add and the cast, the K splits, and a CUDA-graph replay with new routing == eager.
 """
 from triton_env import needs_cuda  # noqa: F401 (before triton)
 
@@ -19,7 +19,7 @@ import triton  # noqa: E402
 
 import dspark.kernels.fp4_moe_tc as tc  # noqa: E402
 import dspark.kernels.fp4_moe_tc_grouped as tcg  # noqa: E402
-from dspark.kernels.fp4_moe import stack_fp4_experts  # noqa: E402
+from dspark.kernels.fp4_moe import fp4_moe_grouped, stack_fp4_experts  # noqa: E402
 from test_fp4_moe_grouped import _experts, rel_err  # noqa: E402
 from test_fp4_moe_tc import _h_reference, _bf16_close  # noqa: E402
 
@@ -122,17 +122,25 @@ def _batch(T, k, seed):
 @pytest.mark.parametrize("T,k", [(1, 6), (3, 2), (16, 6), (40, 6)])
 @pytest.mark.parametrize("cfg", [dict(), dict(up_split=4, down_split=2), dict(unroll=1),
                                  dict(warps=2, up_split=2)])
-def test_grouped_equals_the_per_pair_kernels_gpu(case, T, k, cfg):
+def test_grouped_matches_float64_and_the_per_pair_kernels_gpu(case, T, k, cfg):
     """12 experts: at 16 and 40 tokens every expert is chosen by many tokens (blocks of 8 full,
-    and a last partial block per expert); the outputs are the per-pair kernels' bits."""
+    and a last partial block per expert). h within one bf16 step of float64 from the
+    de-quantized weights; the output within bf16 rounding of the per-pair kernels (their fp32
+    sums differ in the last bits: the MMA's rounding of a column depends on the block's other
+    columns, which the per-pair kernels fill with the same token), and the dispatch runs one of
+    the two."""
     exps, st = case
     x, idx, w = _batch(T, k, T * 10 + k)
     got = tcg.fp4_moe_tc_grouped(x, idx, w, st, 0.7, **cfg)
     want = tc.fp4_moe_tc(x, idx, w, st, 0.7)
-    assert got.dtype == torch.float32 and torch.equal(got, want), rel_err(got, want)
-    if T <= 3:   # and against float64 from the de-quantized weights (h, then the sum)
-        h = tc.fp4_moe_tc_gate_up(x, idx, w, st, 0.7)
+    assert got.dtype == torch.float32 and rel_err(got, want) < 4e-3
+    h = torch.empty(T * k, I, dtype=torch.bfloat16, device="cuda")
+    tcg.fp4_moe_tc_grouped(x, idx, w, st, 0.7, h_out=h, **cfg)
+    if T <= 16:
         assert _bf16_close(h, _h_reference(x.cpu(), idx.cpu(), w.cpu(), exps, 0.7))
+    routed = fp4_moe_grouped(x, idx, w, st, 0.7)       # the default splits
+    assert torch.equal(routed, tcg.fp4_moe_tc_grouped(x, idx, w, st, 0.7)
+                       if tcg.takes(T * k, N) else want)
 
 
 @pytest.mark.gpu
@@ -143,11 +151,13 @@ def test_grouped_not_held_add_cast_and_graph_gpu(case):
     x, idx, w = _batch(T, k, 7)
     add = torch.randn(T, D, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16).cuda()
     part = st._replace(emap=torch.where(st.emap % 3 == 0, -1, st.emap))
-    assert torch.equal(tcg.fp4_moe_tc_grouped(x, idx, w, part, 0.7),
-                       tc.fp4_moe_tc(x, idx, w, part, 0.7))
+    held = tcg.fp4_moe_tc_grouped(x, idx, w, part, 0.7)
+    assert rel_err(held, tc.fp4_moe_tc(x, idx, w, part, 0.7)) < 4e-3
+    assert rel_err(held, tcg.fp4_moe_tc_grouped(x, idx, w, st, 0.7)) > 1e-2    # they count
     got = tcg.fp4_moe_tc_grouped(x, idx, w, st, 0.7, add=add, out_dtype=torch.bfloat16)
     assert got.dtype == torch.bfloat16
-    assert torch.equal(got, tc.fp4_moe_tc(x, idx, w, st, 0.7, add=add, out_dtype=torch.bfloat16))
+    full = tcg.fp4_moe_tc_grouped(x, idx, w, st, 0.7)
+    assert torch.equal(got, (full + add.float()).to(torch.bfloat16))
     g = torch.cuda.CUDAGraph()
     tcg.fp4_moe_tc_grouped(x, idx, w, st, 0.7)           # compiled before the capture
     with torch.cuda.graph(g):
@@ -157,4 +167,4 @@ def test_grouped_not_held_add_cast_and_graph_gpu(case):
         x.copy_(x2), idx.copy_(idx2), w.copy_(w2)
         g.replay()
         torch.cuda.synchronize()
-        assert torch.equal(static, tc.fp4_moe_tc(x, idx, w, st, 0.7))
+        assert torch.equal(static, tcg.fp4_moe_tc_grouped(x, idx, w, st, 0.7))

@@ -570,10 +570,12 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     shapes, no host sync. x [T, D] (bf16 / fp16 / fp32), idx [T, k] global expert ids,
     weights [T, k] routing weights. Expert ids must be < len(stack.emap) (not checked: that would
     sync). block = (BLOCK_N, BLOCK_G) for both FMA kernels (tests), else picked by shape. On the
-    GPU, bf16 batches on sm_90+ go to the per-pair tensor-core kernels of fp4_moe_tc.py until
-    the (token, slot) pairs outnumber the experts enough for the expert-grouped tensor-core
-    kernels of fp4_moe_mma.py to pay (`fp4_moe_mma.mma_takes`); on older GPUs bf16 batches of
-    MMA_MIN_TOKENS tokens or more to the latter, the rest to the CUDA-core kernels below. pair_decode: the CUDA-core
+    GPU, bf16 batches on sm_90+ go to the tensor-core decode kernels: per (token, slot) pair
+    (fp4_moe_tc.py) while experts rarely repeat, with the pairs of one expert in the MMA's
+    columns (fp4_moe_tc_grouped.py, `takes`) from there on (equal up to the tensor cores'
+    rounding); on older
+    GPUs bf16 batches of MMA_MIN_TOKENS tokens or more to the expert-grouped kernels of
+    fp4_moe_mma.py, the rest to the CUDA-core kernels below. pair_decode: the CUDA-core
     kernels decode both codes of a byte together (_e2m1_pair_times_2pow14; same values, fewer
     integer ops for the issue-bound decode kernels: 1.5x at 1 and 6 tokens on an H200, see
     benchmarks/bench_decode_kernels.py); False decodes code by code (the reference).
@@ -601,22 +603,26 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
         from dspark.kernels import fp4_moe_tc as tc       # tensor-core decode
         per_pair_tc = tc.tc_applies(x, stack, k) and out_dtype in _DT_NAME and (
             add is None or (add.shape == (T, D) and add.stride(-1) == 1))
+    if per_pair_tc:
+        from dspark.kernels import fp4_moe_tc_grouped as tcg
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        if tcg.takes(T * k, stack.emap.numel()):          # experts repeat: one read per block
+            return tcg.fp4_moe_tc_grouped(x, idx, weights, stack, swiglu_limit, add, out_dtype,
+                                          add_ready=add_ready)
+        h = tc.fp4_moe_tc_gate_up(x, idx, weights, stack, swiglu_limit)
+        add_ready()
+        return tc.fp4_moe_tc_down(h, idx, stack, x.dtype, add, out_dtype)
     if auto_gpu and x.dtype == torch.bfloat16:
         from dspark.kernels import fp4_moe_mma as mma      # tokens grouped by expert on tensor
         # cores (bf16 x only: exact operands need bf16)
-        if mma.mma_applies(D, I) and mma.mma_takes(T, k, stack.emap.numel(), per_pair_tc):
+        if mma.mma_applies(D, I) and mma.mma_takes(T):
             routed = mma.fp4_moe_mma(x, idx, weights, stack, swiglu_limit)
             add_ready()
             return _finish(routed, add, out_dtype)
     if T == 0 or k == 0:
         add_ready()
         return _finish(torch.zeros(T, D, dtype=torch.float32, device=x.device), add, out_dtype)
-    if per_pair_tc:
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        h = tc.fp4_moe_tc_gate_up(x, idx, weights, stack, swiglu_limit)
-        add_ready()
-        return tc.fp4_moe_tc_down(h, idx, stack, x.dtype, add, out_dtype)
     if out_dtype not in _DT_NAME or (add is not None and (add.shape != (T, D)
                                                           or add.stride(-1) != 1)):
         raise ValueError(f"fp4_moe_grouped: add {None if add is None else tuple(add.shape)} / "

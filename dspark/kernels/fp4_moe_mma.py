@@ -33,23 +33,17 @@ import triton.language as tl
 from dspark.kernels.fp4_moe import _DT_NAME, FP4ExpertStack, _round_to, _swiglu_h
 
 BLOCK_T = 16          # token columns per program (the MMA's N side)
-# When fp4_moe_grouped takes this path. Against the CUDA-core per-pair kernels (GPUs before
-# sm_90): from MMA_MIN_TOKENS tokens (below it every expert is used by ~1 token: the align
-# step's launches cost more than the shared weight reads save; H200,
+# When fp4_moe_grouped takes this path: where the tensor-core decode kernels (fp4_moe_tc,
+# fp4_moe_tc_grouped) do not apply (GPUs before sm_90, scales out of their range), against the
+# CUDA-core per-pair kernels, from MMA_MIN_TOKENS tokens (below it every expert is used by ~1
+# token: the align step's launches cost more than the shared weight reads save; H200,
 # benchmarks/results/bench_moe_h200.json: at 16 tokens 1273 us per layer there vs 1526 here).
-# Against the per-pair tensor-core kernels of fp4_moe_tc.py, which read an expert once per
-# (token, slot) pair at a far higher rate than dot_scaled reaches here: only once the pairs
-# outnumber the experts MMA_MIN_PAIRS_PER_EXPERT times (an expert then serves several tokens).
 MMA_MIN_TOKENS = 32
-MMA_MIN_PAIRS_PER_EXPERT = 4   # H200, V4-Flash: tc 3.17 vs mma 4.47 ms at 128 tokens, 6.08 vs 4.66 at 256
 
 
-def mma_takes(tokens: int, k: int, num_experts: int, per_pair_tc: bool) -> bool:
-    """Whether `fp4_moe_grouped` runs `tokens` tokens of k slots over `num_experts` experts
-    here rather than on the per-pair kernels (`per_pair_tc`: the tensor-core ones serve the
-    call, else the CUDA-core ones). Shape-only: the same choice for every batch of a size."""
-    if per_pair_tc:
-        return tokens * k >= MMA_MIN_PAIRS_PER_EXPERT * num_experts
+def mma_takes(tokens: int) -> bool:
+    """Whether `fp4_moe_grouped` runs a batch of `tokens` here rather than on the CUDA-core
+    per-pair kernels. Shape-only: the same choice for every batch of a size."""
     return tokens >= MMA_MIN_TOKENS
 
 

@@ -11,15 +11,18 @@ pairs are first sorted by expert into blocks of up to 8 pairs of one expert
 column g from the activations of its block's pair g: one pass over an expert's weights serves
 up to 8 tokens. The weight side is `fp4_moe_tc`'s unchanged (lane g loads rows g and g + 8,
 columns 32c .. 32c + 31 of each 128-column step, decodes e2m1 straight to bf16 pairs), and so is
-the k order inside each MMA; a column's result depends on its own B column only, so every pair
-gets the per-pair kernel's fp32 sums in the same order: the outputs are the same bits.
+the k order inside each MMA, so every pair gets the per-pair kernel's fp32 sums in the same order
+up to the tensor cores' rounding, which is not independent of the MMA's other columns (H200: h
+one bf16 step apart at times, outputs within 2e-3 relative of the per-pair kernels').
 
 The MMA leaves each lane 4 sums per matrix: c0, c1 (row g, columns 2c, 2c + 1) and c2, c3 (row
 g + 8). The accumulators are [32 * warps, 4] tensors handed to the asm 4 at a time (pack 4: one
-call per thread, which reads its lane from %laneid / %tid.x); `_lane_slots` asks the same way
-which (thread, register) each element is, so the epilogue maps every element to its weight row
-and block column and stores it with ordinary Triton stores (no store asm, and no workspace when
-the K reduction is not split).
+call per thread, which reads its lane from %laneid / %tid.x). The same asm also returns each
+element's register id (4 * tid.x + i), so the epilogue maps every element to its weight row and
+block column from the op that produced it, whatever layout Triton picks for the tensors (a
+separate id-asm gets its own layout: Triton placed one in the store's layout, not the
+accumulators'), and stores with ordinary Triton stores (no store asm, and no workspace when the
+K reduction is not split).
 
 * gate/up, grid (blocks, I / (16 * warps), KSPLIT): gate and up rows of the block's expert;
   split K chunks go to a workspace and the program arriving last sums them in order (as
@@ -48,13 +51,15 @@ COLS = 8                    # pairs per block: the MMA's N
 
 def _step_asm(two: bool, unroll: int = 1) -> str:
     """`unroll` 128-column steps of one warp, 8 block columns. Operands (pack 4): outputs G
-    (c0..c3) [, U]; inputs G [, U]; then uniform scalars (first of 4 registers read): wbase,
-    sbase (u64: the expert's weight / scale rows of the program's first 16-row tile), xbase (u64:
-    activation row 0), ptab (u64: the block's 8 table entries), koff (column), wstride, sstride,
-    xstride (row bytes), kdiv (table entry -> activation row: entry / kdiv) [, upw, ups] (u32)."""
+    (c0..c3) [, U], then each register's id 4 * tid.x + i; inputs G [, U]; then uniform scalars
+    (first of 4 registers read): wbase, sbase (u64: the expert's weight / scale rows of the
+    program's first 16-row tile), xbase (u64: activation row 0), ptab (u64: the block's 8 table
+    entries), koff (column), wstride, sstride, xstride (row bytes), kdiv (table entry ->
+    activation row: entry / kdiv) [, upw, ups] (u32)."""
     n_out = 2 if two else 1
     o = [f"${i}" for i in range(4 * n_out)]
-    i0 = 8 * n_out
+    ids = [f"${4 * n_out + i}" for i in range(4)]
+    i0 = 8 * n_out + 4
     names = ["wbase", "sbase", "xbase", "ptab", "koff", "wstride", "sstride", "xstride",
              "kdiv"] + (["upw", "ups"] if two else [])
     op = {n: f"${i0 + 4 * k}" for k, n in enumerate(names)}
@@ -67,7 +72,11 @@ def _step_asm(two: bool, unroll: int = 1) -> str:
           "mov.u32 %t, %tid.x;", "shr.u32 %t, %t, 5;", "shl.b32 %t, %t, 4;",   # warp's 1st row
           "add.u32 %row, %t, %g;"]                                             # lane's row g
     for k in range(4 * n_out):                               # carry the accumulators
-        L.append(f"mov.f32 {o[k]}, ${4 * n_out + k};")
+        L.append(f"mov.f32 {o[k]}, ${4 * n_out + 4 + k};")
+    # which register of which thread each element is: from this op, so the element <-> (lane,
+    # register) pairing is the accumulators' own whatever layout Triton gives them
+    L += ["mov.u32 %t, %tid.x;", "shl.b32 %t, %t, 2;", f"mov.b32 {ids[0]}, %t;"]
+    L += [f"add.u32 {ids[i]}, %t, {i};" for i in range(1, 4)]
     # column g's activations: row max(table[g], 0) / kdiv, columns koff + 32 c ..
     L += [f"mul.wide.u32 %q, %g, 4;", f"add.u64 %q, {op['ptab']}, %q;",
           "ld.global.nc.s32 %e, [%q];", "max.s32 %e, %e, 0;",
@@ -129,60 +138,55 @@ def _step_asm(two: bool, unroll: int = 1) -> str:
 
 def _constraints(two: bool) -> str:
     n = 2 if two else 1
-    return ",".join(["=f"] * 4 * n + ["f"] * 4 * n + ["l"] * 16
+    return ",".join(["=f"] * 4 * n + ["=r"] * 4 + ["f"] * 4 * n + ["l"] * 16
                     + ["r"] * 4 * (5 + (2 if two else 0)))
 
 
-_ID_ASM = tl.constexpr("{ .reg .u32 %t; mov.u32 %t, %tid.x; shl.b32 %t, %t, 2; mov.b32 $0, %t; "
-                       "add.u32 $1, %t, 1; add.u32 $2, %t, 2; add.u32 $3, %t, 3; }")
 _STEP_UP1, _STEP_DOWN1 = tl.constexpr(_step_asm(True)), tl.constexpr(_step_asm(False))
 _STEP_UP2, _STEP_DOWN2 = tl.constexpr(_step_asm(True, 2)), tl.constexpr(_step_asm(False, 2))
 _UP_C, _DOWN_C = tl.constexpr(_constraints(True)), tl.constexpr(_constraints(False))
 
 
 @triton.jit
-def _lane_slots(acc):
-    """int32 like acc: 4 * tid.x + i for register i of the thread holding the element, in the
-    order the step asm receives them (pack 4: the same elements, the same call per thread)."""
-    return tl.inline_asm_elementwise(_ID_ASM, "=r,=r,=r,=r,f,f,f,f", [acc], dtype=tl.int32,
-                                     is_pure=False, pack=4)
-
-
-@triton.jit
 def _block_gemm(acc_g, acc_u, wbase, sbase, xbase, ptab, k_lo, k_hi, wstride, sstride, xstride,
                 kdiv, upw, ups, TWO: tl.constexpr, UNROLL: tl.constexpr):
+    """(G, U, ids): the block's sums over columns k_lo .. k_hi and each element's register id
+    (4 * tid.x + i). Before the first step the ids are any one-to-one numbering (the sums are
+    all zero then, so any placement of them is right)."""
+    v = tl.reshape(tl.arange(0, acc_g.shape[0] * 4), acc_g.shape)
     for koff in range(k_lo, k_hi, 128 * UNROLL):
         if UNROLL == 2 and TWO:
-            acc_g, acc_u = tl.inline_asm_elementwise(
+            acc_g, acc_u, v = tl.inline_asm_elementwise(
                 _STEP_UP2, _UP_C, [acc_g, acc_u, wbase, sbase, xbase, ptab, koff, wstride,
                                    sstride, xstride, kdiv, upw, ups],
-                dtype=(tl.float32, tl.float32), is_pure=False, pack=4)
+                dtype=(tl.float32, tl.float32, tl.int32), is_pure=False, pack=4)
         elif UNROLL == 2:
-            acc_g = tl.inline_asm_elementwise(
+            acc_g, v = tl.inline_asm_elementwise(
                 _STEP_DOWN2, _DOWN_C, [acc_g, wbase, sbase, xbase, ptab, koff, wstride, sstride,
-                                       xstride, kdiv], dtype=tl.float32, is_pure=False, pack=4)
+                                       xstride, kdiv], dtype=(tl.float32, tl.int32),
+                is_pure=False, pack=4)
         elif TWO:
-            acc_g, acc_u = tl.inline_asm_elementwise(
+            acc_g, acc_u, v = tl.inline_asm_elementwise(
                 _STEP_UP1, _UP_C, [acc_g, acc_u, wbase, sbase, xbase, ptab, koff, wstride,
                                    sstride, xstride, kdiv, upw, ups],
-                dtype=(tl.float32, tl.float32), is_pure=False, pack=4)
+                dtype=(tl.float32, tl.float32, tl.int32), is_pure=False, pack=4)
         else:
-            acc_g = tl.inline_asm_elementwise(
+            acc_g, v = tl.inline_asm_elementwise(
                 _STEP_DOWN1, _DOWN_C, [acc_g, wbase, sbase, xbase, ptab, koff, wstride, sstride,
-                                       xstride, kdiv], dtype=tl.float32, is_pure=False, pack=4)
-    return acc_g, acc_u
+                                       xstride, kdiv], dtype=(tl.float32, tl.int32),
+                is_pure=False, pack=4)
+    return acc_g, acc_u, v
 
 
 @triton.jit
-def _element_place(acc, row0):
-    """(weight row, block column, workspace slot) of every accumulator element: lane (g, c)
-    register i holds row g + 8 (i // 2) of its warp's 16, column 2 c + i % 2."""
-    v = _lane_slots(acc)
+def _element_place(v, row0):
+    """(weight row, block column) of every accumulator element from its register id v: lane
+    (g, c) register i holds row g + 8 (i // 2) of its warp's 16, column 2 c + i % 2."""
     lane = (v >> 2) & 31
     slot = v & 3
     row = row0 + (v >> 7) * 16 + (lane >> 2) + 8 * (slot >> 1)
     col = 2 * (lane & 3) + (slot & 1)
-    return row, col, v
+    return row, col
 
 
 @triton.jit
@@ -235,14 +239,15 @@ def _grouped_gate_up_kernel(x_ptr, stride_xt, table_ptr, bexp_ptr, rw_ptr, emap_
         row0 = pid_n * WARPS * 16
         acc = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
         g, u = acc, acc
+        v = tl.reshape(tl.arange(0, 128 * WARPS), (32 * WARPS, 4))   # (all sums 0: any order)
         if row >= 0:
             wbase, sbase = _expert_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se,
                                         stride_sn, row, row0)
-            g, u = _block_gemm(acc, acc, wbase, sbase, x_ptr.to(tl.int64, bitcast=True),
+            g, u, v = _block_gemm(acc, acc, wbase, sbase, x_ptr.to(tl.int64, bitcast=True),
                                (table_ptr + b * 8).to(tl.int64, bitcast=True), ch * KCH,
                                tl.minimum(ch * KCH + KCH, D), stride_wn, stride_sn,
                                stride_xt * 2, KSLOTS, I * stride_wn, I * stride_sn, True, UNROLL)
-        grow, col, v = _element_place(acc, row0)
+        grow, col = _element_place(v, row0)
         last, g, u = _split_sum(g, u, v, ws_ptr, b * tl.num_programs(1) + pid_n, ch, cnt_ptr,
                                 KSPLIT, WARPS, 2)
         if last:
@@ -267,14 +272,15 @@ def _grouped_down_kernel(h_ptr, stride_hp, table_ptr, bexp_ptr, emap_ptr, w_ptr,
         row0 = pid_n * WARPS * 16
         acc = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
         y = acc
+        v = tl.reshape(tl.arange(0, 128 * WARPS), (32 * WARPS, 4))
         if row >= 0:
             wbase, sbase = _expert_rows(w_ptr, stride_we, stride_wn, s_ptr, stride_se,
                                         stride_sn, row, row0)
-            y, _ = _block_gemm(acc, acc, wbase, sbase, h_ptr.to(tl.int64, bitcast=True),
+            y, _, v = _block_gemm(acc, acc, wbase, sbase, h_ptr.to(tl.int64, bitcast=True),
                                (table_ptr + b * 8).to(tl.int64, bitcast=True), ch * KCH,
                                tl.minimum(ch * KCH + KCH, I), stride_wn, stride_sn,
                                stride_hp * 2, 1, 0, 0, False, UNROLL)
-        grow, col, v = _element_place(acc, row0)
+        grow, col = _element_place(v, row0)
         last, y, _ = _split_sum(y, y, v, ws_ptr, b * tl.num_programs(1) + pid_n, ch, cnt_ptr,
                                 NCH, WARPS, 1)
         if last:
@@ -302,9 +308,21 @@ def _slot_sum_kernel(y_ptr, stride_yp, add_ptr, stride_at, out_ptr, stride_ot, D
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + rn, _round_to(out, OUT_DT), mask=ok)
 
 
-# Tuning (H200, V4-Flash widths): steps per asm block, warps per program, K chunks of the
-# gate/up and the down launch (blocks x row tiles already give thousands of programs).
+# Tuning (H200, V4-Flash widths, benchmarks/results/bench_moe_paths_h200.json): steps per asm
+# block, warps per program, K chunks of the gate/up and the down launch (blocks x row tiles give
+# thousands of programs already: every split measured slower, 2 warps the same).
 TUNING = dict(unroll=2, warps=1, up_split=1, down_split=1)
+# From how many (token, slot) pairs per expert `fp4_moe_grouped` runs these kernels instead of
+# the per-pair ones (the align step's launches and the half-empty blocks cost more while
+# experts rarely repeat). H200, one V4-Flash layer (256 experts, 6 slots): per-pair / grouped
+# 443 / 496 us at 96 pairs, 899 / 843 at 216, 2191 / 1277 at 576.
+MIN_PAIRS_PER_EXPERT = 0.6
+
+
+def takes(pairs: int, num_experts: int) -> bool:
+    """Whether `fp4_moe_grouped` groups `pairs` (token, slot) pairs over `num_experts` experts
+    here. Shape-only: the same choice for every batch of a size (CUDA graphs)."""
+    return pairs >= MIN_PAIRS_PER_EXPERT * num_experts
 
 
 def _split_buffers(dev, chunks: int, tiles: int, per_tile: int):
@@ -320,10 +338,12 @@ def _split_buffers(dev, chunks: int, tiles: int, per_tile: int):
 def fp4_moe_tc_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                        stack: FP4ExpertStack, swiglu_limit: float,
                        add: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
-                       up_split: int | None = None, down_split: int | None = None,
-                       warps: int | None = None, unroll: int | None = None) -> torch.Tensor:
+                       add_ready=None, h_out: torch.Tensor | None = None, up_split: int | None = None,
+                       down_split: int | None = None, warps: int | None = None,
+                       unroll: int | None = None) -> torch.Tensor:
     """Routed-expert output [T, D] (`fp4_moe_grouped`'s contract; `fp4_moe_tc.tc_applies`
-    must hold)."""
+    must hold). add_ready: called before the first launch that reads `add` (the slot sum);
+    h_out: where the hidden h [T * k, I] goes (tests)."""
     T, D = x.shape
     k = idx.shape[1]
     I = stack.w13.shape[1] // 2
@@ -339,7 +359,7 @@ def fp4_moe_tc_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor
     ks_up, kch_up = _split(D, up_split or TUNING["up_split"], un_up)
     nch, kch_dn = _split(I, down_split or TUNING["down_split"], un_dn)
     dt = _DT_NAME[x.dtype]
-    h = torch.empty(P, I, dtype=x.dtype, device=dev)
+    h = h_out if h_out is not None else torch.empty(P, I, dtype=x.dtype, device=dev)
     up_grid = (nb, I // (16 * W_up), ks_up)
     ws_up, cnt_up = _split_buffers(dev, ks_up, nb * up_grid[1], 2 * W_up * 128)
     _grouped_gate_up_kernel[up_grid](
@@ -355,6 +375,8 @@ def fp4_moe_tc_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor
         s2.stride(1), y, y.stride(0), ws_dn, cnt_dn, D, I, kch_dn, NCH=nch, WARPS=W_dn, DT=dt,
         UNROLL=un_dn, num_warps=W_dn)
     out = torch.empty(T, D, dtype=out_dtype, device=dev)
+    if add_ready is not None:
+        add_ready()
     block = 1024
     _slot_sum_kernel[(T, triton.cdiv(D, block))](
         y, y.stride(0), out if add is None else add, 0 if add is None else add.stride(0), out,
