@@ -108,6 +108,22 @@ def _timeline(d: dict) -> str:
             f"{tr['device_busy_ms']:.2f} of {tr['round_ms']:.2f} ms per round")
 
 
+def _moe_paths(d: dict) -> str:
+    """benchmarks/bench_moe_paths.py: the dispatched MoE path's time per token count, against
+    the per-pair tensor-core kernels."""
+    by_t: dict = {}
+    for r in d["rows"]:
+        by_t.setdefault(r["T"], {})[r["path"]] = r["us"]
+    parts = []
+    for t, paths in sorted(by_t.items()):
+        chosen = paths.get("fp4_moe_grouped (dispatch)")
+        if chosen is None:
+            continue
+        pp = paths.get("per-pair tc")
+        parts.append(f"T{t} {chosen:.0f} us" + (f" ({pp / chosen:.2f}x per-pair)" if pp else ""))
+    return "MoE layer, dispatched path: " + ", ".join(parts)
+
+
 def _matches(d: dict) -> list:
     """[(test, summariser)] in the order tried."""
     res = d.get("results")
@@ -122,6 +138,8 @@ def _matches(d: dict) -> list:
         (isinstance(d.get("batches"), dict) and "layers" in d, _qwen3),
         (isinstance(d.get("runs"), list) and "world" in (d["runs"][0] if d["runs"] else {}), _tp),
         (all(isinstance(d.get(k), dict) for k in ("plain", "synced", "traced")), _timeline),
+        (isinstance(d.get("rows"), list) and "shape" in d and d["rows"]
+         and "path" in d["rows"][0], _moe_paths),
     ]
 
 
