@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.spec.policy import (AsyncScheduledPolicy, ScheduledPolicy, SpsTable, ThresholdPolicy,
-                                make_policy, modelled_throughput, survival)
+from dspark.spec.policy import (AsyncScheduledPolicy, HostHistory, ScheduledPolicy, SpsTable,
+                                ThresholdPolicy, make_policy, modelled_throughput, survival)
 from dspark.spec.verify import verify
 
 
@@ -160,7 +160,7 @@ def test_async_capacity_uses_only_two_step_old_confidences():
     assert pol.last_capacity == 3 and ell.tolist() == [1, 1, 1]
     # a request without history counts survival 1; history is bounded
     pol(lo, ["a", "new", "c"])
-    assert len(pol._history) == 3
+    assert len(pol.history) == 3
 
 
 def test_async_admits_top_k_by_current_survival_in_prefix_order():
@@ -263,6 +263,8 @@ def test_fixed_lengths_are_known_on_the_host():
     tab = SpsTable.from_ms([[1, 10.0], [64, 12.0]])
     for p in (ThresholdPolicy(0.5), ScheduledPolicy(tab), AsyncScheduledPolicy(tab)):
         assert p.host_lengths(3, 5) is None
+        # one width from earlier rounds only where rounds are padded (uniform), else none
+        assert p.host_width(["a", "b", "c"], conf) is None
 
 
 def _width_literal(surv, sps, early_stop=True):
@@ -303,3 +305,68 @@ def test_uniform_width_policies_equal_the_literal_walk(seed):
     apol(logit(np.full((r_count, g), 0.5)), ids)
     again = apol(z, ids)                        # the width of the call two steps back
     assert again.tolist() == cut.clamp(max=_width_literal(surv, sps, False)).tolist()
+
+
+# ---- widths from earlier rounds, on the host ---------------------------------------------------
+
+def test_host_history_reads_rows_staleness_rounds_old():
+    """HostHistory(2): before round k is recorded, a request's row is that of the newest round
+    <= k - 2 holding it; a request in none counts that round's mean row, and before any round is
+    old enough survival 1. Rounds of changing sizes regrow and reuse the staleness + 1 buffers
+    without a row of a kept round changing."""
+    h = HostHistory(2)
+    rounds = [["a", "b"], ["a", "b", "c"], ["a", "c"], ["a", "b", "c", "d", "e"], ["a", "b"], ["a"]]
+    asked = ["a", "b", "c", "new"]
+    want = [[1, 1, 1, 1], [1, 1, 1, 1], [0, 1, 0.5, 0.5], [10, 11, 12, 11], [20, 11, 22, 21],
+            [30, 31, 32, 32]]
+    for k, ids in enumerate(rounds):
+        got = h.stale(asked, 3)
+        assert got.shape == (4, 3) and np.array_equal(got[:, 0], want[k]), k
+        assert np.array_equal(got, got[:, :1].repeat(3, 1)), k
+        vals = torch.tensor([[10.0 * k + ord(r) - ord("a")] * 3 for r in ids])
+        h.record(ids, vals, lambda rows: rows.astype(np.float64))
+        assert len(h) == min(k + 1, 3)
+    assert np.array_equal(h.stale(["a"], 4), np.ones((1, 4)))      # other γ: no row of it
+
+
+def test_host_survival_matches_the_device_survival():
+    z = torch.tensor([[2.0, -1.0, 40.0, float("nan")], [float("-inf"), 3.0, -300.0, 0.5]])
+    t = [1.3, 0.7, 2.0, 1.0]
+    pol = ThresholdPolicy(0.5, temperatures=t)
+    np.testing.assert_allclose(pol.host_survival(z.numpy()), survival(z, t).double().numpy(),
+                               rtol=1e-6, atol=1e-12)
+
+
+def _rows_or_mean(surv, prev_ids, ids):
+    """Each of `ids`' row of the earlier round `surv` (ids `prev_ids`), its mean row for a new id."""
+    mean = surv.mean(0)
+    return torch.stack([surv[prev_ids.index(i)] if i in prev_ids else mean for i in ids])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_host_width_walks_the_stale_survivals(seed):
+    """The engine's path in uniform mode: `host_width` is the width walk (scheduled) / argmax
+    (scheduled-async) of the survivals recorded one / `staleness` calls before, requests new
+    since then counting that round's mean row, survival 1 before any. Every width is a function
+    of earlier calls only: the confidences passed now change no width of this call."""
+    rng = np.random.default_rng(seed)
+    sps = SpsTable.from_ms([[b, 1.0 + float(rng.uniform(0.02, 0.3)) * b] for b in range(1, 97)])
+    g, t = 5, [1.2, 1.1, 1.5, 2.0, 1.0]
+    pol, apol = ScheduledPolicy(sps, temperatures=t), AsyncScheduledPolicy(sps, temperatures=t)
+    pol.uniform = apol.uniform = True
+    ids_of = [[0, 1, 2], [0, 1, 2, 3], [1, 2, 3], [1, 2, 3, 4, 5], [2, 5, 6], [2, 5, 6, 7]]
+    history, widths = [], set()
+    for k, (ids, level) in enumerate(zip(ids_of, [3.0, -1.0, 3.0, 0.0, 4.0, 1.0])):
+        z = torch.as_tensor(rng.normal(level, 1.5, (len(ids), g)), dtype=torch.float32)
+        ones = torch.ones(len(ids), g, dtype=torch.float64)
+        prev = _rows_or_mean(*history[-1], ids) if k >= 1 else ones
+        stale = _rows_or_mean(*history[-2], ids) if k >= 2 else ones
+        w = pol.host_width(ids, z)
+        assert w == _width_literal(prev, sps), k
+        assert apol.host_width(ids, z) == _width_literal(stale, sps, early_stop=False), k
+        assert apol.last_capacity == _width_literal(stale, sps, early_stop=False) * len(ids)
+        history.append((survival(z, t).double(), ids))
+        widths.add(w)
+    assert len(widths) > 1, "the width never changed: the test lost its purpose"
+    with pytest.raises(ValueError, match="one request id per row"):
+        pol.host_width([0], torch.zeros(2, g))
