@@ -452,7 +452,7 @@ class Engine:
             return lens
         ids = [r.request_id for r in running]
         conf = torch.stack([r.draft.conf_logits for r in running])
-        width = self.policy.host_width(ids, conf)
+        width = self.policy.host_width(ids, [r.num_committed for r in running], conf)
         return [width] * len(running) if width is not None else self.policy(conf, ids).tolist()
 
     def policy_width(self) -> int:

@@ -54,8 +54,8 @@ def test_greedy_identity_on_the_shipped_pair_with_uniform_scheduled_widths(heldo
     widths = []
     host_width = spec.policy.host_width
 
-    def recording(ids, conf):
-        widths.append(host_width(ids, conf))
+    def recording(ids, positions, conf):
+        widths.append(host_width(ids, positions, conf))
         return widths[-1]
     spec.policy.host_width = recording
     a = spec.generate(prompts, SP)

@@ -405,8 +405,8 @@ def test_uniform_widths_may_change_every_round(tiny_ckpt, temperature, monkeypat
     chosen, fed = [], []
     host_width = spec.policy.host_width
 
-    def scripted(ids, conf):
-        host_width(ids, conf)
+    def scripted(ids, positions, conf):
+        host_width(ids, positions, conf)
         chosen.append(next(script))
         return chosen[-1]
     monkeypatch.setattr(spec.policy, "host_width", scripted)

@@ -6,10 +6,10 @@ information about a_{r,<=j} (never a later position, which depends on the sample
 is what keeps confidence scheduling lossless (spec §6.2, Appendix A).
 
 Where the engine pads every verify block of a round to one width (CUDA-graph steps), the
-scheduled policies choose that width on the host from earlier rounds' survivals (`host_width`,
+scheduled policies choose that width on the host from earlier blocks' survivals (`host_width`,
 `HostHistory`): the engine then queues the verify step while the draft pass still runs, as with
-the fixed policy. A width that depends on past rounds only is a stopping rule that never looks at
-the block being verified, so verification stays lossless.
+the fixed policy. The width is a function of blocks that lie wholly before every request's
+anchor: of none of the draws the verified block is made of, so verification stays lossless.
 """
 from __future__ import annotations
 
@@ -178,11 +178,13 @@ class VerifyPolicy:
         need not wait for the draft pass to read them); None when it needs them."""
         return None
 
-    def host_width(self, request_ids: Sequence[Hashable], conf_logits: torch.Tensor) -> int | None:
+    def host_width(self, request_ids: Sequence[Hashable], positions: Sequence[int],
+                   conf_logits: torch.Tensor) -> int | None:
         """Where the runner pads a round to one width: that width, every request's ℓ, decided
         from what is on the host already (earlier rounds), so the engine need not wait for the
-        draft pass; `conf_logits` [R, γ] (on the device, maybe not computed yet) are kept for
-        later rounds without a wait. None: the policy needs this round's confidences read."""
+        draft pass. `positions`: each request's anchor position (the block drafts the γ after
+        it); `conf_logits` [R, γ] (on the device, maybe not computed yet) are kept for later
+        rounds without a wait. None: the policy needs this round's confidences read."""
         return None
 
     def host_survival(self, z: np.ndarray) -> np.ndarray:
@@ -257,12 +259,13 @@ def _host_theta(tau_rows: np.ndarray, r_count: int, sps: SpsTable) -> np.ndarray
 
 
 class _Round:
-    """One recorded round of HostHistory: request id -> row, and the rows on the host."""
-    __slots__ = ("step", "index", "event", "rows", "convert", "_survival")
+    """One recorded round of HostHistory: request id -> row, the rows on the host, and each
+    block's anchor position (None where not given)."""
+    __slots__ = ("step", "index", "event", "rows", "positions", "convert", "_survival")
 
-    def __init__(self, step, index, event, rows, convert):
-        self.step, self.index, self.event, self.rows, self.convert = step, index, event, rows, convert
-        self._survival = None
+    def __init__(self, step, index, event, rows, positions, convert):
+        self.step, self.index, self.event, self.rows = step, index, event, rows
+        self.positions, self.convert, self._survival = positions, convert, None
 
     def survival(self) -> np.ndarray:
         """The rows as survivals [R, γ] (float64): waits for this round's copy (long done by
@@ -275,31 +278,44 @@ class _Round:
 
 
 class HostHistory:
-    """Per-request rows of the last `staleness` + 1 rounds' [R, γ] tensors (confidence logits or
-    survivals), on the host, for widths decided from earlier rounds only.
+    """Per-request rows of recent rounds' [R, γ] tensors (confidence logits or survivals), on
+    the host, for widths decided from earlier rounds only.
 
-    `record` starts a round's copy without waiting for the device: into one of staleness + 1
-    host buffers in turn (pinned on CUDA), an event recorded after it. A round's rows are read
-    `staleness` rounds later at the earliest (`stale`); in the engine the host has read a later
-    round's acceptance by then, queued after this copy, so the event is long complete. The numpy
-    views are made once per buffer: a read is no tensor call."""
+    `record` starts a round's copy without waiting for the device: into one of a ring of host
+    buffers (pinned on CUDA), an event recorded after it. A round's rows are read a round later
+    at the earliest (`stale`); in the engine the host has read a later round's acceptance by
+    then, queued after this copy, so the event is long complete. The numpy views are made once
+    per buffer: a read is no tensor call.
+
+    Which row a request may use: one of a round `staleness` or more rounds back and, where the
+    blocks' anchor positions are given, of a block that lies wholly before the request's anchor
+    now (P_then + γ <= P_now). Drafts are drawn with uniforms keyed by (seed, position), and a
+    block's confidences past its first rejection were computed from draws at positions the next
+    blocks draw at again: a width read from them would depend on the drafts it then verifies,
+    shifting the output law. A block wholly behind the anchor shares no draw with any block to
+    come. The anchor moves >= 1 a round, so max(staleness, γ) + 1 rounds are kept."""
 
     def __init__(self, staleness: int):
         self.staleness = staleness
         self.step = 0                                          # rounds recorded so far
-        self._rounds: collections.deque = collections.deque(maxlen=staleness + 1)
-        self._buffers: list = [None] * (staleness + 1)         # (host tensor, its numpy view)
+        self._rounds: collections.deque = collections.deque()
+        self._buffers: list = []                               # (host tensor, its numpy view)
 
     def __len__(self) -> int:
         return len(self._rounds)
 
-    def record(self, request_ids: Sequence[Hashable], values: torch.Tensor, convert) -> None:
-        """Keep `values` [R, γ] by request id; convert(numpy rows) -> survivals, when first read.
-        The buffer reused is that of the round the deque drops now (staleness + 1 rounds old)."""
+    def record(self, request_ids: Sequence[Hashable], values: torch.Tensor, convert,
+               positions: Sequence[int] | None = None) -> None:
+        """Keep `values` [R, γ] by request id, drafted at anchor `positions` (optional);
+        convert(numpy rows) -> survivals, when first read. The buffer reused is that of the
+        round dropped now, the oldest kept."""
         r_count, g = values.shape
-        turn = self.step % len(self._buffers)
+        keep = max(self.staleness, g) + 1
+        if self._rounds.maxlen != keep:                        # first round, or another γ
+            self._rounds, self._buffers = collections.deque(maxlen=keep), [None] * keep
+        turn = self.step % keep
         buf = self._buffers[turn]
-        if buf is None or buf[0].shape[0] < r_count or buf[0].shape[1] != g:
+        if buf is None or buf[0].shape[0] < r_count:
             rows = 1 << max(r_count - 1, 0).bit_length()       # powers of two: few regrowths
             host = torch.empty((rows, g), dtype=torch.float32, pin_memory=values.is_cuda)
             buf = self._buffers[turn] = (host, host.numpy())
@@ -309,27 +325,31 @@ class HostHistory:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(values.device.index))
         index = {rid: i for i, rid in enumerate(request_ids)}
-        self._rounds.append(_Round(self.step, index, event, buf[1][:r_count], convert))
+        self._rounds.append(_Round(self.step, index, event, buf[1][:r_count], positions, convert))
         self.step += 1
 
-    def stale(self, request_ids: Sequence[Hashable], g: int, fill=None) -> np.ndarray:
-        """Survivals [R, γ]: each request's row of the newest round at least `staleness` rounds
-        before the next record. A request without one gets `fill`; fill=None: the mean row of
-        that newest round (all its requests), survival 1 where no round is that old yet."""
-        rounds = [r for r in reversed(self._rounds)
-                  if r.step <= self.step - self.staleness and r.rows.shape[1] == g]
-        if not rounds:
-            return np.tile(np.ones(g) if fill is None else fill, (len(request_ids), 1))
-        index, surv = rounds[0].index, rounds[0].survival()
-        pick = [index[rid] if rid in index else -1 for rid in request_ids]
-        out = surv[pick]
-        if -1 in pick:                 # not in the newest stale round: an older one, or `fill`
-            fill = surv.mean(axis=0) if fill is None else fill
-            for k, rid in enumerate(request_ids):
-                if pick[k] < 0:
-                    out[k] = next((r.survival()[r.index[rid]] for r in rounds[1:]
-                                   if rid in r.index), fill)
-        return out
+    def stale(self, request_ids: Sequence[Hashable], g: int, positions: Sequence[int] | None = None,
+              fill=None) -> np.ndarray:
+        """Survivals [R, γ]: each request's row of the newest round it may use (class doc; the
+        positions are the requests' anchors now). A request without one gets `fill`;
+        fill=None: the mean of the rows found for the others, survival 1 where none is."""
+        usable = [r for r in reversed(self._rounds)
+                  if r.step <= self.step - self.staleness and r.rows.shape[1] == g
+                  and (positions is None or r.positions is not None)]
+        rows = []
+        for k, rid in enumerate(request_ids):       # newest first; a few rounds, host ints
+            row = None
+            for rnd in usable:
+                if rid in rnd.index:
+                    i = rnd.index[rid]
+                    if positions is None or rnd.positions[i] + g <= positions[k]:
+                        row = rnd.survival()[i]
+                        break
+            rows.append(row)
+        if fill is None:
+            known = [r for r in rows if r is not None]
+            fill = sum(known) / len(known) if known else np.ones(g)
+        return np.array([fill if r is None else r for r in rows], dtype=np.float64)
 
 
 def _identity_survival(rows: np.ndarray) -> np.ndarray:
@@ -339,15 +359,16 @@ def _identity_survival(rows: np.ndarray) -> np.ndarray:
 class _ScheduledBase(VerifyPolicy):
     """What the SPS-scheduled policies share: the table, `uniform` (set by the engine where the
     runner pads every verify block of a round to the widest, as the CUDA-graph steps do) and, in
-    uniform mode, the round's width chosen on the host from stale survivals (`host_width`).
+    uniform mode, the round's width chosen on the host from earlier blocks' survivals
+    (`host_width`): each request's newest block that lies wholly before its anchor
+    (HostHistory says why), a round (scheduled-async: `staleness` rounds) or more back.
 
-    In that host path a request without a recorded block (new) counts the mean survival of the
-    newest stale round: the drafter's acceptance there is the best guess for a request joining
-    (survival 1 would widen the whole round for it, 0 narrow it), and where no round is recorded
-    yet (an idle engine's first round) survival 1, the width the SPS alone picks (as `fixed`).
-    Every request then verifies the width (less what max_tokens / the model length leave): a
-    cut by the block's own survivals would need them read from the device, and verifying more
-    drafts is lossless."""
+    There a request without such a block (new) counts the mean survival of those that have one:
+    the drafter's acceptance now is the best guess for it (survival 1 would widen the whole round
+    for it, 0 narrow it); where none has (an idle engine's first rounds) survival 1, the width the
+    SPS alone picks (as `fixed`). Every request then verifies the width (less what max_tokens /
+    the model length leave): a cut by the block's own survivals would need them read from the
+    device, and verifying more drafts is lossless."""
     uniform = False
     staleness = 1
     last_capacity = 0            # drafts admitted by the last call (w·R in uniform mode)
@@ -361,19 +382,20 @@ class _ScheduledBase(VerifyPolicy):
         """The width chosen from Θ(w), w = 0..γ."""
         raise NotImplementedError
 
-    def stale_width(self, request_ids: Sequence[Hashable], g: int) -> int:
+    def stale_width(self, request_ids: Sequence[Hashable], g: int, positions=None) -> int:
         """The round's width from the stale survivals in `history` (HostHistory.stale)."""
-        tau_rows = np.add.reduce(self.history.stale(request_ids, g), axis=0)
+        tau_rows = np.add.reduce(self.history.stale(request_ids, g, positions), axis=0)
         return self._best_width(_host_theta(tau_rows, len(request_ids), self.sps))
 
-    def host_width(self, request_ids, conf_logits):
+    def host_width(self, request_ids, positions, conf_logits):
         if not self.uniform:
             return None
-        if len(request_ids) != conf_logits.shape[0]:
-            raise ValueError("host_width needs one request id per row of the confidence logits")
-        w = self.stale_width(request_ids, conf_logits.shape[1])
+        if not len(request_ids) == len(positions) == conf_logits.shape[0]:
+            raise ValueError("host_width needs one request id and position per row of the "
+                             "confidence logits")
+        w = self.stale_width(request_ids, conf_logits.shape[1], positions)
         self.last_capacity = w * len(request_ids)
-        self.history.record(request_ids, conf_logits, self.host_survival)
+        self.history.record(request_ids, conf_logits, self.host_survival, positions)
         return w
 
 
@@ -389,8 +411,8 @@ class ScheduledPolicy(_ScheduledBase):
     over one width for all: w grows from 0 while Θ(w) = (R + Σ_r Σ_{j<=w} a_{r,j}) · SPS(R(1+w))
     strictly improves, with the same break (w depends on positions <= w + 1 only: a stopping
     time of every block, so still lossless). Called with the confidences that is this round's
-    walk; the engine asks `host_width` instead, the same walk on the survivals of each request's
-    previous block (one round stale), so that it need not wait for this round's draft pass."""
+    walk; the engine asks `host_width` instead, the same walk on earlier blocks' survivals
+    (_ScheduledBase), so that it need not wait for this round's draft pass."""
     name = "scheduled"
 
     def _best_width(self, theta):
@@ -419,13 +441,15 @@ class AsyncScheduledPolicy(_ScheduledBase):
     SPS is fine); requests without such history count survival 1 at every position. Then the top-K
     slots by *current* survival (survival desc, position asc) are admitted on device.
 
-    History is kept per call, keyed by request id (the last `staleness`+1 calls; HostHistory);
-    a call records the survivals it was given. On CUDA the host copy is started without blocking
-    and waited for (event) only when it is read, `staleness` steps later.
+    History is kept per call, keyed by request id (HostHistory); a call records the survivals it
+    was given. On CUDA the host copy is started without blocking and waited for (event) only
+    when it is read, `staleness` steps later. Called with the confidences (no anchor positions)
+    a request's row is that of `staleness` calls back, whatever positions its block drafted.
 
     uniform=True (as ScheduledPolicy): one width per round, the argmax over w of Θ(w) on the stale
-    survivals, a new request counting the stale round's mean (_ScheduledBase); `host_width`
-    (the engine's path) records this round's confidence logits instead of survivals."""
+    survivals, a new request counting the others' mean (_ScheduledBase); `host_width` (the
+    engine's path) records this round's confidence logits and also takes only blocks wholly
+    before each request's anchor."""
     name = "scheduled-async"
 
     def __init__(self, sps: SpsTable, budget_frac: float = 1.0, staleness: int = 2, temperatures=None):
