@@ -1,6 +1,7 @@
 """Host work of one batch-1 DSpark round, measured on CPU along the CUDA path's code.
 
     PYTHONPATH=. python benchmarks/host_round_cpu.py --temperature 0 --rounds 200
+    PYTHONPATH=. python benchmarks/host_round_cpu.py --policy scheduled
 
 The shipped pair on CPU, set up as the engine runs it on CUDA: the V4 target's fixed-shape step
 (V4DecodeGraphs) and the draft pass / context writes as "graphs", sampled verification through
@@ -14,6 +15,10 @@ round issues around its replays:
 * host reads per round (Tensor.tolist / item / cpu / numpy / bool / int / float calls: on CUDA
   each is a wait for the device unless it reads a host tensor);
 * with --top N, the N functions with the most own time under cProfile.
+
+--policy picks the verify policy (default fixed); the scheduled ones price rounds with the SPS
+table measured for the shipped pair on the H200 (`H200_SPS_MS`), not a CPU profile, so their
+widths are those of the GPU run.
 """
 from __future__ import annotations
 
@@ -35,6 +40,13 @@ from dspark.formats.sampling import VerifyResult
 from dspark.models.deepseek_v4.graph import V4DecodeGraphs, reserve_scratch
 
 
+# SPS(B) of the shipped pair on the H200 ([B, step ms]; benchmarks/results/
+# bench_scheduled_vs_off_h200.json, "sps_ms")
+H200_SPS_MS = [[1, 0.779], [2, 0.828], [4, 0.847], [6, 0.856], [12, 0.993], [24, 1.277],
+               [36, 1.299], [48, 1.347], [72, 1.666], [96, 1.666], [144, 1.969], [192, 1.969],
+               [288, 2.323], [384, 2.323]]
+
+
 class _NoWorkGraph:
     """A captured graph whose replay does nothing (its outputs keep their buffers' values)."""
 
@@ -52,15 +64,16 @@ def _fused_verify_stub(drafts, q, logits, temp, lens, seeds, P):
     return VerifyResult(a, a)
 
 
-def cuda_path_engine(max_num_seqs: int = 4) -> Engine:
+def cuda_path_engine(max_num_seqs: int = 4, policy: str = "fixed") -> Engine:
     """The shipped pair on CPU with the CUDA round's code path and no device work in replays."""
     draft_pass_mod.capture, draft_pass_mod.warm_up = _capture_once, lambda *a, **k: None
     torch.cuda.graph_pool_handle = lambda: None
     import dspark.spec.accept as accept_mod
     accept_mod.fused_sampling_enabled = lambda dev: True
     sampling_kernels.fused_verify = _fused_verify_stub
+    sps = {} if policy == "fixed" else {"sps_table": H200_SPS_MS}
     eng = Engine(default_model_path(), device="cpu", dtype="fp32", max_num_seqs=max_num_seqs,
-                 num_kv_blocks=4 * max_num_seqs + 2)
+                 num_kv_blocks=4 * max_num_seqs + 2, verify_policy=policy, **sps)
     r = eng.runner
     reserve_scratch(eng.cache)
     r.target_graphs = V4DecodeGraphs(r.model, eng.cache, "torch",
@@ -68,7 +81,8 @@ def cuda_path_engine(max_num_seqs: int = 4) -> Engine:
                                      tap_layers=r.tap_layers, capture=False)
     r.target_graphs._forward = lambda B, q, P: None      # the target graph's replay: no work
     r.uniform_verify = True
-    eng.policy.uniform = True if hasattr(eng.policy, "uniform") else None
+    if hasattr(eng.policy, "uniform"):
+        eng.policy.uniform = True
     dp = r.draft_pass
     dp.cuda_graphs = dp.graphs_wanted = True
     return eng
@@ -124,8 +138,9 @@ def main(argv=None):
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--rounds", type=int, default=200)
     p.add_argument("--top", type=int, default=0)
+    p.add_argument("--policy", default="fixed", help="verify policy (fixed, scheduled, ...)")
     a = p.parse_args(argv)
-    eng = cuda_path_engine()
+    eng = cuda_path_engine(policy=a.policy)
     sp = SamplingParams(temperature=a.temperature, max_tokens=10 ** 6, ignore_eos=True, seed=1)
     prompt = "def fibonacci(n):\n"
     with torch.inference_mode():
@@ -148,7 +163,7 @@ def main(argv=None):
         with ops, count_reads(reads):
             rounds_of(eng, a.rounds)
     n = a.rounds
-    print(f"T={a.temperature}: {best:.0f} us/round (best of 10 x {n}), "
+    print(f"{a.policy} T={a.temperature}: {best:.0f} us/round (best of 10 x {n}), "
           f"{calls / n:.0f} Python calls/round, {sum(ops.ops.values()) / n:.1f} torch ops/round, "
           f"{sum(reads.values()) / n:.1f} host reads/round")
     print("  ops/round:", ", ".join(f"{k} {v / n:.1f}" for k, v in ops.ops.most_common()))

@@ -425,11 +425,7 @@ class Engine:
             return 0
         if not running:     # prompts only: the widest step the policy's rounds replay
             return 1 + self.policy_width() if uniform else 0
-        # a fixed ℓ needs no confidences: no wait for the draft pass here
-        lens = self.policy.host_lengths(len(running), self.drafter.gamma)
-        if lens is None:
-            lens = self.policy(torch.stack([r.draft.conf_logits for r in running]),
-                               [r.request_id for r in running]).tolist()
+        lens = self._policy_lengths(running)
         for req, n in zip(running, lens):
             room = min(req.params.max_tokens - len(req.output_ids) - 1,
                        self.max_model_len - req.num_committed - 1)
@@ -445,6 +441,19 @@ class Engine:
                 req.feed_len = max(req.verify_len, min(
                     width, self.max_model_len - req.num_committed - 1))
         return 1 + width
+
+    def _policy_lengths(self, running) -> list:
+        """The policy's ℓ per running request. A fixed ℓ needs no confidences, and where rounds
+        are padded to one width the scheduled policies choose it from earlier rounds' (on the
+        host already): then nothing here waits for the draft pass, and the verify step is queued
+        behind it on the device. Otherwise the confidences are read (a wait for the draft pass)."""
+        lens = self.policy.host_lengths(len(running), self.drafter.gamma)
+        if lens is not None:
+            return lens
+        ids = [r.request_id for r in running]
+        conf = torch.stack([r.draft.conf_logits for r in running])
+        width = self.policy.host_width(ids, [r.num_committed for r in running], conf)
+        return [width] * len(running) if width is not None else self.policy(conf, ids).tolist()
 
     def policy_width(self) -> int:
         """The most drafts a round of this policy verifies per request: ℓ of the fixed policy,

@@ -89,7 +89,8 @@ def warm_up(engine, prompt_lengths=None, batch_sizes=None, rounds: int = 3,
 
 def _verify_widths(engine) -> set:
     """Tokens per request of the uniform steps the engine runs: 1 without a drafter, the fixed
-    policy's ℓ + 1, else any of 1 .. γ + 1."""
+    policy's ℓ + 1, else any of 1 .. γ + 1 (the scheduled policies' width, 0 .. γ, changes from
+    round to round with the load and the confidences)."""
     if engine.drafter is None:
         return {1}
     gamma = engine.drafter.gamma

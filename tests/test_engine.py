@@ -1,4 +1,5 @@
 """DSpark loop: greedy identity, exact sampling law, metrics, errors."""
+import itertools
 import random
 
 import pytest
@@ -315,6 +316,8 @@ def test_sampling_distribution_is_exact_under_the_scheduler(small_vocab_ckpt, po
                   verify_policy=policy, **kw)
     if uniform:
         spec.runner.uniform_verify = spec.policy.uniform = True
+        # the width comes from earlier rounds on the host (host_width): never this round's read
+        monkeypatch.setattr(type(spec.policy), "lengths", _never)
     off = Engine(small_vocab_ckpt, device="cpu", dtype="fp32", kv_cache_dtype="fp32",
                  speculative="none")
     prompt, steps, T, n = [3, 1, 4, 1, 5], 2, 1.0, 480
@@ -326,6 +329,104 @@ def test_sampling_distribution_is_exact_under_the_scheduler(small_vocab_ckpt, po
     assert len(lengths) >= n, "every request ran at least one speculative round"
     if uniform:
         assert len(set(lengths)) > 1, "the width never changed: the test lost its purpose"
+
+
+def _never(*a, **k):
+    raise AssertionError("the policy read this round's confidences")
+
+
+# step time 1 ms + 0.2 ms per verify token: the best width shrinks with the load and with the
+# drafter's confidences, so the scheduled policies' widths change from round to round
+STEEP_SPS = [[b, 1.0 + 0.2 * b] for b in range(1, 257)]
+READS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+def _reads_before_forward(eng, monkeypatch) -> list:
+    """Per round with running requests: the tensor reads (on CUDA each a wait for the device)
+    between the start of the round and its target forward, filled in as the engine steps."""
+    counts, armed = [], [False]
+    for name in READS:
+        def read(self, *a, _fn=getattr(torch.Tensor, name), **k):
+            if armed[0]:
+                counts[-1] += 1
+            return _fn(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, read)
+    lengths, forward = eng._verify_lengths, eng.runner.target_forward
+
+    def verify_lengths(running):
+        if running:
+            counts.append(0)
+            armed[0] = True
+        return lengths(running)
+
+    def target_forward(*a, **k):
+        armed[0] = False
+        return forward(*a, **k)
+    monkeypatch.setattr(eng, "_verify_lengths", verify_lengths)
+    monkeypatch.setattr(eng.runner, "target_forward", target_forward)
+    return counts
+
+
+@pytest.mark.parametrize("policy,uniform", [("fixed", True), ("scheduled", True),
+                                            ("scheduled-async", True), ("scheduled", False)])
+def test_uniform_rounds_read_nothing_before_the_verify_launch(tiny_ckpt, policy, uniform,
+                                                              monkeypatch):
+    """Where rounds replay as uniform graph steps fed the drafts as device tensors (the V4
+    target graphs on CUDA), nothing from a round's start to its target forward reads the
+    device, which would wait for the draft pass still running: the fixed ℓ is known on the host,
+    and the scheduled policies take the width from earlier rounds' survivals (host_width).
+    uniform=False: the scheduled policy reads this round's confidences (the test can tell)."""
+    kw = {} if policy == "fixed" else dict(sps_table=STEEP_SPS)
+    eng = Engine(tiny_ckpt, device="cpu", dtype="fp32", kv_cache_dtype="fp32", max_num_seqs=4,
+                 verify_policy=policy, **kw)
+    eng.runner.uniform_verify = True
+    if policy != "fixed":
+        eng.policy.uniform = uniform
+    monkeypatch.setattr(type(eng.runner), "takes_device_tokens", True)
+    prompts = _prompts(4, eng.cfg.vocab_size, seed=7)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = [o.token_ids for o in eng.generate(prompts, sp)]   # host buffers grown to this load
+    counts = _reads_before_forward(eng, monkeypatch)
+    assert [o.token_ids for o in eng.generate(prompts, sp)] == want
+    assert counts and (not any(counts) if uniform else all(counts)), counts
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_uniform_widths_may_change_every_round(tiny_ckpt, temperature, monkeypatch):
+    """The scheduled policies' width may be any of 0..γ and change every round (0: every
+    running request decodes one token): each verify step feeds width + 1 tokens per request
+    (fewer only where max_tokens leaves less room: never here), and greedy output stays the
+    target's own."""
+    spec, off = _engines(tiny_ckpt, verify_policy="scheduled", sps_table=STEEP_SPS,
+                         max_num_seqs=3)
+    spec.runner.uniform_verify = spec.policy.uniform = True
+    g = spec.drafter.gamma
+    script = itertools.cycle([0, g, 1, 0, 3, g, 2, g - 1, 0])
+    chosen, fed = [], []
+    host_width = spec.policy.host_width
+
+    def scripted(ids, positions, conf):
+        host_width(ids, positions, conf)
+        chosen.append(next(script))
+        return chosen[-1]
+    monkeypatch.setattr(spec.policy, "host_width", scripted)
+    forward = spec.runner.target_forward
+
+    def recording(items, *a, **kw):
+        running = {r.target_state for r in spec.scheduler.running}
+        fed.append((len(chosen), {len(t) for st, _, t in items if st in running}))
+        return forward(items, *a, **kw)
+    monkeypatch.setattr(spec.runner, "target_forward", recording)
+    prompts = _prompts(5, spec.cfg.vocab_size, seed=9)
+    params = [SamplingParams(temperature=temperature, max_tokens=40, ignore_eos=True, seed=i)
+              for i in range(5)]
+    outs = spec.generate(prompts, params)
+    assert all(len(o.token_ids) == 40 for o in outs)
+    if temperature == 0:
+        assert [o.token_ids for o in outs] == [o.token_ids for o in off.generate(prompts, params)]
+    steps = [(chosen[n - 1], widths) for n, widths in fed if widths]
+    assert {0, 1, g} <= {w for w, _ in steps}
+    assert all(widths == {w + 1} for w, widths in steps), steps
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

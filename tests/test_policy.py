@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.spec.policy import (AsyncScheduledPolicy, ScheduledPolicy, SpsTable, ThresholdPolicy,
-                                make_policy, modelled_throughput, survival)
+from dspark.spec.policy import (AsyncScheduledPolicy, HostHistory, ScheduledPolicy, SpsTable,
+                                ThresholdPolicy, make_policy, modelled_throughput, survival)
 from dspark.spec.verify import verify
 
 
@@ -160,7 +160,7 @@ def test_async_capacity_uses_only_two_step_old_confidences():
     assert pol.last_capacity == 3 and ell.tolist() == [1, 1, 1]
     # a request without history counts survival 1; history is bounded
     pol(lo, ["a", "new", "c"])
-    assert len(pol._history) == 3
+    assert len(pol.history) == 4             # max(staleness, γ) + 1 calls
 
 
 def test_async_admits_top_k_by_current_survival_in_prefix_order():
@@ -263,6 +263,8 @@ def test_fixed_lengths_are_known_on_the_host():
     tab = SpsTable.from_ms([[1, 10.0], [64, 12.0]])
     for p in (ThresholdPolicy(0.5), ScheduledPolicy(tab), AsyncScheduledPolicy(tab)):
         assert p.host_lengths(3, 5) is None
+        # one width from earlier rounds only where rounds are padded (uniform), else none
+        assert p.host_width(["a", "b", "c"], [7, 8, 9], conf) is None
 
 
 def _width_literal(surv, sps, early_stop=True):
@@ -303,3 +305,85 @@ def test_uniform_width_policies_equal_the_literal_walk(seed):
     apol(logit(np.full((r_count, g), 0.5)), ids)
     again = apol(z, ids)                        # the width of the call two steps back
     assert again.tolist() == cut.clamp(max=_width_literal(surv, sps, False)).tolist()
+
+
+# ---- widths from earlier rounds, on the host ---------------------------------------------------
+
+def test_host_history_takes_blocks_wholly_behind_the_anchor():
+    """HostHistory(1): a request's row is that of the newest earlier round whose block (drafted
+    at anchor P, positions P+1..P+γ) lies wholly before its anchor now; a request with none counts
+    the mean of the rows found for the others, survival 1 where none is. Without positions: the
+    newest earlier round holding it. Rounds of changing sizes regrow and reuse the buffers."""
+    h = HostHistory(1)
+    rounds = [{"a": 10, "b": 20}, {"a": 12, "b": 21, "c": 30}, {"a": 15, "c": 31},
+              {"a": 16, "b": 24, "c": 35, "d": 40}, {"a": 20, "b": 26}, {"a": 25, "b": 30}]
+    want = [{}, {},                                     # no block behind any anchor yet: 1
+            {"a": 10, "c": 10, "new": 10},              # a's block of round 1 (12 + 3 <= 15)
+            {"a": 10, "b": 11, "c": 22, "d": 43 / 3, "new": 43 / 3},
+            {"a": 30, "b": 11, "new": 41 / 2},          # a: round 3 (16 + 3 <= 20)
+            {"a": 40, "b": 41, "new": 40.5}]
+    for k, at in enumerate(rounds):
+        ids = list(at) + ["new"]
+        got = h.stale(ids, 3, list(at.values()) + [0])
+        assert got.shape == (len(ids), 3) and np.array_equal(got, got[:, :1].repeat(3, 1)), k
+        assert got[:, 0].tolist() == pytest.approx([want[k].get(r, 1.0) for r in ids]), k
+        vals = torch.tensor([[10.0 * k + ord(r) - ord("a")] * 3 for r in at])
+        h.record(list(at), vals, lambda rows: rows.astype(np.float64), list(at.values()))
+        assert len(h) == min(k + 1, 4)                  # max(staleness, γ) + 1 rounds
+    assert h.stale(["a", "b", "c"], 3)[:, 0].tolist() == [50, 51, 32]   # positions not given
+    assert np.array_equal(h.stale(["zz"], 3, [99], fill=np.zeros(3)), np.zeros((1, 3)))
+    assert np.array_equal(h.stale(["a"], 4, [99]), np.ones((1, 4)))    # other γ: no row of it
+
+
+def test_host_survival_matches_the_device_survival():
+    z = torch.tensor([[2.0, -1.0, 40.0, float("nan")], [float("-inf"), 3.0, -300.0, 0.5]])
+    t = [1.3, 0.7, 2.0, 1.0]
+    pol = ThresholdPolicy(0.5, temperatures=t)
+    np.testing.assert_allclose(pol.host_survival(z.numpy()), survival(z, t).double().numpy(),
+                               rtol=1e-6, atol=1e-12)
+
+
+def _usable_rows(history, ids, positions, staleness, g):
+    """HostHistory's rule written out: per request the newest round >= staleness calls back
+    holding a block of it drafted at P with P + γ <= its position now, else the mean of the
+    rows found for the others, else survival 1."""
+    rows = []
+    for rid, pos in zip(ids, positions):
+        found = [surv[i] for surv, rids, at in reversed(history[:len(history) - staleness + 1])
+                 for i, r in enumerate(rids) if r == rid and at[i] + g <= pos]
+        rows.append(found[0] if found else None)
+    known = [r for r in rows if r is not None]
+    fill = torch.stack(known).mean(0) if known else torch.ones(g, dtype=torch.float64)
+    return torch.stack([fill if r is None else r for r in rows])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_host_width_walks_the_stale_survivals(seed):
+    """The engine's path in uniform mode: `host_width` is the width walk (scheduled) / argmax
+    (scheduled-async) over the survivals of blocks wholly behind each anchor, one / `staleness`
+    calls back or more (HostHistory). Every width is a function of earlier calls only: the
+    confidences passed now change no width of this call."""
+    rng = np.random.default_rng(seed)
+    slope = float(rng.uniform(0.02, 0.3))
+    sps = SpsTable.from_ms([[b, 1.0 + slope * b] for b in range(1, 97)])
+    g, t = 5, [1.2, 1.1, 1.5, 2.0, 1.0]
+    pol, apol = ScheduledPolicy(sps, temperatures=t), AsyncScheduledPolicy(sps, temperatures=t)
+    pol.uniform = apol.uniform = True
+    ids_of = [[0, 1, 2], [0, 1, 2, 3], [1, 2, 3], [1, 2, 3, 4, 5], [2, 5, 6], [2, 5, 6, 7],
+              [2, 5, 6, 7], [5, 6, 7]]
+    levels = [3.0, -1.0, 3.0, 0.0, 4.0, 1.0, 3.0, -1.0]
+    anchor, history, widths = {}, [], set()
+    for k, (ids, level) in enumerate(zip(ids_of, levels)):
+        for r in ids:                                   # every round moves an anchor 1..γ+1
+            anchor[r] = anchor.get(r, 0) + int(rng.integers(1, g + 2))
+        at = [anchor[r] for r in ids]
+        z = torch.as_tensor(rng.normal(level, 1.5, (len(ids), g)), dtype=torch.float32)
+        w = pol.host_width(ids, at, z)
+        assert w == _width_literal(_usable_rows(history, ids, at, 1, g), sps), k
+        wa = _width_literal(_usable_rows(history, ids, at, 2, g), sps, early_stop=False)
+        assert apol.host_width(ids, at, z) == wa and apol.last_capacity == wa * len(ids), k
+        history.append((survival(z, t).double(), ids, at))
+        widths.add(w)
+    assert len(widths) > 1, "the width never changed: the test lost its purpose"
+    with pytest.raises(ValueError, match="one request id and position per row"):
+        pol.host_width([0], [3], torch.zeros(2, g))

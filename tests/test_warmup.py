@@ -1,8 +1,11 @@
 """Engine.warmup: dummy requests over the shapes traffic hits, leaving the engine as it was."""
+from types import SimpleNamespace
+
 import pytest
 
 from dspark import Engine, SamplingParams
-from dspark.warmup import default_batch_sizes, default_prompt_lengths
+from dspark.spec.policy import SpsTable, make_policy
+from dspark.warmup import _verify_widths, default_batch_sizes, default_prompt_lengths
 
 
 def test_default_shapes():
@@ -30,3 +33,16 @@ def test_warmup_needs_an_idle_engine():
     eng.add_request([1, 2, 3])
     with pytest.raises(RuntimeError, match="idle"):
         eng.warmup(prompt_lengths=[1], batch_sizes=[])
+
+
+def test_graph_widths_cover_every_width_a_policy_chooses():
+    """The target graphs captured ahead of traffic cover every round width: the fixed policy's
+    one, any of 0..γ drafts for the others (the scheduled ones change it round to round)."""
+    sps = SpsTable.from_ms([[1, 1.0]])
+    for name, kw, want in (("fixed", {}, {6}), ("fixed", {"num_verify": 2}, {3}),
+                           ("threshold", {}, set(range(1, 7))),
+                           ("scheduled", {"sps": sps}, set(range(1, 7))),
+                           ("scheduled-async", {"sps": sps}, set(range(1, 7)))):
+        eng = SimpleNamespace(drafter=SimpleNamespace(gamma=5), policy=make_policy(name, **kw))
+        assert _verify_widths(eng) == want, name
+    assert _verify_widths(SimpleNamespace(drafter=None, policy=None)) == {1}

@@ -4,9 +4,16 @@ All policies map confidence logits [R, γ] to lengths ℓ int64 [R] on the same 
 a_{r,j} = Π_{i<=j} σ(l_{r,i} / T_i) is non-increasing in j, and every policy admits (r, j) only from
 information about a_{r,<=j} (never a later position, which depends on the sampled x_{r,j}): that
 is what keeps confidence scheduling lossless (spec §6.2, Appendix A).
+
+Where the engine pads every verify block of a round to one width (CUDA-graph steps), the
+scheduled policies choose that width on the host from earlier blocks' survivals (`host_width`,
+`HostHistory`): the engine then queues the verify step while the draft pass still runs, as with
+the fixed policy. The width is a function of blocks that lie wholly before every request's
+anchor: of none of the draws the verified block is made of, so verification stays lossless.
 """
 from __future__ import annotations
 
+import collections
 import math
 from typing import Hashable, Sequence
 
@@ -41,6 +48,7 @@ class SpsTable:
         else:
             self._slope = self.ms[0] / bs[0]
         self._dev_cache: dict = {}  # device -> float64 SPS(B) for B = 0..n-1
+        self._width_cache: dict = {}  # (R, γ) -> SPS(R(1 + w)) for w = 0..γ
 
     @classmethod
     def from_sps(cls, points: Sequence[Sequence[float]]) -> "SpsTable":
@@ -80,6 +88,14 @@ class SpsTable:
             size = max(hi + 1, 2 * cache[key].numel() if key in cache else 1024)
             cache[key] = torch.as_tensor(self.sps(np.arange(size)), dtype=torch.float64, device=device)
         return cache[key][lo:hi + 1]
+
+    def sps_widths(self, r_count: int, g: int) -> np.ndarray:
+        """SPS at B = R(1 + w) for w = 0..γ (R requests that each verify w drafts), float64.
+        Cached per (R, γ): a round's lookup on the host is one dict read."""
+        key = (r_count, g)
+        if key not in self._width_cache:
+            self._width_cache[key] = self.sps(r_count * np.arange(1, g + 2))
+        return self._width_cache[key]
 
     def to_list(self) -> list[list[float]]:
         """[[B, ms], ...] after the monotone fix, for logs."""
@@ -138,6 +154,7 @@ class VerifyPolicy:
     def __init__(self, temperatures=None):
         self.temperatures = temperatures
         self._temps_dev: dict = {}
+        self._temps_host = None
 
     def __call__(self, conf_logits: torch.Tensor, request_ids: Sequence[Hashable] | None = None,
                  temperatures=None) -> torch.Tensor:
@@ -160,6 +177,26 @@ class VerifyPolicy:
         """ℓ per request when the policy decides it without the confidences (then the engine
         need not wait for the draft pass to read them); None when it needs them."""
         return None
+
+    def host_width(self, request_ids: Sequence[Hashable], positions: Sequence[int],
+                   conf_logits: torch.Tensor) -> int | None:
+        """Where the runner pads a round to one width: that width, every request's ℓ, decided
+        from what is on the host already (earlier rounds), so the engine need not wait for the
+        draft pass. `positions`: each request's anchor position (the block drafts the γ after
+        it); `conf_logits` [R, γ] (on the device, maybe not computed yet) are kept for later
+        rounds without a wait. None: the policy needs this round's confidences read."""
+        return None
+
+    def host_survival(self, z: np.ndarray) -> np.ndarray:
+        """survival() on the host, float64 [R, γ], of confidence logits read back [R, γ]."""
+        z = z.astype(np.float64)
+        if self.temperatures is not None:
+            if self._temps_host is None:
+                self._temps_host = np.asarray(self.temperatures, dtype=np.float64)
+            z = z / self._temps_host
+        conf = 0.5 + 0.5 * np.tanh(0.5 * z)     # σ(z) without exp's overflow warning at -inf
+        conf[np.isnan(conf)] = 0.0               # as confidence(): NaN is never admitted
+        return conf.cumprod(axis=1)
 
 
 class FixedPolicy(VerifyPolicy):
@@ -215,25 +252,174 @@ def _uniform_theta(tau_rows: torch.Tensor, r_count: int, sps: SpsTable) -> torch
     return tau * sps.sps_device(r_count, r_count * (g + 1), tau_rows.device)[::r_count]
 
 
-class ScheduledPolicy(VerifyPolicy):
+def _host_theta(tau_rows: np.ndarray, r_count: int, sps: SpsTable) -> np.ndarray:
+    """_uniform_theta on the host (float64 numpy): Θ(w) for w = 0..γ."""
+    tau = r_count + np.concatenate(([0.0], tau_rows.cumsum()))
+    return tau * sps.sps_widths(r_count, tau_rows.shape[0])
+
+
+class _Round:
+    """One recorded round of HostHistory: request id -> row, the rows on the host, and each
+    block's anchor position (None where not given)."""
+    __slots__ = ("step", "index", "event", "rows", "positions", "convert", "_survival")
+
+    def __init__(self, step, index, event, rows, positions, convert):
+        self.step, self.index, self.event, self.rows = step, index, event, rows
+        self.positions, self.convert, self._survival = positions, convert, None
+
+    def survival(self) -> np.ndarray:
+        """The rows as survivals [R, γ] (float64): waits for this round's copy (long done by
+        then), converted once into a new array, so the buffer can be reused."""
+        if self._survival is None:
+            if self.event is not None:
+                self.event.synchronize()
+            self._survival = self.convert(self.rows)
+        return self._survival
+
+
+class HostHistory:
+    """Per-request rows of recent rounds' [R, γ] tensors (confidence logits or survivals), on
+    the host, for widths decided from earlier rounds only.
+
+    `record` starts a round's copy without waiting for the device: into one of a ring of host
+    buffers (pinned on CUDA), an event recorded after it. A round's rows are read a round later
+    at the earliest (`stale`); in the engine the host has read a later round's acceptance by
+    then, queued after this copy, so the event is long complete. The numpy views are made once
+    per buffer: a read is no tensor call.
+
+    Which row a request may use: one of a round `staleness` or more rounds back and, where the
+    blocks' anchor positions are given, of a block that lies wholly before the request's anchor
+    now (P_then + γ <= P_now). Drafts are drawn with uniforms keyed by (seed, position), and a
+    block's confidences past its first rejection were computed from draws at positions the next
+    blocks draw at again: a width read from them would depend on the drafts it then verifies,
+    shifting the output law. A block wholly behind the anchor shares no draw with any block to
+    come. The anchor moves >= 1 a round, so max(staleness, γ) + 1 rounds are kept."""
+
+    def __init__(self, staleness: int):
+        self.staleness = staleness
+        self.step = 0                                          # rounds recorded so far
+        self._rounds: collections.deque = collections.deque()
+        self._buffers: list = []                               # (host tensor, its numpy view)
+
+    def __len__(self) -> int:
+        return len(self._rounds)
+
+    def record(self, request_ids: Sequence[Hashable], values: torch.Tensor, convert,
+               positions: Sequence[int] | None = None) -> None:
+        """Keep `values` [R, γ] by request id, drafted at anchor `positions` (optional);
+        convert(numpy rows) -> survivals, when first read. The buffer reused is that of the
+        round dropped now, the oldest kept."""
+        r_count, g = values.shape
+        keep = max(self.staleness, g) + 1
+        if self._rounds.maxlen != keep:                        # first round, or another γ
+            self._rounds, self._buffers = collections.deque(maxlen=keep), [None] * keep
+        turn = self.step % keep
+        buf = self._buffers[turn]
+        if buf is None or buf[0].shape[0] < r_count:
+            rows = 1 << max(r_count - 1, 0).bit_length()       # powers of two: few regrowths
+            host = torch.empty((rows, g), dtype=torch.float32, pin_memory=values.is_cuda)
+            buf = self._buffers[turn] = (host, host.numpy())
+        buf[0][:r_count].copy_(values, non_blocking=values.is_cuda)
+        event = None
+        if values.is_cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(values.device.index))
+        index = {rid: i for i, rid in enumerate(request_ids)}
+        self._rounds.append(_Round(self.step, index, event, buf[1][:r_count], positions, convert))
+        self.step += 1
+
+    def stale(self, request_ids: Sequence[Hashable], g: int, positions: Sequence[int] | None = None,
+              fill=None) -> np.ndarray:
+        """Survivals [R, γ]: each request's row of the newest round it may use (class doc; the
+        positions are the requests' anchors now). A request without one gets `fill`;
+        fill=None: the mean of the rows found for the others, survival 1 where none is."""
+        usable = [r for r in reversed(self._rounds)
+                  if r.step <= self.step - self.staleness and r.rows.shape[1] == g
+                  and (positions is None or r.positions is not None)]
+        rows = []
+        for k, rid in enumerate(request_ids):       # newest first; a few rounds, host ints
+            row = None
+            for rnd in usable:
+                if rid in rnd.index:
+                    i = rnd.index[rid]
+                    if positions is None or rnd.positions[i] + g <= positions[k]:
+                        row = rnd.survival()[i]
+                        break
+            rows.append(row)
+        if fill is None:
+            known = [r for r in rows if r is not None]
+            fill = sum(known) / len(known) if known else np.ones(g)
+        return np.array([fill if r is None else r for r in rows], dtype=np.float64)
+
+
+def _identity_survival(rows: np.ndarray) -> np.ndarray:
+    return rows.astype(np.float64)
+
+
+class _ScheduledBase(VerifyPolicy):
+    """What the SPS-scheduled policies share: the table, `uniform` (set by the engine where the
+    runner pads every verify block of a round to the widest, as the CUDA-graph steps do) and, in
+    uniform mode, the round's width chosen on the host from earlier blocks' survivals
+    (`host_width`): each request's newest block that lies wholly before its anchor
+    (HostHistory says why), a round (scheduled-async: `staleness` rounds) or more back.
+
+    There a request without such a block (new) counts the mean survival of those that have one:
+    the drafter's acceptance now is the best guess for it (survival 1 would widen the whole round
+    for it, 0 narrow it); where none has (an idle engine's first rounds) survival 1, the width the
+    SPS alone picks (as `fixed`). Every request then verifies the width (less what max_tokens /
+    the model length leave): a cut by the block's own survivals would need them read from the
+    device, and verifying more drafts is lossless."""
+    uniform = False
+    staleness = 1
+    last_capacity = 0            # drafts admitted by the last call (w·R in uniform mode)
+
+    def __init__(self, sps: SpsTable, temperatures=None):
+        super().__init__(temperatures)
+        self.sps = sps
+        self.history = HostHistory(self.staleness)
+
+    def _best_width(self, theta: np.ndarray) -> int:
+        """The width chosen from Θ(w), w = 0..γ."""
+        raise NotImplementedError
+
+    def stale_width(self, request_ids: Sequence[Hashable], g: int, positions=None) -> int:
+        """The round's width from the stale survivals in `history` (HostHistory.stale)."""
+        tau_rows = np.add.reduce(self.history.stale(request_ids, g, positions), axis=0)
+        return self._best_width(_host_theta(tau_rows, len(request_ids), self.sps))
+
+    def host_width(self, request_ids, positions, conf_logits):
+        if not self.uniform:
+            return None
+        if not len(request_ids) == len(positions) == conf_logits.shape[0]:
+            raise ValueError("host_width needs one request id and position per row of the "
+                             "confidence logits")
+        w = self.stale_width(request_ids, conf_logits.shape[1], positions)
+        self.last_capacity = w * len(request_ids)
+        self.history.record(request_ids, conf_logits, self.host_survival, positions)
+        return w
+
+
+class ScheduledPolicy(_ScheduledBase):
     """Algorithm 1 (spec §6.2): walk candidates by survival desc (ties: smaller j, then r), admit
     while Θ = τ·SPS(B) strictly improves, stop at the first non-improvement. The break is what
     keeps it lossless. Vectorised: along the walk Θ_best is always the previous Θ, so the admitted
     set is the strictly increasing run of Θ_0, Θ_1, ... from the start.
 
-    uniform=True (set by the engine where the runner pads every verify block of a round to the
-    widest, as the CUDA-graph steps do): a shorter ℓ for one request saves nothing there, and
+    uniform=True: a shorter ℓ for one request saves nothing in a padded round, and
     B = Σ(1 + ℓ) would price a round at less than it costs (on the H200 the walk stopped at the
     first jump of the bucketed SPS, ℓ ≈ 0.5 at 64 requests, 0.54x of fixed). The walk is then
     over one width for all: w grows from 0 while Θ(w) = (R + Σ_r Σ_{j<=w} a_{r,j}) · SPS(R(1+w))
     strictly improves, with the same break (w depends on positions <= w + 1 only: a stopping
-    time of every block, so still lossless)."""
+    time of every block, so still lossless). Called with the confidences that is this round's
+    walk; the engine asks `host_width` instead, the same walk on earlier blocks' survivals
+    (_ScheduledBase), so that it need not wait for this round's draft pass."""
     name = "scheduled"
-    uniform = False
 
-    def __init__(self, sps: SpsTable, temperatures=None):
-        super().__init__(temperatures)
-        self.sps = sps
+    def _best_width(self, theta):
+        w, g = 0, theta.shape[0] - 1
+        while w < g and theta[w + 1] > theta[w]:      # grow while Θ strictly improves
+            w += 1
+        return w
 
     def lengths(self, conf, surv, request_ids=None):
         r_count, g = surv.shape
@@ -249,87 +435,60 @@ class ScheduledPolicy(VerifyPolicy):
         return _lengths_from_admitted(rows, step_ok.long().cumprod(0), r_count)
 
 
-class AsyncScheduledPolicy(VerifyPolicy):
+class AsyncScheduledPolicy(_ScheduledBase):
     """ZOS variant (spec §6.5). Capacity K (total drafts to verify) comes from survivals recorded
     `staleness` (2) calls ago only, through a global argmax of Θ(k) over k (no early stop, jagged
     SPS is fine); requests without such history count survival 1 at every position. Then the top-K
     slots by *current* survival (survival desc, position asc) are admitted on device.
 
-    History is kept per call, keyed by request id (the last `staleness`+1 calls); a call records
-    the survivals it was given. On CUDA the host copy is started without blocking and waited for
-    (event) only when it is read, `staleness` steps later."""
+    History is kept per call, keyed by request id (HostHistory); a call records the survivals it
+    was given. On CUDA the host copy is started without blocking and waited for (event) only
+    when it is read, `staleness` steps later. Called with the confidences (no anchor positions)
+    a request's row is that of `staleness` calls back, whatever positions its block drafted.
+
+    uniform=True (as ScheduledPolicy): one width per round, the argmax over w of Θ(w) on the stale
+    survivals, a new request counting the others' mean (_ScheduledBase); `host_width` (the
+    engine's path) records this round's confidence logits and also takes only blocks wholly
+    before each request's anchor."""
     name = "scheduled-async"
-    uniform = False          # as ScheduledPolicy: one width per round, its Θ(w) argmax (stale)
 
     def __init__(self, sps: SpsTable, budget_frac: float = 1.0, staleness: int = 2, temperatures=None):
-        super().__init__(temperatures)
         if not 0 < budget_frac <= 1:
             raise ValueError(f"budget_frac must be in (0, 1], got {budget_frac}")
         if staleness < 1:
             raise ValueError(f"staleness must be >= 1, got {staleness}")
-        self.sps, self.budget_frac, self.staleness = sps, budget_frac, staleness
-        self.step = 0
-        self.last_capacity = 0
-        self._history: list = []  # [step, {rid: row}, event | None, numpy | None, host tensor]
+        self.budget_frac, self.staleness = budget_frac, staleness
+        super().__init__(sps, temperatures)
 
     def __call__(self, conf_logits, request_ids=None, temperatures=None):
         if request_ids is None or len(request_ids) != conf_logits.shape[0]:
             raise ValueError("scheduled-async needs one request id per row of the confidence logits")
         return super().__call__(conf_logits, request_ids, temperatures)
 
-    def _stale_survival(self, rid, g: int) -> np.ndarray:
-        for entry in reversed(self._history):
-            step, index = entry[0], entry[1]
-            if step <= self.step - self.staleness and rid in index:
-                if entry[3] is None:             # first read: wait for this copy only, once
-                    if entry[2] is not None:
-                        entry[2].synchronize()
-                    entry[3] = entry[4].numpy()
-                row = entry[3][index[rid]]
-                if row.shape == (g,):
-                    return row
-        return np.ones(g)
+    def _best_width(self, theta):
+        return int(np.argmax(theta))  # first maximum: the smallest w among equals
 
     def capacity(self, request_ids: Sequence[Hashable], g: int) -> int:
         r_count = len(request_ids)
-        stale = np.concatenate([self._stale_survival(rid, g) for rid in request_ids]).astype(np.float64)
+        stale = self.history.stale(request_ids, g, fill=np.ones(g)).reshape(-1)
         stale = -np.sort(-stale)[: math.ceil(self.budget_frac * stale.size)]
         tau = r_count + np.concatenate([[0.0], np.cumsum(stale)])
         theta = tau * self.sps.sps_range(r_count, r_count + stale.size)
         return int(np.argmax(theta))  # first maximum: the smallest K among equals
 
-    def uniform_width(self, request_ids: Sequence[Hashable], g: int) -> int:
-        """The round's width from the stale survivals: argmax over w of Θ(w) (first maximum)."""
-        stale = np.stack([self._stale_survival(rid, g) for rid in request_ids]).astype(np.float64)
-        theta = _uniform_theta(torch.as_tensor(stale.sum(axis=0)), len(request_ids), self.sps)
-        return int(torch.argmax(theta))
-
     def lengths(self, conf, surv, request_ids):
         r_count, g = surv.shape
         if self.uniform:
-            w = self.uniform_width(request_ids, g)
+            w = self.stale_width(request_ids, g)
             self.last_capacity = w * r_count
-            self._record(request_ids, surv)
+            self.history.record(request_ids, surv, _identity_survival)
             return _positive_prefix(surv).clamp(max=w)
         k = self.capacity(request_ids, g)
         self.last_capacity = k
         a, rows = _ordered_candidates(surv)
         admitted = (torch.arange(a.numel(), device=surv.device) < k) & (a > 0)
-        self._record(request_ids, surv)
+        self.history.record(request_ids, surv, _identity_survival)
         return _lengths_from_admitted(rows, admitted, r_count)
-
-    def _record(self, request_ids, surv):
-        event = None
-        if surv.is_cuda:
-            host = surv.detach().to("cpu", non_blocking=True)  # pinned staging, no host wait
-            event = torch.cuda.Event()
-            event.record()
-        else:
-            host = surv.detach().clone()
-        index = {rid: i for i, rid in enumerate(request_ids)}
-        self._history.append([self.step, index, event, None, host])  # [3]: numpy once read
-        self._history = self._history[-(self.staleness + 1):]
-        self.step += 1
 
 
 POLICIES = {"fixed": FixedPolicy, "threshold": ThresholdPolicy, "scheduled": ScheduledPolicy,
@@ -346,5 +505,5 @@ def make_policy(name: str, **kw) -> VerifyPolicy:
 
 
 __all__ = ["SpsTable", "confidence", "survival", "expected_tokens", "modelled_throughput", "VerifyPolicy",
-           "FixedPolicy", "ThresholdPolicy", "ScheduledPolicy", "AsyncScheduledPolicy",
+           "HostHistory", "FixedPolicy", "ThresholdPolicy", "ScheduledPolicy", "AsyncScheduledPolicy",
            "make_policy", "POLICIES"]
