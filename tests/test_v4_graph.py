@@ -378,6 +378,25 @@ def test_engine_greedy_identical_with_target_graphs(policy):
 
 @gpu
 @needs_cuda
+def test_greedy_speculation_equals_off_at_batch_1_for_every_policy():
+    """The shipped pair at the CUDA defaults (bf16, fp8 KV, graphs), one request at a time:
+    greedy tokens with speculation under each verify policy == speculation off."""
+    from dspark import Engine, SamplingParams
+    from dspark.spec.policy import POLICIES
+    prompts = ["def fibonacci(n):\n", "import os\n\n\ndef main():\n", "class Stack:\n    def "]
+    params = SamplingParams(temperature=0, max_tokens=48)
+
+    def one_by_one(eng):
+        return [eng.generate([p], params)[0].token_ids for p in prompts]
+
+    want = one_by_one(Engine(device=DEV, speculative="none", max_num_seqs=4))
+    for policy in sorted(POLICIES):
+        eng = Engine(device=DEV, verify_policy=policy, max_num_seqs=4)
+        assert one_by_one(eng) == want, policy
+
+
+@gpu
+@needs_cuda
 @pytest.mark.parametrize("policy", ["fixed", "threshold"])
 def test_warmup_captures_every_round_graph(policy):
     """Engine.warmup() captures every graph a round replays (target batch x width x pages on
