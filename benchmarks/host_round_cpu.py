@@ -41,10 +41,10 @@ from dspark.models.deepseek_v4.graph import V4DecodeGraphs, reserve_scratch
 
 
 # SPS(B) of the shipped pair on the H200 ([B, step ms]; benchmarks/results/
-# bench_scheduled_vs_off_h200.json, "sps_ms")
-H200_SPS_MS = [[1, 0.779], [2, 0.828], [4, 0.847], [6, 0.856], [12, 0.993], [24, 1.277],
-               [36, 1.299], [48, 1.347], [72, 1.666], [96, 1.666], [144, 1.969], [192, 1.969],
-               [288, 2.323], [384, 2.323]]
+# bench_dspark_vs_off_h200.json, "sps_ms")
+H200_SPS_MS = [[1, 0.817], [2, 0.820], [4, 0.877], [6, 0.877], [12, 1.111], [24, 1.141],
+               [36, 1.311], [48, 1.311], [72, 1.577], [96, 1.577], [144, 2.088], [192, 2.088],
+               [288, 2.589], [384, 2.977]]
 
 
 class _NoWorkGraph:
