@@ -58,6 +58,7 @@ import inspect, os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+import dspark.kernels.fp4_moe_tc as tc
 import dspark.kernels.fp4_moe_tc_grouped as tcg
 
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
@@ -69,7 +70,11 @@ down = dict(h_ptr="*bf16", table_ptr="*i32", bexp_ptr="*i32", emap_ptr="*i32", w
 cases = [(tcg._grouped_gate_up_kernel, up, dict(KSPLIT=2, WARPS=1, DT="bf16", UNROLL=2)),
          (tcg._grouped_gate_up_kernel, up, dict(KSPLIT=1, WARPS=2, DT="bf16", UNROLL=1)),
          (tcg._grouped_down_kernel, down, dict(NCH=1, WARPS=1, DT="bf16", UNROLL=2)),
-         (tcg._grouped_down_kernel, down, dict(NCH=2, WARPS=1, DT="bf16", UNROLL=1))]
+         (tcg._grouped_down_kernel, down, dict(NCH=2, WARPS=1, DT="bf16", UNROLL=1)),
+         (tc._tc_gate_up_kernel, dict(up, idx_ptr="*i64"), dict(KSPLIT=4, WARPS=1, DT="bf16",
+                                                             UNROLL=2)),
+         (tc._tc_down_kernel, dict(down, idx_ptr="*i64", out_ptr="*fp32", add_ptr="*fp32"),
+          dict(NCH=2, KS=6, WARPS=1, DT="bf16", HAS_ADD=False, OUT_DT="fp32", UNROLL=2))]
 with tempfile.TemporaryDirectory() as tmp:
     for fn, types, constexprs in cases:
         sig = {n: ("constexpr" if n in constexprs else types.get(n, "i32"))
@@ -88,7 +93,8 @@ with tempfile.TemporaryDirectory() as tmp:
 
 @pytest.mark.skipif(not _ptxas_available(), reason="Triton's ptxas is not installed")
 def test_kernels_assemble_for_sm90():
-    """ptxas accepts every variant's PTX (inline asm included) and none spills to local memory.
+    """ptxas accepts the PTX (inline asm included) of the grouped kernels' variants and of the
+    per-pair kernels whose step asm they share, and none spills to local memory.
     In a child process: compiling for a GPU target needs Triton's compiler, which the
     interpreter the CPU kernel tests use replaces in this one."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

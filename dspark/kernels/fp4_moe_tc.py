@@ -109,16 +109,30 @@ def _step_asm(two: bool, unroll: int = 1) -> str:
     # addresses: weights row g at byte koff / 2 + 16 c, row g + 8, up rows (+ upw); activations
     # at column koff + 32 c; scales of group koff / 32 + c of the same rows. Step u: +64 u weight
     # bytes, +256 u activation bytes, +4 u scale bytes.
-    L += [f"mul.wide.u32 %q, %row, {op['wstride']};", f"add.u64 %pw, {op['wbase']}, %q;",
-          f"shr.u32 %t, {op['koff']}, 1;", "mad.lo.u32 %t, %c, 16, %t;",
-          "cvt.u64.u32 %q, %t;", "add.u64 %pw, %pw, %q;",
-          f"mul.wide.u32 %r, {op['wstride']}, 8;", "add.u64 %pw8, %pw, %r;",
-          f"mad.lo.u32 %t, %c, 32, {op['koff']};", "mul.wide.u32 %q, %t, 2;",
-          f"add.u64 %px, {op['xrow']}, %q;",
-          f"mul.wide.u32 %q, %row, {op['sstride']};", f"add.u64 %ps, {op['sbase']}, %q;",
-          f"shr.u32 %t, {op['koff']}, 5;", "add.u32 %t, %t, %c;", "cvt.u64.u32 %q, %t;",
-          "add.u64 %ps, %ps, %q;", f"mul.wide.u32 %r, {op['sstride']}, 8;",
-          "add.u64 %ps8, %ps, %r;"]
+    L += [f"mad.lo.u32 %t, %c, 32, {op['koff']};", "mul.wide.u32 %q, %t, 2;",
+          f"add.u64 %px, {op['xrow']}, %q;"]
+    accs = [[o[0], "%dm0", o[1], "%dm1"]] + ([[o[2], "%dm2", o[3], "%dm3"]] if two else [])
+    L += _steps(op, unroll, accs)
+    L.append("}")
+    return "\n".join(L)
+
+
+def _steps(op: dict, unroll: int, accs: list) -> list[str]:
+    """PTX of `unroll` 128-column steps once %row (the lane's row g), %c and %px (the lane's
+    activations at column koff + 32 c) are set: weight / scale addresses of rows g, g + 8 (and
+    the up rows), every load of the steps before the first decode (a warp keeps `unroll` steps
+    of loads in flight), then decode and MMAs. accs: per matrix (gate [, up]) the 4 MMA
+    accumulator operands {c0, c1, c2, c3}; op: the asm operand of each scalar by name (wbase,
+    sbase, koff, wstride, sstride [, upw, ups])."""
+    two = len(accs) == 2
+    L = [f"mul.wide.u32 %q, %row, {op['wstride']};", f"add.u64 %pw, {op['wbase']}, %q;",
+         f"shr.u32 %t, {op['koff']}, 1;", "mad.lo.u32 %t, %c, 16, %t;",
+         "cvt.u64.u32 %q, %t;", "add.u64 %pw, %pw, %q;",
+         f"mul.wide.u32 %r, {op['wstride']}, 8;", "add.u64 %pw8, %pw, %r;",
+         f"mul.wide.u32 %q, %row, {op['sstride']};", f"add.u64 %ps, {op['sbase']}, %q;",
+         f"shr.u32 %t, {op['koff']}, 5;", "add.u32 %t, %t, %c;", "cvt.u64.u32 %q, %t;",
+         "add.u64 %ps, %ps, %q;", f"mul.wide.u32 %r, {op['sstride']}, 8;",
+         "add.u64 %ps8, %ps, %r;"]
     if two:
         L += [f"cvt.u64.u32 %q, {op['upw']};", "add.u64 %pv, %pw, %q;", "add.u64 %pv8, %pw8, %q;",
               f"cvt.u64.u32 %q, {op['ups']};", "add.u64 %pu, %ps, %q;", "add.u64 %pu8, %ps8, %q;"]
@@ -139,25 +153,25 @@ def _step_asm(two: bool, unroll: int = 1) -> str:
             L += [f"ld.global.nc.u8 %s{u}_2, [%pu+{so}];",
                   f"ld.global.nc.u8 %s{u}_3, [%pu8+{so}];"]
     for u in range(unroll):
-        for k in range(2 * n_out):    # 2^(s - 1) as a bf16 pair: (s + 126) << 7 in both halves
+        for k in range(2 * len(accs)):  # 2^(s - 1) as a bf16 pair: (s + 126) << 7 in both halves
             L.append(f"mad.lo.u32 %sc{u}_{k}, %s{u}_{k}, 0x00800080, 0x3F003F00;")
-        mats = [(f"%w{u}_", f"%sc{u}_0", f"%sc{u}_1", o[0], o[1], "%dm0", "%dm1")]
+        mats = [(f"%w{u}_", f"%sc{u}_0", f"%sc{u}_1", accs[0])]
         if two:
-            mats.append((f"%v{u}_", f"%sc{u}_2", f"%sc{u}_3", o[2], o[3], "%dm2", "%dm3"))
+            mats.append((f"%v{u}_", f"%sc{u}_2", f"%sc{u}_3", accs[1]))
         for j in range(4):            # word j: columns 8 j .. 8 j + 7 of the lane's 32
             x = [f"%x{u}_{4 * j + q}" for q in range(4)]  # (x0 x1) (x2 x3) (x4 x5) (x6 x7)
             L += [f"prmt.b32 %b0, {x[0]}, {x[2]}, 0x5410;",
                   f"prmt.b32 %b1, {x[0]}, {x[2]}, 0x7632;",
                   f"prmt.b32 %b2, {x[1]}, {x[3]}, 0x5410;",
                   f"prmt.b32 %b3, {x[1]}, {x[3]}, 0x7632;"]
-            for w, sg, sg8, d0, d1, e0, e1 in mats:
+            for w, sg, sg8, acc in mats:
                 L += _decode(f"{w}{j}", "%a", sg) + _decode(f"{w}{j + 4}", "%p", sg8)
+                d = ", ".join(acc)
                 for lo, hi, b0, b1 in (("0", "1", "%b0", "%b1"), ("2", "3", "%b2", "%b3")):
                     L.append("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                             f"{{{d0}, {e0}, {d1}, {e1}}}, {{%a{lo}, %p{lo}, %a{hi}, %p{hi}}}, "
-                             f"{{{b0}, {b1}}}, {{{d0}, {e0}, {d1}, {e1}}};")
-    L.append("}")
-    return "\n".join(L)
+                             f"{{{d}}}, {{%a{lo}, %p{lo}, %a{hi}, %p{hi}}}, {{{b0}, {b1}}}, "
+                             f"{{{d}}};")
+    return L
 
 
 def _store_asm(two: bool) -> str:

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from dspark.kernels.fp4_moe import _DT_NAME, FP4ExpertStack, _round_to, _swiglu_h
 from dspark.kernels.fp4_moe_mma import align_pairs
-from dspark.kernels.fp4_moe_tc import STEP, _decode, _split, _unroll, _warps
+from dspark.kernels.fp4_moe_tc import _split, _steps, _unroll, _warps
 from dspark.kernels.fp8_gemm import _arrival_counters
 
 COLS = 8                    # pairs per block: the MMA's N
@@ -84,54 +84,7 @@ def _step_asm(two: bool, unroll: int = 1) -> str:
           f"add.u64 %px, {op['xbase']}, %q;",
           f"mad.lo.u32 %t, %c, 32, {op['koff']};", "mul.wide.u32 %q, %t, 2;",
           "add.u64 %px, %px, %q;"]
-    # weights row g at byte koff / 2 + 16 c, row g + 8, up rows (+ upw); scales of group
-    # koff / 32 + c of the same rows (fp4_moe_tc's addressing)
-    L += [f"mul.wide.u32 %q, %row, {op['wstride']};", f"add.u64 %pw, {op['wbase']}, %q;",
-          f"shr.u32 %t, {op['koff']}, 1;", "mad.lo.u32 %t, %c, 16, %t;",
-          "cvt.u64.u32 %q, %t;", "add.u64 %pw, %pw, %q;",
-          f"mul.wide.u32 %r, {op['wstride']}, 8;", "add.u64 %pw8, %pw, %r;",
-          f"mul.wide.u32 %q, %row, {op['sstride']};", f"add.u64 %ps, {op['sbase']}, %q;",
-          f"shr.u32 %t, {op['koff']}, 5;", "add.u32 %t, %t, %c;", "cvt.u64.u32 %q, %t;",
-          "add.u64 %ps, %ps, %q;", f"mul.wide.u32 %r, {op['sstride']}, 8;",
-          "add.u64 %ps8, %ps, %r;"]
-    if two:
-        L += [f"cvt.u64.u32 %q, {op['upw']};", "add.u64 %pv, %pw, %q;", "add.u64 %pv8, %pw8, %q;",
-              f"cvt.u64.u32 %q, {op['ups']};", "add.u64 %pu, %ps, %q;", "add.u64 %pu8, %ps8, %q;"]
-    for u in range(unroll):
-        wo, xo, so = 64 * u, 256 * u, 4 * u
-        W = [f"%w{u}_{i}" for i in range(8)]
-        V = [f"%v{u}_{i}" for i in range(8)]
-        L += [f"ld.global.nc.v4.u32 {{{', '.join(W[:4])}}}, [%pw+{wo}];",
-              f"ld.global.nc.v4.u32 {{{', '.join(W[4:])}}}, [%pw8+{wo}];"]
-        if two:
-            L += [f"ld.global.nc.v4.u32 {{{', '.join(V[:4])}}}, [%pv+{wo}];",
-                  f"ld.global.nc.v4.u32 {{{', '.join(V[4:])}}}, [%pv8+{wo}];"]
-        for k in range(4):
-            X = ", ".join(f"%x{u}_{4 * k + q}" for q in range(4))
-            L.append(f"ld.global.nc.v4.u32 {{{X}}}, [%px+{xo + 16 * k}];")
-        L += [f"ld.global.nc.u8 %s{u}_0, [%ps+{so}];", f"ld.global.nc.u8 %s{u}_1, [%ps8+{so}];"]
-        if two:
-            L += [f"ld.global.nc.u8 %s{u}_2, [%pu+{so}];",
-                  f"ld.global.nc.u8 %s{u}_3, [%pu8+{so}];"]
-    for u in range(unroll):
-        for k in range(2 * n_out):    # 2^(s - 1) as a bf16 pair: (s + 126) << 7 in both halves
-            L.append(f"mad.lo.u32 %sc{u}_{k}, %s{u}_{k}, 0x00800080, 0x3F003F00;")
-        mats = [(f"%w{u}_", f"%sc{u}_0", f"%sc{u}_1", o[0:4])]
-        if two:
-            mats.append((f"%v{u}_", f"%sc{u}_2", f"%sc{u}_3", o[4:8]))
-        for j in range(4):            # word j: columns 8 j .. 8 j + 7 of the lane's 32
-            x = [f"%x{u}_{4 * j + q}" for q in range(4)]
-            L += [f"prmt.b32 %b0, {x[0]}, {x[2]}, 0x5410;",
-                  f"prmt.b32 %b1, {x[0]}, {x[2]}, 0x7632;",
-                  f"prmt.b32 %b2, {x[1]}, {x[3]}, 0x5410;",
-                  f"prmt.b32 %b3, {x[1]}, {x[3]}, 0x7632;"]
-            for w, sg, sg8, d in mats:
-                L += _decode(f"{w}{j}", "%a", sg) + _decode(f"{w}{j + 4}", "%p", sg8)
-                acc = ", ".join(d)
-                for lo, hi, b0, b1 in (("0", "1", "%b0", "%b1"), ("2", "3", "%b2", "%b3")):
-                    L.append("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                             f"{{{acc}}}, {{%a{lo}, %p{lo}, %a{hi}, %p{hi}}}, "
-                             f"{{{b0}, {b1}}}, {{{acc}}};")
+    L += _steps(op, unroll, [o[0:4]] + ([o[4:8]] if two else []))   # fp4_moe_tc's steps
     L.append("}")
     return "\n".join(L)
 
