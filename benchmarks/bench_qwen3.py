@@ -170,7 +170,7 @@ def measure_ours(target, kw, prompts, batches, a, res) -> dict:
     # on CPU cuda_graphs=True runs the same fixed-shape path uncaptured
     eng = Engine(target, speculative="none", cuda_graphs=True, **kw)
     res["load_s"] = time.perf_counter() - t
-    graphs = eng.runner.graphs
+    graphs = eng.runner.target_graphs
     res["graphs_captured"] = graphs.capture
     ours = {}
     for B in batches:
@@ -179,9 +179,9 @@ def measure_ours(target, kw, prompts, batches, a, res) -> dict:
         run(4)                                       # warm-up: Triton JIT, graph capture
         ours[B] = {"warmup_s": time.perf_counter() - t,
                    "graphs": decode_rate(run, B, a.max_tokens, a.repeats)}
-        eng.runner.graphs = None
+        eng.runner.target_graphs = None
         ours[B]["eager"] = decode_rate(run, B, a.max_tokens, a.repeats)
-        eng.runner.graphs = graphs
+        eng.runner.target_graphs = graphs
     return ours
 
 

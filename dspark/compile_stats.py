@@ -58,7 +58,7 @@ def target_fallback_reason(items, graphs) -> str:
 
 def _owners(runner):
     """(label, graph owner) of a runner: target graphs and draft pass, where present."""
-    for label, attr in (("target", "target_graphs"), ("target", "graphs"), ("draft", "draft_pass")):
+    for label, attr in (("target", "target_graphs"), ("draft", "draft_pass")):
         obj = getattr(runner, attr, None)
         if obj is not None:
             yield label, obj

@@ -25,7 +25,7 @@ def build_engine_components(target_path: str, draft_path: str | None, dtype, dev
     min(max_position_embeddings, 2048) tokens) and `runner.backend.cache` is that cache;
     "dense": per-request position-indexed `KVState`s (the reference).
     cuda_graphs (default: on for a paged cache on CUDA): steps in which every request feeds the
-    same number of tokens (decode, equal-length verify blocks) run through `DecodeGraphs`
+    same number of tokens (decode, equal-length verify blocks) run through `Qwen3DecodeGraphs`
     (models/qwen3_graph.py), captured CUDA graphs; other steps stay eager. On CPU, True runs the
     same fixed-shape path without capture (what the tests check)."""
     if kv_layout not in ("paged", "dense"):
@@ -67,26 +67,25 @@ def build_engine_components(target_path: str, draft_path: str | None, dtype, dev
     runner = Qwen3Runner(model, drafter, device, quant=None, backend=backend,
                          cuda_graphs=cuda_graphs, max_num_seqs=max_num_seqs)
     if cuda_graphs:
-        from .models.qwen3_graph import DecodeGraphs
+        from .models.qwen3_graph import Qwen3DecodeGraphs
         # plain decode (q = 1) and every verify-block length a DSpark round can produce
         q_lens = range(1, drafter.gamma + 2) if drafter is not None else (1,)
-        runner.graphs = DecodeGraphs(model, backend.cache, q_lens, max_batch=max_num_seqs,
-                                     tap_layers=runner.tap_layers)
+        runner.target_graphs = Qwen3DecodeGraphs(model, backend.cache, q_lens,
+                                                 max_batch=max_num_seqs,
+                                                 tap_layers=runner.tap_layers)
         runner.uniform_verify = True        # verify blocks padded to one width (Engine)
     return cfg, model, drafter, runner
 
 
 class Qwen3Runner(ModelRunner):
-    """ModelRunner for Qwen3 targets: uniform-length steps go through `graphs` (a `DecodeGraphs`,
-    when enabled) instead of the eager paged forward; the DeepSpec drafter's context lives in one
-    `Qwen3DraftPool` and every round's draft pass is one batched `Qwen3DraftPass` (CUDA graphs per
-    batch / context bucket when `cuda_graphs`), models/dspark_qwen3_pass.py."""
-
-    graphs = None
+    """ModelRunner for Qwen3 targets: uniform-length steps go through `target_graphs` (a
+    `Qwen3DecodeGraphs`, when enabled), as the V4 target's do; the DeepSpec drafter's context
+    lives in one `Qwen3DraftPool` and every round's draft pass is one batched `Qwen3DraftPass`
+    (CUDA graphs per batch / context bucket when `cuda_graphs`), models/dspark_qwen3_pass.py."""
 
     def __init__(self, model, drafter=None, device="cpu", quant=None, backend=None,
                  cuda_graphs: bool = False, max_num_seqs: int = 8):
-        super().__init__(model, drafter, device, quant, backend)
+        super().__init__(model, drafter, device, quant, backend, max_num_seqs=max_num_seqs)
         if drafter is not None:
             from .models.dspark_qwen3_pass import Qwen3DraftPass
             # with graphs, room for every sequence up front (growing reallocates the pool and
@@ -97,22 +96,10 @@ class Qwen3Runner(ModelRunner):
                                              cuda_graphs)
 
     def capture_graphs(self, q_lens, max_position: int, progress: bool = False) -> dict:
-        """Nothing ahead of traffic: the Qwen3 target's and drafter's graphs are captured on first
-        use (their buckets include the context length)."""
-        return {"target": 0, "draft": 0}
-
-    @torch.inference_mode()
-    def target_forward(self, items, logit_rows=None, snapshot: bool = True):
-        """ModelRunner.target_forward; the Qwen3 graphs always return a copy of their logits
-        (snapshot has no effect on them)."""
-        self.flush_context()        # leftovers of a step that drafted nothing
-        out = self.graphs.run(items) if self.graphs is not None else None
-        if out is None:
-            return super().target_forward(items, logit_rows, snapshot)
-        logits, taps = out
-        if logit_rows is not None:
-            logits = logits[torch.as_tensor(logit_rows, dtype=torch.long, device=logits.device)]
-        return logits, taps
+        """The target's (batch, q, page) buckets ahead of traffic; the drafter's graphs are
+        captured on first use (their buckets include the context length, which grows)."""
+        n = self.target_graphs.capture_all(q_lens, progress) if self.target_graphs is not None else 0
+        return {"target": n, "draft": 0}
 
     def new_states(self):
         if self.drafter is None:

@@ -112,7 +112,7 @@ class ModelRunner:
 
     @property
     def takes_device_tokens(self) -> bool:
-        """Verify items may carry BlockTokens (drafts left on the device): the V4 target graphs
+        """Verify items may carry BlockTokens (drafts left on the device): the target graphs
         copy them into their input buffer on the device; other steps read them here."""
         return self.target_graphs is not None
 
@@ -130,8 +130,8 @@ class ModelRunner:
         """items: list of (target_state, start, token list); with a paged backend the state is
         the request id registered in backend.cache. Returns (logits fp32 [N, V] for the flat
         rows in `logit_rows` (all rows when None), taps [T, taps*D] or None). snapshot=False:
-        the logits and taps may be views of the V4 graphs' output buffers, valid until the next
-        forward is queued (V4DecodeGraphs.run; queued context rows are flushed before it)."""
+        the logits and taps may be views of the target graphs' output buffers, valid until the
+        next forward is queued (StepGraphs.run; queued context rows are flushed before it)."""
         self.flush_context()        # leftovers of a step that drafted nothing
         if self.target_graphs is not None:
             out = self.target_graphs.run(items, snapshot)  # None: not a fixed-shape step

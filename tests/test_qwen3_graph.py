@@ -20,7 +20,8 @@ from dspark.attention.gqa import PagedGQABackend
 from dspark.kvcache.paged_gqa import PagedGQACache
 from dspark.models.deepseek_v4.model import Batch
 from dspark.models.qwen3 import RMSNorm, apply_rope, load_qwen3, rope_cos_sin
-from dspark.models.qwen3_graph import DecodeGraphs
+from dspark.models.qwen3_graph import Qwen3DecodeGraphs
+from dspark.request import BlockTokens
 from dspark.tools.make_qwen3_checkpoint import make_qwen3_checkpoint
 
 HAS_CUDA = torch.cuda.is_available()
@@ -101,7 +102,7 @@ def test_fused_norms_match_modules():
 # ---- fixed-shape forward == eager paged forward ---------------------------------------------------
 
 class Twin:
-    """The same request histories in an eager paged cache and in a DecodeGraphs-driven one
+    """The same request histories in an eager paged cache and in a Qwen3DecodeGraphs-driven one
     (requests added in a different order, so page placement differs)."""
 
     def __init__(self, target, kernels, q_lens=(1, 3), max_batch=8, capture=False, device="cpu"):
@@ -112,7 +113,7 @@ class Twin:
                                    max_num_seqs=8)
         self.static = PagedGQACache(cfg, device=device, dtype=dtype, num_blocks=64, block_size=4,
                                     max_num_seqs=8, scratch_rows=1)
-        self.graphs = DecodeGraphs(target, self.static, q_lens, max_batch, TAPS, capture=capture,
+        self.graphs = Qwen3DecodeGraphs(target, self.static, q_lens, max_batch, TAPS, capture=capture,
                                    kernels=kernels)
         self.device = device
 
@@ -131,8 +132,9 @@ class Twin:
         for cache in (self.eager, self.static):
             self._eager(cache, [(rid, 0, toks) for rid, toks in prompts.items()])
 
-    def step(self, feeds, tol=1e-5):
-        """feeds {rid: tokens} at each request's current length: static == eager."""
+    def step(self, feeds, tol=1e-5, on_device=False):
+        """feeds {rid: tokens} at each request's current length: static == eager. on_device:
+        the static step gets them as BlockTokens (the drafts a device tensor)."""
         items = []
         for rid, toks in feeds.items():
             n = self.eager.length(rid)
@@ -140,8 +142,13 @@ class Twin:
                 c.reserve(rid, n + len(toks))
             items.append((rid, n, toks))
         ref_logits, ref_taps = self._eager(self.eager, items)
+        if on_device:
+            items = [(rid, n, BlockTokens(toks[0], torch.tensor(toks[1:], device=self.device)))
+                     for rid, n, toks in items]
         out = self.graphs.run(items)
         assert out is not None
+        # each row's argmax comes with the logits, computed in the step (first index on ties)
+        assert torch.equal(out[0].row_argmax, out[0].argmax(-1))
         for got, want in ((out[0], ref_logits), (out[1], ref_taps)):
             if want.dtype == torch.bfloat16 or tol >= 1e-2:
                 # bf16: the fused kernels and the eager modules round in different places, so
@@ -173,6 +180,12 @@ def _scenario(tw: Twin, vocab: int, tol: float):
         tw.truncate(r, tw.eager.length(r) - 3 + keep)
     tw.step({r: tok() for r in "bcea"}, tol)
     tw.step({r: tok(3) for r in "edcba"}, tol)
+    tw.step({r: tok(3) for r in "bd"}, tol, on_device=True)           # drafts left on the device
+    # a capture ahead of traffic runs on padding rows alone: no request's state changes
+    n = {r: tw.static.length(r) for r in "abcde"}
+    tw.graphs.capture_bucket(4, 3, tw.graphs.page_buckets[-1])
+    assert {r: tw.static.length(r) for r in "abcde"} == n
+    tw.step({r: tok(3) for r in "abcd"}, tol)
     # shapes the fixed path does not take: nothing changes, the caller runs eagerly
     n = {r: tw.static.length(r) for r in "abcde"}
     assert tw.graphs.run([("a", n["a"], tok(2)), ("b", n["b"], tok(1))]) is None    # unequal
@@ -184,7 +197,7 @@ def _scenario(tw: Twin, vocab: int, tol: float):
 def test_static_forward_equals_eager_paged(target):
     tw = Twin(target, "torch")
     _scenario(tw, target.cfg.vocab_size, 1e-5)
-    assert tw.graphs.num_replays == 10
+    assert tw.graphs.num_replays == 12
     # the torch attention gathers the bucketed table width, not the maximum
     assert tw.graphs.page_buckets[:4] == [1, 2, 4, 8]
 
@@ -199,7 +212,7 @@ def test_static_forward_triton_kernels_equal_eager(paths):
 
 def test_bucket_and_validation(target):
     cache = PagedGQACache(target.cfg, num_blocks=8, block_size=4, max_num_seqs=4, scratch_rows=1)
-    g = DecodeGraphs(target, cache, (1,), max_batch=6, capture=False)
+    g = Qwen3DecodeGraphs(target, cache, (1,), max_batch=6, capture=False)
     assert g.batch_buckets == [1, 2, 4, 6] and g.max_pages == 8
     cache.add_request("a"), cache.reserve("a", 3)
     with pytest.raises(ValueError, match="contiguously"):             # same checks as eager
@@ -207,7 +220,7 @@ def test_bucket_and_validation(target):
     assert cache.length("a") == 0
     assert g.bucket([("a", 32, [5])]) is None                          # past the table width
     with pytest.raises(ValueError, match="scratch_rows"):
-        DecodeGraphs(target, PagedGQACache(target.cfg, num_blocks=8, block_size=4), (1,))
+        Qwen3DecodeGraphs(target, PagedGQACache(target.cfg, num_blocks=8, block_size=4), (1,))
 
 
 # ---- engine wiring --------------------------------------------------------------------------------
@@ -227,9 +240,9 @@ def test_engine_static_path_greedy_identity(paths):
     for draft in (None, d):
         eng = Engine(t, draft=draft, device="cpu", dtype="fp32", cuda_graphs=True, max_num_seqs=4)
         assert [o.token_ids for o in eng.generate(prompts, sp)] == ref
-        assert eng.runner.graphs.num_replays > 0
+        assert eng.runner.target_graphs.num_replays > 0
         assert eng.cache.num_free_pages == eng.cache.num_blocks
-    assert Engine(t, device="cpu", dtype="fp32").runner.graphs is None      # CPU default: off
+    assert Engine(t, device="cpu", dtype="fp32").runner.target_graphs is None      # CPU default: off
     with pytest.raises(ValueError, match="cuda_graphs"):
         Engine(t, device="cpu", dtype="fp32", kv_layout="dense", cuda_graphs=True)
 
@@ -243,7 +256,7 @@ def test_gpu_graph_replay_equals_eager(paths, dtype, tol):
     target = load_qwen3(paths[0], dtype=dtype, device="cuda")
     tw = Twin(target, "triton", capture=True, device="cuda")
     _scenario(tw, target.cfg.vocab_size, tol)
-    assert len(tw.graphs.graphs) >= 4 and tw.graphs.num_replays == 10
+    assert len(tw.graphs.graphs) >= 4 and tw.graphs.num_replays == 12
 
 
 @gpu
@@ -255,7 +268,24 @@ def test_gpu_engine_greedy_identity_graphs_on_off(paths):
     ref = [o.token_ids for o in Engine(t, dtype="fp32", cuda_graphs=False).generate(prompts, sp)]
     for draft in (None, d):
         eng = Engine(t, draft=draft, dtype="fp32")                 # CUDA default: graphs on
-        assert eng.runner.graphs is not None and eng.runner.graphs.capture
+        assert eng.runner.target_graphs is not None and eng.runner.target_graphs.capture
         for batch in (prompts[:1], prompts):
             assert [o.token_ids for o in eng.generate(batch, sp)] == ref[:len(batch)]
-        assert eng.runner.graphs.num_replays > 0 and eng.runner.graphs.graphs
+        assert eng.runner.target_graphs.num_replays > 0 and eng.runner.target_graphs.graphs
+
+
+@gpu
+@needs_cuda
+def test_gpu_warmup_captures_every_target_bucket(paths):
+    """Engine.warmup() captures the Qwen3 target's buckets ahead of traffic (StepGraphs, as for
+    the V4 target): steps afterwards replay and capture no target graph."""
+    t, d = paths
+    eng = Engine(t, draft=d, dtype="fp32", max_num_seqs=4)
+    tg = eng.runner.target_graphs
+    eng.warmup()
+    # the verify width the default (fixed) policy feeds, every batch bucket
+    assert set(tg.graphs) == set(tg.capture_keys({eng.drafter.gamma + 1}))
+    before = len(tg.graphs)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    eng.generate(_prompts(3, 256, seed=5), sp)
+    assert len(tg.graphs) == before and tg.num_replays > 0 and not tg.disabled

@@ -12,9 +12,9 @@ once per (batch bucket, q, page bucket) and replayed:
 * `decode_forward` is the shape-static forward: RoPE tables once per step, K/V written with
   `index_copy_` at the slot list, attention by `paged_gqa_attention` (keys 0..pos read through
   the padded block table on the device) — no host syncs, no data-dependent shapes;
-* logits (and the drafter's taps) land in static output buffers; all graphs share one memory
-  pool, and are captured lazily the first time their shape is needed, with the step's real
-  inputs (the warm-up run's K/V writes are the same values the replay writes).
+* logits, their rows' argmax and the drafter's taps land in static output buffers; capture,
+  replay and fallbacks are `StepGraphs`' (models/step_graphs.py, shared with the DeepSeek-V4
+  target): every bucket is captured ahead of traffic by `Engine.warmup()`, or on first use.
 
 `kernels="triton"` (CUDA default) fuses RMSNorm and q/k-norm + RoPE (dspark.kernels.qwen3_norm);
 `kernels="torch"` calls the model's own modules plus the torch twin of the attention, so on CPU
@@ -28,10 +28,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..compile_stats import count_capture, count_fallback, target_fallback_reason
-from ..cuda.graph_capture import capture, pow2_buckets, step_bucket, warm_up
 from ..kernels.paged_gqa_decode import paged_gqa_attention_torch
+from ..sampling import argmax_rows
 from .qwen3 import apply_rope, rope_cos_sin
+from .step_graphs import StepGraphs
 
 
 def decode_forward(model, cache, token_ids, positions, slots, block_tables, q_len: int,
@@ -78,112 +78,66 @@ def decode_forward(model, cache, token_ids, positions, slots, block_tables, q_le
     return logits, (torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None)
 
 
-class DecodeGraphs:
-    """Runs uniform-length steps (every request feeds q ∈ `q_lens` tokens) through
-    `decode_forward`, captured as one CUDA graph per (batch bucket, q, page bucket)."""
+class Qwen3DecodeGraphs(StepGraphs):
+    """Uniform-length steps (every request feeds q ∈ `q_lens` tokens) through `decode_forward`,
+    captured as one CUDA graph per (batch bucket, q, page bucket) (the `StepGraphs`
+    machinery). Input words: token ids, positions and write slots [rows], block tables
+    [max_batch, max_pages]."""
 
     def __init__(self, model, cache, q_lens=(1,), max_batch: int = 32, tap_layers=(),
                  capture: bool | None = None, kernels: str | None = None):
         if cache.scratch_slot is None:
-            raise ValueError("DecodeGraphs needs a PagedGQACache with scratch_rows >= 1 (the "
-                             "write target of batch-padding rows)")
-        dev = cache.device
-        self.model, self.cache, self.tap_layers = model, cache, tuple(tap_layers)
-        self.capture = dev.type == "cuda" if capture is None else capture
-        self.kernels = kernels or ("triton" if dev.type == "cuda" else "torch")
-        if self.kernels not in ("triton", "torch"):
-            raise ValueError(f"kernels={self.kernels!r}: use 'triton' or 'torch'")
-        self.q_lens = frozenset(q_lens)
-        self.qmax, self.max_batch = max(self.q_lens), max_batch
-        self.batch_buckets = pow2_buckets(max_batch)
-        bs = cache.block_size
-        self.max_pages = min(cache.num_blocks, -(-(model.cfg.max_position_embeddings + self.qmax) // bs))
+            raise ValueError("Qwen3DecodeGraphs needs a PagedGQACache with scratch_rows >= 1 "
+                             "(the write target of batch-padding rows)")
+        kernels = kernels or ("triton" if cache.device.type == "cuda" else "torch")
+        if kernels not in ("triton", "torch"):
+            raise ValueError(f"kernels={kernels!r}: use 'triton' or 'torch'")
+        self.kernels = kernels
+        qmax = max(int(x) for x in q_lens)
+        pages = min(cache.num_blocks,
+                    -(-(model.cfg.max_position_embeddings + qmax) // cache.block_size))
         # the Triton attention reads only keys 0..pos whatever the table width, so one width
         # serves every context; the torch twin gathers all P pages, so it gets page buckets
-        self.page_buckets = [self.max_pages] if self.kernels == "triton" else pow2_buckets(self.max_pages)
-        self.rows = max_batch * self.qmax
-        n_int = 3 * self.rows + max_batch * self.max_pages
-        self.ints = torch.zeros(n_int, dtype=torch.long, device=dev)
-        self.host = np.zeros(n_int, dtype=np.int64)
-        D, V = model.cfg.hidden_size, model.cfg.vocab_size
-        self.logits_out = torch.zeros(self.rows, V, dtype=torch.float32, device=dev)
-        self.taps_out = (torch.zeros(self.rows, len(self.tap_layers) * D, dtype=model.embed.weight.dtype,
-                                     device=dev) if self.tap_layers else None)
-        self.graphs: dict = {}
-        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
-        self.num_replays = 0        # steps served by this path (graph replays or static eager runs)
+        page_buckets = [pages] if kernels == "triton" else None
+        rows = max_batch * qmax
+        super().__init__(model, cache, q_lens, max_batch, tap_layers, capture, pages,
+                         page_buckets, 3 * rows + max_batch * pages, model.embed.weight.dtype)
 
-    # ---- shapes ------------------------------------------------------------------------------
-    def bucket(self, items):
-        """(batch bucket, q, page bucket) for a list of (request id, start, tokens), or None when
-        the step has to run eagerly."""
-        return step_bucket(items, self.q_lens, self.batch_buckets, self.page_buckets,
-                           self.cache.block_size)
+    def _words(self, key) -> int:
+        return 3 * self.rows + key[0] * self.max_pages
 
-    def _views(self, B: int, q: int, P: int):
+    def _views(self, buf, B: int, q: int, P: int):
         T, N = B * q, self.rows
-        bt = self.ints[3 * N:3 * N + B * self.max_pages].view(B, self.max_pages)[:, :P]
-        return self.ints[:T], self.ints[N:N + T], self.ints[2 * N:2 * N + T], bt
+        bt = buf[3 * N:3 * N + B * self.max_pages].reshape(B, self.max_pages)[:, :P]
+        return buf[N:N + T], buf[2 * N:2 * N + T], bt
 
     def _forward(self, B: int, q: int, P: int):
         """The fixed-shape forward on the static buffers, results into the static outputs."""
-        ids, pos, slots, bt = self._views(B, q, P)
-        logits, taps = decode_forward(self.model, self.cache, ids, pos, slots, bt, q,
+        T = B * q
+        pos, slots, bt = self._views(self.ints, B, q, P)
+        logits, taps = decode_forward(self.model, self.cache, self.ints[:T], pos, slots, bt, q,
                                       self.tap_layers, self.kernels)
-        self.logits_out[:B * q].copy_(logits)
+        self.logits_out[:T].copy_(logits)
+        argmax_rows(self.logits_out[:T], out=self.argmax_out[:T])
         if taps is not None:
-            self.taps_out[:B * q].copy_(taps)
+            self.taps_out[:T].copy_(taps)
 
-    # ---- one step ----------------------------------------------------------------------------
-    @torch.inference_mode()
-    def run(self, items):
-        """(logits fp32 [R·q, V], taps or None) for items = [(request id, start, tokens)], with
-        the same cache bookkeeping and checks as `PagedGQABackend`; None if the step does not
-        fit the fixed shapes (nothing is changed then)."""
-        key = self.bucket(items)
-        if key is None or len({rid for rid, _, _ in items}) != len(items):
-            count_fallback(self, target_fallback_reason(items, self))
-            return None                      # duplicates: let the eager path raise its error
+    def _fill_inputs(self, items, key) -> bool:
+        """Positions, write slots and block tables; padding rows: position 0, reading page 0
+        (finite: the cache is zeroed) and writing the scratch row that no request owns."""
         B, q, P = key
-        c, R, N, bs = self.cache, len(items), self.rows, self.cache.block_size
-        for rid, start, _ in items:          # check every request before changing any
-            c.check_forward(rid, start, start + q)
-        h = self.host
-        ids, pos, slots = h[:N], h[N:2 * N], h[2 * N:3 * N]
-        bt = h[3 * N:].reshape(self.max_batch, self.max_pages)
-        for i, (rid, start, toks) in enumerate(items):
+        c, R, bs = self.cache, len(items), self.cache.block_size
+        pos, slots, bt = self._views(self.host, B, q, self.max_pages)
+        for i, (rid, start, _) in enumerate(items):
             table = c.page_table(rid)
+            need = -(-(start + q) // bs)
+            if len(table) < need:
+                return False
             p = np.arange(start, start + q)
             rows = slice(i * q, (i + 1) * q)
-            ids[rows], pos[rows] = toks, p
+            pos[rows] = p
             slots[rows] = np.asarray(table)[p // bs] * bs + p % bs
-            need = -(-(start + q) // bs)
             bt[i, :need] = table[:need]
-        # padding rows: token 0 at position 0, reading page 0 (finite: the cache is zeroed) and
-        # writing the scratch row that no request owns
-        ids[R * q:B * q], pos[R * q:B * q], slots[R * q:B * q] = 0, 0, c.scratch_slot
-        bt[R:B] = 0
-        for rid, start, _ in items:
-            c.begin_forward(rid, start, start + q)
-        # one synchronous copy: pageable host memory may be rewritten as soon as it returns
-        used = 3 * N + B * self.max_pages
-        self.ints[:used].copy_(torch.from_numpy(h[:used]))
-        if not self.capture:
-            self._forward(B, q, P)
-        else:
-            self._graph(key).replay()
-        self.num_replays += 1
-        T = R * q
-        taps = self.taps_out[:T].clone() if self.taps_out is not None else None
-        return self.logits_out[:T].clone(), taps
-
-    def _graph(self, key) -> torch.cuda.CUDAGraph:
-        g = self.graphs.get(key)
-        if g is None:
-            # warm up outside the capture (Triton JIT, cuBLAS workspaces) on a side stream, with
-            # this step's inputs already in place: its cache writes are the replay's writes
-            warm_up(lambda: self._forward(*key))
-            g, _ = capture(lambda: self._forward(*key), self.pool)
-            self.graphs[key] = g
-            count_capture(self)
-        return g
+        pos[R * q:], slots[R * q:] = 0, c.scratch_slot
+        bt[R:] = 0
+        return True

@@ -122,7 +122,7 @@ def _staging(cache) -> int:
 def _graph_settings(runner) -> str:
     """What of the runner's CUDA-graph setup changes a step's time."""
     parts = []
-    tg = getattr(runner, "target_graphs", None) or getattr(runner, "graphs", None)
+    tg = getattr(runner, "target_graphs", None)
     if tg is not None:
         parts.append(f"target:{type(tg).__name__}:{tuple(getattr(tg, 'q_lens', ()))}:"
                      f"{getattr(tg, 'batch_buckets', [None])[-1]}")

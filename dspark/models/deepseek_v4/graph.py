@@ -1,5 +1,5 @@
 """Fixed-shape decode / verify forward of the DeepSeek-V4 target over a `PagedKVCache`, replayed as
-CUDA graphs (the V4 twin of dspark/models/qwen3_graph.py).
+CUDA graphs by `StepGraphs` (models/step_graphs.py, shared with the Qwen3 target).
 
 An eager V4 step is launch-bound, and its attention plan (dspark/attention/plan.py) has shapes
 that depend on the data: which requests complete compressed entries, how many entries are
@@ -32,15 +32,12 @@ so the warm-up run before a capture and the replay write identical state).
 """
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import torch
 
-from dspark.compile_stats import count_capture, count_fallback, target_fallback_reason
-from dspark.cuda.graph_capture import capture, pow2_buckets, step_bucket, warm_up
-from dspark.request import BlockTokens
+from dspark.compile_stats import count_fallback, target_fallback_reason
 
+from ..step_graphs import StepGraphs
 from . import host_plan as hp
 from .static_forward import StaticInputs, StepKernels, plan_from_views, static_forward
 
@@ -62,10 +59,10 @@ def _plan_key(B: int, q: int, P: int, fields) -> tuple:
     return (B, q, P) + tuple(f.tobytes() for f in fields)
 
 
-class V4DecodeGraphs:
-    """Runs uniform-length steps (every request feeds q ∈ `q_lens` tokens) of the DeepSeek-V4
+class V4DecodeGraphs(StepGraphs):
+    """Uniform-length steps (every request feeds q ∈ `q_lens` tokens) of the DeepSeek-V4
     target through the fixed-shape forward, captured as one CUDA graph per (batch bucket, q,
-    page bucket) on CUDA (``capture``), run eagerly otherwise.
+    page bucket) on CUDA (``capture``), run eagerly otherwise (the `StepGraphs` machinery).
 
     backend: the engine's AttentionBackend (its ``name`` picks the kernels: 'triton' -> Triton,
     else the torch twins) or a kernels string. Registers the scratch request in the cache (one
@@ -80,90 +77,58 @@ class V4DecodeGraphs:
         sent at the start of the step, inside the graph. follower: this copy receives them,
         so its host neither reads the tokens nor computes a plan (only the cache
         bookkeeping)."""
-        dev = cache.device
         kind = backend if isinstance(backend, str) else getattr(backend, "name", "reference")
         self.kernels = StepKernels(cache, "triton" if kind == "triton" else "torch")
-        self.model, self.cache, self.tap_layers = model, cache, tuple(tap_layers)
-        self.capture = dev.type == "cuda" if capture is None else capture
-        self.q_lens = frozenset(int(x) for x in q_lens)
-        self.qmax, self.max_batch = max(self.q_lens), int(max_batch)
+        qmax, max_batch = max(int(x) for x in q_lens), int(max_batch)
         limits = [cache.capacity] + [cache.comp_ring(m) for m in cache.ratios if m]
-        if self.qmax > cache.lookahead + 1 or self.qmax > min(limits):
-            raise ValueError(f"V4DecodeGraphs: q_lens up to {self.qmax} need a cache with "
-                             f"lookahead >= {self.qmax - 1} (has {cache.lookahead})")
-        if self.max_batch * self.qmax > cache.max_batch_tokens:
+        if qmax > cache.lookahead + 1 or qmax > min(limits):
+            raise ValueError(f"V4DecodeGraphs: q_lens up to {qmax} need a cache with "
+                             f"lookahead >= {qmax - 1} (has {cache.lookahead})")
+        if max_batch * qmax > cache.max_batch_tokens:
             raise ValueError(f"V4DecodeGraphs: max_batch * max(q_lens) = "
-                             f"{self.max_batch * self.qmax} exceeds the cache's max_batch_tokens="
+                             f"{max_batch * qmax} exceeds the cache's max_batch_tokens="
                              f"{cache.max_batch_tokens}")
+        if follower and share_inputs is None:
+            raise ValueError("V4DecodeGraphs: a follower needs share_inputs (its inputs come "
+                             "from the leader)")
         self.scratch_slot, self.scratch_page = reserve_scratch(cache)
         bs = cache.block_size
-        top = -(-(model.cfg.max_position_embeddings + self.qmax) // bs)
-        self.max_pages = min(cache.num_blocks, top, max_pages or top)
-        self.batch_buckets = pow2_buckets(self.max_batch)
-        self.page_buckets = pow2_buckets(self.max_pages)
+        top = -(-(model.cfg.max_position_embeddings + qmax) // bs)
+        pages = min(cache.num_blocks, top, max_pages or top)
+        R = max_batch * qmax
+        # the inputs (ids, positions [R]; starts, slots, valid flags [B]; page tables [B, P]),
+        # then the plan of the step's bucket (every field grows with B, q and P, so the largest
+        # bucket's plan bounds them all)
+        self._offs = np.cumsum([0, R, R, max_batch, max_batch, max_batch, max_batch * pages])
+        self._layouts: dict = {}
+        self._host_views: dict = {}
+        self.cache = cache
+        words = self._layout(max_batch, qmax, pages).end
+        super().__init__(model, cache, q_lens, max_batch, tap_layers, capture, pages, None,
+                         words, torch.float32)
         # RoPE tables sized once for every position a graph can see (no growth during capture);
         # the references keep the captured tables alive even if the eager path regrows them
         self.bound = self.max_pages * bs + max(m for m in (1, *cache.ratios) if m) + self.qmax
         wdev = model.embed.weight.device          # (the device RoPE sees: x.device)
         self._keep = [layer.attn.rope._table(self.bound, wdev) for layer in model.layers]
-        R, Pm = self.max_batch * self.qmax, self.max_pages
-        self.rows = R
-        self._offs = np.cumsum([0, R, R, self.max_batch, self.max_batch, self.max_batch,
-                                self.max_batch * Pm])
-        # the inputs, then the plan of the step's bucket (every field grows with B, q and P, so
-        # the largest bucket's plan bounds them all)
-        self._layouts: dict = {}
-        self._host_views: dict = {}
-        words = self._layout(self.max_batch, self.qmax, self.max_pages).end
-        self.ints = torch.zeros(words, dtype=torch.long, device=dev)
-        # pinned on CUDA, so the per-step upload is asynchronous (a pageable copy would wait for
-        # all queued GPU work, e.g. the draft pass); `_uploaded` guards its reuse
-        self._host_t = torch.zeros(words, dtype=torch.long, pin_memory=dev.type == "cuda")
-        self.host = self._host_t.numpy()
         self._host_parts, self._ints_parts = self._split(self.host), self._split(self.ints)
-        self._uploaded = None
-        D, V = model.cfg.hidden_size, model.cfg.vocab_size
-        self.logits_out = torch.zeros(R, V, dtype=torch.float32, device=dev)
-        # each row's argmax, computed in the graph too: a greedy step's decision then costs the
-        # host no argmax launches (sampling.argmax_rows' ~5 ops: ~0.1 ms of host per step)
-        self.argmax_out = torch.zeros(R, dtype=torch.long, device=dev)
-        self.taps_out = (torch.zeros(R, len(self.tap_layers) * D, dtype=torch.float32,
-                                     device=dev) if self.tap_layers else None)
-        self.graphs: dict = {}
-        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
-        self.disabled = False
-        self.num_replays = 0
         self._next_plan = None               # (inputs key, host plan) computed ahead
         self._packed = None                  # (bucket, plan) the host buffer's plan words hold
         self.plans_ahead_used = 0
-        if follower and share_inputs is None:
-            raise ValueError("V4DecodeGraphs: a follower needs share_inputs (its inputs come "
-                             "from the leader)")
         self.share_inputs, self.follower = share_inputs, bool(follower)
 
-    # ---- shapes ------------------------------------------------------------------------------
-    def bucket(self, items):
-        """(batch bucket, q, page bucket) for [(request id, start, tokens)], or None when the step
-        has to run eagerly."""
-        if self.disabled:
-            return None
-        return step_bucket(items, self.q_lens, self.batch_buckets, self.page_buckets,
-                           self.cache.block_size)
-
-    def fits(self, items):
-        """The bucket `run(items)` would use, or None when it would return None (a function of
-        the requests, their starts and lengths, and the cache's page tables only)."""
-        key = self.bucket(items)
-        rids = [rid for rid, _, _ in items]
-        if key is None or len(set(rids)) != len(rids) or SCRATCH_RID in rids:
-            return None
-        return key
+    # ---- layout ------------------------------------------------------------------------------
+    def _reserved(self):
+        return (SCRATCH_RID,)
 
     def _layout(self, B: int, q: int, P: int) -> hp.PlanLayout:
         key = (B, q, P)
         if key not in self._layouts:
             self._layouts[key] = hp.plan_layout(self.cache, B, q, P, int(self._offs[-1]))
         return self._layouts[key]
+
+    def _words(self, key) -> int:
+        return self._layout(*key).end
 
     def _host_plan_views(self, B: int, q: int, P: int) -> dict:
         key = (B, q, P)
@@ -197,133 +162,37 @@ class V4DecodeGraphs:
     # ---- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, items, snapshot: bool = True):
-        """(logits fp32 [R·q, V], taps [R·q, len(tap_layers)·D] or None) for items =
-        [(request id, start, tokens)] in flat (request-major) row order, with the cache checks
-        and bookkeeping of the eager plan; None if the step does not fit (nothing changed).
-        The logits carry their rows' argmax (sampling.argmax_rows, computed in the same graph)
-        as `logits.row_argmax` (int64 [R·q]), which spec.accept.decide reads instead of
-        launching its own. snapshot=False: the logits and their row argmax are views of the
-        graph's output buffers, valid until the next step is queued (for a caller that queues
-        its reads of them at once, as decide and the overlapped decode's read back and next
-        anchors do: no 0.5 MB copy per step for a 129k vocabulary, no copy launch between two
-        decode steps for the argmax). The taps too: the draft context rows taken from them
-        are queued before the next forward (ModelRunner.target_forward flushes them first)."""
+        """StepGraphs.run; a follower (tensor parallelism) only does the cache bookkeeping: its
+        inputs and plan arrive in the step itself."""
+        if not self.follower:
+            return super().run(items, snapshot)
         key = self.fits(items)
         if key is None:
             count_fallback(self, target_fallback_reason(items, self))
             return None
+        q = key[1]
+        for rid, start, _ in items:
+            self.cache.check_forward(rid, start, start + q)
+        for rid, start, _ in items:
+            self.cache.begin_forward(rid, start, start + q)
+        return self._launch(key, len(items) * q, snapshot)
+
+    def _fill_inputs(self, items, key) -> bool:
         B, q, P = key
-        c, R = self.cache, len(items)
-        for rid, start, _ in items:          # check every request before changing any
-            c.check_forward(rid, start, start + q)
-        if self.follower:                    # inputs and plan arrive in the step itself
-            for rid, start, _ in items:
-                c.begin_forward(rid, start, start + q)
-            return self._launch(key, R * q, snapshot)
-        if self._uploaded is not None:       # the previous upload has left the host buffer
-            self._uploaded.synchronize()
-        ids, pos, st, sl, va, pt = self._host_parts
-        on_device = []                       # (first row, drafts still on the device)
-        anchors = []                         # anchors still on the device (overlapped decode)
-        for i, (rid, start, toks) in enumerate(items):
-            rows = slice(i * q, (i + 1) * q)
-            if isinstance(toks, BlockTokens):
-                ids[rows] = 0
-                if isinstance(toks.anchor, torch.Tensor):
-                    anchors.append(toks.anchor.view(1))
-                else:
-                    ids[i * q] = toks.anchor
-                if toks.drafts.shape[0]:
-                    on_device.append((i * q + 1, toks.drafts))
-            else:
-                ids[rows] = toks
-        if anchors and len(anchors) != R:
-            raise ValueError("V4DecodeGraphs: either every item's anchor is on the device or none is")
-        ids[R * q:B * q] = 0                 # padding: token 0 at positions 0..q-1 of the scratch
+        _, pos, st, sl, va, pt = self._host_parts
         fields = (pos[:B * q], st[:B], sl[:B], va[:B], pt[:B * P].reshape(B, P))
         if not self._fill_positions(items, B, q, P, *fields):
-            raise ValueError(f"V4DecodeGraphs: a request's pages do not cover its rows "
-                             f"{[(rid, start, start + q) for rid, start, _ in items]}; reserve "
-                             "them before the step")
-        self._pack((B, q, P), self._plan(B, q, P, fields))
-        for rid, start, _ in items:
-            c.begin_forward(rid, start, start + q)
-        # one copy: the inputs and this bucket's plan (the words past it belong to larger buckets)
-        end = self._layout(B, q, P).end
-        dst, src = self.ints[:end], self._host_t[:end]
-        if self._host_t.is_pinned():
-            dst.copy_(src, non_blocking=True)
-            self._uploaded = torch.cuda.Event()
-            self._uploaded.record(torch.cuda.current_stream(dst.device.index))   # (see overlap.py)
-        else:
-            dst.copy_(src)
-        ids_dev = self._ints_parts[0]
-        # device to device: no wait for the draft pass; one copy when every block carries q - 1
-        # drafts (uniform verify steps), else one per block
-        if len(on_device) == R > 1 and all(d.shape[0] == q - 1 for _, d in on_device):
-            ids_dev[:R * q].view(R, q)[:, 1:].copy_(torch.stack([d for _, d in on_device]))
-        else:
-            for row, drafts in on_device:
-                ids_dev[row:row + drafts.shape[0]].copy_(drafts, non_blocking=True)
-        if anchors:                          # all of the items (checked above): one copy
-            src = anchors[0] if R == 1 else torch.cat(anchors)
-            ids_dev[:R * q].view(R, q)[:, 0].copy_(src, non_blocking=True)
-        return self._launch(key, R * q, snapshot, lambda: self._predict_plan(items, q))
-
-    def _launch(self, key, T: int, snapshot: bool, meanwhile=None):
-        """Run (or replay) bucket `key`'s step on the filled inputs; its first T rows' outputs.
-        `meanwhile()`: host work while the device runs the step (the next plan, predicted)."""
-        if not self.capture:
-            self._forward(*key)
-        else:
-            g = self._graph(key)
-            if g is not None:
-                g.replay()
-        if meanwhile is not None:
-            meanwhile()
-        self.num_replays += 1
-        taps = self.taps_out[:T] if self.taps_out is not None else None
-        if snapshot and taps is not None:
-            taps = taps.clone()
-        logits = self.logits_out[:T].clone() if snapshot else self.logits_out[:T]
-        logits.row_argmax = self.argmax_out[:T].clone() if snapshot else self.argmax_out[:T]
-        return logits, taps
-
-    # ---- capturing ahead of traffic -------------------------------------------------------------
-    @torch.inference_mode()
-    def capture_bucket(self, B: int, q: int, P: int) -> bool:
-        """Capture bucket (B, q, P) now on padding rows alone (every row the scratch request's,
-        so no other request's state is touched), and no step of traffic pays the capture; True
-        when its graph exists afterwards (False: capturing failed and the graphs are off, or
-        not capturing: then that forward runs eagerly once)."""
-        key = (B, q, P)
-        if key in self.graphs or self.disabled:
-            return key in self.graphs
-        if self._uploaded is not None:
-            self._uploaded.synchronize()
-        ids, pos, st, sl, va, pt = self._host_parts
-        ids[:B * q] = 0
-        fields = (pos[:B * q], st[:B], sl[:B], va[:B], pt[:B * P].reshape(B, P))
-        self._fill_positions([], B, q, P, *fields)
-        self._pack((B, q, P), hp.host_plan(self.cache, B, q, P, *fields, self.scratch_page))
-        end = self._layout(B, q, P).end
-        self.ints[:end].copy_(self._host_t[:end])
-        self._next_plan = None
-        if not self.capture:                 # eagerly what a capture's warm-up runs (tests)
-            self._forward(B, q, P)
             return False
-        return self._graph(key) is not None
+        if items:
+            plan = self._plan(B, q, P, fields)
+        else:                                # all padding (a capture ahead of traffic)
+            self._next_plan = None
+            plan = hp.host_plan(self.cache, B, q, P, *fields, self.scratch_page)
+        self._pack(key, plan)
+        return True
 
-    def capture_all(self, q_lens=None, progress: bool = False) -> int:
-        """Capture every (batch bucket, q, page bucket) for q in `q_lens` (default: all this
-        runner serves); returns how many graphs exist afterwards."""
-        qs = sorted(self.q_lens if q_lens is None else set(q_lens) & self.q_lens)
-        keys = [(B, q, P) for q in qs for B in self.batch_buckets for P in self.page_buckets]
-        from tqdm import tqdm
-        for key in tqdm(keys, desc="capturing target graphs", unit="graph", disable=not progress):
-            if not self.capture_bucket(*key):
-                break
-        return len(self.graphs)
+    def _meanwhile(self, items, q: int):
+        return lambda: self._predict_plan(items, q)
 
     # ---- the step's plan, and the next decode step's computed ahead ----------------------------
     def _fill_positions(self, items, B, q, P, pos, st, sl, va, pt) -> bool:
@@ -380,22 +249,3 @@ class V4DecodeGraphs:
         if self._fill_positions(nxt, B, q2, P, *fields):
             self._next_plan = (_plan_key(B, q2, P, fields),
                                hp.host_plan(self.cache, B, q2, P, *fields, self.scratch_page))
-
-    def _graph(self, key):
-        g = self.graphs.get(key)
-        if g is None:
-            # warm up outside the capture (Triton JIT, cuBLAS workspaces) on a side stream, with
-            # this step's inputs in place: its cache writes are the replay's writes (q <=
-            # lookahead + 1: a forward never reads a ring row it rewrites)
-            warm_up(lambda: self._forward(*key))
-            try:
-                g, _ = capture(lambda: self._forward(*key), self.pool)
-            except Exception as e:          # e.g. a host sync in a weight format's MoE path
-                warnings.warn(f"V4DecodeGraphs: capturing {key} failed ({e}); the V4 target "
-                              "runs eagerly from now on")
-                self.disabled = True
-                count_fallback(self, "capture failed")
-                return None                 # the warm-up already produced this step's outputs
-            self.graphs[key] = g
-            count_capture(self)
-        return g
