@@ -22,7 +22,7 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache}; mkdir -p "$TRIT
 [ -f .triton-cache.tgz ] && tar xzf .triton-cache.tgz -C "$TRITON_CACHE_DIR"
 echo "Triton cache $TRITON_CACHE_DIR: $(find "$TRITON_CACHE_DIR" -type f | wc -l) files at the start"
 BUDGET=${BUDGET:-570}; T0=$SECONDS
-STEPS=${STEPS:-"tests decode kernels bench trace draft qwen3 sweep mhc tp"}   # also: pdl (PDL off / on), flash, flashtp, flashprof, host, timeline
+STEPS=${STEPS:-"tests decode kernels bench trace draft qwen3 sweep mhc tp"}   # also: det (deterministic mode), pdl (PDL off / on), flash, flashtp, flashprof, host, timeline
 left() { local l=$((BUDGET - SECONDS + T0)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 1 ] && l=1; echo $l; }
 step() { echo "[t=$((SECONDS - T0))s] $1"; }
 for s in $STEPS; do case $s in
@@ -121,6 +121,20 @@ bench)   # DSpark vs speculation off on the shipped pair, per concurrency and po
   timeout "$(left 60)" python -m dspark.bench --profile --trace --temperature 1.0 \
     --json "$R/profile_T1.json" > "$R/profile_T1.txt" 2>&1
   grep -v "^  [a-z_]*: \|^benchmark results\|\.json:" "$R/profile_T1.txt" | head -24 ;;
+det)     # deterministic mode (EngineConfig.deterministic): its GPU tests (batch-invariant kernels,
+         # batched == alone == chunked, speculation on == off), then its cost: the same bench
+         # (shipped pair, c = 1 and 16) with the default engines and with --deterministic
+  step "deterministic GPU tests"
+  timeout "$(left ${DET_TESTS_S:-240})" python -m pytest -q -m gpu -rfE -x tests/test_batch_invariant.py \
+    tests/test_deterministic.py ${DET_K:+-k "$DET_K"} > "$R/det_gpu_tests.txt" 2>&1
+  tail -3 "$R/det_gpu_tests.txt" | cut -c1-300; grep -A25 "^=== FAILED\|^____" "$R/det_gpu_tests.txt" | grep -v "^ *$" | cut -c1-200 | head -60
+  for mode in default deterministic; do
+    step "bench $mode (c = 1, 16)"
+    timeout "$(left ${DET_BENCH_S:-150})" python -m dspark.bench --num-prompts ${DET_PROMPTS:-32} --max-tokens 128 \
+      --temperature 1,0 --concurrency 1,16 --ignore-eos $([ $mode = deterministic ] && echo --deterministic) \
+      --json "$R/bench_${mode}_c1_c16_h200.json" > "$R/bench_${mode}_c1_c16_h200.txt" 2>&1
+    tr '\r' '\n' < "$R/bench_${mode}_c1_c16_h200.txt" | grep -v "it/s\]\|req/s\]\|s/req\]\|bucket\|^ *$" | tail -14 | cut -c1-200
+  done ;;
 flash)   # V4-Flash width, 4 layers + the DSpark stages, random weights (tau ~ 1, so the split and
          # the projection at dspark.md §9's per-position acceptance are what to read)
   D=${FLASH_DIR:-/tmp/flash4_dspark}

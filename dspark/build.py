@@ -19,7 +19,7 @@ from .engine_config import EngineConfig
 from .models.deepseek_v4.model import DeepseekV4Model
 from .models.drafter import DSparkDrafter
 from .models.loader import load_checkpoint
-from .runner import ModelRunner, QuantSim
+from .runner import DETERMINISTIC_PIECE, ModelRunner, QuantSim
 
 
 @dataclass
@@ -78,9 +78,9 @@ def _deepseek_v4(path, c: EngineConfig, device, dtype) -> EngineParts:
     # (experts not routed on the host); True also under "flashmla" (graph steps then run the
     # Triton attention kernel); False forces the eager target. Under tensor parallelism every
     # rank runs that fixed-shape step with the collectives inside (True on CPU: eagerly)
+    # (deterministic mode: with them every forward is uniform graph steps of batch-invariant
+    # kernels; without them, e.g. on CPU, one-token eager forwards)
     target_graphs = c.target_cuda_graphs
-    if target_graphs is None and c.deterministic:
-        target_graphs = False                # deterministic mode: eager one-token forwards
     if target_graphs is None:
         from .attention import resolve_backend
         target_graphs = (device.type == "cuda" and c.kv_layout == "paged" and resolve_backend(
@@ -91,9 +91,10 @@ def _deepseek_v4(path, c: EngineConfig, device, dtype) -> EngineParts:
     if tp_runner is not None:
         runner = tp_runner.configure(quant, backend, target_graphs=tp_steps)
     else:
-        # the draft pass as CUDA graphs (dspark/draft_pass.py); default on CUDA
-        graphs = device.type == "cuda" and not c.deterministic if c.cuda_graphs is None \
-            else c.cuda_graphs
+        # the draft pass as CUDA graphs (dspark/draft_pass.py); default on CUDA (deterministic
+        # mode: where the target runs graphs too, else it drafts one request per pass)
+        graphs = device.type == "cuda" and (bool(target_graphs) or not c.deterministic) \
+            if c.cuda_graphs is None else c.cuda_graphs
         runner = ModelRunner(model, drafter, device, quant, backend=backend, cuda_graphs=graphs,
                              max_num_seqs=c.max_num_seqs, target_graphs=bool(target_graphs),
                              deterministic=c.deterministic)
@@ -174,6 +175,8 @@ def _paged_backend(cfg: ModelConfig, drafter, c: EngineConfig, device, target_gr
     extra = int(tp_steps or (bool(target_graphs) and device.type == "cuda"
                              and name in ("triton", "flashmla")))
     lookahead = drafter.gamma + 1 if drafter is not None else 0
+    if c.deterministic and target_graphs and device.type == "cuda":
+        lookahead = max(lookahead, DETERMINISTIC_PIECE - 1)   # prompts as uniform steps
     num_blocks, max_len = c.num_kv_blocks, c.max_model_len
     if num_blocks is None and c.kv_cache_memory is None:
         # room for every sequence at a moderate length (or one at the full model length)

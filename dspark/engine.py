@@ -17,7 +17,8 @@ CUDA (`dspark.kernels.sampling.fused_verify`) instead of a few hundred small tor
 DSPARK_REFERENCE_KERNELS=1 forces the torch path (`probs_from_logits` + `verify`), see
 `dspark.sampling.fused_sampling_enabled`.
 
-Engine(deterministic=True): the runner feeds every forward one token at a time and acceptance is
+Engine(deterministic=True): the runner's forwards compute every row as they would alone (batch-
+invariant uniform graph steps on CUDA, one-token forwards elsewhere) and acceptance is
 `spec.accept.decide_gumbel` (Gumbel-max keyed by seed and position, dspark/spec/gumbel.py), so a
 request's tokens do not depend on its batch, chunking, speculation or preemption.
 """

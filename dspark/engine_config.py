@@ -16,11 +16,13 @@ too; they land in `policy_options`. Checks happen in three places, each as early
 
 deterministic=True (DeepSeek-V4, one device): a request's logits, cache records and tokens are a
 function of its prompt, its SamplingParams and its seed alone: the same alone or in any batch,
-with any chunking, with speculation on or off, under any verify policy, after preemption. The
-runner computes every forward one token at a time and the drafter one request at a time (no
-kernel ever sees another row, so no reduction depends on the batch shape), and sampling is
-Gumbel-max keyed by (seed, position) (dspark/spec/gumbel.py). CUDA graphs and the overlapped
-decode are off in this mode (asking for them is an error).
+with any chunking, with speculation on or off, under any verify policy, after preemption. On
+CUDA every forward is a series of uniform graph steps (each request's tokens in pieces of up to
+8, one piece per step) whose kernels make the same choices for every token count
+(dspark/kernels/invariant.py); without the target's graphs (CPU, or target_cuda_graphs=False)
+the runner computes every forward one token at a time and the drafter one request at a time.
+Sampling is Gumbel-max keyed by (seed, position) (dspark/spec/gumbel.py). The overlapped decode
+is off in this mode (asking for it is an error).
 """
 from __future__ import annotations
 
@@ -173,17 +175,13 @@ class EngineConfig:
                                     "give one of them")
 
     def _check_deterministic(self):
-        """deterministic=True runs every forward one token at a time, eagerly, on one device,
-        with the Gumbel-max sampler: settings that would batch rows again are errors."""
-        batching = [n for n in ("cuda_graphs", "target_cuda_graphs", "overlap_decode")
-                    if getattr(self, n)]
-        if batching:
+        """deterministic=True runs on one device, without the overlapped decode loop (its steps
+        are the default kernels' graphs), with the Gumbel-max sampler."""
+        if self.overlap_decode:
             raise EngineConfigError(
-                f"{', '.join(f'{n}=True' for n in batching)} with deterministic=True: CUDA graphs "
-                f"and the overlapped decode run many requests' rows in one fixed-shape step, which "
-                f"deterministic mode does not (every forward is one token of one request); leave "
-                f"{'them' if len(batching) > 1 else 'it'} unset (off in deterministic mode) or "
-                f"set deterministic=False")
+                "overlap_decode=True with deterministic=True: the overlapped decode loop replays "
+                "the default (shape-tuned, not batch-invariant) step graphs; leave it unset (off "
+                "in deterministic mode) or set deterministic=False")
         if self.tensor_parallel_size != 1:
             raise EngineConfigError(
                 f"tensor_parallel_size={self.tensor_parallel_size} with deterministic=True: "

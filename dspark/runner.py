@@ -11,13 +11,20 @@ draft pass is one fixed-shape `DraftPass` (a CUDA graph per batch-size bucket wh
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .cuda.transfer import to_device
 from .draft_pass import DraftPass
 from .models.deepseek_v4.model import Batch, DeepseekV4Model
 from .models.drafter import DraftState, DSparkDrafter
+from .compile_stats import target_fallback_reason
 from .request import DraftBlock, token_list
+
+# deterministic mode on the graph path: prompt chunks are fed as uniform steps of this many tokens
+# per request (the last piece shorter)
+DETERMINISTIC_PIECE = 8
 
 
 class QuantSim:
@@ -59,11 +66,11 @@ class ModelRunner:
                  target_graphs: bool = False, deterministic: bool = False):
         self.model, self.drafter, self.device, self.quant = model, drafter, torch.device(device), quant
         self.max_num_seqs = max_num_seqs
-        # deterministic mode: every forward runs one token at a time and the drafter one
-        # request (one context row) at a time, so no computation ever sees another row
+        # deterministic mode (EngineConfig.deterministic): with the target's graphs every forward
+        # is a series of uniform graph steps built with batch-invariant kernels
+        # (`_invariant_forward`); without them (CPU) it runs one token at a time and the drafter
+        # one request (one context row) at a time, so no computation ever sees another row
         self.deterministic = deterministic
-        if deterministic and (cuda_graphs or target_graphs):
-            raise ValueError("deterministic=True runs no CUDA graphs (they batch rows)")
         # paged attention (dspark.attention backend over a PagedKVCache) or None: dense states
         self.backend = backend
         self.tap_layers = tuple(model.cfg.dspark_target_layer_ids) if drafter is not None else ()
@@ -88,9 +95,18 @@ class ModelRunner:
                 and isinstance(model, DeepseekV4Model) and not _fp4_moe_routes_on_host(model)):
             from .models.deepseek_v4.graph import V4DecodeGraphs
             gamma = getattr(drafter, "gamma", 0) if drafter is not None else 0
+            # deterministic mode: prompts too are fed as uniform steps, in pieces of up to
+            # DETERMINISTIC_PIECE tokens (the cache keeps that many ring rows of lookahead)
+            width = max(gamma + 1, DETERMINISTIC_PIECE) if deterministic else gamma + 1
             self.target_graphs = V4DecodeGraphs(model, backend.cache, "triton",
-                                                q_lens=range(1, gamma + 2), max_batch=max_num_seqs,
+                                                q_lens=range(1, width + 1), max_batch=max_num_seqs,
                                                 tap_layers=self.tap_layers)
+        if deterministic and target_graphs and self.target_graphs is None:
+            raise ValueError("deterministic=True with target graphs needs the DeepSeek-V4 target "
+                             "on CUDA with the Triton attention backend and graph-capturable "
+                             "experts; set target_cuda_graphs=False (one-token eager forwards)")
+        # the token-serial reference: deterministic without target graphs
+        self.token_serial = deterministic and self.target_graphs is None
 
         # the engine pads every verify block of a round to one width where uniform steps replay
         # as graphs (Engine._verify_lengths): a ragged step would run eagerly
@@ -101,14 +117,24 @@ class ModelRunner:
         q, page) buckets for q in `q_lens`, the draft pass of every batch bucket and the
         context writes (RoPE bound `max_position`). {"target": n, "draft": n} graphs held."""
         out = {"target": 0, "draft": 0}
-        if self.target_graphs is not None:
-            out["target"] = self.target_graphs.capture_all(q_lens, progress)
-        if self.draft_pass is not None:
-            width = len(self.tap_layers) * self.model.cfg.hidden_size
-            # taps are fp32 (hc-mean of the streams) in the graph and the eager forward alike
-            out["draft"] = self.draft_pass.capture_all(self.max_num_seqs, max_position, width,
-                                                       (torch.float32,), self.quant, progress)
+        with self._kernels():
+            if self.target_graphs is not None:
+                out["target"] = self.target_graphs.capture_all(q_lens, progress)
+            if self.draft_pass is not None:
+                width = len(self.tap_layers) * self.model.cfg.hidden_size
+                # taps are fp32 (hc-mean of the streams) in the graph and the eager forward alike
+                out["draft"] = self.draft_pass.capture_all(self.max_num_seqs, max_position,
+                                                           width, (torch.float32,), self.quant,
+                                                           progress)
         return out
+
+    def _kernels(self):
+        """The kernel choices of this runner's launches: batch-invariant in deterministic mode
+        on the graph path (dspark/kernels/invariant.py), else the fastest per shape."""
+        if self.deterministic and self.target_graphs is not None:
+            from .kernels.invariant import batch_invariant
+            return batch_invariant()
+        return contextlib.nullcontext()
 
     @property
     def takes_device_tokens(self) -> bool:
@@ -133,6 +159,12 @@ class ModelRunner:
         the logits and taps may be views of the target graphs' output buffers, valid until the
         next forward is queued (StepGraphs.run; queued context rows are flushed before it)."""
         self.flush_context()        # leftovers of a step that drafted nothing
+        if self.deterministic:
+            if self.token_serial:
+                items = [(st, start, token_list(toks)) for st, start, toks in items]
+                return self._token_serial_forward(items, logit_rows)
+            with self._kernels():
+                return self._invariant_forward(items, logit_rows)
         if self.target_graphs is not None:
             out = self.target_graphs.run(items, snapshot)  # None: not a fixed-shape step
             if out is not None:
@@ -142,8 +174,6 @@ class ModelRunner:
                                                     device=logits.device)]
                 return logits, taps
         items = [(st, start, token_list(toks)) for st, start, toks in items]
-        if self.deterministic:
-            return self._token_serial_forward(items, logit_rows)
         return self._forward(items, logit_rows)
 
     def _forward(self, items, logit_rows):
@@ -158,6 +188,60 @@ class ModelRunner:
             else:
                 X = X[torch.as_tensor(logit_rows, dtype=torch.long, device=self.device)]
         return self.model.logits(X), taps
+
+    def _invariant_forward(self, items, logit_rows):
+        """The deterministic forward on the graph path: every request's tokens in pieces of at
+        most `qmax` in position order (piece k of every request in step k, one uniform graph step
+        per piece length), each step built with batch-invariant kernels. A row then computes the
+        same whatever else its step carries, so its logits, taps and cache records are a function
+        of its request's tokens alone, as with one-token forwards, without their cost."""
+        g = self.target_graphs
+        if not items:
+            return self._forward(items, logit_rows)
+        for st, start, toks in items:     # check every request before any step changes one
+            g.cache.check_forward(st, start, start + len(toks))
+        pieces, first = [], 0             # per item: [(start, tokens, first flat row)]
+        for st, start, toks in items:
+            n = len(toks)
+            if n <= g.qmax:
+                pieces.append([(start, toks, first)])
+            else:
+                toks = token_list(toks)
+                pieces.append([(start + i, toks[i:i + g.qmax], first + i)
+                               for i in range(0, n, g.qmax)])
+            first += n
+        rows = torch.arange(first) if logit_rows is None else torch.as_tensor(logit_rows).long()
+        want = torch.full((first,), -1, dtype=torch.long)       # flat row -> row of `logits`
+        want[rows] = torch.arange(len(rows))
+        logits = taps = None
+        for k in range(max(len(p) for p in pieces)):
+            by_len: dict = {}
+            for st, per in zip((it[0] for it in items), pieces):
+                if k < len(per):
+                    by_len.setdefault(len(per[k][1]), []).append((st, *per[k]))
+            for group in by_len.values():
+                step = [(st, start, toks) for st, start, toks, _ in group]
+                out = g.run(step, snapshot=False)
+                if out is None:
+                    raise RuntimeError(
+                        f"deterministic mode: a step of {len(group)} requests x "
+                        f"{len(group[0][2])} tokens did not fit the target graphs "
+                        f"({target_fallback_reason(step, g)}); an eager forward would break "
+                        f"the batch invariance")
+                lg, tp = out
+                q = len(group[0][2])
+                flat = torch.cat([torch.arange(f, f + q) for _, _, _, f in group])
+                dst = want[flat]
+                keep = (dst >= 0).nonzero().flatten()
+                if logits is None:
+                    logits = lg.new_empty(len(rows), lg.shape[1])
+                    if tp is not None:
+                        taps = tp.new_empty(first, tp.shape[1])
+                if keep.numel():
+                    logits[dst[keep].to(lg.device)] = lg[keep.to(lg.device)]
+                if tp is not None:
+                    taps[flat.to(tp.device)] = tp
+        return logits, taps
 
     def _token_serial_forward(self, items, logit_rows):
         """The deterministic forward: the flat batch as one-token forwards, each request's tokens
@@ -212,12 +296,13 @@ class ModelRunner:
                 rows.append(taps[lo - start:].to(self.draft_pool.device))
                 slots += [st.take_slot()] * (hi - lo)
                 positions += range(lo, hi)
-        if self.deterministic:       # one row per write: a row's projection sees no other row
+        if self.token_serial:        # one row per write: a row's projection sees no other row
             flat = torch.cat(rows)
             for i, (slot, pos) in enumerate(zip(slots, positions)):
                 self.draft_pass.write_context([slot], [pos], [flat[i:i + 1]], self.quant)
             return
-        self.draft_pass.write_context(slots, positions, rows, self.quant)
+        with self._kernels():
+            self.draft_pass.write_context(slots, positions, rows, self.quant)
 
     @torch.inference_mode()
     def draft(self, reqs) -> list:
@@ -227,11 +312,12 @@ class ModelRunner:
             return []
         if self.draft_pass is not None:
             self.flush_context()
-            if self.deterministic:    # one request per pass: its drafts depend on it alone
+            if self.token_serial:     # one request per pass: its drafts depend on it alone
                 parts = [self.draft_pass([r], self.quant) for r in reqs]
                 return [DraftBlock(t[0], None if r.params.greedy else q[0], c[0])
                         for r, (t, q, c) in zip(reqs, parts)]
-            toks, probs, confs = self.draft_pass(reqs, self.quant)
+            with self._kernels():
+                toks, probs, confs = self.draft_pass(reqs, self.quant)
             # greedy requests keep no [γ, V] distribution: their q is the point mass on the token
             return [DraftBlock(toks[i], None if r.params.greedy else probs[i], confs[i])
                     for i, r in enumerate(reqs)]

@@ -87,10 +87,13 @@ def warm_up(engine, prompt_lengths=None, batch_sizes=None, rounds: int = 3,
             "batch_sizes": sizes, "graphs": graphs}
 
 
-def _verify_widths(engine) -> set:
+def _verify_widths(engine) -> set | None:
     """Tokens per request of the uniform steps the engine runs: 1 without a drafter, the fixed
     policy's ℓ + 1, else any of 1 .. γ + 1 (the scheduled policies' width, 0 .. γ, changes from
-    round to round with the load and the confidences)."""
+    round to round with the load and the confidences); None (every width the target graphs
+    hold) in deterministic mode."""
+    if getattr(getattr(engine, "runner", None), "deterministic", False):
+        return None                      # (its prompts run as uniform steps of every width)
     if engine.drafter is None:
         return {1}
     gamma = engine.drafter.gamma

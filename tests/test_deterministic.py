@@ -265,8 +265,7 @@ def test_token_serial_logits_match_the_batched_forward(tiny_ckpt):
     torch.testing.assert_close(det, ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("setting", [dict(cuda_graphs=True), dict(target_cuda_graphs=True),
-                                     dict(overlap_decode=True), dict(tensor_parallel_size=2)])
+@pytest.mark.parametrize("setting", [dict(overlap_decode=True), dict(tensor_parallel_size=2)])
 def test_settings_deterministic_mode_cannot_honour_fail_at_construction(setting):
     name = next(iter(setting))
     with pytest.raises(EngineConfigError, match=f"{name}.*deterministic"):

@@ -52,6 +52,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from dspark.cuda import pdl
+from dspark.kernels import invariant
 from dspark.kernels.fp4_moe import _DT_NAME as _DT, _round_to
 
 
@@ -313,7 +314,7 @@ def hadamard_fp4(x: torch.Tensor) -> torch.Tensor:
     n = x2.shape[0]
     # decode: many small programs; long prefills: 4 rows per program at 8 warps (the [R, 128,
     # 32] product stays at 64 values per thread either way)
-    BLOCK_R, warps = (2, 4) if n <= 4096 else (4, 8)
+    BLOCK_R, warps = (2, 4) if n <= 4096 or invariant.on() else (4, 8)
     if n:
         _hadamard_fp4_kernel[(triton.cdiv(n, BLOCK_R), INDEXER_DIM // FP4_BLOCK)](
             x2, out, n, x2.stride(0), INDEXER_DIM ** -0.5, FP4_AMAX_FLOOR, BLOCK_R=BLOCK_R,

@@ -58,6 +58,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from dspark.kernels import invariant
 from dspark.kernels.common import interpreting, mma, pick_precision
 from dspark.kernels.fp8_gemm import flat_operands
 from dspark.formats.quant import FP4_GROUP, dequant_fp4_experts, fp4_scale_shape
@@ -607,7 +608,9 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
         from dspark.kernels import fp4_moe_tc_grouped as tcg
         if x.stride(-1) != 1:
             x = x.contiguous()
-        if tcg.takes(T * k, stack.emap.numel()):          # experts repeat: one read per block
+        # experts repeat: one read per block (not batch-invariant: an expert's tokens share
+        # the MMA columns)
+        if tcg.takes(T * k, stack.emap.numel()) and not invariant.on():
             return tcg.fp4_moe_tc_grouped(x, idx, weights, stack, swiglu_limit, add, out_dtype,
                                           add_ready=add_ready)
         h = tc.fp4_moe_tc_gate_up(x, idx, weights, stack, swiglu_limit)

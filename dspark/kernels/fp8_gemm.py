@@ -39,6 +39,7 @@ import triton.language as tl
 
 from dspark.cuda import pdl
 from dspark.kernels.argmax import _order_key
+from dspark.kernels import invariant
 from dspark.kernels.common import interpreting, mma, pick_precision
 from dspark.cuda import side_stream
 from dspark.formats.quant import FP8_BLOCK, dequant_fp8_blocks, fp8_scale_shape
@@ -249,6 +250,14 @@ def _fill_splits(programs: int, K: int) -> int:
     return max(1, min(triton.cdiv(K, FP8_BLOCK), triton.cdiv(264, programs)))
 
 
+def invariant_skinny_blocks(N: int, K: int, interp: bool):
+    """`_skinny_blocks` for any token count in the batch-invariant mode: 16-token tiles (the
+    grid tiles T), K splits from the weight's shape alone."""
+    if interp:
+        return _skinny_blocks(1, N, K, True)
+    return 64, 16, _fill_splits(triton.cdiv(N, 64), K)
+
+
 def _skinny_blocks(T: int, N: int, K: int, interp: bool):
     """(BLOCK_N, BLOCK_T, SPLIT): 64 weight rows per program, tokens padded to 16..64, K split
     until ~2 programs per H200 SM (132) would run."""
@@ -290,6 +299,13 @@ def fp8_skinny_triton(x2: torch.Tensor, wu: torch.Tensor, su: torch.Tensor, N: i
         assert su is None and out_dtype == torch.float32 and groups == 1, \
             "argmax_out: fp32 logits of 16-bit weights only"
         assert argmax_out.shape == (x2.shape[0],) and argmax_out.dtype == torch.long
+    if invariant.on():
+        # one tile shape for every token count, K split by the weight's shape alone; bf16
+        # operands for bf16 x (the fp16 ones redo a tile whose partial overflowed in bf16:
+        # a row's result would depend on the other rows of its tile)
+        block = block or invariant_skinny_blocks(N, K, interpreting())
+        if precision == "fp16" and x2.dtype == torch.bfloat16:
+            precision = "bf16"
     if tc and block is None and su is not None and precision == "fp16":
         from dspark.kernels import fp8_gemv_tc
         if fp8_gemv_tc.tc_applies(x2, wu, N, K, groups):
@@ -345,12 +361,14 @@ def linear16_skinny_applies(x: torch.Tensor, w: torch.Tensor, head: bool = False
     """Whether `linear16_skinny` takes x [..., K] @ w [N, K]^T: CUDA, x and w of one 16-bit
     dtype, few tokens, unit column strides, w up to LINEAR16_MAX_BYTES (head: the vocabulary
     head, any size, up to HEAD_SKINNY_MAX_T tokens)."""
-    if head and x.numel() // max(x.shape[-1], 1) > HEAD_SKINNY_MAX_T:
+    T = x.numel() // max(x.shape[-1], 1)
+    fixed = invariant.on()           # batch-invariant mode: this kernel for every size
+    if head and T > HEAD_SKINNY_MAX_T and not fixed:
         return False
     return (x.is_cuda and not interpreting() and w.dim() == 2 and x.dtype == w.dtype
             and w.dtype in (torch.bfloat16, torch.float16) and x.shape[-1] == w.shape[1]
-            and 0 < x.numel() // max(x.shape[-1], 1) <= SKINNY_MAX_T and w.stride(1) == 1
-            and (head or w.numel() * 2 <= LINEAR16_MAX_BYTES))
+            and 0 < T and (T <= SKINNY_MAX_T or fixed) and w.stride(1) == 1
+            and (head or fixed or w.numel() * 2 <= LINEAR16_MAX_BYTES))
 
 
 def linear16_skinny(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype,
@@ -410,7 +428,7 @@ def fp8_linear_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     T = x2.shape[0]
     if T == 0:
         return x.new_zeros(*lead, N)
-    if block is None and T <= SKINNY_MAX_T:
+    if block is None and (T <= SKINNY_MAX_T or invariant.on()):
         return fp8_skinny_triton(x2, wu, su, N, K, x.dtype,
                                  skinny_precision(x.dtype, precision)).reshape(*lead, N)
     BM, BN, split = block or _pick_blocks(T, N, K, interpreting())
@@ -439,7 +457,7 @@ def fp8_linear_grouped(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, gr
     N, K = _check(x, w, scale)
     T = x.shape[0]
     if (backend != "triton" or x.dim() != 3 or x.shape[1] != groups or T == 0
-            or T > SKINNY_MAX_T or (N // groups) % FP8_BLOCK
+            or (T > SKINNY_MAX_T and not invariant.on()) or (N // groups) % FP8_BLOCK
             or x.stride(-1) != 1):
         return None
     _, wu, su = flat_operands(x[:, 0], K, w, scale)

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from dspark.kernels.decode_fused import _route_rows
+from dspark.kernels import invariant
 from dspark.kernels.common import interpreting, mma, pick_precision
 from dspark.cuda import side_stream
 
@@ -159,7 +160,7 @@ def _blocks(T: int, E: int, D: int, interp: bool):
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `gate_route` takes x [T, D] with this gate weight [E, D] (else: linear_fp32 and
     `decode_fused.route`)."""
-    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_T and weight.dim() == 2
+    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_T and weight.dim() == 2 and not invariant.on()
             and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype
             and x.shape[1] == weight.shape[1] and weight.shape[0] <= MAX_E
             and x.device == weight.device and x.stride(-1) == 1 and weight.stride(-1) == 1)

@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from dspark.cuda import pdl
+from dspark.kernels import invariant
 from dspark.kernels.cache_write import _bf16_round
 from dspark.kernels.fp8_gemm import _arrival_counters
 from dspark.cuda import side_stream
@@ -271,11 +272,13 @@ def _mixes(X: torch.Tensor, fn: torch.Tensor):
     T, n, D = X.shape
     K, R = n * D, fn.shape[0]
     assert fn.shape == (R, K), f"fn {tuple(fn.shape)} does not match X {tuple(X.shape)}"
-    BLOCK_T = 16 if T <= 128 else 64       # tl.dot needs ≥ 16 rows; larger T re-reads fn less
+    fixed = invariant.on()                 # batch-invariant: tiles and splits of K alone
+    BLOCK_T = 16 if T <= 128 or fixed else 64   # tl.dot needs ≥ 16 rows; larger T re-reads fn less
     BLOCK_R = max(16, triton.next_power_of_2(R))
-    t_programs = triton.cdiv(T, BLOCK_T)
+    t_programs = 1 if fixed else triton.cdiv(T, BLOCK_T)
     splits = max(1, min(triton.cdiv(_TARGET_PROGRAMS, t_programs), _MAX_SPLITS,
                         triton.cdiv(K, _BLOCK_K)))
+    t_programs = triton.cdiv(T, BLOCK_T)
     chunk = triton.cdiv(triton.cdiv(K, splits), _BLOCK_K) * _BLOCK_K
     S = triton.cdiv(K, chunk)
     part = torch.empty(S, T, BLOCK_R, dtype=torch.float32, device=X.device)
@@ -288,7 +291,7 @@ def _mixes(X: torch.Tensor, fn: torch.Tensor):
 def norm_fusable(X: torch.Tensor, norm) -> bool:
     """Whether the u launch also applies the RMSNorm `norm` that reads u next (few tokens, D up
     to 8192: one program holds a token's whole row)."""
-    return (norm is not None and X.shape[0] <= POST_NEXT_MAX_T and X.shape[2] <= 8192
+    return (norm is not None and X.shape[0] <= post_next_max_t() and X.shape[2] <= 8192
             and norm.weight.shape == (X.shape[2],) and norm.weight.is_contiguous()
             and norm.weight.device == X.device)
 
@@ -309,7 +312,7 @@ def _collapse(X, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters, head: bool,
     if T == 0:
         return u, post, comb
     part, sq, S, BLOCK_R = left if left is not None else _mixes(X, fn)
-    block_d, warps = FINISH_LAUNCH[T <= POST_NEXT_MAX_T]
+    block_d, warps = FINISH_LAUNCH[T <= post_next_max_t()]
     block_d = min(block_d, triton.next_power_of_2(D))
     base, scale = base.float().contiguous(), scale.float().contiguous()
     args = (X, part, sq, base, scale, u, post, comb, T, D, S, n * D, norm_eps, hc_eps,
@@ -383,6 +386,14 @@ FINISH_LAUNCH = {True: (_BLOCK_D, 1), False: (_BLOCK_D, 4)}
 # re-reads fn T times where `_mix_partials` (token blocks of 16-64 on tensor cores) reads it
 # once per 16-64 tokens.
 POST_NEXT_MAX_T = 16
+
+
+def post_next_max_t() -> int:
+    """POST_NEXT_MAX_T, or every token count in the batch-invariant mode (the per-token
+    launches serve all sizes: a row's partials, norm and Sinkhorn warps never change)."""
+    return 1 << 62 if invariant.on() else POST_NEXT_MAX_T
+
+
 _POST_NEXT_BLOCK_D = 64      # 4 streams x 64 columns x 32 rows of fn per program: no spills
 _LEFT = "_dspark_mhc_partials"
 
@@ -452,7 +463,7 @@ def _launch_post(o, X, post, comb, next_fn, n: int, dtype, expand: bool,
     hint = None if next_fn is None or isinstance(next_fn, torch.Tensor) else next_fn
     if hint is not None:
         next_fn = hint.fn
-    nxt = (next_fn is not None and T <= POST_NEXT_MAX_T and next_fn.shape[1] == n * D
+    nxt = (next_fn is not None and T <= post_next_max_t() and next_fn.shape[1] == n * D
            and dtype in (torch.bfloat16, torch.float32) and next_fn.is_contiguous())
     finish = nxt and hint is not None and norm_fusable(out, hint.norm)
     if nxt:

@@ -52,6 +52,7 @@ import triton.language as tl
 
 from dspark.cuda import pdl
 from dspark.kernels.norm_rope import _rnd
+from dspark.kernels import invariant
 from dspark.kernels.common import interpreting, mma, mma_operand, pick_precision
 
 D_HEAD = 512        # full record width: 448 NoPE + 64 RoPE dims
@@ -335,7 +336,10 @@ def _resolve_config(T: int, H: int, prec: str, user: dict) -> dict:
     user = {k: v for k, v in user.items() if v is not None}
     cfg = None
     if not user and prec in ("bf16", "fp16") and H >= 64:
-        for bound, row in DEFAULT_CONFIGS:
+        # batch-invariant mode: one row for every token count (the heuristic below is a
+        # function of H and the precision alone already)
+        rows = DEFAULT_CONFIGS[:1] if invariant.on() else DEFAULT_CONFIGS
+        for bound, row in rows:
             if bound is None or T <= bound:
                 cfg = dict(row)
                 break

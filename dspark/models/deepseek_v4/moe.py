@@ -22,6 +22,11 @@ from torch import nn
 from .norm import fp32, fused_backend, linear_fp32
 
 
+def _invariant() -> bool:
+    from dspark.kernels import invariant          # (imports triton: only where it runs)
+    return invariant.on()
+
+
 class Expert(nn.Module):
     """SwiGLU with the asymmetric clamp: up in [-limit, limit], gate <= limit (fp32 math)."""
 
@@ -179,8 +184,8 @@ class MoE(nn.Module):
         w13, w2 = stack
         E, I2, D = w13.shape
         expert_bytes = (I2 * D + w2[0].numel()) * w13.element_size()
-        if tokens * k * expert_bytes <= self.gather_max_bytes:
-            return "gathered", stack
+        if tokens * k * expert_bytes <= self.gather_max_bytes or _invariant():
+            return "gathered", stack      # (batch-invariant mode: one path for every size)
         if tokens * E * (I2 + I2 // 2 + D) * 4 <= self.dense_max_bytes:
             return "dense", stack
         return "loop", None
