@@ -54,7 +54,7 @@ class DraftPass:
                  gumbel: bool = False):
         self.drafter, self.embed, self.head, self.pool = drafter, embed, head, pool
         # deterministic mode: drafts drawn by Gumbel-max with the target's noise (spec/gumbel.py),
-        # one request per pass, eager
+        # eager (each request's rows drawn on their own)
         self.gumbel = gumbel
         if gumbel and cuda_graphs:
             raise ValueError("the Gumbel draft sampler runs eagerly: cuda_graphs must be off")

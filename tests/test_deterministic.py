@@ -1,6 +1,7 @@
 """Deterministic mode (EngineConfig.deterministic): a request's tokens and logits do not depend on
 its batch, its chunking, speculation, the verify policy or preemption; the Gumbel-max sampler
 keyed by (seed, position) has exactly the target's law."""
+import contextlib
 import math
 import random
 
@@ -265,7 +266,8 @@ def test_token_serial_logits_match_the_batched_forward(tiny_ckpt):
     torch.testing.assert_close(det, ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("setting", [dict(overlap_decode=True), dict(tensor_parallel_size=2)])
+@pytest.mark.parametrize("setting", [dict(cuda_graphs=True), dict(overlap_decode=True),
+                                     dict(tensor_parallel_size=2)])
 def test_settings_deterministic_mode_cannot_honour_fail_at_construction(setting):
     name = next(iter(setting))
     with pytest.raises(EngineConfigError, match=f"{name}.*deterministic"):
@@ -347,3 +349,54 @@ def test_flash_width_batches_of_16_agree_on_cuda(flash_width_ckpt):
         assert got == alone, cfg
         del eng
         torch.cuda.empty_cache()
+
+
+def test_the_graph_path_feeds_each_request_as_uniform_pieces(three_layer_ckpt, monkeypatch):
+    """Deterministic mode on the target-graph path (`ModelRunner._invariant_forward`, CUDA's):
+    a ragged forward (prompts of 1, 9 and 20 tokens: pieces of up to q_max = 7) runs as uniform
+    steps, piece k of every request in step k, and returns the eager forward's logits for the
+    asked rows in flat order and its taps for every row. Here the fixed-
+    shape step runs eagerly on CPU with the torch kernels (the products at CPU speed: the logic,
+    not the batch invariance, is under test; that needs the GPU's kernels)."""
+    from dspark.models.deepseek_v4.graph import V4DecodeGraphs
+    from dspark.models.step_graphs import StepGraphs
+
+    def engine(uniform: bool):
+        eng = _engine(three_layer_ckpt, "cpu", max_num_seqs=4)
+        r = eng.runner
+        if uniform:
+            r.target_graphs = V4DecodeGraphs(r.model, eng.cache, "torch", max_batch=3,
+                                             q_lens=range(1, eng.cache.lookahead + 2),
+                                             tap_layers=r.tap_layers, capture=False)
+            r.token_serial = False
+            monkeypatch.setattr(r, "_kernels", contextlib.nullcontext)
+        return eng
+
+    steps = []
+    real_run = StepGraphs.run
+
+    def recording(self, items, snapshot=True):
+        steps.append([(rid, start, len(t)) for rid, start, t in items])
+        return real_run(self, items, snapshot)
+
+    monkeypatch.setattr(StepGraphs, "run", recording)
+    prompts = {"a": [3], "b": [5, 6, 7, 1, 2, 0, 4, 4, 1], "c": [2, 7, 1, 3] * 5}
+    rows = [0, 3, 9, 12, 29]                  # flat rows: a's, b's 3rd and last, c's ...
+    got = []
+    for uniform in (False, True):
+        eng = engine(uniform)
+        for rid, p in prompts.items():
+            eng.cache.add_request(rid)
+            eng.cache.reserve(rid, len(p) + 1)
+        items = [(rid, 0, p) for rid, p in prompts.items()]
+        logits, taps = eng.runner.target_forward(items, logit_rows=rows)
+        got.append((logits, taps))
+    q = engine(True).runner.target_graphs.qmax
+    assert q == 7
+    assert steps == [[("a", 0, 1)], [("b", 0, 7), ("c", 0, 7)],
+                     [("b", 7, 2)], [("c", 7, 7)], [("c", 14, 6)]]
+    # (c's later pieces read the records its earlier ones wrote: their rows check those too)
+    (l0, t0), (l1, t1) = got
+    assert l1.shape == (len(rows), l0.shape[1]) and t1.shape == t0.shape == (30, t0.shape[1])
+    torch.testing.assert_close(l1, l0, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(t1, t0, rtol=1e-4, atol=1e-4)
