@@ -91,10 +91,10 @@ def _deepseek_v4(path, c: EngineConfig, device, dtype) -> EngineParts:
     if tp_runner is not None:
         runner = tp_runner.configure(quant, backend, target_graphs=tp_steps)
     else:
-        # the draft pass as CUDA graphs (dspark/draft_pass.py); default on CUDA, but in
-        # deterministic mode, whose Gumbel draft sampler runs eagerly
-        graphs = device.type == "cuda" and not c.deterministic if c.cuda_graphs is None \
-            else c.cuda_graphs
+        # the draft pass as CUDA graphs (dspark/draft_pass.py); default on CUDA where the target
+        # runs graphs too (deterministic mode without them drafts one request per pass)
+        graphs = device.type == "cuda" and (bool(target_graphs) or not c.deterministic) \
+            if c.cuda_graphs is None else c.cuda_graphs
         runner = ModelRunner(model, drafter, device, quant, backend=backend, cuda_graphs=graphs,
                              max_num_seqs=c.max_num_seqs, target_graphs=bool(target_graphs),
                              deterministic=c.deterministic)

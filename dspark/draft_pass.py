@@ -28,7 +28,7 @@ from .compile_stats import count_capture, count_fallback
 from .cuda.graph_capture import capture, warm_up
 from .cuda.transfer import StagedUpload, to_device
 from .logit_adjust import LogitAdjust
-from .spec.gumbel import gumbel_token
+from .spec.gumbel import gumbel_draws
 from .sampling import (Purpose, argmax_rows, filters_used, fused_filters_enabled,
                        fused_sampling_enabled, probs_from_logits,
                        sample_from_probs, uniforms)
@@ -53,11 +53,8 @@ class DraftPass:
     def __init__(self, drafter, embed, head, pool, cuda_graphs: bool = False,
                  gumbel: bool = False):
         self.drafter, self.embed, self.head, self.pool = drafter, embed, head, pool
-        # deterministic mode: drafts drawn by Gumbel-max with the target's noise (spec/gumbel.py),
-        # eager (each request's rows drawn on their own)
+        # deterministic mode: drafts drawn by Gumbel-max with the target's noise (spec/gumbel.py)
         self.gumbel = gumbel
-        if gumbel and cuda_graphs:
-            raise ValueError("the Gumbel draft sampler runs eagerly: cuda_graphs must be off")
         self.device = pool.device
         self.gamma = drafter.gamma
         # graphs need passes without host syncs: every stage's MoE dense, or FP4 experts on
@@ -182,14 +179,13 @@ class DraftPass:
                 self._eager_fallback(reason, warn=reason is blocker)
             ints, floats = self._host_inputs(reqs, R, on_device is not None)
             self._adjust = adjust
-            self._gumbel_reqs = reqs if self.gumbel else None
             ints = self.to_device(ints, torch.long)
             self._device_inputs(ints, on_device, R)
             try:
                 return self._draft(ints, self.to_device(floats, torch.float32),
                                    use_top_k, use_top_p, greedy, quant, fused)
             finally:
-                self._adjust = self._gumbel_reqs = None
+                self._adjust = None
         ints, floats = self._host_inputs(reqs, size, on_device is not None)
         # the same requests round after round: their inputs are on the device already, but
         # for the anchors and starts, which a pass drafting ahead writes there itself
@@ -385,7 +381,7 @@ class DraftPass:
         `markov_step`'s (e = W1[prev], bias = W2 e, confidence = w · [hidden_k ; e]): with
         `fused` and no per-step work in between (top-k / top-p, logit adjustments, Gumbel
         draws) the whole loop is one launch where markov_loop.supported says so."""
-        gumbel = getattr(self, "_gumbel_reqs", None)
+        gumbel = (self.gumbel and not greedy) or None      # (all greedy: the argmax below)
         adjust = getattr(self, "_adjust", None)
         if (fused and markov is not None and gumbel is None and adjust is None
                 and top_k is None and top_p is None
@@ -422,11 +418,9 @@ class DraftPass:
             if adjust is not None:       # the same adjustment the target's row k gets
                 x = adjust.apply(x)
             if gumbel is not None:
-                # every request's token from its own row, Gumbel-max with the noise of the
-                # position it decides: the target's draw there when the laws agree
-                prev = torch.stack([gumbel_token(x[i], r.params.temperature, r.params.top_k,
-                                                 r.params.top_p, r.seed, r.num_committed + k + 1)
-                                    for i, r in enumerate(gumbel)])
+                # Gumbel-max with the noise of the position each row decides: the target's
+                # draw there when the laws agree
+                prev = gumbel_draws(x, temperature, top_k, top_p, seeds, starts + (k + 1))
                 if not greedy:
                     probs.append(probs_from_logits(x, temperature, top_k, top_p))
             elif greedy:

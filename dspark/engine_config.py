@@ -176,13 +176,7 @@ class EngineConfig:
 
     def _check_deterministic(self):
         """deterministic=True runs on one device, without the overlapped decode loop (its steps
-        are the default kernels' graphs), with the Gumbel-max sampler (the draft pass eagerly)."""
-        if self.cuda_graphs:
-            raise EngineConfigError(
-                "cuda_graphs=True with deterministic=True: the drafter's Gumbel-max sampler (the "
-                "target's noise, keyed by each request's seed and position) runs eagerly; leave "
-                "cuda_graphs unset (off in deterministic mode; the target's steps still replay as "
-                "graphs) or set deterministic=False")
+        are the default kernels' graphs), with the Gumbel-max sampler."""
         if self.overlap_decode:
             raise EngineConfigError(
                 "overlap_decode=True with deterministic=True: the overlapped decode loop replays "

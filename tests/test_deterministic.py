@@ -76,6 +76,26 @@ def _request(rid, seed, params, drafts=None):
     return req
 
 
+def test_batched_gumbel_draws_are_the_per_row_draws():
+    """`gumbel_draws` (the draft pass's device-side sampler: no host values, so a CUDA graph can
+    hold it) keys each row exactly as `gumbel_token` does (negative seeds, positions past 2**32
+    included) and draws the same tokens, with greedy rows and per-row top-k / top-p."""
+    from dspark.spec.gumbel import _key, gumbel_draws
+    torch.manual_seed(0)
+    seeds = [7, -4, 2 ** 40 + 3, 0, 123, -(2 ** 62)]
+    positions = [5, 0, 2 ** 33 + 1, 17, 64, 3]
+    temps, top_k, top_p = [1.0, 0.0, 0.7, 1.3, 1.0, 2.0], [0, 0, 5, 0, 3, 0], [1.0, 1.0, 1.0, 0.8, 1.0, 0.9]
+    st, pt = torch.tensor(seeds), torch.tensor(positions)
+    assert _key(st, pt).tolist() == [_key(s & (2 ** 64 - 1), p) for s, p in zip(seeds, positions)]
+    for trial in range(20):
+        rows = torch.randn(6, 50) * 3
+        got = gumbel_draws(rows, torch.tensor(temps), torch.tensor(top_k), torch.tensor(top_p),
+                           st, pt)
+        want = [int(gumbel_token(rows[i], temps[i], top_k[i], top_p[i], seeds[i], positions[i]))
+                for i in range(6)]
+        assert got.tolist() == want, trial
+
+
 def test_verify_emits_plain_decodings_tokens():
     """decide(deterministic) on random logits: a verify block accepts exactly the leading drafts
     equal to the tokens plain decoding draws at those positions and then emits plain decoding's
@@ -266,8 +286,7 @@ def test_token_serial_logits_match_the_batched_forward(tiny_ckpt):
     torch.testing.assert_close(det, ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("setting", [dict(cuda_graphs=True), dict(overlap_decode=True),
-                                     dict(tensor_parallel_size=2)])
+@pytest.mark.parametrize("setting", [dict(overlap_decode=True), dict(tensor_parallel_size=2)])
 def test_settings_deterministic_mode_cannot_honour_fail_at_construction(setting):
     name = next(iter(setting))
     with pytest.raises(EngineConfigError, match=f"{name}.*deterministic"):

@@ -28,18 +28,31 @@ from ..sampling import probs_from_logits
 _TWO_M52 = 2.0 ** -52
 
 
-def _row_noise(seed: int, position: int, vocab: int, device) -> torch.Tensor:
-    """float64 [vocab] Gumbel noise of one (seed, position): the key hashed once on the host,
-    then one 32-bit mix per token index for each of two words (26 bits kept of each)."""
+def _key(seed, position):
+    """The hash of (seed, position): Python ints, or int64 tensors of any shape (elementwise;
+    a negative int64 seed is its two's complement, as `gumbel_noise` reads it)."""
     h = _mix32((0x9E3779B9 * (int(Purpose.GUMBEL) + 1)) & _M32)
     for word in (seed & _M32, (seed >> 32) & _M32, (position >> 32) & _M32, position & _M32):
         h = _mix32(h ^ word)
+    return h
+
+
+def _noise_of_keys(h, vocab: int, device) -> torch.Tensor:
+    """float64 [..., vocab] Gumbel noise of key(s) h: one 32-bit mix per token index for each of
+    two words (26 bits kept of each)."""
     v = torch.arange(vocab, dtype=torch.int64, device=device)
+    if isinstance(h, torch.Tensor):
+        h = h.unsqueeze(-1)
     w1 = _mix32(v ^ h)
     w2 = _mix32(w1 ^ _mix32(h ^ 0x85EBCA6B))
     k = (w1 >> 6) * (1 << 26) + (w2 >> 6)                       # 52 bits
     u = (k.to(torch.float64) + 0.5) * _TWO_M52                   # in (0, 1), exact
     return -torch.log(-torch.log(u))
+
+
+def _row_noise(seed: int, position: int, vocab: int, device) -> torch.Tensor:
+    """float64 [vocab] Gumbel noise of one (seed, position), the key hashed on the host."""
+    return _noise_of_keys(_key(seed, position), vocab, device)
 
 
 def gumbel_noise(seed: int, position: int, vocab: int, device="cpu") -> torch.Tensor:
@@ -64,10 +77,29 @@ def gumbel_token(row: torch.Tensor, temperature: float, top_k: int, top_p: float
     return score.argmax()
 
 
+def gumbel_draws(rows: torch.Tensor, temperature: torch.Tensor, top_k, top_p,
+                 seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """int64 [R]: `gumbel_token` of every row of rows [R, V] at once from device tensors
+    (temperature [R] fp32, top_k [R] int64 / top_p [R] fp32 or None, seeds / positions [R]
+    int64): no host value, so a CUDA graph can hold it (the draft pass's Gumbel sampler). The
+    same keys and noise; the batched elementwise ops may round a noise value differently in its
+    last bit than a row on its own, which can only change which draft is proposed (the drafts'
+    coupling with the target), never what verification emits."""
+    x = rows.float()
+    greedy = temperature == 0
+    if top_k is not None or top_p is not None:
+        keep = probs_from_logits(x, temperature, top_k, top_p) > 0
+        x = x.masked_fill(~keep, float("-inf"))
+    t = torch.where(greedy, torch.ones_like(temperature), temperature)
+    noise = _noise_of_keys(_key(seeds, positions), x.shape[1], x.device)
+    score = (x / t[:, None]).double() + noise
+    return torch.where(greedy, rows.argmax(1), score.argmax(1))
+
+
 def gumbel_tokens(rows: torch.Tensor, params, seed: int, positions) -> torch.Tensor:
     """int64 [n]: `gumbel_token` of each row of rows [n, V], deciding `positions[i]`."""
     return torch.stack([gumbel_token(rows[i], params.temperature, params.top_k, params.top_p,
                                      seed, int(p)) for i, p in enumerate(positions)])
 
 
-__all__ = ["gumbel_noise", "gumbel_token", "gumbel_tokens"]
+__all__ = ["gumbel_draws", "gumbel_noise", "gumbel_token", "gumbel_tokens"]
