@@ -210,9 +210,9 @@ class ModelRunner:
                 pieces.append([(start + i, toks[i:i + g.qmax], first + i)
                                for i in range(0, n, g.qmax)])
             first += n
-        rows = torch.arange(first) if logit_rows is None else torch.as_tensor(logit_rows).long()
-        want = torch.full((first,), -1, dtype=torch.long)       # flat row -> row of `logits`
-        want[rows] = torch.arange(len(rows))
+        rows = (torch.arange(first) if logit_rows is None
+                else torch.as_tensor(logit_rows).long().cpu())
+        in_step = torch.full((first,), -1, dtype=torch.long)    # flat row -> row of a step
         logits = taps = None
         for k in range(max(len(p) for p in pieces)):
             by_len: dict = {}
@@ -231,14 +231,16 @@ class ModelRunner:
                 lg, tp = out
                 q = len(group[0][2])
                 flat = torch.cat([torch.arange(f, f + q) for _, _, _, f in group])
-                dst = want[flat]
-                keep = (dst >= 0).nonzero().flatten()
+                in_step.fill_(-1)
+                in_step[flat] = torch.arange(len(flat))
+                src = in_step[rows]                          # (a row asked twice: both get it)
+                dst = (src >= 0).nonzero().flatten()
                 if logits is None:
                     logits = lg.new_empty(len(rows), lg.shape[1])
                     if tp is not None:
                         taps = tp.new_empty(first, tp.shape[1])
-                if keep.numel():
-                    logits[dst[keep].to(lg.device)] = lg[keep.to(lg.device)]
+                if dst.numel():
+                    logits[dst.to(lg.device)] = lg[src[dst].to(lg.device)]
                 if tp is not None:
                     taps[flat.to(tp.device)] = tp
         return logits, taps

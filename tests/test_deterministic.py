@@ -400,7 +400,7 @@ def test_the_graph_path_feeds_each_request_as_uniform_pieces(three_layer_ckpt, m
 
     monkeypatch.setattr(StepGraphs, "run", recording)
     prompts = {"a": [3], "b": [5, 6, 7, 1, 2, 0, 4, 4, 1], "c": [2, 7, 1, 3] * 5}
-    rows = [0, 3, 9, 12, 29]                  # flat rows: a's, b's 3rd and last, c's ...
+    rows = [0, 3, 9, 12, 29, 3]               # flat rows (b's 3rd twice), out of order
     got = []
     for uniform in (False, True):
         eng = engine(uniform)
