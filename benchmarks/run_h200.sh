@@ -11,18 +11,18 @@
 #              on CUDA, and their time box
 #   GPU_S=300  the time box of the GPU-marked tests; GPU_K="expr": their pytest -k
 #   KERNEL_ARGS="--skip-moe ..."  extra arguments of the kernels step
-# Triton's compile cache comes back as $OUT/triton-cache.tgz (when under 16 MiB): copy it to
-# .triton-cache.tgz in the repo root (git-ignored) and name it in the next call's carry; that
+# Triton's compile cache comes back as $OUT/triton-cache.tgz.00, .01, ...: copy the parts to the
+# repo root (.triton-cache.tgz.*, git-ignored) and name them in the next call's carry; that
 # call unpacks it first and skips the cold compiles (~100 s of a fresh machine's bench
 # warm-up); kernels whose source changed compile again.
 set -uo pipefail
 OUT=${OUT:-out}; R="$OUT/r"; mkdir -p "$R"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 DSPARK_INSTAFAIL=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache}; mkdir -p "$TRITON_CACHE_DIR"
-[ -f .triton-cache.tgz ] && tar xzf .triton-cache.tgz -C "$TRITON_CACHE_DIR"
+ls .triton-cache.tgz* >/dev/null 2>&1 && cat .triton-cache.tgz* | tar xz -C "$TRITON_CACHE_DIR"
 echo "Triton cache $TRITON_CACHE_DIR: $(find "$TRITON_CACHE_DIR" -type f | wc -l) files at the start"
 BUDGET=${BUDGET:-570}; T0=$SECONDS
-STEPS=${STEPS:-"tests decode kernels bench trace draft qwen3 sweep mhc tp"}   # also: det (deterministic mode), pdl (PDL off / on), flash, flashtp, flashprof, host, timeline
+STEPS=${STEPS:-"tests decode kernels bench trace draft qwen3 sweep mhc tp"}   # also: det (deterministic mode), detprof, pdl (PDL off / on), flash, flashtp, flashprof, host, timeline
 left() { local l=$((BUDGET - SECONDS + T0)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 1 ] && l=1; echo $l; }
 step() { echo "[t=$((SECONDS - T0))s] $1"; }
 for s in $STEPS; do case $s in
@@ -135,6 +135,13 @@ det)     # deterministic mode (EngineConfig.deterministic): its GPU tests (batch
       --json "$R/bench_${mode}_c1_c16_h200.json" > "$R/bench_${mode}_c1_c16_h200.txt" 2>&1
     tr '\r' '\n' < "$R/bench_${mode}_c1_c16_h200.txt" | grep -v "it/s\]\|req/s\]\|s/req\]\|bucket\|^ *$" | tail -14 | cut -c1-200
   done ;;
+detprof) # deterministic mode's batch-1 round: split and kernels per phase (DETPROF_T temperatures)
+  for T in ${DETPROF_T:-0 1.0}; do
+    step "deterministic round profile + kernel trace T=$T"
+    timeout "$(left 90)" python -m dspark.bench --profile --trace --deterministic --temperature $T \
+      --json "$R/profile_deterministic_T${T%.0}.json" > "$R/profile_deterministic_T${T%.0}.txt" 2>&1
+    grep -v "^  [a-z_]*: \|^benchmark results\|\.json:" "$R/profile_deterministic_T${T%.0}.txt" | head -24 | cut -c1-300
+  done ;;
 flash)   # V4-Flash width, 4 layers + the DSpark stages, random weights (tau ~ 1, so the split and
          # the projection at dspark.md §9's per-position acceptance are what to read)
   D=${FLASH_DIR:-/tmp/flash4_dspark}
@@ -227,8 +234,5 @@ tp)      # the TP runner against the single-device runner (world 1 on one GPU; 1
 esac; done
 step "done"
 tar czf "$OUT/results.tgz" -C "$OUT" r && rm -rf "$R"
-tar czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null
-if [ "$(stat -c %s "$OUT/triton-cache.tgz")" -gt $((16 << 20)) ]; then
-  echo "Triton cache: $(du -sh "$OUT/triton-cache.tgz" | cut -f1) packed, over the 16 MiB a file may bring back"
-  rm -f "$OUT/triton-cache.tgz"
-fi
+# in parts of 15 MiB: a file that comes back may be at most 16 MiB
+tar cz -C "$TRITON_CACHE_DIR" . 2>/dev/null | split -b 15M -d - "$OUT/triton-cache.tgz."

@@ -26,6 +26,7 @@ import torch
 
 from .compile_stats import count_capture, count_fallback
 from .cuda.graph_capture import capture, warm_up
+from .kernels.invariant_mode import products
 from .cuda.transfer import StagedUpload, to_device
 from .logit_adjust import LogitAdjust
 from .spec.gumbel import gumbel_draws
@@ -182,8 +183,9 @@ class DraftPass:
             ints = self.to_device(ints, torch.long)
             self._device_inputs(ints, on_device, R)
             try:
-                return self._draft(ints, self.to_device(floats, torch.float32),
-                                   use_top_k, use_top_p, greedy, quant, fused)
+                with products():
+                    return self._draft(ints, self.to_device(floats, torch.float32),
+                                       use_top_k, use_top_p, greedy, quant, fused)
             finally:
                 self._adjust = None
         ints, floats = self._host_inputs(reqs, size, on_device is not None)
@@ -198,7 +200,8 @@ class DraftPass:
         graph.graph.replay()
         # copies: the graph's outputs are overwritten by its next replay
         toks, probs, confs = graph.outputs
-        return toks[:R].clone(), None if greedy else probs[:R].clone(), confs[:R].clone()
+        return (toks[:R].clone(), None if greedy or probs is None else probs[:R].clone(),
+                confs[:R].clone())
 
     @staticmethod
     def _device_inputs(ints: torch.Tensor, on_device, R: int) -> None:
@@ -288,7 +291,8 @@ class DraftPass:
             if drop is not None:
                 index[0].masked_fill_(drop, self.pool.SCRATCH_SLOT)
             x = taps[0].index_select(0, rows) if rows is not None else torch.cat(taps)
-            d.commit_rows(self.pool, index[0], x, index[1], quant, bound)
+            with products():
+                d.commit_rows(self.pool, index[0], x, index[1], quant, bound)
             return
         self._replay_context(graph, slots, positions, taps, size, drop, rows)
 
@@ -340,10 +344,11 @@ class DraftPass:
         # warm up on a side stream: lazy initialisation (cuBLAS handles, Triton compiles) must
         # not happen inside the capture. Padding inputs only: the pool's scratch slot is the
         # only thing a warm-up may write.
-        warm_up(lambda: fn(*buffers), times=2, device=self.device)
-        if self._mempool is None:       # one memory pool for all graphs (replays are serial)
-            self._mempool = torch.cuda.graph_pool_handle()
-        graph, outputs = capture(lambda: fn(*buffers), self._mempool)
+        with products():        # (deterministic mode: aten's products batch-invariant)
+            warm_up(lambda: fn(*buffers), times=2, device=self.device)
+            if self._mempool is None:   # one memory pool for all graphs (replays are serial)
+                self._mempool = torch.cuda.graph_pool_handle()
+            graph, outputs = capture(lambda: fn(*buffers), self._mempool)
         return _Captured(graph, buffers, outputs)
 
     # ---- device side: no host reads, shapes fixed by the batch size ----------------------
@@ -420,9 +425,8 @@ class DraftPass:
             if gumbel is not None:
                 # Gumbel-max with the noise of the position each row decides: the target's
                 # draw there when the laws agree
+                # (no q: acceptance in this mode compares tokens, spec/accept.decide_gumbel)
                 prev = gumbel_draws(x, temperature, top_k, top_p, seeds, starts + (k + 1))
-                if not greedy:
-                    probs.append(probs_from_logits(x, temperature, top_k, top_p))
             elif greedy:
                 # what probs_from_logits + sample_from_probs give at temperature 0: the point
                 # mass on the argmax (first index on ties), so that token, without the [R, V] work

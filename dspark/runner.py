@@ -17,6 +17,7 @@ import torch
 
 from .cuda.transfer import to_device
 from .draft_pass import DraftPass
+from .kernels.invariant_mode import choices, products
 from .models.deepseek_v4.model import Batch, DeepseekV4Model
 from .models.drafter import DraftState, DSparkDrafter
 from .compile_stats import target_fallback_reason
@@ -58,6 +59,12 @@ def _fp4_moe_routes_on_host(model) -> bool:
     """A QuantMoE without the grouped small-batch kernels loops over experts on the host."""
     from .models.qlinear import QuantMoE
     return any(isinstance(m, QuantMoE) and not m.grouped_max_pairs for m in model.modules())
+
+
+def _q(req, probs, i):
+    """Request i's draft distributions [γ, V], or None: greedy requests keep none (q is the point
+    mass on the token), nor does the Gumbel-max draft pass (its drafts are checked by token)."""
+    return None if req.params.greedy or probs is None else probs[i]
 
 
 class ModelRunner:
@@ -130,10 +137,11 @@ class ModelRunner:
 
     def _kernels(self):
         """The kernel choices of this runner's launches: batch-invariant in deterministic mode
-        on the graph path (dspark/kernels/invariant.py), else the fastest per shape."""
+        on the graph path (dspark/kernels/invariant.py), else the fastest per shape. aten's
+        products are routed where a step is captured or runs eagerly (`invariant.products()`
+        in the graph owners), not around replays."""
         if self.deterministic and self.target_graphs is not None:
-            from .kernels.invariant import batch_invariant
-            return batch_invariant()
+            return choices()
         return contextlib.nullcontext()
 
     @property
@@ -177,6 +185,10 @@ class ModelRunner:
         return self._forward(items, logit_rows)
 
     def _forward(self, items, logit_rows):
+        with products():                       # (aten's products routed in the mode)
+            return self._eager_forward(items, logit_rows)
+
+    def _eager_forward(self, items, logit_rows):
         batch = Batch.build(items, self.device)
         attn_fn = self.backend.forward_fn(batch) if self.backend is not None else None
         X, taps = self.model.forward_hidden(batch, attn_fn=attn_fn, quant=self.quant,
@@ -200,6 +212,10 @@ class ModelRunner:
             return self._forward(items, logit_rows)
         for st, start, toks in items:     # check every request before any step changes one
             g.cache.check_forward(st, start, start + len(toks))
+        lengths = {len(toks) for _, _, toks in items}
+        if len(lengths) == 1 and max(lengths) <= g.qmax:
+            # one uniform step already (a decode or verify round): its rows are the flat rows
+            return self._invariant_step(items, logit_rows)
         pieces, first = [], 0             # per item: [(start, tokens, first flat row)]
         for st, start, toks in items:
             n = len(toks)
@@ -243,6 +259,20 @@ class ModelRunner:
                     logits[dst.to(lg.device)] = lg[src[dst].to(lg.device)]
                 if tp is not None:
                     taps[flat.to(tp.device)] = tp
+        return logits, taps
+
+    def _invariant_step(self, items, logit_rows):
+        """`_invariant_forward` of items that are one uniform graph step."""
+        out = self.target_graphs.run(items, snapshot=False)
+        if out is None:
+            raise RuntimeError(
+                f"deterministic mode: a step of {len(items)} requests x {len(items[0][2])} "
+                f"tokens did not fit the target graphs "
+                f"({target_fallback_reason(items, self.target_graphs)}); an eager forward would "
+                f"break the batch invariance")
+        logits, taps = out
+        if logit_rows is not None:
+            logits = logits[torch.as_tensor(logit_rows, dtype=torch.long, device=logits.device)]
         return logits, taps
 
     def _token_serial_forward(self, items, logit_rows):
@@ -316,23 +346,22 @@ class ModelRunner:
             self.flush_context()
             if self.token_serial:     # one request per pass: its drafts depend on it alone
                 parts = [self.draft_pass([r], self.quant) for r in reqs]
-                return [DraftBlock(t[0], None if r.params.greedy else q[0], c[0])
+                return [DraftBlock(t[0], _q(r, q, 0), c[0])
                         for r, (t, q, c) in zip(reqs, parts)]
             with self._kernels():
                 toks, probs, confs = self.draft_pass(reqs, self.quant)
             # greedy requests keep no [γ, V] distribution: their q is the point mass on the token
-            return [DraftBlock(toks[i], None if r.params.greedy else probs[i], confs[i])
-                    for i, r in enumerate(reqs)]
+            return [DraftBlock(toks[i], _q(r, probs, i), confs[i]) for i, r in enumerate(reqs)]
         raise TypeError(f"{type(self.drafter).__name__} has no batched draft pass: drafters must "
                         "come with one (dspark/draft_pass.py, dspark/models/dspark_qwen3_pass.py)")
 
     @property
     def drafts_ahead(self) -> bool:
         """Whether `draft_ahead` can draft a round's next blocks from its device-side acceptance
-        (the pooled DeepSeek-V4 draft pass; not in deterministic mode, whose drafts run one
-        request at a time)."""
+        (the pooled DeepSeek-V4 draft pass; not in the token-serial reference, whose drafts run
+        one request at a time)."""
         return type(self.draft_pass) is DraftPass and self.draft_pool is not None \
-            and not self.deterministic
+            and not self.token_serial
 
     @torch.inference_mode()
     def draft_ahead(self, reqs, accepted, next_tokens, taps, first_rows, anchor_pos,
@@ -344,6 +373,11 @@ class ModelRunner:
         anchor_pos, clamped to the request's block of 1 + feed_len rows), those past a going to the
         scratch slot. The next block is drafted at anchor y, position P + a + 1. Requests that
         turn out to finish have drafted for nothing; their rows are dropped by the caller."""
+        with self._kernels():
+            return self._draft_ahead(reqs, accepted, next_tokens, taps, first_rows, anchor_pos,
+                                     verified)
+
+    def _draft_ahead(self, reqs, accepted, next_tokens, taps, first_rows, anchor_pos, verified):
         g, dp = self.drafter.gamma, self.draft_pass
         self.flush_context()               # prompt chunks of this round (host-known rows)
         dev = accepted.device
@@ -369,8 +403,7 @@ class ModelRunner:
         top = max(anchor_pos) + g + 1
         toks, probs, confs = dp(reqs, self.quant, on_device=(next_tokens, (after_anchor, accepted),
                                                              top))
-        return [DraftBlock(toks[i], None if r.params.greedy else probs[i], confs[i])
-                for i, r in enumerate(reqs)]
+        return [DraftBlock(toks[i], _q(r, probs, i), confs[i]) for i, r in enumerate(reqs)]
 
     def draft_blocks_for_profile(self, states, start: int):
         """Draft pass for len(states) synthetic requests anchored at `start` (SPS profiling)."""

@@ -97,6 +97,27 @@ def test_the_mode_routes_atens_products(monkeypatch):
     assert not calls
 
 
+@triton_ok
+def test_products_are_routed_where_steps_are_built_not_around_replays(monkeypatch):
+    """`choices()` (what the engine holds around graph replays) routes no aten op; `products()`
+    inside it (graph capture, eager steps) does; outside the mode `products()` is nothing."""
+    calls = []
+    real = invariant.invariant_bmm
+    monkeypatch.setattr(invariant, "invariant_bmm",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    x, w = torch.randn(3, 16, device=DEV), torch.randn(8, 16, device=DEV)
+    with invariant.choices():
+        assert invariant.on()
+        F.linear(x, w)
+        assert not calls
+        with invariant.products():
+            F.linear(x, w)
+        assert len(calls) == 1
+    with invariant.products():
+        F.linear(x, w)
+    assert len(calls) == 1 and not invariant.on()
+
+
 # ---- the pinned kernel families on the GPU ------------------------------------------------
 
 SIZES = (1, 2, 7, 9, 16, 17, 33, 64, 65, 130, 384)

@@ -136,6 +136,42 @@ def test_verify_emits_plain_decodings_tokens():
         assert plain_step.head[:, 1].tolist() == [p[0] for p in plain]
 
 
+def test_batched_acceptance_equals_the_per_row_acceptance():
+    """The CUDA path of decide(deterministic): every request without filters or adjustments
+    decided by one `gumbel_draws` over all the round's rows (rows past ℓ padded) gives the
+    [a, y] of the per-row path, for any ℓ, drafts right up to any point, greedy and sampled
+    requests mixed (here on CPU, where the two can differ only in a noise value's last bit);
+    an all-greedy round takes decide's greedy path, with the same a and y."""
+    from dspark.spec.accept import _gumbel_heads_batched, decide_gumbel
+    gen = torch.Generator().manual_seed(3)
+    V, g = 64, 5
+    mixed = [SamplingParams(temperature=t, seed=s)
+             for t, s in [(0, 1), (1.0, 2), (0.7, -3), (1.3, 2 ** 40), (1.0, 9)]]
+    greedy = [SamplingParams(temperature=0, seed=s) for s in range(3)]   # argmaxes only
+    rng = random.Random(4)
+    for trial in range(10):
+        params = mixed if trial % 2 else greedy
+        logits = torch.randn(len(params) * (g + 1), V, generator=gen) * 3
+        anchors = [rng.randrange(0, 3000) for _ in params]
+        reqs, lengths = [], []
+        for i, sp in enumerate(params):
+            n = rng.randrange(0, g + 1)
+            plain = [int(gumbel_token(logits[i * (g + 1) + j], sp.temperature, 0, 1.0, sp.seed,
+                                      anchors[i] + 1 + j)) for j in range(g)]
+            right = rng.randrange(0, g + 1)
+            drafts = plain[:right] + [(t + 1) % V for t in plain[right:]]
+            reqs.append(_request(str(i), sp.seed, sp, drafts)), lengths.append(n)
+        first = [i * (g + 1) for i in range(len(params))]
+        want = decide_gumbel(reqs, logits, first, lengths, anchors, g).head
+        drafts = torch.stack([r.draft.tokens for r in reqs])
+        got = _gumbel_heads_batched(reqs, logits, first, lengths, anchors, drafts,
+                                    list(range(len(reqs))), g)
+        assert got.tolist() == want.tolist(), trial
+        # what the engine's decide gives (greedy rounds: the greedy layout, the same a and y)
+        dec = decide(reqs, logits, first, lengths, anchors, g, deterministic=True)
+        assert torch.stack(dec.accepted_next(), 1).tolist() == want.tolist(), trial
+
+
 # ---- the engine ---------------------------------------------------------------------------
 
 def _params(n):

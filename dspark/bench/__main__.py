@@ -183,7 +183,8 @@ def main(argv=None):
                         "target eagerly (Python launch overhead included)")
     p.add_argument("--deterministic", action="store_true",
                    help="both engines with deterministic=True (each request's tokens independent "
-                        "of its batch and of speculation; one-token forwards, Gumbel-max "
+                        "of its batch and of speculation; batch-invariant graph steps on CUDA, "
+                        "one-token forwards on CPU; Gumbel-max "
                         "sampling): the mode's cost against the same run without it")
     p.add_argument("--quick", action="store_true", help="few short prompts: a CPU smoke run")
     p.add_argument("--json", default=None, help="write results here")

@@ -217,7 +217,8 @@ def main_profile(a) -> dict:
     from .datasets import token_prompts
     eng = Engine(model, device=a.device, dtype=a.dtype, verify_policy=a.verify_policy,
                  max_num_seqs=1, target_cuda_graphs=getattr(a, "target_cuda_graphs", None),
-                 weight_format=weight_format_for(model, getattr(a, "weight_format", "auto")))
+                 weight_format=weight_format_for(model, getattr(a, "weight_format", "auto")),
+                 deterministic=getattr(a, "deterministic", False))
     if eng.drafter is None:
         sys.exit(f"{model}: no DSpark drafter, so there are no draft / verify rounds to profile")
     if eng.tokenizer is None:                    # random-weight checkpoints have no tokenizer
@@ -231,7 +232,8 @@ def main_profile(a) -> dict:
     print_profile(res, f"DSpark round latency, batch 1 — model {model}  device {eng.device}  "
                        f"dtype {res['dtype']}  γ={res['gamma']}  policy {a.verify_policy}  "
                        f"temperature {a.temperature}  {res['prompts']} prompts × "
-                       f"{a.max_tokens} tokens")
+                       f"{a.max_tokens} tokens" + ("  deterministic" if eng.config.deterministic
+                                                   else ""))
     if getattr(a, "trace", False):
         from .trace import print_trace, trace_rounds
         if eng.device.type == "cuda":

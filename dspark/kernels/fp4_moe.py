@@ -616,9 +616,10 @@ def fp4_moe_grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
         h = tc.fp4_moe_tc_gate_up(x, idx, weights, stack, swiglu_limit)
         add_ready()
         return tc.fp4_moe_tc_down(h, idx, stack, x.dtype, add, out_dtype)
-    if auto_gpu and x.dtype == torch.bfloat16:
+    if auto_gpu and x.dtype == torch.bfloat16 and not invariant.on():
         from dspark.kernels import fp4_moe_mma as mma      # tokens grouped by expert on tensor
-        # cores (bf16 x only: exact operands need bf16)
+        # cores (bf16 x only: exact operands need bf16; not batch-invariant: an expert's tokens
+        # share the MMA tiles, and the path starts at MMA_MIN_TOKENS)
         if mma.mma_applies(D, I) and mma.mma_takes(T):
             routed = mma.fp4_moe_mma(x, idx, weights, stack, swiglu_limit)
             add_ready()

@@ -12,6 +12,11 @@ fixed 16 x 64 x 32 tiles, no split-K, so every output element sums its K terms i
 
 The choices are read when a kernel is launched, so a CUDA graph captured inside the context
 keeps them. The mode is process-wide while entered (one engine's forwards at a time).
+
+Routing aten's products costs a Python call per aten op of the thread while the mode is on. The
+engine's work in this mode is graph replays: it enters `choices()` (the kernel choices alone) and
+the code that captures or runs a step eagerly enters `products()`, which adds the routing only
+inside `choices()` / `batch_invariant()` (both in `invariant_mode`, which imports no Triton).
 """
 from __future__ import annotations
 
@@ -23,13 +28,7 @@ import triton.language as tl
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .common import interpreting
-
-_depth = 0
-
-
-def on() -> bool:
-    """Whether the launch being built must be batch-invariant."""
-    return _depth > 0
+from .invariant_mode import choices, on, products  # noqa: F401 (the mode's switches, re-exported)
 
 
 # ---- the matrix product -------------------------------------------------------------------
@@ -175,11 +174,7 @@ class _InvariantProducts(TorchDispatchMode):
 
 @contextlib.contextmanager
 def batch_invariant():
-    """Launches built inside are batch-invariant (see the module doc); re-entrant."""
-    global _depth
-    _depth += 1
-    try:
-        with _InvariantProducts():
-            yield
-    finally:
-        _depth -= 1
+    """Launches built inside are batch-invariant (see the module doc), aten's products
+    included; re-entrant."""
+    with choices(), products():
+        yield

@@ -28,6 +28,7 @@ import torch
 
 from ..compile_stats import count_capture, count_fallback, target_fallback_reason
 from ..cuda.graph_capture import capture, pow2_buckets, step_bucket, warm_up
+from ..kernels.invariant_mode import products
 from ..request import BlockTokens
 
 
@@ -190,7 +191,8 @@ class StepGraphs:
         """Run (or replay) bucket `key`'s step on the filled inputs; its first T rows' outputs.
         `meanwhile()`: host work while the device runs the step."""
         if not self.capture:
-            self._forward(*key)
+            with products():
+                self._forward(*key)
         else:
             g = self._graph(key)
             if g is not None:
@@ -244,9 +246,11 @@ class StepGraphs:
         if g is None:
             # warm up outside the capture (Triton JIT, cuBLAS workspaces) on a side stream, with
             # this step's inputs in place: its cache writes are the replay's writes
-            warm_up(lambda: self._forward(*key))
+            with products():
+                warm_up(lambda: self._forward(*key))
             try:
-                g, _ = capture(lambda: self._forward(*key), self.pool)
+                with products():
+                    g, _ = capture(lambda: self._forward(*key), self.pool)
             except Exception as e:          # e.g. a host sync in a weight format's path
                 warnings.warn(f"{type(self).__name__}: capturing {key} failed ({e}); the "
                               "target runs eagerly from now on")

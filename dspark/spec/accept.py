@@ -14,7 +14,7 @@ from ..logit_adjust import LogitAdjust
 from ..sampling import (argmax_rows, filters_used, fused_filters_enabled,
                         fused_sampling_enabled, probs_from_logits,
                         stack_params)
-from .gumbel import gumbel_tokens
+from .gumbel import gumbel_draws, gumbel_tokens
 from .verify import verify
 
 
@@ -85,15 +85,17 @@ def decide(reqs, logits, first_rows, lengths, anchor_pos, gamma: int,
     argmax rows (greedy) or [accepted a, next token y] (sampled verification, exact law).
     reqs carry .seed, .params and .draft (tokens, probs); logits [rows, V] of the flat forward;
     first_rows / lengths (ℓ) / anchor_pos per request; gamma drafted tokens per block.
-    deterministic: `decide_gumbel` (every request on its own rows, the Gumbel-max sampler)."""
-    if deterministic:
-        return decide_gumbel(reqs, logits, first_rows, lengths, anchor_pos, gamma)
+    deterministic: `decide_gumbel` (every request on its own rows, the Gumbel-max sampler);
+    a round of greedy requests without adjustments takes the greedy path below, which decides
+    the same tokens (the argmax of each row) row by row."""
     g = gamma
     R, V, dev = len(reqs), logits.shape[-1], logits.device
     greedy = all(r.params.greedy for r in reqs)
     # penalties / logit_bias / min_tokens / min_p: every row adjusted with its own history
     # (committed tokens + the drafts before it), the same law the drafter sampled from
     adjust = LogitAdjust.build(reqs, V, dev)
+    if deterministic and not (greedy and adjust is None):
+        return decide_gumbel(reqs, logits, first_rows, lengths, anchor_pos, gamma)
     if greedy and adjust is None and not any(lengths) and \
             list(first_rows) == list(range(logits.shape[0])):
         # a plain greedy decode step (one logit row per request, nothing verified): the rows'
@@ -177,13 +179,31 @@ def decide_gumbel(reqs, logits, first_rows, lengths, anchor_pos, gamma: int) -> 
     with the request's own history and the drafts before it; a = the leading run of drafts equal
     to those tokens, y = the token of row a. Nothing depends on other requests, on ℓ (rows past
     a are never emitted) or on the drafts' law: the emitted tokens are plain decoding's.
-    Returns [a, y] per request in the sampled layout (Decision.greedy False)."""
+    Returns [a, y] per request in the sampled layout (Decision.greedy False).
+
+    On CUDA the requests without top-k / top-p or logit adjustments are decided together
+    (`gumbel_draws` over all their rows, a few launches for the whole round): CUDA's elementwise
+    kernels and row argmaxes give every row the values it gets alone. On CPU, and for the
+    others, each row is decided on its own [V] tensor (`gumbel_tokens`)."""
     R, V, dev = len(reqs), logits.shape[-1], logits.device
     g = gamma
-    heads, drafts = [], []
-    for req, f, n, p in zip(reqs, first_rows, lengths, anchor_pos):
-        x = req.draft.tokens[:g].to(dev).long() if n else torch.zeros(g, dtype=torch.long,
-                                                                      device=dev)
+    none = None if all(lengths) else torch.zeros(g, dtype=torch.long, device=dev)
+    drafts = torch.stack([req.draft.tokens[:g] if n else none for req, n in zip(reqs, lengths)])
+    batched = [i for i, req in enumerate(reqs) if logits.is_cuda and _plain_gumbel(req.params)]
+    heads = [None] * R
+    if batched:
+        heads_b = _gumbel_heads_batched([reqs[i] for i in batched], logits,
+                                        [first_rows[i] for i in batched],
+                                        [lengths[i] for i in batched],
+                                        [anchor_pos[i] for i in batched], drafts, batched, g)
+        if len(batched) == R:
+            return Decision(heads_b, drafts, any(lengths), False)
+        for j, i in enumerate(batched):
+            heads[i] = heads_b[j]
+    for i, (req, f, n, p) in enumerate(zip(reqs, first_rows, lengths, anchor_pos)):
+        if heads[i] is not None:
+            continue
+        x = drafts[i]
         rows = logits[f:f + n + 1].float()
         adjust = LogitAdjust.build([req], V, dev)
         if adjust is not None:
@@ -191,6 +211,38 @@ def decide_gumbel(reqs, logits, first_rows, lengths, anchor_pos, gamma: int) -> 
             rows = adjust.apply_block(pad[None], x[None])[0, :n + 1]
         toks = gumbel_tokens(rows, req.params, req.seed, range(p + 1, p + n + 2))
         a = (toks[:n] == x[:n]).long().cumprod(0).sum() if n else toks.new_zeros(())
-        heads.append(torch.stack([a, toks[a]]))
-        drafts.append(x)
-    return Decision(torch.stack(heads), torch.stack(drafts), any(lengths), False)
+        heads[i] = torch.stack([a, toks[a]])
+    return Decision(torch.stack(heads), drafts, any(lengths), False)
+
+
+def _plain_gumbel(params) -> bool:
+    """A request whose rows `gumbel_draws` decides as `gumbel_token` does (no filters, no
+    logit adjustments)."""
+    return params.top_k <= 0 and params.top_p >= 1 and not params.adjusts_logits
+
+
+def _gumbel_heads_batched(reqs, logits, first_rows, lengths, anchor_pos, drafts, which,
+                          g: int) -> torch.Tensor:
+    """[a, y] [R, 2] of `decide_gumbel` for requests without filters or adjustments, from one
+    batched draw over every request's γ+1 rows (rows past ℓ repeat row ℓ and are never taken:
+    a <= ℓ). One upload of the host integers."""
+    R, dev = len(reqs), logits.device
+    whole = len(which) == drafts.shape[0]
+    rows = [f + min(k, n) for f, n in zip(first_rows, lengths) for k in range(g + 1)]
+    pos = [p + 1 + min(k, n) for p, n in zip(anchor_pos, lengths) for k in range(g + 1)]
+    seeds = [r.seed for r in reqs for _ in range(g + 1)]
+    # k < ℓ for each draft slot (drafts past ℓ are never accepted)
+    live = [int(k < n) for n in lengths for k in range(g)]
+    ints = to_device(rows + pos + seeds + live + ([] if whole else list(which)), torch.long, dev)
+    n_rows = R * (g + 1)
+    row_idx, positions, seed_t = ints[:3 * n_rows].view(3, n_rows).unbind(0)
+    live = ints[3 * n_rows:3 * n_rows + R * g].view(R, g)
+    if all(r.params.greedy for r in reqs):       # argmaxes: no noise to draw
+        toks = logits[row_idx].argmax(1).view(R, g + 1)
+    else:
+        temperature = _temperatures(reqs, dev).repeat_interleave(g + 1)
+        toks = gumbel_draws(logits[row_idx], temperature, None, None, seed_t,
+                            positions).view(R, g + 1)
+    x = drafts if whole else drafts[ints[3 * n_rows + R * g:]]
+    a = ((toks[:, :g] == x).long() * live).cumprod(1).sum(1)
+    return torch.stack([a, toks.gather(1, a[:, None])[:, 0]], 1)

@@ -81,10 +81,14 @@ def gumbel_draws(rows: torch.Tensor, temperature: torch.Tensor, top_k, top_p,
                  seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """int64 [R]: `gumbel_token` of every row of rows [R, V] at once from device tensors
     (temperature [R] fp32, top_k [R] int64 / top_p [R] fp32 or None, seeds / positions [R]
-    int64): no host value, so a CUDA graph can hold it (the draft pass's Gumbel sampler). The
-    same keys and noise; the batched elementwise ops may round a noise value differently in its
+    int64): no host value, so a CUDA graph can hold it (the draft pass's Gumbel sampler, and the
+    verifier's on CUDA). Without filters on CUDA: one launch (kernels/gumbel.py). The same keys
+    and noise; the batched elementwise ops may round a noise value differently in its
     last bit than a row on its own, which can only change which draft is proposed (the drafts'
     coupling with the target), never what verification emits."""
+    if rows.is_cuda and top_k is None and top_p is None:
+        from ..kernels.gumbel import gumbel_argmax     # one launch (imports triton: CUDA only)
+        return gumbel_argmax(rows, temperature, seeds, positions)
     x = rows.float()
     greedy = temperature == 0
     if top_k is not None or top_p is not None:
