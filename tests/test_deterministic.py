@@ -406,6 +406,58 @@ def test_flash_width_batches_of_16_agree_on_cuda(flash_width_ckpt):
         torch.cuda.empty_cache()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flash_width_rows_are_batch_invariant_module_by_module(flash_width_ckpt):
+    """Request A's prompt rows (one piece of q_max = 8 tokens) in one deterministic step alone,
+    next to two other pieces at the same context (another batch bucket), and next to a piece at
+    position 25 q_max (another page bucket): every block's input, its MoE's input and output,
+    the block's output and the logits have the same bits in the three steps. The fixed-shape steps run eagerly
+    (capture off) with the mode's kernels, so module hooks see them; on a failure the message
+    names the first module that differs and in which step."""
+    eng = Engine(flash_width_ckpt, device="cuda", dtype="bf16", deterministic=True,
+                 speculative="none", max_num_seqs=8)
+    r = eng.runner
+    r.target_graphs.capture = False
+    n = r.target_graphs.qmax                    # tokens per piece
+    seen = []                                   # (module name, rows of A) in call order
+
+    def record(name, pick):
+        def hook(mod, args, out=None):
+            seen.append((name, pick(args, out)[:n].clone()))
+        return hook
+
+    for i, blk in enumerate(r.model.layers):
+        blk.register_forward_pre_hook(record(f"layer {i} input", lambda a, o: a[0]))
+        blk.ffn.register_forward_pre_hook(record(f"layer {i} moe input", lambda a, o: a[0]))
+        blk.ffn.register_forward_hook(record(f"layer {i} moe output", lambda a, o: o))
+        blk.register_forward_hook(record(f"layer {i} output", lambda a, o: o))
+    rng = random.Random(3)
+    toks = lambda k: [rng.randrange(3, eng.cfg.vocab_size) for _ in range(k)]  # noqa: E731
+    a, c, d, long = toks(n), toks(n), toks(n), toks(26 * n)
+
+    def step(items):
+        for rid, start, t in items:
+            if not eng.cache.has_request(rid):
+                eng.cache.add_request(rid)
+            eng.cache.reserve(rid, start + len(t) + 1)
+        del seen[:]
+        logits, _ = r.target_forward(items)
+        return list(seen) + [("logits", logits[:n].clone())]
+
+    alone = step([("A", 0, a)])
+    others = step([("A2", 0, a), ("C", 0, c), ("D", 0, d)])
+    step([("L", 0, long[:25 * n])])                    # L's context, in 25 pieces
+    far = step([("A3", 0, a), ("L", 25 * n, long[25 * n:])])
+    diffs = []
+    for tag, got in (("next to two pieces", others), (f"next to a piece at {25 * n}", far)):
+        assert [n for n, _ in got] == [n for n, _ in alone]
+        bad = [n for (n, x), (_, y) in zip(got, alone) if not torch.equal(x, y)]
+        if bad:
+            diffs.append(f"{tag}: first {bad[0]} ({len(bad)} of {len(alone)} differ)")
+    assert not diffs, "; ".join(diffs)
+
+
 def test_the_graph_path_feeds_each_request_as_uniform_pieces(three_layer_ckpt, monkeypatch):
     """Deterministic mode on the target-graph path (`ModelRunner._invariant_forward`, CUDA's):
     a ragged forward (prompts of 1, 9 and 20 tokens: pieces of up to q_max = 7) runs as uniform
