@@ -118,7 +118,7 @@ class Engine:
         (dspark/overlap.py): on by default on CUDA with the single-device DeepSeek-V4 runner."""
         plain_runner = type(self.runner) is ModelRunner
         if c.overlap_decode is None:
-            return self.device.type == "cuda" and plain_runner and not c.deterministic
+            return self.device.type == "cuda" and plain_runner
         if c.overlap_decode and not plain_runner:
             raise ValueError("overlap_decode=True needs the single-device DeepSeek-V4 runner "
                              "(not Qwen3 or tensor-parallel); leave it unset")

@@ -21,8 +21,8 @@ CUDA every forward is a series of uniform graph steps (each request's tokens in 
 8, one piece per step) whose kernels make the same choices for every token count
 (dspark/kernels/invariant.py); without the target's graphs (CPU, or target_cuda_graphs=False)
 the runner computes every forward one token at a time and the drafter one request at a time.
-Sampling is Gumbel-max keyed by (seed, position) (dspark/spec/gumbel.py). The overlapped decode
-is off in this mode (asking for it is an error).
+Sampling is Gumbel-max keyed by (seed, position) (dspark/spec/gumbel.py); the overlapped plain
+decode launches those same steps ahead of their read back.
 """
 from __future__ import annotations
 
@@ -175,13 +175,7 @@ class EngineConfig:
                                     "give one of them")
 
     def _check_deterministic(self):
-        """deterministic=True runs on one device, without the overlapped decode loop (its steps
-        are the default kernels' graphs), with the Gumbel-max sampler."""
-        if self.overlap_decode:
-            raise EngineConfigError(
-                "overlap_decode=True with deterministic=True: the overlapped decode loop replays "
-                "the default (shape-tuned, not batch-invariant) step graphs; leave it unset (off "
-                "in deterministic mode) or set deterministic=False")
+        """deterministic=True runs on one device, with the Gumbel-max sampler."""
         if self.tensor_parallel_size != 1:
             raise EngineConfigError(
                 f"tensor_parallel_size={self.tensor_parallel_size} with deterministic=True: "

@@ -110,7 +110,8 @@ class OverlappedDecode:
         eng.telemetry.append({"batch_tokens": len(reqs), "num_verify": len(reqs),
                               "verify_tokens": [0] * len(reqs), "prefill_tokens": 0})
         R = len(reqs)
-        dec = decide(reqs, logits, list(range(R)), [0] * R, starts, eng.gamma)
+        dec = decide(reqs, logits, list(range(R)), [0] * R, starts, eng.gamma,
+                     deterministic=eng.config.deterministic)
         # the table may view the runner's output buffers (target_forward(snapshot=False)), which
         # the next round overwrites: copied now (on CUDA to the host, queued before that round)
         host, ready = self._reader.read(dec.table())

@@ -208,6 +208,7 @@ def _invariance(path, device, lengths, configs, seed=0):
 # with verify blocks (at most 3 requests per round), the dense per-request layout
 SPS = [[1, 1.0], [8, 1.2], [64, 2.0]]
 CONFIGS = [dict(speculative="none", kv_layout="dense"),
+           dict(speculative="none", overlap_decode=True),
            dict(max_num_batched_tokens=7, max_num_seqs=2),
            dict(verify_policy="threshold", threshold=0.5),
            dict(verify_policy="scheduled", sps_table=SPS),
@@ -322,7 +323,7 @@ def test_token_serial_logits_match_the_batched_forward(tiny_ckpt):
     torch.testing.assert_close(det, ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("setting", [dict(overlap_decode=True), dict(tensor_parallel_size=2)])
+@pytest.mark.parametrize("setting", [dict(tensor_parallel_size=2)])
 def test_settings_deterministic_mode_cannot_honour_fail_at_construction(setting):
     name = next(iter(setting))
     with pytest.raises(EngineConfigError, match=f"{name}.*deterministic"):
