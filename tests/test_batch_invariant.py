@@ -118,6 +118,20 @@ def test_products_are_routed_where_steps_are_built_not_around_replays(monkeypatc
     assert len(calls) == 1 and not invariant.on()
 
 
+def test_sparse_mqa_takes_one_configuration_for_every_token_count():
+    """The attention kernel's launch configuration in the mode is the same for 1..1024 query
+    tokens (64 heads, 16-bit operands: the DEFAULT_CONFIGS rows; 4 heads: the heuristic), while
+    outside it the rows change with the token count."""
+    from dspark.kernels.sparse_mqa import _resolve_config
+    for H, prec in ((64, "bf16"), (64, "fp16"), (128, "bf16"), (4, "bf16"), (64, "tf32")):
+        with invariant.choices():
+            cfgs = {tuple(sorted(_resolve_config(T, H, prec, {}).items()))
+                    for T in (1, 2, 8, 9, 16, 33, 64, 128, 1024)}
+        assert len(cfgs) == 1, (H, prec, cfgs)
+    outside = {tuple(sorted(_resolve_config(T, 64, "bf16", {}).items())) for T in (1, 16, 64)}
+    assert len(outside) == 3
+
+
 # ---- the pinned kernel families on the GPU ------------------------------------------------
 
 SIZES = (1, 2, 7, 9, 16, 17, 33, 64, 65, 130, 384)

@@ -336,11 +336,10 @@ def _resolve_config(T: int, H: int, prec: str, user: dict) -> dict:
     user = {k: v for k, v in user.items() if v is not None}
     cfg = None
     if not user and prec in ("bf16", "fp16") and H >= 64:
-        # batch-invariant mode: one row for every token count (the heuristic below is a
-        # function of H and the precision alone already)
-        rows = DEFAULT_CONFIGS[:1] if invariant.on() else DEFAULT_CONFIGS
-        for bound, row in rows:
-            if bound is None or T <= bound:
+        # batch-invariant mode: the first row for every token count, past its bound too (the
+        # heuristic below is a function of H and the precision alone already)
+        for bound, row in DEFAULT_CONFIGS:
+            if bound is None or T <= bound or invariant.on():
                 cfg = dict(row)
                 break
     if cfg is None:
