@@ -162,7 +162,7 @@ class DraftPass:
         use_top_k, use_top_p = filters_used([r.params for r in reqs])
         greedy = all(r.params.greedy for r in reqs)
         size = bucket_size(R)
-        fused = not self.gumbel and self._fused_sampling(greedy, use_top_k, use_top_p, size)
+        fused = self._fused_sampling(greedy, use_top_k, use_top_p, size)
         # requests with penalties / logit_bias / min_tokens / min_p adjust every Markov step's
         # logits from their token history: an eager pass (the history is not a graph input)
         adjust = LogitAdjust.build(reqs, self.head.weight.shape[0], self.device)
@@ -385,15 +385,19 @@ class DraftPass:
         markov: (hidden [R, γ, D], W1, W2, confidence weight) when the head is
         `markov_step`'s (e = W1[prev], bias = W2 e, confidence = w · [hidden_k ; e]): with
         `fused` and no per-step work in between (top-k / top-p, logit adjustments, Gumbel
-        draws) the whole loop is one launch where markov_loop.supported says so."""
+        draws where the loop is not fused) the whole loop is one launch where
+        markov_loop.supported says so, Gumbel-max draws included."""
         gumbel = (self.gumbel and not greedy) or None      # (all greedy: the argmax below)
         adjust = getattr(self, "_adjust", None)
-        if (fused and markov is not None and gumbel is None and adjust is None
+        if (fused and markov is not None and adjust is None
                 and top_k is None and top_p is None
                 # the kernel has no backward: autograd keeps the per-step path
                 and not (torch.is_grad_enabled() and any(t.requires_grad for t in markov))):
             from .kernels import markov_loop
             hidden, w1, w2, conf_w = markov
+            if markov_loop.supported(w2.shape[0], w2.shape[1]) and gumbel is not None:
+                return markov_loop.markov_loop(base, anchors, w1, w2, hidden, conf_w,
+                                               temperature, gumbel=(seeds, starts))
             if markov_loop.supported(w2.shape[0], w2.shape[1]):
                 u = None
                 if not greedy:

@@ -473,3 +473,42 @@ def test_fused_backend_runs_the_markov_loop_in_one_launch(tiny_ckpt, monkeypatch
                 assert g.probs is None and w.probs is None
             else:
                 torch.testing.assert_close(g.probs, w.probs, rtol=1e-4, atol=1e-6)
+
+
+@triton_ok
+def test_the_gumbel_draft_pass_runs_the_markov_loop_in_one_launch(tiny_ckpt, monkeypatch):
+    """Deterministic mode's draft pass (Gumbel-max drafts keyed by seed and position) with the
+    fused backend forced: the whole Markov loop is one markov_loop launch with the Gumbel draws
+    in it (greedy requests: the argmax loop), and drafts the per-step path's tokens and
+    confidences, keeping no q."""
+    from dspark import sampling
+    from dspark.kernels import markov_loop
+    eng = Engine(tiny_ckpt, device=DEV, dtype="bf16", kv_cache_dtype="fp32", cuda_graphs=False,
+                 target_cuda_graphs=False, deterministic=True)
+    runner, d = eng.runner, eng.drafter
+    states = []
+    for i, P in enumerate((5, 140, 60)):
+        _, ds = runner.new_states()
+        runner.commit_context(ds, _taps(eng, P, seed=i).to(DEV, eng.dtype), 0)
+        states.append((P, ds))
+    runner.flush_context()
+    loops = []
+    real = markov_loop.markov_loop
+    monkeypatch.setattr(markov_loop, "markov_loop",
+                        lambda *a, **kw: loops.append(kw.get("gumbel") is not None) or real(*a, **kw))
+    for params in ([SamplingParams(temperature=1.0)] * 3,
+                   [SamplingParams(temperature=0.7), PARAMS[0], SamplingParams(temperature=1.3)]):
+        reqs = [SimpleNamespace(anchor=3 + 5 * i, num_committed=P, draft_state=ds, seed=-7 + i,
+                                params=p) for i, ((P, ds), p) in enumerate(zip(states, params))]
+        out = {}
+        for backend in ("reference", "triton"):
+            monkeypatch.setattr(sampling, "FUSED_BACKEND", backend)
+            del loops[:]
+            out[backend] = runner.draft(reqs)
+            # (one pass per request here, the CPU's token-serial runner; greedy ones argmax)
+            want = [not p.greedy for p in params] if backend == "triton" else []
+            assert loops == want, backend
+        for g, w in zip(out["triton"], out["reference"]):
+            assert torch.equal(g.tokens, w.tokens)
+            assert g.probs is None and w.probs is None
+            torch.testing.assert_close(g.conf_logits, w.conf_logits, rtol=1e-4, atol=1e-4)

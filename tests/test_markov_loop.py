@@ -189,3 +189,33 @@ def test_supported_and_bad_inputs():
     with pytest.raises(ValueError, match="supported"):
         call(torch.zeros(2, G, wide.shape[0]), anchors, wide, wide, hidden,
              head.confidence.weight, greedy=True)
+
+
+@pytest.mark.parametrize("rank", [0, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gumbel_tokens_are_the_per_step_gumbel_draws(rank, dtype):
+    """gumbel=(seeds, starts) (deterministic mode's drafter): slot k's token is
+    `spec.gumbel.gumbel_draws` of the slot's logits keyed by (seed, start + k + 1), greedy rows
+    the argmax, no q; negative seeds and positions past 2**32 included."""
+    from dspark.spec.gumbel import gumbel_draws
+    gen = torch.Generator().manual_seed(11 + rank)
+    R = 4
+    head, base, hidden, anchors = _case(gen, R, rank, dtype)
+    temperature = torch.tensor([1.0, 0.0, 0.7, 1.6])
+    seeds = torch.tensor([5, -7, 2 ** 40 + 3, 0])
+    starts = torch.tensor([0, 9, 2 ** 33 - 2, 123])
+    prev, want, want_conf = anchors, [], []
+    for k in range(G):
+        bias, conf = DSparkDrafter.markov_step(head, hidden[:, k].float(), prev)
+        prev = gumbel_draws(base[:, k].float() + bias, temperature, None, None, seeds,
+                            starts + k + 1)
+        want.append(prev), want_conf.append(conf)
+    d = lambda t: t.to(DEV)  # noqa: E731
+    toks, q, conf = ml.markov_loop(d(base), d(anchors), d(head.markov_w1), d(head.markov_w2),
+                                   d(hidden), d(head.confidence.weight), d(temperature),
+                                   gumbel=(d(seeds), d(starts)), block_v=BLOCK_V)
+    assert q is None
+    assert toks.cpu().tolist() == torch.stack(want, 1).tolist()
+    torch.testing.assert_close(conf.cpu(), torch.stack(want_conf, 1), rtol=1e-5, atol=1e-5)
+    # the rows draw: a sampled row's slots are not its argmaxes throughout
+    assert len(set(toks.cpu().flatten().tolist())) > G

@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from .argmax import _order_key
-from .sampling import _MAX_FLOOR, _cdf_chunk
+from .gumbel import _KEY_START
+from .sampling import _MAX_FLOOR, _cdf_chunk, _mix32_jit
 
 MAX_VOCAB = 4096            # one program loops over the row's V blocks once or twice per step
 MAX_TABLE = 1 << 18         # V · rank: W2 elements one program reads per step and pass
@@ -56,11 +57,13 @@ def _markov_loop_kernel(
         hid_ptr, stride_h_r, stride_h_k, stride_h_d,
         wc_ptr, stride_wc,
         temp_ptr, stride_t, u_ptr, stride_u_r, stride_u_k,
+        seed_ptr, start_ptr, key_start,
         tok_ptr, q_ptr, conf_ptr,
         V, RANK, D, G,
-        GREEDY: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
-        BLOCK_D: tl.constexpr):
+        GREEDY: tl.constexpr, GUMBEL: tl.constexpr, BLOCK_V: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
+    m32 = tl.full([], 0xFFFFFFFF, tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     ok_r = offs_r < RANK
     # the confidence weight's Markov half, the same for every slot
@@ -70,6 +73,10 @@ def _markov_loop_kernel(
         temp = tl.load(temp_ptr + r * stride_t).to(tl.float32)
         row_greedy = temp <= 0
         t = tl.where(row_greedy, 1.0, temp)    # probs_from_logits divides greedy rows by 1
+    if GUMBEL:
+        seed = tl.load(seed_ptr + r)
+        h_seed = _mix32_jit(_mix32_jit(key_start ^ (seed & m32)) ^ ((seed >> 32) & m32))
+        start = tl.load(start_ptr + r)
     for k in range(G):
         e = tl.load(w1_ptr + prev * stride_w1 + offs_r, mask=ok_r, other=0.0).to(tl.float32)
         conf = tl.sum(e * wc_e, 0)
@@ -90,6 +97,13 @@ def _markov_loop_kernel(
         best_idx = tl.zeros([], tl.int32)
         m = tl.full([], _MAX_FLOOR, tl.float32)
         s = tl.zeros([], tl.float32)
+        if GUMBEL:
+            # spec.gumbel's key of (seed, position start + k + 1) and its noise per token
+            pos = start + k + 1
+            h = _mix32_jit(_mix32_jit(h_seed ^ ((pos >> 32) & m32)) ^ (pos & m32))
+            h2 = _mix32_jit(h ^ 0x85EBCA6B)
+            g_best = tl.full([], float("-inf"), tl.float64)
+            g_idx = tl.zeros([], tl.int32)
         for v0 in range(0, V, BLOCK_V):
             offs_v = v0 + tl.arange(0, BLOCK_V)
             ok_v = offs_v < V
@@ -103,7 +117,18 @@ def _markov_loop_kernel(
             # strictly greater: an equal maximum in a later block keeps the first index
             best_idx = tl.where(chunk_best > best, chunk_idx, best_idx)
             best = tl.maximum(best, chunk_best)
-            if not GREEDY:
+            if GUMBEL:
+                w1h = _mix32_jit(offs_v.to(tl.int64) ^ h)
+                w2h = _mix32_jit(w1h ^ h2)
+                bits = (w1h >> 6) * 67108864 + (w2h >> 6)                   # 52 bits
+                u = (bits.to(tl.float64) + 0.5) * 2.220446049250313e-16     # in (0, 1)
+                score = tl.math.div_rn(x, t).to(tl.float64) - tl.log(-tl.log(u))
+                score = tl.where(ok_v, score, float("-inf"))
+                g_max = tl.max(score, 0)
+                g_at = tl.argmax(score, 0, tie_break_left=True).to(tl.int32) + v0
+                g_idx = tl.where(g_max > g_best, g_at, g_idx)    # ties: the earlier block
+                g_best = tl.maximum(g_best, g_max)
+            elif not GREEDY:
                 tl.store(q_row + offs_v, x, mask=ok_v)
                 xt = tl.where(ok_v, x / t, float("-inf"))
                 m_new = tl.maximum(m, tl.max(xt, 0))
@@ -111,6 +136,8 @@ def _markov_loop_kernel(
                 m = m_new
         if GREEDY:
             prev = best_idx.to(tl.int64)
+        elif GUMBEL:
+            prev = tl.where(row_greedy, best_idx, g_idx).to(tl.int64)
         else:
             # pass 2 reads x back from other threads' stores of pass 1
             tl.debug_barrier()
@@ -135,7 +162,7 @@ def _markov_loop_kernel(
         tl.store(tok_ptr + r * G + k, prev)
 
 
-def _check(base, anchors, w1, w2, hidden, conf_weight, temperature, u, greedy):
+def _check(base, anchors, w1, w2, hidden, conf_weight, temperature, u, greedy, gumbel=None):
     if base.dim() != 3 or not base.is_floating_point():
         raise ValueError(f"base logits must be a float [R, γ, V] tensor, got "
                          f"{base.dtype} {tuple(base.shape)}")
@@ -156,13 +183,22 @@ def _check(base, anchors, w1, w2, hidden, conf_weight, temperature, u, greedy):
     if not supported(V, rank):
         raise ValueError(f"markov_loop serves V <= {MAX_VOCAB}, rank <= {MAX_RANK} and "
                          f"V * rank <= {MAX_TABLE}; got V = {V}, rank = {rank} (check supported())")
-    if not greedy:
+    if gumbel is not None:
+        if greedy or temperature is None or u is not None:
+            raise ValueError("Gumbel draws need temperature [R] and (seeds, starts), no u")
+        seeds, starts = gumbel
+        if temperature.numel() != R or seeds.shape != (R,) or starts.shape != (R,):
+            raise ValueError(f"temperature, seeds and starts must be [R] = [{R}], got "
+                             f"{tuple(temperature.shape)}, {tuple(seeds.shape)}, "
+                             f"{tuple(starts.shape)}")
+    elif not greedy:
         if temperature is None or u is None:
             raise ValueError("sampling needs temperature [R] and uniforms u [R, γ]")
         if temperature.numel() != R or u.shape != (R, G):
             raise ValueError(f"temperature must be [R] = [{R}] and u [R, γ] = [{R}, {G}], got "
                              f"{tuple(temperature.shape)} and {tuple(u.shape)}")
-    tensors = [base, anchors, w1, w2, hidden, conf_weight] + ([] if greedy else [temperature, u])
+    tensors = [base, anchors, w1, w2, hidden, conf_weight] + (
+        [] if greedy else [temperature] + ([u] if gumbel is None else list(gumbel)))
     if any(t.device != base.device for t in tensors):
         raise ValueError("markov_loop's tensors must share one device")
     for name, t in (("W1", w1), ("W2", w2)):
@@ -173,34 +209,40 @@ def _check(base, anchors, w1, w2, hidden, conf_weight, temperature, u, greedy):
 def markov_loop(base: torch.Tensor, anchors: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                 hidden: torch.Tensor, conf_weight: torch.Tensor,
                 temperature: torch.Tensor | None = None, u: torch.Tensor | None = None,
-                greedy: bool = False, block_v: int | None = None):
+                greedy: bool = False, block_v: int | None = None, gumbel=None):
     """(tokens int64 [R, γ], q fp32 [R, γ, V] or None when `greedy`, confidence logits fp32
     [R, γ]) of the Markov loop over base logits [R, γ, V] (any float dtype and strides) from
     anchors [R] (token ids in [0, V)), W1 / W2 [V, rank] (bf16 / fp32 as stored, rank 0
     allowed), hidden [R, γ, D] (the pre-norm hidden the confidence reads; cast to fp32) and the
     confidence weight [1, D + rank]. greedy: every row takes the argmax; else temperature [R]
-    (<= 0: that row greedy, its q one-hot) and uniforms u [R, γ] in [0, 1). block_v: V block
+    (<= 0: that row greedy, its q one-hot) and uniforms u [R, γ] in [0, 1). gumbel = (seeds
+    [R], starts [R]) int64 instead of u: slot k's token is the Gumbel-max draw of
+    `spec.gumbel` keyed by (seed, start + k + 1), and no q is kept (None). block_v: V block
     per loop step (a power of two; tests). One launch, no host sync."""
-    _check(base, anchors, w1, w2, hidden, conf_weight, temperature, u, greedy)
+    _check(base, anchors, w1, w2, hidden, conf_weight, temperature, u, greedy, gumbel)
     R, G, V = base.shape
     rank, D, dev = w1.shape[1], hidden.shape[2], base.device
     tokens = torch.empty(R, G, dtype=torch.int64, device=dev)
     conf = torch.empty(R, G, dtype=torch.float32, device=dev)
-    q = None if greedy else torch.empty(R, G, V, dtype=torch.float32, device=dev)
+    keep_q = not greedy and gumbel is None
+    q = torch.empty(R, G, V, dtype=torch.float32, device=dev) if keep_q else None
     if R == 0 or G == 0:
         return tokens, q, conf
     bv, br = _blocks(V, rank)
     bv = block_v or bv
     wc = conf_weight.reshape(-1)
-    temp_arg, u_arg = (base, base) if greedy else (temperature.reshape(-1), u)
-    u_strides = (0, 0) if greedy else u.stride()
+    temp_arg = base if greedy else temperature.reshape(-1)
+    u_arg = u if keep_q else base
+    u_strides = u.stride() if keep_q else (0, 0)
+    seeds, starts = (s.contiguous() for s in gumbel) if gumbel is not None else (anchors, anchors)
     _markov_loop_kernel[(R,)](
         base, *base.stride(), anchors, anchors.stride(0),
         w1, w1.stride(0), w2, w2.stride(0), hidden, *hidden.stride(), wc, wc.stride(0),
         temp_arg, 0 if greedy else temp_arg.stride(0), u_arg, *u_strides,
-        tokens, tokens if greedy else q, conf,
+        seeds, starts, _KEY_START,
+        tokens, q if keep_q else tokens, conf,
         V, rank, D, G,
-        GREEDY=greedy, BLOCK_V=bv, BLOCK_R=br,
+        GREEDY=greedy, GUMBEL=gumbel is not None, BLOCK_V=bv, BLOCK_R=br,
         BLOCK_D=min(triton.next_power_of_2(max(D, 1)), 1024), num_warps=4)
     return tokens, q, conf
 
