@@ -508,3 +508,40 @@ def test_the_graph_path_feeds_each_request_as_uniform_pieces(three_layer_ckpt, m
     assert l1.shape == (len(rows), l0.shape[1]) and t1.shape == t0.shape == (30, t0.shape[1])
     torch.testing.assert_close(l1, l0, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(t1, t0, rtol=1e-4, atol=1e-4)
+
+
+def test_a_uniform_forward_is_one_graph_step(three_layer_ckpt, monkeypatch):
+    """Items that are one uniform step already (a decode / verify round: every request the same
+    number of tokens, at most q_max) go to the target graphs as they are, in one step, and the
+    asked rows (out of order, one twice) and every row's taps come back as the eager forward's.
+    The fixed-shape step runs eagerly on CPU with the torch kernels, as above."""
+    from dspark.models.deepseek_v4.graph import V4DecodeGraphs
+    from dspark.models.step_graphs import StepGraphs
+    steps = []
+    real_run = StepGraphs.run
+    monkeypatch.setattr(StepGraphs, "run", lambda self, items, snapshot=True: steps.append(
+        [(rid, start, len(t)) for rid, start, t in items]) or real_run(self, items, snapshot))
+    rows = [5, 0, 11, 5]                       # (two requests of q_max = 7 tokens: 14 rows)
+    got = []
+    for uniform in (False, True):
+        eng = _engine(three_layer_ckpt, "cpu", max_num_seqs=4)
+        r = eng.runner
+        if uniform:
+            r.target_graphs = V4DecodeGraphs(r.model, eng.cache, "torch", max_batch=3,
+                                             q_lens=range(1, eng.cache.lookahead + 2),
+                                             tap_layers=r.tap_layers, capture=False)
+            r.token_serial = False
+            monkeypatch.setattr(r, "_kernels", contextlib.nullcontext)
+        q = eng.cache.lookahead + 1
+        V = eng.cfg.vocab_size
+        items = [(rid, 0, [(7 * i + j) % (V - 3) + 3 for j in range(q)]) for i, rid in
+                 enumerate("xy")]
+        for rid, _, t in items:
+            eng.cache.add_request(rid)
+            eng.cache.reserve(rid, len(t) + 1)
+        got.append(r.target_forward(items, logit_rows=rows))
+    assert steps == [[(rid, 0, q) for rid in "xy"]]
+    (l0, t0), (l1, t1) = got
+    assert l1.shape == (len(rows), l0.shape[1]) and t1.shape == t0.shape == (2 * q, t0.shape[1])
+    torch.testing.assert_close(l1, l0, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(t1, t0, rtol=1e-4, atol=1e-4)
