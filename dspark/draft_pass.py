@@ -395,10 +395,10 @@ class DraftPass:
                 and not (torch.is_grad_enabled() and any(t.requires_grad for t in markov))):
             from .kernels import markov_loop
             hidden, w1, w2, conf_w = markov
-            if markov_loop.supported(w2.shape[0], w2.shape[1]) and gumbel is not None:
-                return markov_loop.markov_loop(base, anchors, w1, w2, hidden, conf_w,
-                                               temperature, gumbel=(seeds, starts))
             if markov_loop.supported(w2.shape[0], w2.shape[1]):
+                if gumbel is not None:
+                    return markov_loop.markov_loop(base, anchors, w1, w2, hidden, conf_w,
+                                                   temperature, gumbel=(seeds, starts))
                 u = None
                 if not greedy:
                     from .kernels.sampling import uniforms_triton

@@ -237,14 +237,7 @@ class ModelRunner:
                     by_len.setdefault(len(per[k][1]), []).append((st, *per[k]))
             for group in by_len.values():
                 step = [(st, start, toks) for st, start, toks, _ in group]
-                out = g.run(step, snapshot=False)
-                if out is None:
-                    raise RuntimeError(
-                        f"deterministic mode: a step of {len(group)} requests x "
-                        f"{len(group[0][2])} tokens did not fit the target graphs "
-                        f"({target_fallback_reason(step, g)}); an eager forward would break "
-                        f"the batch invariance")
-                lg, tp = out
+                lg, tp = self._invariant_step(step, None)
                 q = len(group[0][2])
                 flat = torch.cat([torch.arange(f, f + q) for _, _, _, f in group])
                 in_step.fill_(-1)
@@ -262,7 +255,8 @@ class ModelRunner:
         return logits, taps
 
     def _invariant_step(self, items, logit_rows):
-        """`_invariant_forward` of items that are one uniform graph step."""
+        """`_invariant_forward` of items that are one uniform graph step (logits and taps may
+        view the graphs' output buffers)."""
         out = self.target_graphs.run(items, snapshot=False)
         if out is None:
             raise RuntimeError(

@@ -459,6 +459,21 @@ def test_flash_width_rows_are_batch_invariant_module_by_module(flash_width_ckpt)
     assert not diffs, "; ".join(diffs)
 
 
+def _graph_path_engine(path, monkeypatch, uniform: bool):
+    """A CPU deterministic engine; uniform: on the target-graph path (`_invariant_forward`), its
+    fixed-shape steps run eagerly with the torch kernels (q_max = the cache's lookahead + 1)."""
+    from dspark.models.deepseek_v4.graph import V4DecodeGraphs
+    eng = _engine(path, "cpu", max_num_seqs=4)
+    r = eng.runner
+    if uniform:
+        r.target_graphs = V4DecodeGraphs(r.model, eng.cache, "torch", max_batch=3,
+                                         q_lens=range(1, eng.cache.lookahead + 2),
+                                         tap_layers=r.tap_layers, capture=False)
+        r.token_serial = False
+        monkeypatch.setattr(r, "_kernels", contextlib.nullcontext)
+    return eng
+
+
 def test_the_graph_path_feeds_each_request_as_uniform_pieces(three_layer_ckpt, monkeypatch):
     """Deterministic mode on the target-graph path (`ModelRunner._invariant_forward`, CUDA's):
     a ragged forward (prompts of 1, 9 and 20 tokens: pieces of up to q_max = 7) runs as uniform
@@ -466,19 +481,10 @@ def test_the_graph_path_feeds_each_request_as_uniform_pieces(three_layer_ckpt, m
     asked rows in flat order and its taps for every row. Here the fixed-
     shape step runs eagerly on CPU with the torch kernels (the products at CPU speed: the logic,
     not the batch invariance, is under test; that needs the GPU's kernels)."""
-    from dspark.models.deepseek_v4.graph import V4DecodeGraphs
     from dspark.models.step_graphs import StepGraphs
 
     def engine(uniform: bool):
-        eng = _engine(three_layer_ckpt, "cpu", max_num_seqs=4)
-        r = eng.runner
-        if uniform:
-            r.target_graphs = V4DecodeGraphs(r.model, eng.cache, "torch", max_batch=3,
-                                             q_lens=range(1, eng.cache.lookahead + 2),
-                                             tap_layers=r.tap_layers, capture=False)
-            r.token_serial = False
-            monkeypatch.setattr(r, "_kernels", contextlib.nullcontext)
-        return eng
+        return _graph_path_engine(three_layer_ckpt, monkeypatch, uniform)
 
     steps = []
     real_run = StepGraphs.run
@@ -515,7 +521,6 @@ def test_a_uniform_forward_is_one_graph_step(three_layer_ckpt, monkeypatch):
     number of tokens, at most q_max) go to the target graphs as they are, in one step, and the
     asked rows (out of order, one twice) and every row's taps come back as the eager forward's.
     The fixed-shape step runs eagerly on CPU with the torch kernels, as above."""
-    from dspark.models.deepseek_v4.graph import V4DecodeGraphs
     from dspark.models.step_graphs import StepGraphs
     steps = []
     real_run = StepGraphs.run
@@ -524,14 +529,8 @@ def test_a_uniform_forward_is_one_graph_step(three_layer_ckpt, monkeypatch):
     rows = [5, 0, 11, 5]                       # (two requests of q_max = 7 tokens: 14 rows)
     got = []
     for uniform in (False, True):
-        eng = _engine(three_layer_ckpt, "cpu", max_num_seqs=4)
+        eng = _graph_path_engine(three_layer_ckpt, monkeypatch, uniform)
         r = eng.runner
-        if uniform:
-            r.target_graphs = V4DecodeGraphs(r.model, eng.cache, "torch", max_batch=3,
-                                             q_lens=range(1, eng.cache.lookahead + 2),
-                                             tap_layers=r.tap_layers, capture=False)
-            r.token_serial = False
-            monkeypatch.setattr(r, "_kernels", contextlib.nullcontext)
         q = eng.cache.lookahead + 1
         V = eng.cfg.vocab_size
         items = [(rid, 0, [(7 * i + j) % (V - 3) + 3 for j in range(q)]) for i, rid in

@@ -81,6 +81,17 @@ def _taps(engine, P, seed):
     return torch.randn(P, len(cfg.dspark_target_layer_ids) * cfg.hidden_size, generator=gen)
 
 
+def _contexts(engine, lengths):
+    """[(P, draft state)]: one new draft state per length P with P random context rows."""
+    runner, states = engine.runner, []
+    for i, P in enumerate(lengths):
+        _, ds = runner.new_states()
+        runner.commit_context(ds, _taps(engine, P, seed=i).to(DEV, engine.dtype), 0)
+        states.append((P, ds))
+    runner.flush_context()
+    return states
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["fp32", "fp8"])
 def test_batched_draft_equals_per_request_loop(tiny_ckpt, kv_cache_dtype):
     eng = Engine(tiny_ckpt, device="cpu", dtype="fp32", kv_cache_dtype=kv_cache_dtype,
@@ -435,12 +446,7 @@ def test_fused_backend_runs_the_markov_loop_in_one_launch(tiny_ckpt, monkeypatch
                  target_cuda_graphs=False)
     runner, d = eng.runner, eng.drafter
     assert markov_loop.supported(*d.markov_w2.shape)
-    states = []
-    for i, P in enumerate((5, 140, 60)):
-        _, ds = runner.new_states()
-        runner.commit_context(ds, _taps(eng, P, seed=i).to(DEV, eng.dtype), 0)
-        states.append((P, ds))
-    runner.flush_context()
+    states = _contexts(eng, (5, 140, 60))
     calls = {"loop": 0, "step": 0, "sample": 0}
 
     def counted(name, fn):
@@ -486,12 +492,7 @@ def test_the_gumbel_draft_pass_runs_the_markov_loop_in_one_launch(tiny_ckpt, mon
     eng = Engine(tiny_ckpt, device=DEV, dtype="bf16", kv_cache_dtype="fp32", cuda_graphs=False,
                  target_cuda_graphs=False, deterministic=True)
     runner, d = eng.runner, eng.drafter
-    states = []
-    for i, P in enumerate((5, 140, 60)):
-        _, ds = runner.new_states()
-        runner.commit_context(ds, _taps(eng, P, seed=i).to(DEV, eng.dtype), 0)
-        states.append((P, ds))
-    runner.flush_context()
+    states = _contexts(eng, (5, 140, 60))
     loops = []
     real = markov_loop.markov_loop
     monkeypatch.setattr(markov_loop, "markov_loop",

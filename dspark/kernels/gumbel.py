@@ -26,7 +26,29 @@ from .sampling import _mix32_jit
 
 # `spec.gumbel._key`'s start state: the purpose-only word, mixed once
 _KEY_START = _mix32((0x9E3779B9 * (int(Purpose.GUMBEL) + 1)) & _M32)
-_TWO_M52 = 2.0 ** -52
+
+
+@triton.jit
+def gumbel_key(start, seed, pos):
+    """(h, h2): `spec.gumbel._key(seed, pos)` (start = _KEY_START) and the second word's mix
+    `_noise_of_keys` derives from it, for int64 seed / pos."""
+    m32 = tl.full([], 0xFFFFFFFF, tl.int64)
+    h = _mix32_jit(start ^ (seed & m32))
+    h = _mix32_jit(h ^ ((seed >> 32) & m32))
+    h = _mix32_jit(h ^ ((pos >> 32) & m32))
+    h = _mix32_jit(h ^ (pos & m32))
+    return h, _mix32_jit(h ^ 0x85EBCA6B)
+
+
+@triton.jit
+def gumbel_scores(x, t, offs, h, h2):
+    """float64 x / t (IEEE division in fp32, as torch's) + the Gumbel noise of token ids offs
+    under key (h, h2): `spec.gumbel`'s 52-bit uniforms, -log(-log u)."""
+    w1 = _mix32_jit(offs.to(tl.int64) ^ h)
+    w2 = _mix32_jit(w1 ^ h2)
+    k = (w1 >> 6) * 67108864 + (w2 >> 6)                               # 52 bits
+    u = (k.to(tl.float64) + 0.5) * 2.220446049250313e-16               # in (0, 1), exact
+    return tl.math.div_rn(x, t).to(tl.float64) - tl.log(-tl.log(u))
 
 
 @triton.jit
@@ -34,17 +56,10 @@ def _gumbel_argmax_kernel(x_ptr, stride_n, stride_v, temp_ptr, seed_ptr, pos_ptr
                           idx_ptr, V, chunk, S, start, BLOCK_V: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
-    m32 = tl.full([], 0xFFFFFFFF, tl.int64)
     temp = tl.load(temp_ptr + n)
     greedy = temp == 0
     t = tl.where(greedy, 1.0, temp)
-    seed = tl.load(seed_ptr + n)
-    pos = tl.load(pos_ptr + n)
-    h = _mix32_jit(start ^ (seed & m32))
-    h = _mix32_jit(h ^ ((seed >> 32) & m32))
-    h = _mix32_jit(h ^ ((pos >> 32) & m32))
-    h = _mix32_jit(h ^ (pos & m32))
-    h2 = _mix32_jit(h ^ 0x85EBCA6B)
+    h, h2 = gumbel_key(start, tl.load(seed_ptr + n), tl.load(pos_ptr + n))
     lo = s * chunk
     hi = tl.minimum(lo + chunk, V)
     best = tl.full([], float("-inf"), tl.float64)
@@ -54,13 +69,7 @@ def _gumbel_argmax_kernel(x_ptr, stride_n, stride_v, temp_ptr, seed_ptr, pos_ptr
         offs = off + tl.arange(0, BLOCK_V)
         ok = offs < hi
         x = tl.load(row + offs.to(tl.int64) * stride_v, mask=ok, other=0.0).to(tl.float32)
-        w1 = _mix32_jit(offs.to(tl.int64) ^ h)
-        w2 = _mix32_jit(w1 ^ h2)
-        k = (w1 >> 6) * 67108864 + (w2 >> 6)                           # 52 bits
-        u = (k.to(tl.float64) + 0.5) * 2.220446049250313e-16           # in (0, 1), exact
-        g = -tl.log(-tl.log(u))
-        tempered = tl.math.div_rn(x, t).to(tl.float64)
-        score = tl.where(greedy, x.to(tl.float64), tempered + g)
+        score = tl.where(greedy, x.to(tl.float64), gumbel_scores(x, t, offs, h, h2))
         score = tl.where(ok, score, float("-inf"))
         m = tl.max(score, 0)
         i = tl.argmax(score, 0, tie_break_left=True).to(tl.int32) + off

@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 from .argmax import _order_key
-from .gumbel import _KEY_START
-from .sampling import _MAX_FLOOR, _cdf_chunk, _mix32_jit
+from .gumbel import _KEY_START, gumbel_key, gumbel_scores
+from .sampling import _MAX_FLOOR, _cdf_chunk
 
 MAX_VOCAB = 4096            # one program loops over the row's V blocks once or twice per step
 MAX_TABLE = 1 << 18         # V · rank: W2 elements one program reads per step and pass
@@ -63,7 +63,6 @@ def _markov_loop_kernel(
         GREEDY: tl.constexpr, GUMBEL: tl.constexpr, BLOCK_V: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
-    m32 = tl.full([], 0xFFFFFFFF, tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     ok_r = offs_r < RANK
     # the confidence weight's Markov half, the same for every slot
@@ -75,7 +74,6 @@ def _markov_loop_kernel(
         t = tl.where(row_greedy, 1.0, temp)    # probs_from_logits divides greedy rows by 1
     if GUMBEL:
         seed = tl.load(seed_ptr + r)
-        h_seed = _mix32_jit(_mix32_jit(key_start ^ (seed & m32)) ^ ((seed >> 32) & m32))
         start = tl.load(start_ptr + r)
     for k in range(G):
         e = tl.load(w1_ptr + prev * stride_w1 + offs_r, mask=ok_r, other=0.0).to(tl.float32)
@@ -98,10 +96,8 @@ def _markov_loop_kernel(
         m = tl.full([], _MAX_FLOOR, tl.float32)
         s = tl.zeros([], tl.float32)
         if GUMBEL:
-            # spec.gumbel's key of (seed, position start + k + 1) and its noise per token
-            pos = start + k + 1
-            h = _mix32_jit(_mix32_jit(h_seed ^ ((pos >> 32) & m32)) ^ (pos & m32))
-            h2 = _mix32_jit(h ^ 0x85EBCA6B)
+            # spec.gumbel's key of (seed, position start + k + 1)
+            h, h2 = gumbel_key(key_start, seed, start + k + 1)
             g_best = tl.full([], float("-inf"), tl.float64)
             g_idx = tl.zeros([], tl.int32)
         for v0 in range(0, V, BLOCK_V):
@@ -118,12 +114,7 @@ def _markov_loop_kernel(
             best_idx = tl.where(chunk_best > best, chunk_idx, best_idx)
             best = tl.maximum(best, chunk_best)
             if GUMBEL:
-                w1h = _mix32_jit(offs_v.to(tl.int64) ^ h)
-                w2h = _mix32_jit(w1h ^ h2)
-                bits = (w1h >> 6) * 67108864 + (w2h >> 6)                   # 52 bits
-                u = (bits.to(tl.float64) + 0.5) * 2.220446049250313e-16     # in (0, 1)
-                score = tl.math.div_rn(x, t).to(tl.float64) - tl.log(-tl.log(u))
-                score = tl.where(ok_v, score, float("-inf"))
+                score = tl.where(ok_v, gumbel_scores(x, t, offs_v, h, h2), float("-inf"))
                 g_max = tl.max(score, 0)
                 g_at = tl.argmax(score, 0, tie_break_left=True).to(tl.int32) + v0
                 g_idx = tl.where(g_max > g_best, g_at, g_idx)    # ties: the earlier block

@@ -182,9 +182,9 @@ def decide_gumbel(reqs, logits, first_rows, lengths, anchor_pos, gamma: int) -> 
     Returns [a, y] per request in the sampled layout (Decision.greedy False).
 
     On CUDA the requests without top-k / top-p or logit adjustments are decided together
-    (`gumbel_draws` over all their rows, a few launches for the whole round): CUDA's elementwise
-    kernels and row argmaxes give every row the values it gets alone. On CPU, and for the
-    others, each row is decided on its own [V] tensor (`gumbel_tokens`)."""
+    (`gumbel_draws` over all their rows: one kernel whose programs each read one row, so a
+    row gets the values it gets alone). On CPU, and for the others, each row is decided on its
+    own [V] tensor (`gumbel_tokens`)."""
     R, V, dev = len(reqs), logits.shape[-1], logits.device
     g = gamma
     none = None if all(lengths) else torch.zeros(g, dtype=torch.long, device=dev)
