@@ -125,7 +125,7 @@ det)     # deterministic mode (EngineConfig.deterministic): its GPU tests (batch
          # batched == alone == chunked, speculation on == off), then its cost: the same bench
          # (shipped pair, c = 1 and 16) with the default engines and with --deterministic
   step "deterministic GPU tests"
-  timeout "$(left ${DET_TESTS_S:-240})" python -m pytest -q -m gpu -rfE -x tests/test_batch_invariant.py \
+  timeout "$(left ${DET_TESTS_S:-240})" python -m pytest -q -m gpu -rfE tests/test_batch_invariant.py \
     tests/test_deterministic.py ${DET_K:+-k "$DET_K"} > "$R/det_gpu_tests.txt" 2>&1
   tail -3 "$R/det_gpu_tests.txt" | cut -c1-300; grep -A25 "^=== FAILED\|^____" "$R/det_gpu_tests.txt" | grep -v "^ *$" | cut -c1-200 | head -60
   for mode in default deterministic; do
@@ -153,14 +153,17 @@ flash)   # V4-Flash width, 4 layers + the DSpark stages, random weights (tau ~ 1
     --json "$R/bench_flash4_round_split_h200.json" --plot "$R/bench_flash4_round_split_h200.png" \
     > "$R/bench_flash4_round_split_h200.txt" 2>&1
   grep -v "it/s\]\|req/s\]\|s/req\]\|bucket" "$R/bench_flash4_round_split_h200.txt" | tail -22 | cut -c1-200 ;;
-flashprof) # V4-Flash width, 4 layers, batch 1: the round split and its kernels per phase (the
-         # checkpoint bench_tp writes, or FLASH_DIR)
+flashprof) # V4-Flash width, 4 layers: the round split and its kernels per phase at each batch of
+         # FLASHPROF_B (default 1; the checkpoint bench_tp writes, or FLASH_DIR)
   D=${FLASH_DIR:-/tmp/dspark_bench/flash-4L-fp8-fp4-dspark}
-  step "flash round profile + kernel trace T=0 ($D)"
-  timeout "$(left ${FLASHPROF_S:-150})" python -m dspark.bench --model "$D" --profile --trace \
-    --dataset dspark/assets/default/heldout_prompts.jsonl --num-prompts 4 --max-tokens 64 \
-    --temperature 0 --json "$R/profile_flash4_T0.json" > "$R/profile_flash4_T0.txt" 2>&1
-  grep -v "^  [a-z_]*: \|^benchmark results\|\.json:" "$R/profile_flash4_T0.txt" | head -30 | cut -c1-250 ;;
+  for B in ${FLASHPROF_B:-1}; do
+    step "flash round profile + kernel trace T=0, batch $B ($D)"
+    timeout "$(left ${FLASHPROF_S:-150})" python -m dspark.bench --model "$D" --profile --trace \
+      --concurrency $B --dataset dspark/assets/default/heldout_prompts.jsonl \
+      --num-prompts $((B > 4 ? B : 4)) --max-tokens 64 --temperature 0 \
+      --json "$R/profile_flash4_T0_B$B.json" > "$R/profile_flash4_T0_B$B.txt" 2>&1
+    grep -v "^  [a-z_]*: \|^benchmark results\|\.json:" "$R/profile_flash4_T0_B$B.txt" | head -30 | cut -c1-250
+  done ;;
 trace)   # which kernels each phase of a round runs (kernels / device-busy ms per round)
   step "round profile + kernel trace T=1"
   timeout "$(left 90)" python -m dspark.bench --profile --trace \

@@ -88,6 +88,26 @@ def test_profile_phases_add_up():
     assert "step" not in vars(eng) and "draft" not in vars(eng.runner)   # wrappers removed
 
 
+def test_profile_at_a_batch_counts_only_full_rounds():
+    """--profile --concurrency 3: a group of 3 requests runs together; its prefill step and the
+    rounds after the first request finished (prompts of different max_tokens) are left out."""
+    from dspark import Engine, SamplingParams
+    from dspark.bench.profile import profile_batch, profile_rounds
+
+    eng = Engine(max_num_seqs=3)
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    res = profile_rounds(eng, [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]], sp, batch=3)
+    assert res["batch"] == 3 and res["output_tokens"] == 30 and res["prefill_steps"] == 1
+    decode_steps = [t for t in list(eng.telemetry)[-(res["rounds"] + res["partial_rounds"]):]]
+    assert res["rounds"] == sum(t["num_verify"] == 3 for t in decode_steps) >= 1
+    assert all(t["prefill_tokens"] == 0 for t in decode_steps)
+    assert abs(sum(res["ms_per_round"].values()) - res["round_ms"]) < 1e-6
+    assert profile_batch("16") == 16
+    for bad in ("1,4", "0", "x"):
+        with pytest.raises(SystemExit, match="one batch size"):
+            profile_batch(bad)
+
+
 def test_kernel_profile_splits_a_decode_step(tiny_pair):
     """(c) on CPU: the profiled decode steps of the tiny FP8 + FP4 checkpoint are split over
     categories that add up to the total, the MoE and attention ops show up as such, and the

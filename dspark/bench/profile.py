@@ -1,4 +1,5 @@
-"""python -m dspark.bench --profile — where the time of one DSpark round goes, at batch 1.
+"""python -m dspark.bench --profile [--concurrency B] — where the time of one DSpark round goes, at
+batch 1 (default) or with B requests in every round.
 
 Every phase is timed by a synchronising wrapper around the engine's own methods (on CUDA a
 `torch.cuda.synchronize()` before and after each call, so a phase is charged for the GPU work it
@@ -12,7 +13,8 @@ launched, not just for its Python):
   other             Engine.step, exclusive      verify policy, scheduler, cache rollback, Python
 
 Times are exclusive (a nested call is charged to its own phase only). Steps that carry a prompt
-chunk (prefill) are reported apart and left out of the round split. The table is followed by
+chunk (prefill) are reported apart and left out of the round split, and so are rounds of fewer
+than B requests (the ragged ends of a batch). The table is followed by
 the benchmark scripts' saved results (benchmarks/results/*.json), one line each.
 """
 from __future__ import annotations
@@ -109,38 +111,51 @@ def instrument_engine(engine, timer: PhaseTimer) -> list:
     return done
 
 
-def profile_rounds(engine, prompts, sp, warmup_prompts=()) -> dict:
-    """Run `prompts` one at a time (batch 1) and split every decode round's time by phase.
-    `warmup_prompts` run first, untimed (first-call overheads, kernel compiles)."""
+def profile_rounds(engine, prompts, sp, warmup_prompts=(), batch: int = 1) -> dict:
+    """Run `prompts` in groups of `batch` (each group generated together) and split every decode
+    round of `batch` requests by phase. `warmup_prompts` run first, untimed (first-call
+    overheads, kernel compiles, graph captures)."""
     from ..sampling import SamplingParams
 
-    engine.scheduler.max_num_seqs = 1
+    engine.scheduler.max_num_seqs = batch
     timer = PhaseTimer(engine.device)
     phases = instrument_engine(engine, timer)
     steps: list = []                       # (exclusive s by phase, prefill step?)
     current = defaultdict(float)
     last = [engine.telemetry[-1] if engine.telemetry else None]
+    partial = [0]
 
     def listen(phase, excl, incl):
         current[phase] += excl
         if phase == "other":               # Engine.step returned: one step is complete
             tel = engine.telemetry[-1] if engine.telemetry else None
             if tel is not None and tel is not last[0]:        # the step ran a forward
-                steps.append((dict(current), bool(tel["prefill_tokens"])))
                 last[0] = tel
+                if tel["prefill_tokens"] or tel["num_verify"] == batch:
+                    steps.append((dict(current), bool(tel["prefill_tokens"])))
+                else:
+                    partial[0] += 1
             current.clear()
 
+    def params(seed):
+        return SamplingParams(**{**sp.__dict__, "seed": seed})
+
+    def groups(ps):
+        return [ps[i:i + batch] for i in range(0, len(ps), batch)]
+
     try:
-        for i, p in enumerate(warmup_prompts):
-            engine.generate(p, SamplingParams(**{**sp.__dict__, "seed": 10_000 + i}))
+        for g in groups(list(warmup_prompts)):
+            engine.generate(g, [params(10_000 + j) for j in range(len(g))], progress=False)
         last[0] = engine.telemetry[-1] if engine.telemetry else None
         timer.listeners.append(listen)
         tokens = emitted = n_rounds_metric = 0
-        for i, p in enumerate(prompts):
-            out = engine.generate(p, SamplingParams(**{**sp.__dict__, "seed": i}))
-            tokens += len(out.token_ids)
-            emitted += out.metrics.emitted
-            n_rounds_metric += out.metrics.rounds
+        for gi, g in enumerate(groups(list(prompts))):
+            outs = engine.generate(g, [params(gi * batch + j) for j in range(len(g))],
+                                   progress=False)
+            for out in outs:
+                tokens += len(out.token_ids)
+                emitted += out.metrics.emitted
+                n_rounds_metric += out.metrics.rounds
     finally:
         timer.unwrap()
     split, prefill = defaultdict(float), defaultdict(float)
@@ -150,13 +165,23 @@ def profile_rounds(engine, prompts, sp, warmup_prompts=()) -> dict:
         for k, v in s.items():
             (prefill if pf else split)[k] += v
     round_total = sum(split.values())
-    return {"phases_wrapped": phases, "rounds": rounds, "prefill_steps": prefill_steps,
+    return {"phases_wrapped": phases, "batch": batch, "rounds": rounds,
+            "prefill_steps": prefill_steps, "partial_rounds": partial[0],
             "output_tokens": tokens,
             "tau": emitted / n_rounds_metric if n_rounds_metric else 0.0,
             "ms_per_round": {k: 1e3 * split.get(k, 0.0) / max(rounds, 1) for k in PHASES},
             "round_ms": 1e3 * round_total / max(rounds, 1),
             "prefill_ms_per_step": {k: 1e3 * prefill.get(k, 0.0) / max(prefill_steps, 1)
                                     for k in PHASES}}
+
+
+def profile_batch(concurrency) -> int:
+    """The one batch size --profile runs at, from the bench's --concurrency value."""
+    levels = [x.strip() for x in str(concurrency).split(",") if x.strip()]
+    if len(levels) != 1 or not levels[0].isdigit() or int(levels[0]) < 1:
+        sys.exit(f"--profile --concurrency {concurrency!r}: the profile runs one batch size; give "
+                 "one positive integer (e.g. --concurrency 16)")
+    return int(levels[0])
 
 
 def print_profile(res: dict, header: str) -> None:
@@ -169,12 +194,15 @@ def print_profile(res: dict, header: str) -> None:
         print(f"{k:<18} {v:>9.3f} {100 * v / r if r else 0:>7.1f}%")
     print("-" * 37)
     print(f"{'round':<18} {r:>9.3f} {100.0:>7.1f}%")
-    tau = res["tau"]
+    tau = res["tau"] * res.get("batch", 1)          # tokens per round over the batch
     per_tok = r / tau if tau else float("nan")
-    print(f"{res['rounds']} decode rounds, τ = {tau:.2f} tokens/round -> {per_tok:.3f} ms/token "
+    print(f"{res['rounds']} decode rounds of {res.get('batch', 1)}, τ = {res['tau']:.2f} tokens/round "
+          f"per request -> {per_tok:.3f} ms/token "
           f"({1e3 / per_tok if per_tok == per_tok and per_tok else 0:.1f} tok/s); "
           f"{res['prefill_steps']} prefill steps left out "
-          f"({sum(res['prefill_ms_per_step'].values()):.2f} ms each)")
+          f"({sum(res['prefill_ms_per_step'].values()):.2f} ms each)"
+          + (f", {res['partial_rounds']} rounds of fewer requests left out"
+             if res.get("partial_rounds") else ""))
     missing = [p for p in PHASES if p not in res["phases_wrapped"]]
     if missing:
         print(f"(not timed: {', '.join(missing)} — the engine has no such method)")
@@ -210,26 +238,31 @@ def main_profile(a) -> dict:
 
     model = a.model or default_model_path()
     dataset = a.dataset or os.path.join(model, "heldout_prompts.jsonl")
-    prompts = load_prompts(dataset, a.num_prompts + 1)
+    batch = profile_batch(getattr(a, "concurrency", "1"))
+    n_measured = max(a.num_prompts, batch)
+    prompts = load_prompts(dataset, n_measured + batch)
+    if len(prompts) < 2 * batch:
+        sys.exit(f"--profile --concurrency {batch}: {dataset} has {len(prompts)} prompts; a "
+                 f"warm-up group and a measured group of {batch} need {2 * batch}")
     sp = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                         max_tokens=a.max_tokens, ignore_eos=False)
     from ..model_dir import weight_format_for
     from .datasets import token_prompts
     eng = Engine(model, device=a.device, dtype=a.dtype, verify_policy=a.verify_policy,
-                 max_num_seqs=1, target_cuda_graphs=getattr(a, "target_cuda_graphs", None),
+                 max_num_seqs=batch, target_cuda_graphs=getattr(a, "target_cuda_graphs", None),
                  weight_format=weight_format_for(model, getattr(a, "weight_format", "auto")),
                  deterministic=getattr(a, "deterministic", False))
     if eng.drafter is None:
         sys.exit(f"{model}: no DSpark drafter, so there are no draft / verify rounds to profile")
     if eng.tokenizer is None:                    # random-weight checkpoints have no tokenizer
         prompts = token_prompts(prompts, eng.cfg.vocab_size)
-    measured = prompts[1:] if len(prompts) > 1 else prompts
-    res = profile_rounds(eng, measured, sp, warmup_prompts=prompts[:1])
+    measured = prompts[batch:]
+    res = profile_rounds(eng, measured, sp, warmup_prompts=prompts[:batch], batch=batch)
     res.update(model=model, device=str(eng.device), dtype=str(eng.dtype).replace("torch.", ""),
                gamma=eng.cfg.dspark_block_size, policy=a.verify_policy,
                temperature=a.temperature, prompts=len(measured),
                max_tokens=a.max_tokens)
-    print_profile(res, f"DSpark round latency, batch 1 — model {model}  device {eng.device}  "
+    print_profile(res, f"DSpark round latency, batch {batch} — model {model}  device {eng.device}  "
                        f"dtype {res['dtype']}  γ={res['gamma']}  policy {a.verify_policy}  "
                        f"temperature {a.temperature}  {res['prompts']} prompts × "
                        f"{a.max_tokens} tokens" + ("  deterministic" if eng.config.deterministic
@@ -237,7 +270,7 @@ def main_profile(a) -> dict:
     if getattr(a, "trace", False):
         from .trace import print_trace, trace_rounds
         if eng.device.type == "cuda":
-            res["trace"] = trace_rounds(eng, measured[:2], sp)
+            res["trace"] = trace_rounds(eng, measured[:2 * batch], sp, batch=batch)
             print_trace(res["trace"])
         else:
             print("\n--trace: skipped, it attributes CUDA kernels to the phases (run it on a GPU)")

@@ -1,9 +1,10 @@
-"""python -m dspark.bench --profile --trace — which GPU kernels each phase of a DSpark round runs.
+"""python -m dspark.bench --profile --trace [--concurrency B] — which GPU kernels each phase of a
+DSpark round runs.
 
 The round split of profile.py says how long each phase takes (host and device together, the
-phases are synchronised). This adds why: a torch.profiler trace of a few batch-1 requests in which
-every phase call is a `phase:<name>` range; each device kernel is charged to the innermost phase
-range its start falls in (the ranges end after a device sync, so every kernel a phase launched
+phases are synchronised). This adds why: a torch.profiler trace of a few requests (B at a time) in
+which every phase call is a `phase:<name>` range; each device kernel is charged to the innermost
+phase range its start falls in (the ranges end after a device sync, so every kernel a phase launched
 starts inside it). Per phase: kernels per round, device-busy ms per round (sum of kernel times;
 the rest of the phase's wall time is host work and launch gaps) and the costliest kernels.
 A round of a tiny model is usually launch-bound: many ~2-4 µs kernels, so `kernels/round`
@@ -45,31 +46,39 @@ def attribute_kernels(events: list) -> dict:
             for k, v in out.items()}
 
 
-def trace_rounds(engine, prompts, sp, top: int = 6) -> dict:
-    """Profile `prompts` one at a time (batch 1, after whatever warm-up the caller did) and
-    attribute device kernels to phases. Returns per-phase kernels / busy ms per decode round."""
+def trace_rounds(engine, prompts, sp, top: int = 6, batch: int = 1) -> dict:
+    """Profile `prompts` in groups of `batch` (after whatever warm-up the caller did) and
+    attribute device kernels to phases. Only the rounds in which all `batch` requests decode are
+    traced (prefill steps and the ragged end of a group run unprofiled). Returns per-phase
+    kernels / busy ms per decode round."""
     from torch.profiler import ProfilerActivity, profile
 
+    from ..request import Status
     from ..sampling import SamplingParams
     if engine.device.type != "cuda":
         raise RuntimeError("--trace attributes CUDA kernels: run it on a GPU")
-    engine.scheduler.max_num_seqs = 1
+    engine.scheduler.max_num_seqs = batch
     timer = PhaseTimer(engine.device, annotate=True)    # a `phase:<name>` range per call
     rounds, per = 0, {}
     try:
         instrument_engine(engine, timer)
-        for i, p in enumerate(prompts):
-            # the prompt's prefill step runs unprofiled: the table is about decode rounds
-            rid = engine.add_request(p, SamplingParams(**{**sp.__dict__, "seed": 20_000 + i}))
-            req = engine.requests[rid]
-            while not req.output_ids and engine.has_unfinished():
+        for g0 in range(0, len(prompts) - batch + 1, batch):
+            reqs = [engine.requests[engine.add_request(
+                p, SamplingParams(**{**sp.__dict__, "seed": 20_000 + g0 + j}))]
+                for j, p in enumerate(prompts[g0:g0 + batch])]
+
+            def all_decoding():
+                return all(r.output_ids and r.status != Status.FINISHED for r in reqs)
+
+            while not all(r.output_ids for r in reqs) and engine.has_unfinished():
                 engine.step()
-            before = req.metrics.rounds
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                while engine.has_unfinished():
+                while all_decoding():
                     engine.step()
+                    rounds += 1
                 torch.cuda.synchronize(engine.device)
-            rounds += req.metrics.rounds - before
+            while engine.has_unfinished():
+                engine.step()
             with tempfile.TemporaryDirectory() as d:
                 fn = os.path.join(d, "trace.json")
                 prof.export_chrome_trace(fn)
@@ -110,6 +119,8 @@ def print_trace(res: dict) -> None:
     for ph, v in res["phases"].items():
         print(f"{ph:<18} {v['kernels_per_round']:>14.1f} {v['busy_ms_per_round']:>18.3f}")
     for ph, v in res["phases"].items():
+        print(f"  {ph} (costliest, µs/round): " + "; ".join(
+            f"{_short(t['kernel'])} {t['us_per_round']:.0f}" for t in v["top"]))
         print(f"  {ph} (most launched): " + "; ".join(
             f"{_short(t['kernel'])} x{t['calls_per_round']:.1f}" for t in v["most_launched"][:10]))
 
