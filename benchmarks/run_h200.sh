@@ -156,6 +156,8 @@ flash)   # V4-Flash width, 4 layers + the DSpark stages, random weights (tau ~ 1
 flashprof) # V4-Flash width, 4 layers: the round split and its kernels per phase at each batch of
          # FLASHPROF_B (default 1; the checkpoint bench_tp writes, or FLASH_DIR)
   D=${FLASH_DIR:-/tmp/dspark_bench/flash-4L-fp8-fp4-dspark}
+  [ -f "$D/config.json" ] || { step "flash checkpoint (bench_tp's)"; timeout "$(left 200)" python -c \
+    "import sys; sys.path.insert(0, 'benchmarks'); import bench_decode_v4 as b; b.prepare_checkpoint(None, 'flash', 4, '$D', 16, dspark=True)"; }
   for B in ${FLASHPROF_B:-1}; do
     step "flash round profile + kernel trace T=0, batch $B ($D)"
     timeout "$(left ${FLASHPROF_S:-150})" python -m dspark.bench --model "$D" --profile --trace \
@@ -176,8 +178,9 @@ host)    # where a round's host time goes: cProfile over the timed closed loop, 
     tr '\r' '\n' < "$R/host_profile_T${T%.0}.txt" | grep -A34 "^=== c=" | grep -v "it/s\]\|req/s\]\|s/req\]" | cut -c1-160
   done ;;
 flashtp) # V4-Flash width, 4 layers: decode step and DSpark round, single device and TP world 1
+         # (FLASHTP_WORLD="": the single-device row only)
   step "bench_tp --world 1 (flash width: decode steps and DSpark rounds)"
-  timeout "$(left ${FLASHTP_S:-200})" python benchmarks/bench_tp.py --world 1 --batch ${FLASHTP_B:-1,16} \
+  timeout "$(left ${FLASHTP_S:-200})" python benchmarks/bench_tp.py --world "${FLASHTP_WORLD-1}" --batch ${FLASHTP_B:-1,16} \
     --json "$R/bench_tp.json" > "$R/bench_tp.txt" 2>&1
   grep -v -i "warn\|it/s\]" "$R/bench_tp.txt" | tail -8 | cut -c1-250 ;;
 timeline) # batch-1 round: plain vs synced per step, and the device's idle time by host phase

@@ -3,6 +3,11 @@
 Warm the step up on a side stream first: lazy initialisation (cuBLAS handles and workspaces,
 Triton compiles) must not happen inside a capture. Then capture into a memory pool shared by all
 graphs of one owner (their replays are serial).
+
+Buffers a kernel keeps across launches (arrival counters, shared tables) are baked into every
+graph captured while they were current: `held_buffer` grows such a buffer without ever freeing
+the one it replaces, so an older graph never writes into memory the allocator has handed to
+another tensor (or returned to the driver: an illegal address).
 """
 from __future__ import annotations
 
@@ -61,3 +66,19 @@ def step_fit(items, q_lens, batch_buckets: list, page_buckets: list, block_size:
     B = next(b for b in batch_buckets if b >= len(items))
     P = next(p for p in page_buckets if p >= need)
     return B, q, P
+
+
+# buffers replaced by larger ones, kept alive for the graphs captured with them
+_RETIRED: list = []
+
+
+def held_buffer(store: dict, key, numel: int, make):
+    """store[key] if it has at least `numel` elements, else a new one from make(numel) (which
+    replaces it; the old buffer is kept alive, never freed: graphs may hold its address)."""
+    buf = store.get(key)
+    if buf is None or buf.numel() < numel:
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = store[key] = make(numel)
+    return buf
+

@@ -42,6 +42,7 @@ from dspark.kernels.argmax import _order_key
 from dspark.kernels import invariant
 from dspark.kernels.common import interpreting, mma, pick_precision
 from dspark.cuda import side_stream
+from dspark.cuda.graph_capture import held_buffer
 from dspark.formats.quant import FP8_BLOCK, dequant_fp8_blocks, fp8_scale_shape
 
 
@@ -229,12 +230,9 @@ def _arrival_counters(device, n: int) -> torch.Tensor:
     """Zeroed int32 per-tile arrival counters, one buffer per device and stream lane
     (side_stream.lane(): branches on side streams may run a split launch at the same time),
     reused by the launches of that lane, one after the other: each leaves them at zero again."""
-    key = ("counters", device, side_stream.lane())
-    buf = _DEVICE_BUFFERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = _DEVICE_BUFFERS[key] = torch.zeros(max(n, 1 << 16), dtype=torch.int32,
-                                                 device=device)
-    return buf
+    # (a larger buffer never frees the smaller one: captured graphs keep using theirs)
+    return held_buffer(_DEVICE_BUFFERS, ("counters", device, side_stream.lane()), n,
+                       lambda m: torch.zeros(max(m, 1 << 16), dtype=torch.int32, device=device))
 
 
 def _unused_workspace(device) -> torch.Tensor:

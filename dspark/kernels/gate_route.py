@@ -25,6 +25,7 @@ from dspark.kernels.decode_fused import _route_rows
 from dspark.kernels import invariant
 from dspark.kernels.common import interpreting, mma, pick_precision
 from dspark.cuda import side_stream
+from dspark.cuda.graph_capture import held_buffer
 
 MAX_T = 16              # token counts taken (decode, verify); more: GEMM + `route`
 MAX_E = 1024            # experts held by the routing program's [T, E] tile
@@ -135,11 +136,9 @@ def _counters(device, n: int) -> torch.Tensor:
     """This device's zeroed int32 arrival counters (cnt[0]: expert blocks done, cnt[1 + n]: the
     splits of expert block n), one buffer per stream lane (side_stream.lane()). Every launch
     leaves them at zero; launches of one lane run one after the other."""
-    key = (device, side_stream.lane())
-    buf = _DEVICE_BUFFERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = _DEVICE_BUFFERS[key] = torch.zeros(max(n, 128), dtype=torch.int32, device=device)
-    return buf
+    # (a larger buffer never frees the smaller one: captured graphs keep using theirs)
+    return held_buffer(_DEVICE_BUFFERS, (device, side_stream.lane()), n,
+                       lambda m: torch.zeros(max(m, 128), dtype=torch.int32, device=device))
 
 
 def _blocks(T: int, E: int, D: int, interp: bool):

@@ -44,6 +44,9 @@ class Rope:
         self.rope_dim = rope_dim
         self.freqs = rope_frequencies(rope_dim, base, yarn)
         self._tables = {}      # device -> (cis [size, r/2] complex64, its conjugate)
+        # tables outgrown, kept alive: a CUDA graph captured with one (another engine's, which
+        # shares this Rope) still reads it by address
+        self._retired = []
 
     def _table(self, n: int, device):
         device = torch.device(device)
@@ -59,6 +62,8 @@ class Rope:
                 ang = pos[:, None] * self.freqs[None, :]
                 cos.append(ang.cos().float()), sin.append(ang.sin().float())
             cos, sin = torch.cat(cos), torch.cat(sin)
+            if device in self._tables:
+                self._retired.append(self._tables[device])
             table = (torch.complex(cos, sin).to(device), torch.complex(cos, -sin).to(device))
             self._tables[device] = table
         return table
