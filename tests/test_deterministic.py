@@ -229,8 +229,14 @@ def test_tiny_checkpoint_batched_alone_chunked_speculative_agree(tiny_ckpt, devi
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_shipped_pair_batched_alone_chunked_speculative_agree(device):
     """The shipped pair (window 128, compression 4 and 128), fp8 KV cache: a prompt past the
-    window and the first 128-token compressed entry among short ones."""
-    _invariance(SHIPPED, device, [2, 17, 133], [dict(max_num_batched_tokens=16, max_num_seqs=2)])
+    window and the first 128-token compressed entry among short ones, chunked, with speculation
+    off and under every verify policy (CPU; the GPU run keeps the chunked one: its other
+    configurations run in the flash-width test and the bench)."""
+    configs = [dict(max_num_batched_tokens=16, max_num_seqs=2)]
+    if device == "cpu":
+        configs += [c for c in CONFIGS if c.get("kv_layout") != "dense"
+                    and "max_num_batched_tokens" not in c]
+    _invariance(SHIPPED, device, [2, 17, 133], configs)
 
 
 @pytest.fixture(scope="module")
@@ -253,6 +259,22 @@ def test_preemption_and_recompute_change_nothing(three_layer_ckpt):
     ref = _engine(three_layer_ckpt, "cpu", speculative="none")
     alone = _outputs([ref.generate(p, sp) for p, sp in zip(prompts, params)])
     eng = _engine(three_layer_ckpt, "cpu", num_kv_blocks=2, max_num_seqs=2)
+    assert _outputs(eng.generate(prompts, params)) == alone
+    assert eng.scheduler.num_preemptions > 0, "the cache was sized to force preemption"
+
+
+@pytest.mark.slow
+def test_shipped_pair_preemption_changes_nothing():
+    """The shipped pair with the default fp8 cache: two requests crossing into their second
+    256-token page of a 2-page cache; one is preempted and recomputed, both equal their runs
+    alone (speculation on, greedy and seeded T=1)."""
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=8, ignore_eos=True, logprobs=0)
+              for t, s in ((0.0, 1), (1.0, 2))]
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (250, 253)]
+    alone = _outputs([_engine(SHIPPED, "cpu", speculative="none").generate(p, sp)
+                      for p, sp in zip(prompts, params)])
+    eng = _engine(SHIPPED, "cpu", num_kv_blocks=2, max_num_seqs=2)
     assert _outputs(eng.generate(prompts, params)) == alone
     assert eng.scheduler.num_preemptions > 0, "the cache was sized to force preemption"
 
