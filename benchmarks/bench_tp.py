@@ -10,6 +10,7 @@ tensors of `python -m dspark.tools.make_checkpoint --preset flash --layers N --d
 Rows (one runner each, loaded, measured, closed):
   single     the single-device engine's runner (Engine(..., tensor_parallel_size=1)): on CUDA its
              decode / verify steps replay as CUDA graphs, and so does its draft pass
+             (--deterministic: the engine in deterministic mode, batch-invariant kernels)
   tp W       DistributedRunner at world W (W in --world, 1 included: the TP runner on one device)
              over a paged cache, every rank on the fixed-shape step (CUDA graphs with the NCCL
              collectives inside, NVLS off; eager with gloo on CPU); drafter replicated on rank 0
@@ -117,7 +118,8 @@ def single_runner(path, device, dtype, args, batch):
     ca = _cache_args(args.cfg, args, batch)
     eng = Engine(path, device=str(device), dtype=dtype, weight_format="quantized",
                  kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=batch,
-                 max_num_batched_tokens=ca["batch_tokens"], num_kv_blocks=ca["blocks"])
+                 max_num_batched_tokens=ca["batch_tokens"], num_kv_blocks=ca["blocks"],
+                 deterministic=args.deterministic)
     return eng.runner, eng.cache, eng.close
 
 
@@ -358,6 +360,9 @@ def main(argv=None):
     ap.add_argument("--drafter", choices=("replicated", "sharded"), default="replicated")
     ap.add_argument("--kv-cache-dtype", default="fp8", choices=("fp8", "bf16", "fp32"))
     ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="the single-device engine in deterministic mode (batch-invariant "
+                         "kernels; its cost against a run without); single row only")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
     d_layers, d_steps, d_prompt = PRESET_DEFAULTS[args.preset]
@@ -366,6 +371,9 @@ def main(argv=None):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.batches = [int(b) for b in args.batch.split(",") if b]
     worlds = [int(w) for w in args.world.split(",") if w]
+    if args.deterministic and (worlds or args.no_single):
+        raise SystemExit("--deterministic measures the single-device row only: add --world \"\" "
+                         "and leave out --no-single")
     result = {"args": {k: v for k, v in vars(args).items() if k != "cfg"}, "runs": [],
               "skipped": []}
     t_all = time.perf_counter()

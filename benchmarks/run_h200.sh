@@ -16,13 +16,13 @@
 # call unpacks it first and skips the cold compiles (~100 s of a fresh machine's bench
 # warm-up); kernels whose source changed compile again.
 set -uo pipefail
-OUT=${OUT:-out}; R="$OUT/r"; mkdir -p "$R"
+OUT=${OUT:-out}; R="$OUT/r"; mkdir -p "$R"; R=$(realpath "$R")   # absolute: steps may cd elsewhere
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 DSPARK_INSTAFAIL=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache}; mkdir -p "$TRITON_CACHE_DIR"
 ls .triton-cache.tgz* >/dev/null 2>&1 && cat .triton-cache.tgz* | tar xz -C "$TRITON_CACHE_DIR"
 echo "Triton cache $TRITON_CACHE_DIR: $(find "$TRITON_CACHE_DIR" -type f | wc -l) files at the start"
 BUDGET=${BUDGET:-570}; T0=$SECONDS
-STEPS=${STEPS:-"tests decode kernels bench trace draft qwen3 sweep mhc tp"}   # also: det (deterministic mode), detprof, pdl (PDL off / on), flash, flashtp, flashprof, host, timeline
+STEPS=${STEPS:-"tests decode kernels bench trace draft qwen3 sweep mhc tp"}   # also: det (deterministic mode), detprof, detflash, abtree (OLD_TREE=dir), pdl (PDL off / on), flash, flashtp, flashprof, host, timeline
 left() { local l=$((BUDGET - SECONDS + T0)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 1 ] && l=1; echo $l; }
 step() { echo "[t=$((SECONDS - T0))s] $1"; }
 for s in $STEPS; do case $s in
@@ -227,6 +227,34 @@ pdl)     # PDL launches (test_pdl runs with and without), the 16-bit skinny line
 mhc)
   step "bench_mhc"
   timeout "$(left 60)" python benchmarks/bench_mhc.py --T 1,2,6,64 --finish-sweep > "$R/mhc.txt" 2>&1; tail -17 "$R/mhc.txt" ;;
+detflash) # deterministic mode's cost at V4-Flash width: decode step and DSpark round (bench_tp,
+         # single device, B = 1 and 16), the default engine then the deterministic one
+  for mode in default deterministic; do
+    step "bench_tp flash width, $mode"
+    timeout "$(left ${DETFLASH_S:-200})" python benchmarks/bench_tp.py --world "" --batch 1,16 \
+      $([ $mode = deterministic ] && echo --deterministic) --json "$R/bench_tp_flash_$mode.json" \
+      > "$R/bench_tp_flash_$mode.txt" 2>&1
+    tr '\r' '\n' < "$R/bench_tp_flash_$mode.txt" | grep -v -i "warn\|it/s\]" | tail -3 | cut -c1-250
+  done ;;
+abtree)  # A/B of another tree (OLD_TREE: a `git archive` of the commit before a change, carried)
+         # against this one in the same call: the flash-width decode step and round (bench_tp),
+         # then the shipped-pair bench (c = 1, 16, T = 0); its cold Triton compiles take minutes
+  O=$(realpath "${OLD_TREE:?set OLD_TREE}"); [ -e "$O/dspark/assets" ] || ln -s "$PWD/dspark/assets" "$O/dspark/assets"
+  for tree in new old; do
+    d=$PWD; [ $tree = old ] && d=$O
+    step "bench_tp ($tree tree)"
+    (cd "$d" && PYTHONPATH=. timeout "$(left ${ABTREE_TP_S:-300})" python benchmarks/bench_tp.py --world "" \
+      --batch 1,16 --json "$R/ab_tp_$tree.json" > "$R/ab_tp_$tree.txt" 2>&1)
+    tr '\r' '\n' < "$R/ab_tp_$tree.txt" | grep -v -i "warn\|it/s\]" | tail -3 | cut -c1-250
+  done
+  for tree in new old; do
+    d=$PWD; [ $tree = old ] && d=$O
+    step "shipped-pair bench ($tree tree)"
+    (cd "$d" && PYTHONPATH=. timeout "$(left ${ABTREE_BENCH_S:-150})" python -m dspark.bench --num-prompts 32 \
+      --max-tokens 128 --temperature 0 --concurrency 1,16 --ignore-eos --json "$R/ab_bench_$tree.json" \
+      > "$R/ab_bench_$tree.txt" 2>&1)
+    tr '\r' '\n' < "$R/ab_bench_$tree.txt" | grep "^ *1[6 ] fixed\|^ *1 fixed" | cut -c1-200
+  done ;;
 tp)      # the TP runner against the single-device runner (world 1 on one GPU; 1,2 where lent)
   step "TP GPU tests (NCCL, fixed-shape steps captured with the collectives inside)"
   timeout "$(left 200)" python -m pytest -q -rfE -m gpu tests/test_tp_fixed_shape.py \

@@ -392,3 +392,5 @@ def test_bench_tp_smoke(tmp_path):
     got = [m["weights"]["total"] for m in row["memory"]]
     assert all(abs(e - g) <= 1024 for e, g in zip(est, got)), (est, got)
     assert (tmp_path / "r.json").exists()
+    with pytest.raises(SystemExit, match="single-device row only"):
+        bench.main(["--preset", "tiny", "--device", "cpu", "--world", "2", "--deterministic"])
