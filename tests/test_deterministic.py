@@ -230,13 +230,17 @@ def test_tiny_checkpoint_batched_alone_chunked_speculative_agree(tiny_ckpt, devi
 def test_shipped_pair_batched_alone_chunked_speculative_agree(device):
     """The shipped pair (window 128, compression 4 and 128), fp8 KV cache: a prompt past the
     window and the first 128-token compressed entry among short ones, chunked, with speculation
-    off and under every verify policy (CPU; the GPU run keeps the chunked one: its other
-    configurations run in the flash-width test and the bench)."""
+    off and under every verify policy (CPU); on CUDA 16 prompts, chunked and in batches of 16
+    with speculation on and off."""
     configs = [dict(max_num_batched_tokens=16, max_num_seqs=2)]
+    lengths = [2, 17, 133]
     if device == "cpu":
         configs += [c for c in CONFIGS if c.get("kv_layout") != "dense"
                     and "max_num_batched_tokens" not in c]
-    _invariance(SHIPPED, device, [2, 17, 133], configs)
+    else:               # batches of 16 (graph buckets up to 16), speculation on and off
+        lengths += [1, 3, 5, 8, 9, 30, 64, 100, 127, 128, 129, 200, 250]
+        configs += [dict(max_num_seqs=16), dict(max_num_seqs=16, speculative="none")]
+    _invariance(SHIPPED, device, lengths, configs)
 
 
 @pytest.fixture(scope="module")

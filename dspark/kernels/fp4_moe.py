@@ -46,7 +46,7 @@ layout of the experts (`FP4ExpertStack`, built once by `stack_fp4_experts`):
 * bf16 rounding is done with an explicit round-to-nearest-even bit trick so the Triton interpreter
   (whose fp32 -> bf16 cast truncates) rounds like the GPU.
 
-One file (~650 lines) for one job: the FP4 GEMM, the per-expert path and the grouped kernels share
+One file (~680 lines) for one job: the FP4 GEMM, the per-expert path and the grouped kernels share
 the e2m1 decode helpers and must round identically, and the tests check them against each other.
 """
 from __future__ import annotations
