@@ -154,15 +154,15 @@ flash)   # V4-Flash width, 4 layers + the DSpark stages, random weights (tau ~ 1
     > "$R/bench_flash4_round_split_h200.txt" 2>&1
   grep -v "it/s\]\|req/s\]\|s/req\]\|bucket" "$R/bench_flash4_round_split_h200.txt" | tail -22 | cut -c1-200 ;;
 flashprof) # V4-Flash width, 4 layers: the round split and its kernels per phase at each batch of
-         # FLASHPROF_B (default 1; the checkpoint bench_tp writes, or FLASH_DIR)
+         # FLASHPROF_B (default 1, e.g. "1,16"; the checkpoint bench_tp writes, or FLASH_DIR)
   D=${FLASH_DIR:-/tmp/dspark_bench/flash-4L-fp8-fp4-dspark}
   [ -f "$D/config.json" ] || { step "flash checkpoint (bench_tp's)"; timeout "$(left 200)" python -c \
     "import sys; sys.path.insert(0, 'benchmarks'); import bench_decode_v4 as b; b.prepare_checkpoint(None, 'flash', 4, '$D', 16, dspark=True)"; }
-  for B in ${FLASHPROF_B:-1}; do
+  FB=${FLASHPROF_B:-1}; for B in ${FB//,/ }; do
     step "flash round profile + kernel trace T=0, batch $B ($D)"
     timeout "$(left ${FLASHPROF_S:-150})" python -m dspark.bench --model "$D" --profile --trace \
       --concurrency $B --dataset dspark/assets/default/heldout_prompts.jsonl \
-      --num-prompts $((B > 4 ? B : 4)) --max-tokens 64 --temperature 0 \
+      --num-prompts $((B > 4 ? B : 4)) --max-tokens 64 --temperature 0 --ignore-eos \
       --json "$R/profile_flash4_T0_B$B.json" > "$R/profile_flash4_T0_B$B.txt" 2>&1
     grep -v "^  [a-z_]*: \|^benchmark results\|\.json:" "$R/profile_flash4_T0_B$B.txt" | head -30 | cut -c1-250
   done ;;
@@ -239,7 +239,9 @@ detflash) # deterministic mode's cost at V4-Flash width: decode step and DSpark 
 abtree)  # A/B of another tree (OLD_TREE: a `git archive` of the commit before a change, carried)
          # against this one in the same call: the flash-width decode step and round (bench_tp),
          # then the shipped-pair bench (c = 1, 16, T = 0); its cold Triton compiles take minutes
-  O=$(realpath "${OLD_TREE:?set OLD_TREE}"); [ -e "$O/dspark/assets" ] || ln -s "$PWD/dspark/assets" "$O/dspark/assets"
+  if [ -z "${OLD_TREE:-}" ] || [ ! -d "${OLD_TREE:-}/dspark" ]; then
+    echo "abtree: set OLD_TREE to a tree holding dspark/ (git archive of the old commit)"; continue; fi
+  O=$(realpath "$OLD_TREE"); [ -e "$O/dspark/assets" ] || ln -s "$PWD/dspark/assets" "$O/dspark/assets"
   for tree in new old; do
     d=$PWD; [ $tree = old ] && d=$O
     step "bench_tp ($tree tree)"

@@ -4,6 +4,7 @@ Every multi-process test spawns real ranks (torch.multiprocessing, spawn) over a
 127.0.0.1 at a free port, compares against the single-process engine, and closes the group.
 """
 import multiprocessing
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -169,7 +170,6 @@ def _reference(path):
 def _passes(runner, cfg):
     """Two prefill chunks of one request (every layer type, compressed boundaries crossed, the
     indexer choosing 4 of 17 entries), a two-request batch, the draft context and a draft."""
-    from types import SimpleNamespace
     ids = _ids(70, cfg.vocab_size)
     s, ds = runner.new_states()
     l1, t1 = runner.target_forward([(s, 0, ids[:50])])
@@ -394,3 +394,9 @@ def test_bench_tp_smoke(tmp_path):
     assert (tmp_path / "r.json").exists()
     with pytest.raises(SystemExit, match="single-device row only"):
         bench.main(["--preset", "tiny", "--device", "cpu", "--world", "2", "--deterministic"])
+    # --deterministic reaches the single row's engine
+    args = SimpleNamespace(cfg=cfg, prompt_len=4, warmup=0, steps=1, kv_cache_dtype="fp8",
+                           deterministic=True)
+    runner, _, close = bench.single_runner(str(tmp_path / "ckpt"), "cpu", "fp32", args, 1)
+    assert runner.deterministic and runner.token_serial
+    close()

@@ -16,6 +16,7 @@ def test_a_grown_buffer_keeps_the_one_it_replaces_alive():
     ref = weakref.ref(small)
     big = held_buffer(store, "k", 100, lambda n: torch.zeros(n, dtype=torch.int32))
     assert big.numel() == 100 and store["k"] is big
+    assert held_buffer(store, "k", 101, lambda n: torch.zeros(n)).numel() == 200   # doubling
     del small
     gc.collect()
     assert ref() is not None, "the replaced buffer was freed"

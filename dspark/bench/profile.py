@@ -239,13 +239,13 @@ def main_profile(a) -> dict:
     model = a.model or default_model_path()
     dataset = a.dataset or os.path.join(model, "heldout_prompts.jsonl")
     batch = profile_batch(getattr(a, "concurrency", "1"))
-    n_measured = max(a.num_prompts, batch)
+    n_measured = -(-max(a.num_prompts, batch) // batch) * batch     # whole groups of B
     prompts = load_prompts(dataset, n_measured + batch)
     if len(prompts) < 2 * batch:
         sys.exit(f"--profile --concurrency {batch}: {dataset} has {len(prompts)} prompts; a "
                  f"warm-up group and a measured group of {batch} need {2 * batch}")
     sp = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                        max_tokens=a.max_tokens, ignore_eos=False)
+                        max_tokens=a.max_tokens, ignore_eos=bool(getattr(a, "ignore_eos", False)))
     from ..model_dir import weight_format_for
     from .datasets import token_prompts
     eng = Engine(model, device=a.device, dtype=a.dtype, verify_policy=a.verify_policy,
@@ -262,6 +262,10 @@ def main_profile(a) -> dict:
                gamma=eng.cfg.dspark_block_size, policy=a.verify_policy,
                temperature=a.temperature, prompts=len(measured),
                max_tokens=a.max_tokens)
+    if not res["rounds"]:
+        print(f"warning: no decode round of {batch} requests was timed (requests finished "
+              f"before their group decoded together: raise --max-tokens or pass --ignore-eos)",
+              file=sys.stderr)
     print_profile(res, f"DSpark round latency, batch {batch} — model {model}  device {eng.device}  "
                        f"dtype {res['dtype']}  γ={res['gamma']}  policy {a.verify_policy}  "
                        f"temperature {a.temperature}  {res['prompts']} prompts × "

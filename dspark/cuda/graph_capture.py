@@ -73,12 +73,14 @@ _RETIRED: list = []
 
 
 def held_buffer(store: dict, key, numel: int, make):
-    """store[key] if it has at least `numel` elements, else a new one from make(numel) (which
-    replaces it; the old buffer is kept alive, never freed: graphs may hold its address)."""
+    """store[key] if it has at least `numel` elements, else a new one from make(n), n >= numel
+    and at least twice the old size (it replaces the old buffer, which is kept alive, never
+    freed: graphs may hold its address)."""
     buf = store.get(key)
     if buf is None or buf.numel() < numel:
         if buf is not None:
             _RETIRED.append(buf)
+            numel = max(numel, 2 * buf.numel())     # doubling: the kept ones sum to < the live one
         buf = store[key] = make(numel)
     return buf
 
