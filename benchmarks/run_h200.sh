@@ -238,17 +238,20 @@ detflash) # deterministic mode's cost at V4-Flash width: decode step and DSpark 
   done ;;
 abtree)  # A/B of another tree (OLD_TREE: a `git archive` of the commit before a change, carried)
          # against this one in the same call: the flash-width decode step and round (bench_tp),
-         # then the shipped-pair bench (c = 1, 16, T = 0); its cold Triton compiles take minutes
+         # then the shipped-pair bench (c = 1, 16, T = 0); ABTREE_PARTS="tp" or "bench" for one
+         # of them (a flash-width load + cold compiles take ~3 min per tree)
   if [ -z "${OLD_TREE:-}" ] || [ ! -d "${OLD_TREE:-}/dspark" ]; then
     echo "abtree: set OLD_TREE to a tree holding dspark/ (git archive of the old commit)"; continue; fi
   O=$(realpath "$OLD_TREE"); [ -e "$O/dspark/assets" ] || ln -s "$PWD/dspark/assets" "$O/dspark/assets"
+  case " ${ABTREE_PARTS:-tp bench} " in *" tp "*)
   for tree in new old; do
     d=$PWD; [ $tree = old ] && d=$O
     step "bench_tp ($tree tree)"
     (cd "$d" && PYTHONPATH=. timeout "$(left ${ABTREE_TP_S:-300})" python benchmarks/bench_tp.py --world "" \
       --batch 1,16 --json "$R/ab_tp_$tree.json" > "$R/ab_tp_$tree.txt" 2>&1)
     tr '\r' '\n' < "$R/ab_tp_$tree.txt" | grep -v -i "warn\|it/s\]" | tail -3 | cut -c1-250
-  done
+  done ;; esac
+  case " ${ABTREE_PARTS:-tp bench} " in *" bench "*)
   for tree in new old; do
     d=$PWD; [ $tree = old ] && d=$O
     step "shipped-pair bench ($tree tree)"
@@ -256,7 +259,7 @@ abtree)  # A/B of another tree (OLD_TREE: a `git archive` of the commit before a
       --max-tokens 128 --temperature 0 --concurrency 1,16 --ignore-eos --json "$R/ab_bench_$tree.json" \
       > "$R/ab_bench_$tree.txt" 2>&1)
     tr '\r' '\n' < "$R/ab_bench_$tree.txt" | grep "^ *1[6 ] fixed\|^ *1 fixed" | cut -c1-200
-  done ;;
+  done ;; esac ;;
 tp)      # the TP runner against the single-device runner (world 1 on one GPU; 1,2 where lent)
   step "TP GPU tests (NCCL, fixed-shape steps captured with the collectives inside)"
   timeout "$(left 200)" python -m pytest -q -rfE -m gpu tests/test_tp_fixed_shape.py \
