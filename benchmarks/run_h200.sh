@@ -243,23 +243,18 @@ abtree)  # A/B of another tree (OLD_TREE: a `git archive` of the commit before a
   if [ -z "${OLD_TREE:-}" ] || [ ! -d "${OLD_TREE:-}/dspark" ]; then
     echo "abtree: set OLD_TREE to a tree holding dspark/ (git archive of the old commit)"; continue; fi
   O=$(realpath "$OLD_TREE"); [ -e "$O/dspark/assets" ] || ln -s "$PWD/dspark/assets" "$O/dspark/assets"
-  case " ${ABTREE_PARTS:-tp bench} " in *" tp "*)
-  for tree in new old; do
+  for part in ${ABTREE_PARTS:-tp bench}; do for tree in new old; do
     d=$PWD; [ $tree = old ] && d=$O
-    step "bench_tp ($tree tree)"
-    (cd "$d" && PYTHONPATH=. timeout "$(left ${ABTREE_TP_S:-300})" python benchmarks/bench_tp.py --world "" \
-      --batch 1,16 --json "$R/ab_tp_$tree.json" > "$R/ab_tp_$tree.txt" 2>&1)
-    tr '\r' '\n' < "$R/ab_tp_$tree.txt" | grep -v -i "warn\|it/s\]" | tail -3 | cut -c1-250
-  done ;; esac
-  case " ${ABTREE_PARTS:-tp bench} " in *" bench "*)
-  for tree in new old; do
-    d=$PWD; [ $tree = old ] && d=$O
-    step "shipped-pair bench ($tree tree)"
-    (cd "$d" && PYTHONPATH=. timeout "$(left ${ABTREE_BENCH_S:-150})" python -m dspark.bench --num-prompts 32 \
-      --max-tokens 128 --temperature 0 --concurrency 1,16 --ignore-eos --json "$R/ab_bench_$tree.json" \
-      > "$R/ab_bench_$tree.txt" 2>&1)
-    tr '\r' '\n' < "$R/ab_bench_$tree.txt" | grep "^ *1[6 ] fixed\|^ *1 fixed" | cut -c1-200
-  done ;; esac ;;
+    step "$part A/B ($tree tree)"
+    if [ $part = tp ]; then box=${ABTREE_TP_S:-300}
+      cmd=(python benchmarks/bench_tp.py --world "" --batch 1,16); show="."
+    else box=${ABTREE_BENCH_S:-150}
+      cmd=(python -m dspark.bench --num-prompts 32 --max-tokens 128 --temperature 0 --concurrency 1,16 --ignore-eos)
+      show="^ *1[6 ] fixed\|^ *1 fixed"; fi
+    (cd "$d" && PYTHONPATH=. timeout "$(left $box)" "${cmd[@]}" --json "$R/ab_${part}_$tree.json" \
+      > "$R/ab_${part}_$tree.txt" 2>&1)
+    tr '\r' '\n' < "$R/ab_${part}_$tree.txt" | grep -v -i "warn\|it/s\]" | grep "$show" | tail -3 | cut -c1-250
+  done; done ;;
 tp)      # the TP runner against the single-device runner (world 1 on one GPU; 1,2 where lent)
   step "TP GPU tests (NCCL, fixed-shape steps captured with the collectives inside)"
   timeout "$(left 200)" python -m pytest -q -rfE -m gpu tests/test_tp_fixed_shape.py \

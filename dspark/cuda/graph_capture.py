@@ -83,4 +83,3 @@ def held_buffer(store: dict, key, numel: int, make):
             numel = max(numel, 2 * buf.numel())     # doubling: the kept ones sum to < the live one
         buf = store[key] = make(numel)
     return buf
-
