@@ -11,15 +11,16 @@
 #              on CUDA, and their time box
 #   GPU_S=300  the time box of the GPU-marked tests; GPU_K="expr": their pytest -k
 #   KERNEL_ARGS="--skip-moe ..."  extra arguments of the kernels step
-# Triton's compile cache comes back as $OUT/triton-cache.tgz.00, .01, ...: copy the parts to the
-# repo root (.triton-cache.tgz.*, git-ignored) and name them in the next call's carry; that
+# Triton's compile cache comes back as $OUT/triton-cache.txz.00, .01, ... (xz: a third of gzip's
+# size, and a call carries 64 MiB in all): copy the parts to the repo root as
+# .triton-cache.txz.* (git-ignored) and name them in the next call's carry; that
 # call unpacks it first and skips the cold compiles (~100 s of a fresh machine's bench
 # warm-up); kernels whose source changed compile again.
 set -uo pipefail
 OUT=${OUT:-out}; R="$OUT/r"; mkdir -p "$R"; R=$(realpath "$R")   # absolute: steps may cd elsewhere
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 DSPARK_INSTAFAIL=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache}; mkdir -p "$TRITON_CACHE_DIR"
-ls .triton-cache.tgz* >/dev/null 2>&1 && cat .triton-cache.tgz* | tar xz -C "$TRITON_CACHE_DIR"
+ls .triton-cache.txz* >/dev/null 2>&1 && cat .triton-cache.txz* | xz -d -T0 | tar x -C "$TRITON_CACHE_DIR"
 echo "Triton cache $TRITON_CACHE_DIR: $(find "$TRITON_CACHE_DIR" -type f | wc -l) files at the start"
 BUDGET=${BUDGET:-570}; T0=$SECONDS
 STEPS=${STEPS:-"tests decode kernels bench trace draft qwen3 sweep mhc tp"}   # also: det (deterministic mode), detprof, detflash, abtree (OLD_TREE=dir), pdl (PDL off / on), flash, flashtp, flashprof, host, timeline
@@ -128,7 +129,7 @@ det)     # deterministic mode (EngineConfig.deterministic): its GPU tests (batch
   timeout "$(left ${DET_TESTS_S:-240})" python -m pytest -q -m gpu -rfE tests/test_batch_invariant.py \
     tests/test_deterministic.py ${DET_K:+-k "$DET_K"} > "$R/det_gpu_tests.txt" 2>&1
   tail -3 "$R/det_gpu_tests.txt" | cut -c1-300; grep -A25 "^=== FAILED\|^____" "$R/det_gpu_tests.txt" | grep -v "^ *$" | cut -c1-200 | head -60
-  for mode in default deterministic; do
+  [ "${DET_BENCH:-1}" = 0 ] || for mode in default deterministic; do   # DET_BENCH=0: the tests only
     step "bench $mode (c = 1, 16)"
     timeout "$(left ${DET_BENCH_S:-150})" python -m dspark.bench --num-prompts ${DET_PROMPTS:-32} --max-tokens 128 \
       --temperature 1,0 --concurrency 1,16 --ignore-eos $([ $mode = deterministic ] && echo --deterministic) \
@@ -269,4 +270,4 @@ esac; done
 step "done"
 tar czf "$OUT/results.tgz" -C "$OUT" r && rm -rf "$R"
 # in parts of 15 MiB: a file that comes back may be at most 16 MiB
-tar cz -C "$TRITON_CACHE_DIR" . 2>/dev/null | split -b 15M -d - "$OUT/triton-cache.tgz."
+tar c -C "$TRITON_CACHE_DIR" . 2>/dev/null | xz -T0 -6 | split -b 15M -d - "$OUT/triton-cache.txz."
