@@ -240,11 +240,12 @@ detflash) # deterministic mode's cost at V4-Flash width: decode step and DSpark 
 abtree)  # A/B of another tree (OLD_TREE: a `git archive` of the commit before a change, carried)
          # against this one in the same call: the flash-width decode step and round (bench_tp),
          # then the shipped-pair bench (c = 1, 16, T = 0); ABTREE_PARTS="tp" or "bench" for one
-         # of them (a flash-width load + cold compiles take ~3 min per tree)
+         # of them (a flash-width load + cold compiles take ~3 min per tree); ABTREE_ORDER="old new"
+         # runs the old tree first (default new first)
   if [ -z "${OLD_TREE:-}" ] || [ ! -d "${OLD_TREE:-}/dspark" ]; then
     echo "abtree: set OLD_TREE to a tree holding dspark/ (git archive of the old commit)"; continue; fi
   O=$(realpath "$OLD_TREE"); [ -e "$O/dspark/assets" ] || ln -s "$PWD/dspark/assets" "$O/dspark/assets"
-  for part in ${ABTREE_PARTS:-tp bench}; do for tree in new old; do
+  for part in ${ABTREE_PARTS:-tp bench}; do for tree in ${ABTREE_ORDER:-new old}; do
     d=$PWD; [ $tree = old ] && d=$O
     step "$part A/B ($tree tree)"
     if [ $part = tp ]; then box=${ABTREE_TP_S:-300}
