@@ -66,3 +66,21 @@ def test_table_warns_about_compiles_inside_a_timed_run(capsys):
     assert "3/1/7" in out and "0/0/0" in out
     warn = [l for l in out.splitlines() if l.startswith("WARNING")]
     assert len(warn) == 1 and "c=4 fixed" in warn[0] and "ragged lengths" in warn[0]
+    assert "warm-up missed" in warn[0]
+
+
+def test_table_says_why_prompt_steps_run_eagerly(capsys):
+    """Eager prompt steps alone (wider than any captured step) are not called a warm-up miss;
+    with any other fallback, compile or capture beside them they are."""
+    run = dict(tau=2.0, mean_verify_len=4.0, accept_rate=0.5, tok_s=100.0, ttft_ms=1.0,
+               tpot_ms=1.0, cond_accept=[0.5])
+    prompts = {"triton_compiles": 0, "graph_captures": 0,
+               "eager_fallbacks": {"target: prefill / mixed step": 4}}
+    mixed = {"triton_compiles": 0, "graph_captures": 2,
+             "eager_fallbacks": {"target: prefill / mixed step": 4}}
+    print_table([{"concurrency": 1, "policy": "fixed", "speedup": 1.0,
+                  "dspark": {**run, "compile_stats": mixed}, "off": {**run, "compile_stats": prompts}}])
+    warn = [l for l in capsys.readouterr().out.splitlines() if l.startswith("WARNING")]
+    assert len(warn) == 2
+    assert "c=1 fixed" in warn[0] and "warm-up missed" in warn[0]
+    assert "c=1 off" in warn[1] and "prompt steps wider than the captured widths" in warn[1]

@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from ..compile_stats import delta, total
+from ..cuda.graph_capture import PROMPT_STEP
 from ..engine import Engine, default_model_path
 from ..model_dir import weight_format_for
 from ..metrics import aggregate
@@ -108,10 +109,16 @@ def print_table(rows):
         for name in ("dspark", "off"):
             st = r[name]["compile_stats"]
             if total(st):
+                # a prompt wider than every captured step runs eagerly whatever the warm-up did
+                reasons = {k.split(": ")[-1] for k in st["eager_fallbacks"]}
+                prompts_only = (reasons == {PROMPT_STEP} and not st["triton_compiles"]
+                                and not st["graph_captures"])
+                why = ("prompt steps wider than the captured widths run eagerly" if prompts_only
+                       else "the warm-up missed these shapes")
                 print(f"WARNING: c={r['concurrency']} {r['policy'] if name == 'dspark' else 'off'}: "
                       f"{st['triton_compiles']} Triton compiles, {st['graph_captures']} graph "
                       f"captures, eager fallbacks {st['eager_fallbacks'] or 0} inside the timed "
-                      f"run (the warm-up missed these shapes)")
+                      f"run ({why})")
     for r in rows:
         cond = " ".join(f"{c:.2f}" for c in r["dspark"]["cond_accept"])
         print(f"conditional acceptance per position, c={r['concurrency']} {r['policy']}: {cond}")

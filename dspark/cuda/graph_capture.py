@@ -38,6 +38,10 @@ def pow2_buckets(limit: int) -> list:
     return [b for b in (1 << i for i in range(limit.bit_length())) if b < limit] + [limit]
 
 
+# why a step carrying a prompt chunk wider than every captured width runs eagerly
+PROMPT_STEP = "prefill / mixed step"
+
+
 def step_bucket(items, q_lens, batch_buckets: list, page_buckets: list, block_size: int):
     """(batch bucket, q, page bucket) of a decode / verify step [(request id, start, tokens)]:
     every request feeds the same q (one of `q_lens`) and the batch and the pages each request
@@ -54,7 +58,7 @@ def step_fit(items, q_lens, batch_buckets: list, page_buckets: list, block_size:
         return "batch too large"
     lens = {len(t) for _, _, t in items}
     if max(lens) > max(q_lens):
-        return "prefill / mixed step"
+        return PROMPT_STEP
     if len(lens) > 1:
         return "ragged lengths"
     q = lens.pop()
