@@ -1,7 +1,8 @@
-"""Host work of one batch-1 DSpark round, measured on CPU along the CUDA path's code.
+"""Host work of one DSpark round, measured on CPU along the CUDA path's code.
 
     PYTHONPATH=. python benchmarks/host_round_cpu.py --temperature 0 --rounds 200
     PYTHONPATH=. python benchmarks/host_round_cpu.py --policy scheduled
+    PYTHONPATH=. python benchmarks/host_round_cpu.py --concurrency 1,16,64   # rounds of C requests
 
 The shipped pair on CPU, set up as the engine runs it on CUDA: the V4 target's fixed-shape step
 (V4DecodeGraphs) and the draft pass / context writes as "graphs", sampled verification through
@@ -64,7 +65,8 @@ def _fused_verify_stub(drafts, q, logits, temp, lens, seeds, P):
     return VerifyResult(a, a)
 
 
-def cuda_path_engine(max_num_seqs: int = 4, policy: str = "fixed") -> Engine:
+def cuda_path_engine(max_num_seqs: int = 4, policy: str = "fixed",
+                     pages_per_seq: int = 4) -> Engine:
     """The shipped pair on CPU with the CUDA round's code path and no device work in replays."""
     draft_pass_mod.capture, draft_pass_mod.warm_up = _capture_once, lambda *a, **k: None
     torch.cuda.graph_pool_handle = lambda: None
@@ -73,7 +75,7 @@ def cuda_path_engine(max_num_seqs: int = 4, policy: str = "fixed") -> Engine:
     sampling_kernels.fused_verify = _fused_verify_stub
     sps = {} if policy == "fixed" else {"sps_table": H200_SPS_MS}
     eng = Engine(default_model_path(), device="cpu", dtype="fp32", max_num_seqs=max_num_seqs,
-                 num_kv_blocks=4 * max_num_seqs + 2, verify_policy=policy, **sps)
+                 num_kv_blocks=pages_per_seq * max_num_seqs + 2, verify_policy=policy, **sps)
     r = eng.runner
     reserve_scratch(eng.cache)
     r.target_graphs = V4DecodeGraphs(r.model, eng.cache, "torch",
@@ -132,6 +134,42 @@ def rounds_of(eng, n: int) -> None:
         eng.step()
 
 
+def fresh_batch(eng, sp, prompt, concurrency: int) -> None:
+    """Abort what runs, admit `concurrency` requests and step until every one is past its
+    prompt (the rounds timed afterwards are steady-state rounds of all of them)."""
+    for rid in eng.request_ids():
+        eng.abort(rid)
+    for i in range(concurrency):
+        eng.add_request(prompt + " " * i, sp)        # distinct prompts, nearly one length
+    while eng.scheduler.waiting or any(not r.output_ids for r in eng.scheduler.running):
+        eng.step()
+
+
+def concurrency_rows(levels, temperature: float, policy: str, rounds: int, repeats: int) -> None:
+    """Host us per round with C requests in every round, for each C of `levels` (best of
+    `repeats` runs of `rounds` rounds after 10 untimed ones), and per request."""
+    sp = SamplingParams(temperature=temperature, max_tokens=10 ** 6, ignore_eos=True, seed=1)
+    for c in levels:
+        # pages for the prompt and every round's γ + 1 rows (no preemption while timed); one
+        # cache slot more than C: reserve_scratch takes one
+        eng = cuda_path_engine(max(4, c + 1), policy, pages_per_seq=-(-(64 + 6 * (rounds + 12)) // 256) + 1)
+        best = float("inf")
+        with torch.inference_mode():
+            for _ in range(repeats):
+                fresh_batch(eng, sp, "def fibonacci(n):\n", c)
+                rounds_of(eng, 10)
+                before = eng.compile_stats()
+                t0 = time.perf_counter()
+                rounds_of(eng, rounds)
+                best = min(best, (time.perf_counter() - t0) / rounds * 1e6)
+                if eng.compile_stats() != before or len(eng.scheduler.running) != c:
+                    raise RuntimeError(f"c={c}: the timed rounds were not steady state "
+                                       f"({eng.compile_stats()}, {len(eng.scheduler.running)} running)")
+        print(f"{policy} T={temperature} c={c}: {best:.0f} us/round, {best / c:.1f} us/request "
+              f"(best of {repeats} x {rounds})")
+        eng.close()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -139,7 +177,15 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=200)
     p.add_argument("--top", type=int, default=0)
     p.add_argument("--policy", default="fixed", help="verify policy (fixed, scheduled, ...)")
+    p.add_argument("--concurrency", default=None,
+                   help="comma list C: host us per round of C requests (instead of the batch-1 "
+                        "counts and profile)")
+    p.add_argument("--repeats", type=int, default=5)
     a = p.parse_args(argv)
+    if a.concurrency:
+        concurrency_rows([int(c) for c in a.concurrency.split(",")], a.temperature, a.policy,
+                         min(a.rounds, 60), a.repeats)
+        return
     eng = cuda_path_engine(policy=a.policy)
     sp = SamplingParams(temperature=a.temperature, max_tokens=10 ** 6, ignore_eos=True, seed=1)
     prompt = "def fibonacci(n):\n"
