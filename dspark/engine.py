@@ -42,7 +42,7 @@ from .model_dir import (check_model_dir, default_model_path, load_sts,  # noqa: 
 from .outputs import RequestOutput, TextStream, request_output
 from .overlap import OverlappedDecode
 from . import prompts as _prompts
-from .request import BlockTokens, Request, Status, sample_seed
+from .request import BlockTokens, Request, Status, sample_seed, stack_field
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -369,7 +369,7 @@ class Engine:
             if req.draft is None:
                 toks = [req.anchor]
             elif lazy:
-                toks = BlockTokens(req.anchor, req.draft.tokens[:req.feed_len])
+                toks = BlockTokens.of_block(req.anchor, req.draft, req.feed_len)
             else:
                 toks = [req.anchor] + req.draft.tokens[:req.feed_len].tolist()
             items.append((req.target_state, req.num_committed, toks))
@@ -452,7 +452,7 @@ class Engine:
         if lens is not None:
             return lens
         ids = [r.request_id for r in running]
-        conf = torch.stack([r.draft.conf_logits for r in running])
+        conf = stack_field([r.draft for r in running], "conf_logits")
         width = self.policy.host_width(ids, [r.num_committed for r in running], conf)
         return [width] * len(running) if width is not None else self.policy(conf, ids).tolist()
 

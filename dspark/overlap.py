@@ -96,7 +96,8 @@ class OverlappedDecode:
         else:
             nxt = prev.decision.next_tokens()
             starts = [r.num_committed + 1 for r in reqs]
-            toks = [BlockTokens(nxt[i], nxt[:0]) for i in rows]
+            none = nxt[:0]                  # no drafts: one empty view for every request
+            toks = [BlockTokens(nxt[i], none) for i in rows]
         if eng.cache is not None:
             try:
                 for r, s in zip(reqs, starts):

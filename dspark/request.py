@@ -13,27 +13,120 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(frozen=True)
+class DraftBatch:
+    """One batched draft pass's results, a row per request in the pass's order."""
+    tokens: torch.Tensor                  # [R, γ] int64
+    probs: torch.Tensor | None            # [R, γ, V] fp32 draft distributions, or None
+    conf_logits: torch.Tensor             # [R, γ] fp32
+
+
 class DraftBlock:
-    tokens: torch.Tensor          # [γ] int64 drafted tokens x_1..x_γ
-    probs: torch.Tensor | None    # [γ, V] fp32 exact draft distributions (None when greedy)
-    conf_logits: torch.Tensor     # [γ] fp32 confidence logits
+    """A request's DSpark block: drafted tokens x_1..x_γ [γ] int64, the exact distributions they
+    were sampled from [γ, V] fp32 (None: greedy, a point mass on each token) and the confidence
+    logits [γ] fp32. Either its own tensors, or row `row` of a `DraftBatch` (`of_batch`): no
+    per-request tensor op until a field is asked for, and the blocks of a round whose requests
+    are the batch's rows in order stack as a view of the batch (`stack_field`)."""
+    __slots__ = ("batch", "row", "_tokens", "_probs", "_conf_logits", "_has_probs")
+
+    def __init__(self, tokens: torch.Tensor | None = None, probs: torch.Tensor | None = None,
+                 conf_logits: torch.Tensor | None = None, *, batch: DraftBatch | None = None,
+                 row: int = 0, has_probs: bool = True):
+        self.batch, self.row = batch, row
+        self._tokens, self._probs, self._conf_logits = tokens, probs, conf_logits
+        self._has_probs = has_probs and (probs is not None if batch is None
+                                         else batch.probs is not None)
+
+    @classmethod
+    def of_batch(cls, batch: DraftBatch, greedy) -> list:
+        """One block per row of `batch`; rows whose `greedy` flag is set keep no distribution."""
+        return [cls(batch=batch, row=i, has_probs=not g) for i, g in enumerate(greedy)]
+
+    @property
+    def has_probs(self) -> bool:
+        """Whether the block keeps its distributions (`probs` is not None), without making
+        its view."""
+        return self._has_probs
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        if self._tokens is None:
+            self._tokens = self.batch.tokens[self.row]
+        return self._tokens
+
+    @property
+    def probs(self) -> torch.Tensor | None:
+        if self._probs is None and self._has_probs:
+            self._probs = self.batch.probs[self.row]
+        return self._probs
+
+    @property
+    def conf_logits(self) -> torch.Tensor:
+        if self._conf_logits is None:
+            self._conf_logits = self.batch.conf_logits[self.row]
+        return self._conf_logits
+
+
+def batch_rows(blocks) -> tuple | None:
+    """(DraftBatch, first row) when `blocks` are the rows lo..lo+R-1 of one batch in order (the
+    usual round: the requests the pass that drafted them ran for), else None."""
+    batch = getattr(blocks[0], "batch", None)       # (blocks may be any object with the fields)
+    if batch is None:
+        return None
+    lo = blocks[0].row
+    for i, b in enumerate(blocks):
+        if getattr(b, "batch", None) is not batch or b.row != lo + i:
+            return None
+    return batch, lo
+
+
+def has_probs(block) -> bool:
+    """Whether a block keeps its draft distributions (for a DraftBlock without making its
+    view)."""
+    return block.has_probs if isinstance(block, DraftBlock) else block.probs is not None
+
+
+def stack_field(blocks, field: str, width: int | None = None) -> torch.Tensor:
+    """[R, ...] the blocks' `field` ("tokens", "probs" or "conf_logits"), its first `width`
+    columns: a view of their batch where `batch_rows` finds one, else one stack of their own
+    views (every block must have the field: for "probs", has_probs)."""
+    rows = batch_rows(blocks)
+    if rows is not None:
+        out = getattr(rows[0], field)[rows[1]:rows[1] + len(blocks)]
+    else:
+        out = torch.stack([getattr(b, field) for b in blocks])
+    return out if width is None else out[:, :width]
 
 
 class BlockTokens:
-    """The tokens a verify step feeds: the anchor and the first ℓ drafted tokens as a device
+    """The tokens a verify step feeds: the anchor and the first n drafted tokens as a device
     tensor view, so the step can be scheduled without reading the draft tokens back (which would
     wait for the draft pass). The anchor is a host int, or a 0-d device tensor when the previous
     round computed it and the host has not read it yet (the overlapped decode loop). Runners that
-    cannot take device tokens call `tolist()` (that read)."""
-    __slots__ = ("anchor", "drafts")
+    cannot take device tokens call `tolist()` (that read). Made from a request's `DraftBlock`
+    (`of_block`), the drafts stay its batch row until asked for, so a step of whole batch rows
+    copies them in one slice (`stack_field`)."""
+    __slots__ = ("anchor", "_drafts", "block", "n")
 
-    def __init__(self, anchor, drafts: torch.Tensor):
+    def __init__(self, anchor, drafts: torch.Tensor | None, block: DraftBlock | None = None,
+                 n: int | None = None):
         self.anchor = anchor if isinstance(anchor, torch.Tensor) else int(anchor)
-        self.drafts = drafts
+        self._drafts, self.block = drafts, block
+        self.n = drafts.shape[0] if drafts is not None else n
+
+    @classmethod
+    def of_block(cls, anchor, block: DraftBlock, n: int) -> "BlockTokens":
+        """The anchor and the first n drafts of `block`."""
+        return cls(anchor, None, block, n)
+
+    @property
+    def drafts(self) -> torch.Tensor:
+        if self._drafts is None:
+            self._drafts = self.block.tokens[:self.n]
+        return self._drafts
 
     def __len__(self) -> int:
-        return 1 + self.drafts.shape[0]
+        return 1 + self.n
 
     def tolist(self) -> list:
         return [int(self.anchor)] + self.drafts.tolist()

@@ -21,7 +21,7 @@ from .kernels.invariant_mode import choices, products
 from .models.deepseek_v4.model import Batch, DeepseekV4Model
 from .models.drafter import DraftState, DSparkDrafter
 from .compile_stats import target_fallback_reason
-from .request import DraftBlock, token_list
+from .request import DraftBatch, DraftBlock, token_list
 
 # deterministic mode on the graph path: prompt chunks are fed as uniform steps of this many tokens
 # per request (the last piece shorter)
@@ -65,6 +65,12 @@ def _q(req, probs, i):
     """Request i's draft distributions [γ, V], or None: greedy requests keep none (q is the point
     mass on the token), nor does the Gumbel-max draft pass (its drafts are checked by token)."""
     return None if req.params.greedy or probs is None else probs[i]
+
+
+def _blocks(reqs, toks, probs, confs) -> list:
+    """The requests' blocks as rows of one DraftBatch (no per-request tensor op); greedy
+    requests keep no distribution (_q)."""
+    return DraftBlock.of_batch(DraftBatch(toks, probs, confs), [r.params.greedy for r in reqs])
 
 
 class ModelRunner:
@@ -343,9 +349,7 @@ class ModelRunner:
                 return [DraftBlock(t[0], _q(r, q, 0), c[0])
                         for r, (t, q, c) in zip(reqs, parts)]
             with self._kernels():
-                toks, probs, confs = self.draft_pass(reqs, self.quant)
-            # greedy requests keep no [γ, V] distribution: their q is the point mass on the token
-            return [DraftBlock(toks[i], _q(r, probs, i), confs[i]) for i, r in enumerate(reqs)]
+                return _blocks(reqs, *self.draft_pass(reqs, self.quant))
         raise TypeError(f"{type(self.drafter).__name__} has no batched draft pass: drafters must "
                         "come with one (dspark/draft_pass.py, dspark/models/dspark_qwen3_pass.py)")
 
@@ -395,9 +399,8 @@ class ModelRunner:
         else:
             after_anchor = to_device([p + 1 for p in anchor_pos], torch.long, dev)
         top = max(anchor_pos) + g + 1
-        toks, probs, confs = dp(reqs, self.quant, on_device=(next_tokens, (after_anchor, accepted),
-                                                             top))
-        return [DraftBlock(toks[i], _q(r, probs, i), confs[i]) for i, r in enumerate(reqs)]
+        return _blocks(reqs, *dp(reqs, self.quant, on_device=(next_tokens, (after_anchor, accepted),
+                                                             top)))
 
     def draft_blocks_for_profile(self, states, start: int):
         """Draft pass for len(states) synthetic requests anchored at `start` (SPS profiling)."""

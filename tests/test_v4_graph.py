@@ -18,7 +18,7 @@ from dspark.attention import get_backend
 from dspark.formats import layouts as L
 from dspark.kvcache.paged import PagedKVCache
 from dspark.models.deepseek_v4.graph import SCRATCH_RID, V4DecodeGraphs, reserve_scratch
-from dspark.request import BlockTokens
+from dspark.request import BlockTokens, DraftBatch, DraftBlock
 from dspark.sampling import argmax_rows
 from dspark.runner import ModelRunner
 from paged_helpers import load_model, rel_err
@@ -121,7 +121,7 @@ def drive(model, kv_dtype, backend, prefill_lens, n_steps, tol, seed=0, device="
         le, _ = eager.target_forward([(r, 0, seqs[r][:n])])
         lg, _ = prefill.target_forward([(r, 0, seqs[r][:n])])
         assert rel_err(lg.cpu(), le.cpu()) <= 1e-6      # same eager path, same cache layout
-    buckets = set()
+    buckets, verifies = set(), 0
     for kind, who, accept in steps:
         q = 1 if kind == "decode" else Q_VERIFY
         items = [(r, P[r], seqs[r][P[r]:P[r] + q]) for r in who]
@@ -131,9 +131,22 @@ def drive(model, kv_dtype, backend, prefill_lens, n_steps, tol, seed=0, device="
         buckets.add(graphs.bucket(items))
         if device_tokens and kind != "decode":
             # drafts as device tensors (BlockTokens): the fixed-shape path copies them on the
-            # device, the eager runner reads them back
-            lazy = [(r, p, BlockTokens(t[0], torch.tensor(t[1:], device=device)))
-                    for r, p, t in items]
+            # device, the eager runner reads them back. Every other verify step they are the
+            # rows of one draft pass's batch (DraftBlock.of_batch), in order (the step copies a
+            # slice of the batch) or reversed (one stack of the rows)
+            verifies += 1
+            if verifies % 2:
+                lazy = [(r, p, BlockTokens(t[0], torch.tensor(t[1:], device=device)))
+                        for r, p, t in items]
+            else:
+                drafts = torch.tensor([t[1:] for _, _, t in items], device=device)
+                rev = verifies % 4 == 0
+                batch = DraftBatch(drafts.flip(0) if rev else drafts, None,
+                                   torch.zeros(drafts.shape, device=device))
+                R = len(items)
+                lazy = [(r, p, BlockTokens.of_block(t[0], DraftBlock(
+                    batch=batch, row=R - 1 - i if rev else i, has_probs=False), q - 1))
+                    for i, (r, p, t) in enumerate(items)]
             le, te = eager.target_forward(lazy)
             out = graphs.run(lazy)
         else:

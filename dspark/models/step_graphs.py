@@ -29,7 +29,7 @@ import torch
 from ..compile_stats import count_capture, count_fallback, target_fallback_reason
 from ..cuda.graph_capture import capture, pow2_buckets, step_bucket, warm_up
 from ..kernels.invariant_mode import products
-from ..request import BlockTokens
+from ..request import BlockTokens, stack_field
 
 
 class StepGraphs:
@@ -153,8 +153,8 @@ class StepGraphs:
                     anchors.append(toks.anchor.view(1))
                 else:
                     ids[i * q] = toks.anchor
-                if toks.drafts.shape[0]:
-                    on_device.append((i * q + 1, toks.drafts))
+                if toks.n:
+                    on_device.append((i * q + 1, toks))
             else:
                 ids[rows] = toks
         if anchors and len(anchors) != len(items):
@@ -176,13 +176,17 @@ class StepGraphs:
 
     def _copy_device_tokens(self, on_device, anchors, R: int, q: int) -> None:
         """Device to device, no wait for the draft pass: one copy when every block carries q - 1
-        drafts (uniform verify steps), else one per block; the anchors in one copy."""
+        drafts (uniform verify steps: a slice of the draft pass's batch where the blocks are its
+        rows in order), else one per block; the anchors in one copy."""
         ids = self.ints[:self.rows]
-        if len(on_device) == R > 1 and all(d.shape[0] == q - 1 for _, d in on_device):
-            ids[:R * q].view(R, q)[:, 1:].copy_(torch.stack([d for _, d in on_device]))
+        if len(on_device) == R > 1 and all(t.n == q - 1 for _, t in on_device):
+            blocks = [t.block for _, t in on_device]
+            src = (stack_field(blocks, "tokens", q - 1) if None not in blocks
+                   else torch.stack([t.drafts for _, t in on_device]))
+            ids[:R * q].view(R, q)[:, 1:].copy_(src)
         else:
-            for row, drafts in on_device:
-                ids[row:row + drafts.shape[0]].copy_(drafts, non_blocking=True)
+            for row, toks in on_device:
+                ids[row:row + toks.n].copy_(toks.drafts, non_blocking=True)
         if anchors:
             src = anchors[0] if R == 1 else torch.cat(anchors)
             ids[:R * q].view(R, q)[:, 0].copy_(src, non_blocking=True)

@@ -11,6 +11,7 @@ import torch
 
 from ..cuda.transfer import to_device
 from ..logit_adjust import LogitAdjust
+from ..request import has_probs, stack_field
 from ..sampling import (argmax_rows, filters_used, fused_filters_enabled,
                         fused_sampling_enabled, probs_from_logits,
                         stack_params)
@@ -109,10 +110,8 @@ def decide(reqs, logits, first_rows, lengths, anchor_pos, gamma: int,
     verified = any(lengths)
     if not verified:
         drafts = torch.zeros(R, g, dtype=torch.long, device=dev)
-    elif R == 1 and lengths[0]:
-        drafts = reqs[0].draft.tokens[None]
     elif all(lengths):
-        drafts = torch.stack([r.draft.tokens for r in reqs])
+        drafts = stack_field([r.draft for r in reqs], "tokens")
     else:
         none = torch.zeros(g, dtype=torch.long, device=dev)
         drafts = torch.stack([r.draft.tokens if n else none for r, n in zip(reqs, lengths)])
@@ -140,9 +139,9 @@ def decide(reqs, logits, first_rows, lengths, anchor_pos, gamma: int,
     # q = None: every verified draft is a point mass at its token (greedy drafts, or
     # nothing verified), which verify and fused_verify build implicitly
     q = None
-    if all(lengths) and all(r.draft.probs is not None for r in reqs):
-        q = reqs[0].draft.probs[None] if R == 1 else torch.stack([r.draft.probs for r in reqs])
-    elif any(r.draft.probs is not None for r, n in zip(reqs, lengths) if n):
+    if all(lengths) and all(has_probs(r.draft) for r in reqs):
+        q = stack_field([r.draft for r in reqs], "probs")
+    elif any(has_probs(r.draft) for r, n in zip(reqs, lengths) if n):
         q = torch.zeros(R, g, V, device=dev)
         for i, r in enumerate(reqs):
             if lengths[i]:       # greedy drafts keep no distribution: a point mass
@@ -187,8 +186,11 @@ def decide_gumbel(reqs, logits, first_rows, lengths, anchor_pos, gamma: int) -> 
     own [V] tensor (`gumbel_tokens`)."""
     R, V, dev = len(reqs), logits.shape[-1], logits.device
     g = gamma
-    none = None if all(lengths) else torch.zeros(g, dtype=torch.long, device=dev)
-    drafts = torch.stack([req.draft.tokens[:g] if n else none for req, n in zip(reqs, lengths)])
+    if all(lengths):
+        drafts = stack_field([r.draft for r in reqs], "tokens", g)
+    else:
+        none = torch.zeros(g, dtype=torch.long, device=dev)
+        drafts = torch.stack([req.draft.tokens[:g] if n else none for req, n in zip(reqs, lengths)])
     batched = [i for i, req in enumerate(reqs) if logits.is_cuda and _plain_gumbel(req.params)]
     heads = [None] * R
     if batched:
