@@ -165,8 +165,20 @@ def concurrency_rows(levels, temperature: float, policy: str, rounds: int, repea
                 if eng.compile_stats() != before or len(eng.scheduler.running) != c:
                     raise RuntimeError(f"c={c}: the timed rounds were not steady state "
                                        f"({eng.compile_stats()}, {len(eng.scheduler.running)} running)")
+            # the counts, which do not move with the machine's load as its clock does
+            fresh_batch(eng, sp, "def fibonacci(n):\n", c)
+            rounds_of(eng, 10)
+            prof = cProfile.Profile()
+            prof.enable()
+            rounds_of(eng, rounds)
+            prof.disable()
+            calls = sum(nc for (_, nc, _, _, _) in pstats.Stats(prof).stats.values())
+            ops = OpCounter()
+            with ops:
+                rounds_of(eng, rounds)
         print(f"{policy} T={temperature} c={c}: {best:.0f} us/round, {best / c:.1f} us/request "
-              f"(best of {repeats} x {rounds})")
+              f"(best of {repeats} x {rounds}); {calls / rounds:.0f} Python calls, "
+              f"{sum(ops.ops.values()) / rounds:.1f} torch ops per round")
         eng.close()
 
 

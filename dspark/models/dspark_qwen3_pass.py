@@ -131,6 +131,9 @@ class Qwen3DraftPass(DraftPass):
             return commit_rows_fused(self.drafter, self.pool, slots, taps, positions)
         return self.drafter.commit_rows(self.pool, slots, taps, positions)
 
+    def _pool_tensor(self) -> torch.Tensor:
+        return self.pool.k[0]
+
     def _tensors_read(self, ropes) -> tuple:
         return tuple(self.pool.kv)        # (no RoPE tables: angles from the positions)
 
