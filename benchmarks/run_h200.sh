@@ -23,7 +23,7 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache}; mkdir -p "$TRIT
 ls .triton-cache.txz* >/dev/null 2>&1 && cat .triton-cache.txz* | xz -d -T0 | tar x -C "$TRITON_CACHE_DIR"
 echo "Triton cache $TRITON_CACHE_DIR: $(find "$TRITON_CACHE_DIR" -type f | wc -l) files at the start"
 BUDGET=${BUDGET:-570}; T0=$SECONDS
-STEPS=${STEPS:-"tests decode kernels bench trace draft qwen3 sweep mhc tp"}   # also: det (deterministic mode), detprof, detflash, abtree (OLD_TREE=dir), pdl (PDL off / on), flash, flashtp, flashprof, host, timeline
+STEPS=${STEPS:-"tests decode kernels bench trace draft qwen3 sweep mhc tp"}   # also: det (deterministic mode), detprof, detflash, launch, abtree (OLD_TREE=dir), pdl (PDL off / on), flash, flashtp, flashprof, host, timeline
 left() { local l=$((BUDGET - SECONDS + T0)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 1 ] && l=1; echo $l; }
 step() { echo "[t=$((SECONDS - T0))s] $1"; }
 for s in $STEPS; do case $s in
@@ -228,6 +228,12 @@ pdl)     # PDL launches (test_pdl runs with and without), the 16-bit skinny line
 mhc)
   step "bench_mhc"
   timeout "$(left 60)" python benchmarks/bench_mhc.py --T 1,2,6,64 --finish-sweep > "$R/mhc.txt" 2>&1; tail -17 "$R/mhc.txt" ;;
+launch)  # host microseconds of each kind of CUDA call a batch-1 round makes (graph replays,
+         # eager ops, uploads, reads, Triton launches), defaults and without PDL / side streams
+  step "launch_costs --variants"
+  timeout "$(left ${LAUNCH_S:-240})" python benchmarks/launch_costs.py --variants \
+    --json "$R/launch_costs_h200.json" > "$R/launch_costs_h200.txt" 2>&1
+  grep -v -i "warn\|it/s\]" "$R/launch_costs_h200.txt" | tail -45 | cut -c1-160 ;;
 detflash) # deterministic mode's cost at V4-Flash width: decode step and DSpark round (bench_tp,
          # single device, B = 1 and 16), the default engine then the deterministic one
   for mode in default deterministic; do

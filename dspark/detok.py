@@ -34,7 +34,7 @@ class IncrementalDetokenizer:
 
     def push(self, new_ids) -> str:
         """Add tokens, return the newly final text (possibly '')."""
-        self.ids.extend(int(t) for t in new_ids)
+        self.ids.extend(map(int, new_ids))
         if len(self.ids) == self.read_offset:
             return ""
         full = self._decode(self.ids[self.prefix_offset:])

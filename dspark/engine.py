@@ -606,8 +606,10 @@ class Engine:
                                       decode_tokens=len(req.output_ids) - 1)
             self.requests.pop(req.request_id, None)
             self._release(req)
-        group = self._groups.get(req.parent, [req])
-        if all(r.status == Status.FINISHED for r in group):
+        group = self._groups.get(req.parent)
+        if group is None:
+            group = [req]
+        elif all(r.status == Status.FINISHED for r in group):
             self._groups.pop(req.parent, None)
         return request_output(group, req, new_tokens, delta)
 

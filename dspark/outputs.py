@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .detok import IncrementalDetokenizer
+from .request import Status
 
 
 @dataclass
@@ -155,7 +156,6 @@ def request_output(group: list, changed, new_tokens: list, delta: str = "") -> R
     """The RequestOutput of a request from its samples' Requests (`group`); `changed` got
     `new_tokens` and `delta` this step (the other samples' deltas are empty). changed=None: the
     request was aborted; text its samples held back is final now."""
-    from .request import Status
     outs = []
     for r in group:
         mine = r is changed
