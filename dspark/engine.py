@@ -8,7 +8,8 @@ One `step()` is one DSpark round for every running request (architecture.md):
   policy picks ℓ per request -> one flattened target forward (verify blocks + prefill chunks)
   -> lossless accept/reject (device part: dspark/spec/accept.py) -> the next blocks drafted on
   the device from that result (ModelRunner.draft_ahead) -> one read back -> commit tokens
-  (`_commit`) while the device drafts.
+  (`_commit_state`) while the device drafts -> the next round launched -> this round's text,
+  metrics and outputs (`_outputs`) while the device verifies.
 Without a drafter, plain decode steps overlap (dspark/overlap.py): a step launches the next
 round from the device-side tokens of the one before, then commits that one.
 
@@ -28,6 +29,7 @@ import collections
 import itertools
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -52,6 +54,25 @@ from .spec.verify import FinishReason, accept_greedy_host, emit_and_stop_host
 
 # a prompt of at most this many round widths is fed inside the rounds' graph steps (Engine.__init__)
 GRAPH_PREFILL_STEPS = 32
+
+
+@dataclass
+class _Round:
+    """A round launched on the device (Engine._launch), not read back yet: the requests that
+    emit tokens in it, their acceptance (`dec`, still on the device), the pending copy of its
+    table to the host (`host`, complete once `ready` is), the next blocks drafted from it
+    (None where they are drafted after the read), and what the commit reads of the forward."""
+    reqs: list
+    dec: object
+    host: object
+    ready: object
+    blocks: list | None
+    taps: object
+    first_rows: list
+    lengths: list
+    anchor_pos: list
+    logits: object
+    telemetry: dict | None = None      # its entry of Engine.telemetry
 
 
 class Engine:
@@ -84,6 +105,8 @@ class Engine:
         self.cache = getattr(backend, "cache", None)          # None: the dense layout
         self.overlap = OverlappedDecode(self) if self._overlap_decode(c) else None
         self._reader = PinnedReader((self.gamma + 1) * c.max_num_seqs)   # a round's read back
+        self._launched = None      # the round queued on the device, not read back yet (step())
+        self._landed: list = []    # outputs of a round landed outside step(), for the next one
         if self.device.type == "cpu" and (c.cpu_threads or cfg.hidden_size <= 1024):
             # small models on CPU are bound by per-op overhead: intra-op threads only add
             # synchronisation (measured 10-100x slower with 2 threads on a busy 2-core box)
@@ -94,6 +117,7 @@ class Engine:
         if hasattr(self.policy, "uniform"):    # the scheduled policies price padded rounds
             self.policy.uniform = getattr(self.runner, "uniform_verify", False)
         self.telemetry = collections.deque(maxlen=4096)   # per-step batch composition
+        self.landed_telemetry = None   # the entry of the round the last step() committed
         self.round_log = None     # set to a list to record (conf logits, verified, accepted) per round
         # (the prompt-length error names what set the limit: the model or the cache)
         self.max_model_len, self._max_model_len_limit = c.check_max_model_len(
@@ -137,6 +161,7 @@ class Engine:
     def score(self, token_ids) -> torch.Tensor:
         """float32 logits [len(token_ids), vocab] for every position of one sequence."""
         ids = self._check_prompt(token_ids)
+        self._drain()                   # its forward reuses the buffers a launched round reads
         if self.cache is None:
             state, _ = self.runner.new_states()
             logits, _ = self.runner.target_forward([(state, 0, ids)])
@@ -257,6 +282,7 @@ class Engine:
         """Compile kernels and capture CUDA graphs for the shapes traffic will hit, before any
         request is added (dummy requests; dspark/warmup.py). Returns what ran and how long."""
         from .warmup import warm_up
+        self._drain()
         return warm_up(self, prompt_lengths, batch_sizes, progress=progress)
 
     def compile_stats(self) -> dict:
@@ -274,7 +300,9 @@ class Engine:
             shutdown()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        launched = self._launched        # (its requests may all have been aborted since)
+        return (self.scheduler.has_unfinished() or bool(self._landed) or (
+            launched is not None and any(r.status != Status.FINISHED for r in launched.reqs)))
 
     def abort(self, request_id) -> bool:
         """Stop a request (all its samples) now and free all its cache state; other requests are
@@ -312,24 +340,44 @@ class Engine:
     # ---- one DSpark round ----------------------------------------------------------------
     def step(self) -> list:
         """One round for every running request; returns a RequestOutput per request that got
-        tokens (or finished). With overlapped decode the round committed is the one launched by
-        the previous call, while this call's round runs on the device."""
-        outs = []
-        if self.overlap is not None:
+        tokens (or finished). The round committed is the one launched by the previous call (or
+        now, if none was), and the next round is launched before this one's outputs are built,
+        so the device verifies while the host builds them (text, metrics, RequestOutputs).
+        With overlapped decode the round committed is the one launched by the previous call,
+        while this call's round runs on the device."""
+        outs, self._landed = self._landed, []         # outputs of a round drained outside step()
+        if self.overlap is not None and self._launched is None:
             if self.overlap.applies():
                 done = self.overlap.step()
                 if done is not None:
-                    return done
-            outs = self.overlap.drain()   # a prompt waits, or pages ran short: ordinary round
-        return outs + self._round()
+                    return outs + done
+            outs += self.overlap.drain()  # a prompt waits, or pages ran short: ordinary round
+        rnd, self._launched = self._launched, None
+        if rnd is not None and rnd.reqs and all(r.status == Status.FINISHED for r in rnd.reqs):
+            rnd = None                  # all its requests were aborted since: nothing to land
+        if rnd is None:
+            rnd = self._launch()
+        if rnd is None:
+            return outs
+        work = self._land(rnd)
+        if self.scheduler.has_unfinished() and not (self.overlap is not None
+                                                    and self.overlap.applies()):
+            self._launched = self._launch()
+        return outs + self._outputs(work)
 
-    def _round(self) -> list:
+    def _drain(self) -> None:
+        """Land the round in flight, if any, keeping its outputs for the next step() (before
+        anything else queues device work: its logits and taps are the runner's buffers)."""
+        rnd, self._launched = self._launched, None
+        if rnd is not None:
+            self._landed += self._outputs(self._land(rnd))
+
+    def _launch(self):
         """1. ℓ per request (policy) and its pages; 2. one flattened target forward of the
         verify blocks and prompt chunks; 3. accept / reject, on the device; 5. the next blocks
-        drafted from that device-side result, queued before 4. the one read back and the
-        commit of the accepted tokens, so the device drafts while the host finishes the round
-        (outputs, text, metrics, rolling every cache back past the accepted tokens). Where a
-        draft needs host-side history (Engine._drafts_ahead), 5. follows 4."""
+        drafted from that device-side result, and the read back of the acceptance queued: the
+        device drafts while the host commits (`_land`: 4.). Where a draft needs host-side
+        history (Engine._drafts_ahead), 5. follows 4. None when nothing was launched."""
         sch = self.scheduler
         width = self._verify_lengths(sch.running)                               # 1.
         plan = sch.schedule(prefill_width=width)
@@ -341,14 +389,66 @@ class Engine:
                 raise RuntimeError("scheduler could not place any work although requests are "
                                    "waiting; the KV cache is too small for them (raise "
                                    "num_kv_blocks / kv_cache_memory or lower max_num_seqs)")
-            return []
+            return None
         # read by decide (step 3) before any other forward is queued: no snapshot copy needed
         logits, taps = self.runner.target_forward(items, snapshot=False)
-        self.telemetry.append({"batch_tokens": plan.num_tokens, "num_verify": len(plan.verify),
-                               "verify_tokens": [r.verify_len for r in plan.verify],
-                               "prefill_tokens": sum(n for _, n in plan.prefill)})
+        tel = {"batch_tokens": plan.num_tokens, "num_verify": len(plan.verify),
+               "verify_tokens": [r.verify_len for r in plan.verify],
+               "prefill_tokens": sum(n for _, n in plan.prefill)}
+        self.telemetry.append(tel)
         producers = self._producers(plan, items, logits, taps)
-        return self._accept(*producers, logits, taps, then=self._draft_running)  # 3. 4. 5.
+        rnd = self._accept(*producers, logits, taps)                            # 3. 5.
+        rnd.telemetry = tel
+        return rnd
+
+    def _accept(self, reqs, first_rows, lengths, anchor_pos, logits, taps) -> "_Round":
+        """The device part of acceptance and the next blocks drafted from it, with the read
+        back of its result queued (one copy: [argmax | a, y] and the drafts)."""
+        if not reqs:
+            self._draft_running()
+            return _Round([], None, None, None, None, taps, [], [], [], logits)
+        dec = decide(reqs, logits, first_rows, lengths, anchor_pos, self.gamma,
+                     deterministic=self.config.deterministic)
+        host, ready = self._reader.read(dec.table())
+        blocks = None
+        if self._drafts_ahead(reqs):
+            # the next blocks are queued behind the acceptance before the host reads it: the
+            # device drafts while the host commits (the read waits for the acceptance alone)
+            blocks = self.runner.draft_ahead(reqs, *dec.accepted_next(), taps, first_rows,
+                                             anchor_pos, [r.status == Status.RUNNING for r in reqs])
+        return _Round(reqs, dec, host, ready, blocks, taps, first_rows, lengths, anchor_pos,
+                      logits)
+
+    def _land(self, rnd: "_Round") -> list:
+        """4. The round's one read back and the commit of what the next round reads (tokens,
+        stops, draft context, cache rollback, finishes); requests aborted while it ran are left
+        out. Returns the per-request work left for `_outputs`."""
+        self.landed_telemetry = rnd.telemetry
+        if not rnd.reqs:
+            return []
+        if rnd.ready is not None:
+            rnd.ready.synchronize()
+        table = rnd.host.tolist()
+        keep = [i for i, r in enumerate(rnd.reqs) if r.status != Status.FINISHED]
+        if not keep:
+            return []
+        pick = (lambda xs: [xs[i] for i in keep]) if len(keep) < len(rnd.reqs) else list
+        reqs = pick(rnd.reqs)
+        if rnd.blocks is None:
+            then, written = self._draft_running, False
+        else:
+            blocks = pick(rnd.blocks)
+
+            def then(finishing):
+                for req, block in zip(reqs, blocks):
+                    if req.request_id not in finishing:
+                        req.draft = block
+                # the running requests that were not in the round
+                self._draft_running(finishing | {r.request_id for r in reqs})
+            written = True
+        return self._commit_state(reqs, rnd.dec, pick(table), rnd.taps, pick(rnd.first_rows),
+                                  pick(rnd.lengths), pick(rnd.anchor_pos), logits=rnd.logits,
+                                  then=then, context_written=written)
 
     def _draft_running(self, finishing=frozenset()) -> None:
         """The next DSpark block of every running request but the `finishing` ids (one batched
@@ -462,34 +562,6 @@ class Engine:
         fixed = self.policy.host_lengths(1, self.drafter.gamma)
         return min(fixed[0], self.drafter.gamma) if fixed is not None else self.drafter.gamma
 
-    def _accept(self, reqs, first_rows, lengths, anchor_pos, logits, taps, then=None) -> list:
-        if not reqs:
-            if then is not None:
-                then(frozenset())
-            return []
-        dec = decide(reqs, logits, first_rows, lengths, anchor_pos, self.gamma,
-                     deterministic=self.config.deterministic)
-        if then is None or not self._drafts_ahead(reqs):
-            # every result in ONE read back ([argmax | a, y] and the drafts), the rest on the host
-            return self._commit(reqs, dec, dec.table().tolist(), taps, first_rows, lengths,
-                                anchor_pos, logits=logits, then=then)
-        # the next blocks are queued behind the acceptance before the host reads it: the
-        # device drafts while the host commits (the read waits for the acceptance alone)
-        host, ready = self._reader.read(dec.table())
-        blocks = self.runner.draft_ahead(reqs, *dec.accepted_next(), taps, first_rows,
-                                         anchor_pos, [r.status == Status.RUNNING for r in reqs])
-        if ready is not None:
-            ready.synchronize()
-
-        def adopt(finishing):
-            for req, block in zip(reqs, blocks):
-                if req.request_id not in finishing:
-                    req.draft = block
-            then(finishing | {r.request_id for r in reqs})   # running requests not in the round
-
-        return self._commit(reqs, dec, host.tolist(), taps, first_rows, lengths, anchor_pos,
-                            logits=logits, then=adopt, context_written=True)
-
     def _drafts_ahead(self, reqs) -> bool:
         """Whether this round drafts its next blocks before the host reads its acceptance: the
         runner can (runner.drafts_ahead) and no request's draft depends on host-side history
@@ -499,15 +571,24 @@ class Engine:
 
     def _commit(self, reqs, dec, table, taps, first_rows, lengths, anchor_pos,
                 in_flight=frozenset(), logits=None, then=None, context_written=False) -> list:
+        """_commit_state, then the round's outputs (_outputs)."""
+        return self._outputs(self._commit_state(reqs, dec, table, taps, first_rows, lengths,
+                                                anchor_pos, in_flight, logits, then,
+                                                context_written))
+
+    def _commit_state(self, reqs, dec, table, taps, first_rows, lengths, anchor_pos,
+                      in_flight=frozenset(), logits=None, then=None,
+                      context_written=False) -> list:
         """The host part of acceptance on the read-back `table` (rows of dec.table()): accept
-        (greedy), emitted tokens, stop tokens and token budgets, then every request's state.
+        (greedy), emitted tokens, stop tokens and token budgets, then every request's state:
+        what the next round is scheduled and launched from, and what reads this round's logits
+        (logprobs), which the next forward overwrites. Returns (request, emitted tokens, ran a
+        verify, ℓ, accepted) per request for `_outputs`.
         `in_flight`: ids of requests whose next position a launched forward already writes (the
         overlapped decode loop), so their cache keeps it (no rollback to the committed length).
         `then(finishing ids)` is called once the committed tokens are final (the draft pass of
-        the requests that go on), before the per-request work nothing of the next round waits
-        for. context_written: the verify rows' draft context is on the device already
-        (ModelRunner.draft_ahead)."""
-        g = self.gamma
+        the requests that go on). context_written: the verify rows' draft context is on the
+        device already (ModelRunner.draft_ahead)."""
         R, w = len(reqs), dec.head.shape[1]
         host_drafts = [row[w:] for row in table] if dec.verified else [[]] * R
         if dec.greedy:
@@ -520,7 +601,7 @@ class Engine:
             [len(r.output_ids) for r in reqs],
             [self._token_limit(r) for r in reqs])
 
-        now, outs = time.perf_counter(), []
+        now = time.perf_counter()
         # first what the next round's draft pass reads: committed tokens, draft context, who runs
         was_running = [req.status == Status.RUNNING for req in reqs]
         verified_drafts = [req.draft for req in reqs]     # `then` drafts the next blocks
@@ -548,20 +629,15 @@ class Engine:
             req.output_ids.extend(new)
         if then is not None:
             then({r.request_id for r, f in zip(reqs, finish) if f != FinishReason.NONE})
+        work = []
         for i, req in enumerate(reqs):
             new = emitted[i]
-            if req.detok is not None and not req.detok.stop:
-                req.detok.push(new)
             if req.logprobs is not None and logits is not None:
                 req.logprobs.extend(emitted_logprobs(logits, first_rows[i], new,
                                                      req.params.logprobs, self.tokenizer))
-            if was_running[i]:
-                if self.round_log is not None and verified_drafts[i] is not None:
-                    self.round_log.append((verified_drafts[i].conf_logits.float().cpu(),
-                                           lengths[i], accepted[i]))
-                req.metrics.record_round(proposed=g if self.drafter is not None else 0,
-                                         verified=lengths[i], accepted=min(accepted[i], len(new)),
-                                         emitted=len(new))
+            if was_running[i] and self.round_log is not None and verified_drafts[i] is not None:
+                self.round_log.append((verified_drafts[i].conf_logits.float().cpu(),
+                                       lengths[i], accepted[i]))
             if (self.cache is not None and finish[i] == FinishReason.NONE
                     and req.request_id not in in_flight):
                 # roll every cache back to the committed tokens (rejected drafts never happened)
@@ -570,7 +646,33 @@ class Engine:
                 req.finish_reason = "stop" if finish[i] == FinishReason.STOP else "length"
                 req.finish_time = now
                 self.scheduler.finish(req)
-            outs.append(self._output(req, new))
+                self.requests.pop(req.request_id, None)
+                self._release(req)
+            work.append((req, new, was_running[i], lengths[i], accepted[i]))
+        return work
+
+    def _outputs(self, work) -> list:
+        """What nothing of the next round reads, per request of a committed round (`work` from
+        _commit_state): its text, metrics and RequestOutput."""
+        g, outs = self.gamma, []
+        # samples of several-sample requests that finished in this round: shown running in the
+        # outputs built before their own
+        ending = [req for req, *_ in work if req.status == Status.FINISHED
+                  and len(self._groups.get(req.parent, ())) > 1]
+        for req, new, verified, length, accepted in work:
+            if req.detok is not None and not req.detok.stop:
+                req.detok.push(new)
+            if verified:
+                req.metrics.record_round(proposed=g if self.drafter is not None else 0,
+                                         verified=length, accepted=min(accepted, len(new)),
+                                         emitted=len(new))
+            if ending and ending[0] is req:
+                ending.pop(0)
+            outs.append(self._output(req, new, ending))
+        for req, *_ in work:        # after every sample's output: they all show the group
+            group = self._groups.get(req.parent)
+            if group is not None and all(r.status == Status.FINISHED for r in group):
+                del self._groups[req.parent]
         return outs
 
     @property
@@ -592,7 +694,7 @@ class Engine:
             model, drafter = self.model, self.drafter
         return memory_report(model, drafter)
 
-    def _output(self, req: Request, new_tokens: list) -> RequestOutput:
+    def _output(self, req: Request, new_tokens: list, running=()) -> RequestOutput:
         finished = req.status == Status.FINISHED
         delta = ""
         if req.detok is not None:
@@ -604,14 +706,8 @@ class Engine:
             req.metrics.record_timing(ttft=req.first_token_time - req.arrival_time,
                                       decode_time=req.finish_time - req.first_token_time,
                                       decode_tokens=len(req.output_ids) - 1)
-            self.requests.pop(req.request_id, None)
-            self._release(req)
-        group = self._groups.get(req.parent)
-        if group is None:
-            group = [req]
-        elif all(r.status == Status.FINISHED for r in group):
-            self._groups.pop(req.parent, None)
-        return request_output(group, req, new_tokens, delta)
+        return request_output(self._groups.get(req.parent) or [req], req, new_tokens, delta,
+                              running)
 
     def _release(self, req: Request):
         """Drop every cache the request holds (dense state is freed with the references)."""

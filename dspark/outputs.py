@@ -152,11 +152,14 @@ class TextStream:
         return self.take()
 
 
-def request_output(group: list, changed, new_tokens: list, delta: str = "") -> RequestOutput:
+def request_output(group: list, changed, new_tokens: list, delta: str = "",
+                   running=()) -> RequestOutput:
     """The RequestOutput of a request from its samples' Requests (`group`); `changed` got
     `new_tokens` and `delta` this step (the other samples' deltas are empty). changed=None: the
-    request was aborted; text its samples held back is final now."""
-    outs = []
+    request was aborted; text its samples held back is final now. `running`: samples shown as
+    not finished yet (finished in this step, their own output comes after this one: a sample
+    never shows finished before its last delta)."""
+    outs, running = [], {id(r) for r in running}      # (by identity: Requests compare by value)
     for r in group:
         mine = r is changed
         text = r.text if r.detok is not None else None
@@ -164,8 +167,10 @@ def request_output(group: list, changed, new_tokens: list, delta: str = "") -> R
             tail = r.detok.flush()
             r.text += tail
             text, mine, new_tokens, delta = r.text, True, [], tail
+        shown = id(r) not in running
         outs.append(CompletionOutput(
-            r.index, text, list(r.output_ids), r.finish_reason, r.stop_reason,
+            r.index, text, list(r.output_ids), r.finish_reason if shown else None,
+            r.stop_reason if shown else None,
             list(r.logprobs) if r.logprobs is not None else None,
             list(new_tokens) if mine else [], delta if mine else ""))
     first, o = group[0], outs[0]
@@ -174,6 +179,6 @@ def request_output(group: list, changed, new_tokens: list, delta: str = "") -> R
         metrics = metrics.merge(r.metrics)
     return RequestOutput(first.parent or first.request_id, first.prompt_ids, o.token_ids,
                          o.text, o.finish_reason, metrics,
-                         all(r.status == Status.FINISHED for r in group),
+                         all(r.status == Status.FINISHED and id(r) not in running for r in group),
                          o.new_token_ids, o.text_delta, outs, first.prompt_text,
                          first.prompt_logprobs)

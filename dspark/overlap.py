@@ -40,6 +40,7 @@ class InFlight:
     decision: Decision        # on the device
     host: torch.Tensor        # the decision's table, copied (or being copied) to the host
     ready: object             # torch.cuda.Event recorded after the copy, or None on CPU
+    telemetry: dict           # its entry of Engine.telemetry
 
 
 class OverlappedDecode:
@@ -108,15 +109,16 @@ class OverlappedDecode:
         items = [(r.target_state, s, t) for r, s, t in zip(reqs, starts, toks)]
         # decide queues its reads of the logits right away: no snapshot copy of them needed
         logits, _ = eng.runner.target_forward(items, snapshot=False)
-        eng.telemetry.append({"batch_tokens": len(reqs), "num_verify": len(reqs),
-                              "verify_tokens": [0] * len(reqs), "prefill_tokens": 0})
+        tel = {"batch_tokens": len(reqs), "num_verify": len(reqs),
+               "verify_tokens": [0] * len(reqs), "prefill_tokens": 0}
+        eng.telemetry.append(tel)
         R = len(reqs)
         dec = decide(reqs, logits, list(range(R)), [0] * R, starts, eng.gamma,
                      deterministic=eng.config.deterministic)
         # the table may view the runner's output buffers (target_forward(snapshot=False)), which
         # the next round overwrites: copied now (on CUDA to the host, queued before that round)
         host, ready = self._reader.read(dec.table())
-        return InFlight(reqs, starts, dec, host, ready)
+        return InFlight(reqs, starts, dec, host, ready, tel)
 
     def _commit(self, prev: InFlight, launched: InFlight | None) -> list:
         """Read `prev` back and commit it for the requests still running (an abort or a finish
@@ -126,6 +128,7 @@ class OverlappedDecode:
             prev.ready.synchronize()           # this round only, not the one launched after it
             self.wait_s += time.perf_counter() - t0
         table = prev.host.tolist()
+        self.engine.landed_telemetry = prev.telemetry
         keep = [i for i, r in enumerate(prev.reqs) if r.status == Status.RUNNING]
         if not keep:
             return []

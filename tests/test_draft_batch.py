@@ -3,7 +3,8 @@ the fields of a block are its batch row, and the blocks of a round stack as a vi
 batch when they are its rows in order, else as one stack, with the same values."""
 import torch
 
-from dspark.request import BlockTokens, DraftBatch, DraftBlock, batch_rows, has_probs, stack_field
+from dspark.request import (BlockTokens, DraftBatch, DraftBlock, batch_rows, has_probs,
+                            stack_field)
 
 
 def _batch(R=4, g=3, V=7, probs=True):

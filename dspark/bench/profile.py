@@ -7,8 +7,9 @@ launched, not just for its Python):
 
   draft             ModelRunner.draft           parallel block + Markov head of the next block
   verify            ModelRunner.target_forward  the target forward over anchor + drafted tokens
-  sampling+accept   Engine._accept              rejection sampling / greedy compare, stops,
-                                                 bookkeeping (minus the commit calls inside it)
+  sampling+accept   Engine._accept, _land,      rejection sampling / greedy compare, the read
+                    _outputs                     back, stops, bookkeeping, outputs (minus the
+                                                 commit calls inside them)
   commit            ModelRunner.commit_context  draft-context rows for the accepted tokens
   other             Engine.step, exclusive      verify policy, scheduler, cache rollback, Python
 
@@ -104,6 +105,8 @@ def instrument_engine(engine, timer: PhaseTimer) -> list:
                              (engine.runner, "draft_ahead", "draft"),
                              (engine.runner, "target_forward", "verify"),
                              (engine, "_accept", "sampling+accept"),
+                             (engine, "_land", "sampling+accept"),
+                             (engine, "_outputs", "sampling+accept"),
                              (engine.runner, "commit_context", "commit"),
                              (engine, "step", "other")):
         if timer.wrap(obj, attr, phase):
@@ -122,13 +125,14 @@ def profile_rounds(engine, prompts, sp, warmup_prompts=(), batch: int = 1) -> di
     phases = instrument_engine(engine, timer)
     steps: list = []                       # (exclusive s by phase, prefill step?)
     current = defaultdict(float)
-    last = [engine.telemetry[-1] if engine.telemetry else None]
+    last = [engine.landed_telemetry]
     partial = [0]
 
     def listen(phase, excl, incl):
         current[phase] += excl
         if phase == "other":               # Engine.step returned: one step is complete
-            tel = engine.telemetry[-1] if engine.telemetry else None
+            # the round it committed (step() launches the next one before it returns)
+            tel = engine.landed_telemetry
             if tel is not None and tel is not last[0]:        # the step ran a forward
                 last[0] = tel
                 if tel["prefill_tokens"] or tel["num_verify"] == batch:
@@ -146,7 +150,7 @@ def profile_rounds(engine, prompts, sp, warmup_prompts=(), batch: int = 1) -> di
     try:
         for g in groups(list(warmup_prompts)):
             engine.generate(g, [params(10_000 + j) for j in range(len(g))], progress=False)
-        last[0] = engine.telemetry[-1] if engine.telemetry else None
+        last[0] = engine.landed_telemetry
         timer.listeners.append(listen)
         tokens = emitted = n_rounds_metric = 0
         for gi, g in enumerate(groups(list(prompts))):

@@ -43,12 +43,12 @@ def split_rounds(engine, prompts, sp, concurrency: int, run_once) -> dict:
     timer = PhaseTimer(engine.device)
     phases = instrument_engine(engine, timer)
     steps, current = [], defaultdict(float)
-    last = [engine.telemetry[-1] if engine.telemetry else None]
+    last = [engine.landed_telemetry]
 
     def listen(phase, excl, incl):
         current[phase] += excl
         if phase == "other":                 # Engine.step returned: one step is complete
-            tel = engine.telemetry[-1] if engine.telemetry else None
+            tel = engine.landed_telemetry    # the round it committed (not the one it launched)
             if tel is not None and tel is not last[0]:
                 steps.append((dict(current), tel["num_verify"], bool(tel["prefill_tokens"])))
                 last[0] = tel

@@ -75,7 +75,7 @@ def trace_rounds(engine, prompts, sp, top: int = 6, batch: int = 1) -> dict:
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 while all_decoding():
                     engine.step()
-                    tel = engine.telemetry[-1]
+                    tel = engine.landed_telemetry      # the round this step committed
                     # a round of the whole group (a preempted request's recompute is not)
                     rounds += tel["num_verify"] == batch and not tel["prefill_tokens"]
                 torch.cuda.synchronize(engine.device)
