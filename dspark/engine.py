@@ -657,8 +657,8 @@ class Engine:
         g, outs = self.gamma, []
         # samples of several-sample requests that finished in this round: shown running in the
         # outputs built before their own
-        ending = [req for req, *_ in work if req.status == Status.FINISHED
-                  and len(self._groups.get(req.parent, ())) > 1]
+        finished = [req for req, *_ in work if req.status == Status.FINISHED]
+        ending = [req for req in finished if len(self._groups.get(req.parent, ())) > 1]
         for req, new, verified, length, accepted in work:
             if req.detok is not None and not req.detok.stop:
                 req.detok.push(new)
@@ -669,7 +669,7 @@ class Engine:
             if ending and ending[0] is req:
                 ending.pop(0)
             outs.append(self._output(req, new, ending))
-        for req, *_ in work:        # after every sample's output: they all show the group
+        for req in finished:        # after every sample's output: they all show the group
             group = self._groups.get(req.parent)
             if group is not None and all(r.status == Status.FINISHED for r in group):
                 del self._groups[req.parent]
