@@ -3,6 +3,7 @@
     PYTHONPATH=. python benchmarks/host_round_cpu.py --temperature 0 --rounds 200
     PYTHONPATH=. python benchmarks/host_round_cpu.py --policy scheduled
     PYTHONPATH=. python benchmarks/host_round_cpu.py --concurrency 1,16,64   # rounds of C requests
+    PYTHONPATH=. python benchmarks/host_round_cpu.py --concurrency 1 --device-ms 0.553,0.262,0.008
 
 The shipped pair on CPU, set up as the engine runs it on CUDA: the V4 target's fixed-shape step
 (V4DecodeGraphs) and the draft pass / context writes as "graphs", sampled verification through
@@ -16,6 +17,11 @@ round issues around its replays:
 * host reads per round (Tensor.tolist / item / cpu / numpy / bool / int / float calls: on CUDA
   each is a wait for the device unless it reads a host tensor);
 * with --top N, the N functions with the most own time under cProfile.
+
+--device-ms gives the stand-in replays busy times on a simulated device that runs beside the host
+(a read back waits for the work queued before it), so a round's time shows where the host waits
+for the device and where the device idles while the host works; scale the times to this CPU's
+speed against the GPU host's to stand for that machine.
 
 --policy picks the verify policy (default fixed); the scheduled ones price rounds with the SPS
 table measured for the shipped pair on the H200 (`H200_SPS_MS`), not a CPU profile, so their
@@ -48,11 +54,42 @@ H200_SPS_MS = [[1, 0.817], [2, 0.820], [4, 0.877], [6, 0.877], [12, 1.111], [24,
                [288, 2.589], [384, 2.977]]
 
 
+class SimulatedDevice:
+    """A device timeline for the stand-in replays (--device-ms): a launch occupies the device
+    for its busy time from the later of now and the end of the work queued before it; a read
+    back's event is complete when the work queued before the read has ended, and waiting for
+    it spins until then. Host and device then overlap as they do on CUDA."""
+
+    def __init__(self, busy_s: dict):
+        self.busy_s, self.busy_until = busy_s, 0.0
+
+    def launch(self, kind: str) -> None:
+        self.busy_until = max(time.perf_counter(), self.busy_until) + self.busy_s.get(kind, 0.0)
+
+    def event(self):
+        return _SimulatedEvent(self.busy_until)
+
+
+class _SimulatedEvent:
+    def __init__(self, done_at: float):
+        self.done_at = done_at
+
+    def synchronize(self) -> None:
+        while time.perf_counter() < self.done_at:
+            pass
+
+
+DEVICE = None          # the SimulatedDevice of --device-ms, when given
+
+
 class _NoWorkGraph:
-    """A captured graph whose replay does nothing (its outputs keep their buffers' values)."""
+    """A captured graph whose replay does nothing (its outputs keep their buffers' values) but
+    occupy the simulated device, if any, for its kind's busy time."""
+    kind = "draft"
 
     def replay(self):
-        pass
+        if DEVICE is not None:
+            DEVICE.launch(self.kind)
 
 
 def _capture_once(fn, pool):
@@ -81,12 +118,26 @@ def cuda_path_engine(max_num_seqs: int = 4, policy: str = "fixed",
     r.target_graphs = V4DecodeGraphs(r.model, eng.cache, "torch",
                                      q_lens=range(1, r.drafter.gamma + 2), max_batch=max_num_seqs,
                                      tap_layers=r.tap_layers, capture=False)
-    r.target_graphs._forward = lambda B, q, P: None      # the target graph's replay: no work
+    # the target graph's replay: no work (time on the simulated device, if any)
+    r.target_graphs._forward = lambda B, q, P: DEVICE is not None and DEVICE.launch("verify")
     r.uniform_verify = True
     if hasattr(eng.policy, "uniform"):
         eng.policy.uniform = True
     dp = r.draft_pass
     dp.cuda_graphs = dp.graphs_wanted = True
+    graph = dp._graph
+
+    def kinded(key, bound, capture):          # "draft" or "context": its simulated busy time
+        got = graph(key, bound, capture)
+        got.graph.kind = key[0]
+        return got
+    dp._graph = kinded
+    read = eng._reader.read
+
+    def read_with_event(t):                   # the read back waits for the simulated device
+        host, ready = read(t)
+        return host, (DEVICE.event() if DEVICE is not None else ready)
+    eng._reader.read = read_with_event
     return eng
 
 
@@ -165,7 +216,10 @@ def concurrency_rows(levels, temperature: float, policy: str, rounds: int, repea
                 if eng.compile_stats() != before or len(eng.scheduler.running) != c:
                     raise RuntimeError(f"c={c}: the timed rounds were not steady state "
                                        f"({eng.compile_stats()}, {len(eng.scheduler.running)} running)")
-            # the counts, which do not move with the machine's load as its clock does
+            # the counts, which do not move with the machine's load as its clock does (the
+            # host's own work: no waits for a simulated device)
+            global DEVICE
+            device, DEVICE = DEVICE, None
             fresh_batch(eng, sp, "def fibonacci(n):\n", c)
             rounds_of(eng, 10)
             prof = cProfile.Profile()
@@ -176,6 +230,7 @@ def concurrency_rows(levels, temperature: float, policy: str, rounds: int, repea
             ops = OpCounter()
             with ops:
                 rounds_of(eng, rounds)
+            DEVICE = device
         print(f"{policy} T={temperature} c={c}: {best:.0f} us/round, {best / c:.1f} us/request "
               f"(best of {repeats} x {rounds}); {calls / rounds:.0f} Python calls, "
               f"{sum(ops.ops.values()) / rounds:.1f} torch ops per round")
@@ -193,7 +248,15 @@ def main(argv=None):
                    help="comma list C: host us per round of C requests (instead of the batch-1 "
                         "counts and profile)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--device-ms", default=None,
+                   help="verify,draft,context: busy ms of those replays on a simulated device "
+                        "(e.g. the H200's batch-1 trace of the shipped pair: 0.553,0.262,0.008), "
+                        "so that rounds time host and device overlapping as on CUDA")
     a = p.parse_args(argv)
+    if a.device_ms:
+        global DEVICE
+        v, d, c = (float(x) / 1e3 for x in a.device_ms.split(","))
+        DEVICE = SimulatedDevice({"verify": v, "draft": d, "context": c})
     if a.concurrency:
         concurrency_rows([int(c) for c in a.concurrency.split(",")], a.temperature, a.policy,
                          min(a.rounds, 60), a.repeats)
