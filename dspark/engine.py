@@ -229,7 +229,8 @@ class Engine:
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id=None) -> str:
         """Admit one request (SamplingParams.n samples of it); returns its id. ValueError naming
-        the problem for a bad prompt, bad params or an id in use; nothing is admitted then."""
+        the problem for a bad prompt, bad params or an id in use; nothing is admitted then.
+        Between steps a round is usually queued already (step()): the request joins the next."""
         if params is None:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -315,6 +316,8 @@ class Engine:
         group = self._groups.pop(str(request_id), None)
         if group is None:
             return None
+        # outputs of a round landed outside step() (score()) that the abort output supersedes
+        self._landed = [o for o in self._landed if o.request_id != str(request_id)]
         now = time.perf_counter()
         for req in group:
             if req.status != Status.FINISHED:
@@ -354,7 +357,8 @@ class Engine:
             outs += self.overlap.drain()  # a prompt waits, or pages ran short: ordinary round
         rnd, self._launched = self._launched, None
         if rnd is not None and rnd.reqs and all(r.status == Status.FINISHED for r in rnd.reqs):
-            rnd = None                  # all its requests were aborted since: nothing to land
+            self._land(rnd)             # all its requests were aborted since: nothing to commit
+            rnd = None
         if rnd is None:
             rnd = self._launch()
         if rnd is None:
@@ -362,7 +366,12 @@ class Engine:
         work = self._land(rnd)
         if self.scheduler.has_unfinished() and not (self.overlap is not None
                                                     and self.overlap.applies()):
-            self._launched = self._launch()
+            try:
+                self._launched = self._launch()
+            except BaseException:
+                # the landed round is committed: its outputs go out with the next step
+                self._landed = outs + self._outputs(work)
+                raise
         return outs + self._outputs(work)
 
     def _drain(self) -> None:
@@ -431,6 +440,9 @@ class Engine:
         table = rnd.host.tolist()
         keep = [i for i, r in enumerate(rnd.reqs) if r.status != Status.FINISHED]
         if not keep:
+            # every request of the round was aborted: the running requests it did not carry
+            # (recomputed after a preemption) still need their first block
+            self._draft_running()
             return []
         pick = (lambda xs: [xs[i] for i in keep]) if len(keep) < len(rnd.reqs) else list
         reqs = pick(rnd.reqs)

@@ -80,3 +80,72 @@ def test_samples_ending_in_one_round_show_finished_with_their_last_delta(eng):
     assert all(len(c.token_ids) == 7 for c in want.outputs)
     assert rid not in eng._groups and all(r.status == Status.FINISHED
                                           for r in eng.requests.values()) and not eng.requests
+
+
+def test_aborting_the_round_in_flight_still_drafts_a_request_it_did_not_carry():
+    """A request recomputed after a preemption turns running in the launch but is not in that
+    round; its first block is drafted when the round lands. With every request of the round
+    aborted, landing it must still draft that one (else the next round has no drafts)."""
+    eng = Engine(device="cpu", kv_cache_dtype="fp32", num_kv_blocks=3, max_num_seqs=3)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    big = [3, 5, 7] * 83 + [2]
+    want = _alone(eng, big, sp)
+    eng.add_request([5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    eng.add_request([9, 10, 11], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    rid = eng.add_request(big, sp)
+    for _ in range(50):
+        eng.step()
+        rnd = eng._launched
+        carried = {r.request_id for r in rnd.reqs} if rnd is not None else set()
+        if rnd is not None and rnd.reqs and any(r.request_id not in carried
+                                                 for r in eng.scheduler.running):
+            break
+    else:
+        pytest.fail("no round was launched without a running request (no preemption)")
+    assert eng.scheduler.num_preemptions >= 1
+    for r in list(rnd.reqs):
+        eng.abort(r.parent)
+    got = []
+    while eng.has_unfinished():
+        for o in eng.step():
+            got = o.token_ids
+    assert got == want
+
+
+def test_outputs_of_a_round_landed_by_score_are_dropped_with_an_abort(eng):
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    a = eng.add_request("x = 1\n", sp)
+    b = eng.add_request("def f():", sp)
+    eng.step()
+    eng.step()
+    eng.score([1, 2, 3])              # lands the round in flight; its outputs wait for step()
+    assert eng.abort_request(a).finish_reason == "abort"
+    outs = eng.step()
+    assert [o.request_id for o in outs] == [b] * len(outs) and outs
+    eng.abort(b)
+    assert not eng.has_unfinished()
+
+
+def test_a_failed_launch_keeps_the_landed_rounds_outputs(eng, monkeypatch):
+    """The launch after a landed round raises: the step raises, and the landed round's outputs
+    (its tokens are committed) come with the next step."""
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    rid = eng.add_request("import sys\n", sp)
+    seen = []
+    for o in eng.step() + eng.step():
+        seen += o.new_token_ids
+    real = eng._launch
+    assert eng._launched is not None   # step 3 lands it, then launches the next: that fails
+
+    def failing():
+        raise RuntimeError("simulated launch failure")
+    monkeypatch.setattr(eng, "_launch", failing)
+    with pytest.raises(RuntimeError, match="simulated"):
+        eng.step()
+    monkeypatch.setattr(eng, "_launch", real)
+    req = eng.requests[rid]
+    landed = eng.step()               # the kept outputs first, then this step's round
+    for o in landed:
+        seen += o.new_token_ids
+    assert seen == req.output_ids
+    eng.abort(rid)
