@@ -252,10 +252,17 @@ def main(argv=None):
           f"{a.max_tokens} tokens" + ("  deterministic" if a.deterministic else ""),
           file=sys.stderr)
     split = a.split if a.split is not None else a.model is not None
-    sps = {pol: e.policy.sps.to_list() for pol, e in specs.items() if hasattr(e.policy, "sps")}
-    for pol, pts in sps.items():       # what the scheduled policies weigh: step ms at B tokens
-        print(f"SPS profile of {pol} (B verify tokens: step ms): "
-              + ", ".join(f"{b}: {ms:.2f}" for b, ms in pts))
+    sps_ms = {}                        # what the scheduled policies weigh
+    for pol, e in specs.items():
+        sps = getattr(e.policy, "sps", None)
+        if hasattr(sps, "to_grid"):    # round shapes: R requests x q tokens each
+            sps_ms[pol] = sps.to_grid()
+            print(f"SPS profile of {pol} (R requests x q tokens: round ms): "
+                  + ", ".join(f"{r}x{q}: {ms:.2f}" for r, q, ms in sps_ms[pol]))
+        elif sps is not None:          # step ms at B tokens
+            sps_ms[pol] = sps.to_list()
+            print(f"SPS profile of {pol} (B verify tokens: step ms): "
+                  + ", ".join(f"{b}: {ms:.2f}" for b, ms in sps_ms[pol]))
     for eng, name in [(off, "off")] + [(e, pol) for pol, e in specs.items()]:
         # every CUDA graph a round replays, captured before any timing (no dummy requests: the
         # per-level warm-up below prefills every prompt once, which compiles the eager shapes)
@@ -295,8 +302,8 @@ def main(argv=None):
     print(f"sample: {rows[0]['dspark']['sample']!r}"[:300])
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "results": rows, "split": split_rows, "sps_ms": sps}, f,
-                      indent=2, default=str)
+            json.dump({"args": vars(a), "results": rows, "split": split_rows,
+                       "sps_ms": sps_ms}, f, indent=2, default=str)
     if a.plot:
         plot(rows, a.plot)
     r = rows[-1]

@@ -49,6 +49,7 @@ class SpsTable:
             self._slope = self.ms[0] / bs[0]
         self._dev_cache: dict = {}  # device -> float64 SPS(B) for B = 0..n-1
         self._width_cache: dict = {}  # (R, γ) -> SPS(R(1 + w)) for w = 0..γ
+        self._widths_dev: dict = {}   # (R, γ, device) -> the same on the device
 
     @classmethod
     def from_sps(cls, points: Sequence[Sequence[float]]) -> "SpsTable":
@@ -96,6 +97,15 @@ class SpsTable:
         if key not in self._width_cache:
             self._width_cache[key] = self.sps(r_count * np.arange(1, g + 2))
         return self._width_cache[key]
+
+    def sps_widths_device(self, r_count: int, g: int, device) -> torch.Tensor:
+        """`sps_widths` as a float64 tensor on `device`, cached per (R, γ, device): a round's
+        lookup copies nothing to the device (no sync)."""
+        key = (r_count, g, str(torch.device(device)))
+        if key not in self._widths_dev:
+            self._widths_dev[key] = torch.as_tensor(self.sps_widths(r_count, g),
+                                                    dtype=torch.float64, device=device)
+        return self._widths_dev[key]
 
     def to_list(self) -> list[list[float]]:
         """[[B, ms], ...] after the monotone fix, for logs."""
@@ -246,10 +256,11 @@ def _positive_prefix(surv: torch.Tensor) -> torch.Tensor:
 
 def _uniform_theta(tau_rows: torch.Tensor, r_count: int, sps: SpsTable) -> torch.Tensor:
     """Θ(w) for w = 0..γ when every request verifies w drafts: τ(w) = R + Σ_r Σ_{j<=w} a_{r,j}
-    (from per-position sums `tau_rows` [γ]) times SPS at B = R·(1 + w) tokens."""
+    (from per-position sums `tau_rows` [γ]) times the SPS of a round of R requests at width w
+    (`SpsTable.sps_widths`: at B = R·(1 + w) tokens; an SpsGrid prices the round's shape)."""
     g = tau_rows.shape[0]
     tau = r_count + torch.nn.functional.pad(tau_rows.double().cumsum(0), (1, 0))
-    return tau * sps.sps_device(r_count, r_count * (g + 1), tau_rows.device)[::r_count]
+    return tau * sps.sps_widths_device(r_count, g, tau_rows.device)
 
 
 def _host_theta(tau_rows: np.ndarray, r_count: int, sps: SpsTable) -> np.ndarray:

@@ -6,6 +6,10 @@ CUDA graph where the runner has one), plus the draft pass for those R requests, 
 context. Median of a few repeats per bucket; on CUDA the first run of a bucket is a warm-up
 (Triton compiles, graph captures) and is not timed.
 
+Where the runner pads every round to one width (`runner.uniform_verify`: the graph path), the
+profile is a grid instead (`SpsGrid`): every request bucket R at every width q = 1..γ+1, so a
+round of many requests at a narrow width is priced by its own shape, not by its token count.
+
 The profile is sized to the cache it runs on: its R requests never exceed max_num_seqs, the free
 state slots and pages, and one forward never exceeds the cache's staging area; the warm-state
 prefill is chunked by the scheduler's token budget. When the cache cannot hold every request at
@@ -29,6 +33,7 @@ import torch
 from tqdm import tqdm
 
 from .policy import SpsTable
+from .sps_grid import SpsGrid
 
 # warm context of every profiled request (tokens); on CPU the warm-up prefill of up to
 # max_num_seqs requests would dominate the profile's cost, and a CPU step's time hardly depends
@@ -64,10 +69,11 @@ def _gamma(engine) -> int:
 
 
 def plan_profile(engine, max_tokens: int, context: int | None = None,
-                 midpoints: bool | None = None) -> ProfilePlan:
+                 midpoints: bool | None = None, grid: bool = False) -> ProfilePlan:
     """The (B, R, q) steps that fit `engine`'s cache and scheduler, up to max_tokens verify
     tokens (R <= ceil(max_tokens / (γ+1)) requests). Bucket midpoints by default on CUDA only
-    (on CPU a step costs about its token count: fewer buckets keep the profile cheap)."""
+    (on CPU a step costs about its token count: fewer buckets keep the profile cheap).
+    grid: every request bucket at every q = 1..γ+1 (SpsGrid's points)."""
     if midpoints is None:
         midpoints = engine.device.type == "cuda"
     if context is None:
@@ -108,6 +114,10 @@ def plan_profile(engine, max_tokens: int, context: int | None = None,
                      f"area); SPS past B={best_r * q_full} is extrapolated")
     # below one full block: one request feeding b tokens; from there on R requests feeding
     # γ+1 each, R over the powers of two (the graphs' batch buckets), their midpoints, and R max
+    if grid:
+        steps = [(r * q, r, q) for r in default_buckets(best_r, midpoints)
+                 for q in range(1, q_full + 1)]
+        return ProfilePlan(steps, best_ctx, best_r, "; ".join(notes))
     steps = {b: (b, 1, b) for b in default_buckets(q_full, midpoints) if b < q_full}
     for r in default_buckets(best_r, midpoints):
         steps[r * q_full] = (r * q_full, r, q_full)
@@ -174,7 +184,7 @@ def _warm_prefill(engine, handles, ctx, chunk: int):
 
 
 def measure(engine, plan: ProfilePlan, repeats: int | None = None, progress: bool = True) -> list:
-    """[[B, median ms], ...] for each step of `plan`."""
+    """[[B, R, q, median ms], ...] for each step (B, R, q) of `plan`."""
     runner, cache = engine.runner, getattr(engine, "cache", None)
     on_gpu = engine.device.type == "cuda"
     repeats = repeats or (5 if on_gpu else 1)
@@ -196,7 +206,7 @@ def measure(engine, plan: ProfilePlan, repeats: int | None = None, progress: boo
         if cache is not None:
             chunk = min(chunk, _staging(cache))
         _warm_prefill(engine, handles, ctx, chunk)
-        for B, r, q in tqdm(plan.steps, desc="profiling SPS(B)", unit="bucket",
+        for B, r, q in tqdm(plan.steps, desc="profiling SPS", unit="step shape",
                             disable=not progress):
             items = [(h, C, [(5 * j + i) % vocab for j in range(q)])
                      for i, h in enumerate(handles[:r])]
@@ -213,7 +223,7 @@ def measure(engine, plan: ProfilePlan, repeats: int | None = None, progress: boo
                     runner.draft_blocks_for_profile(states[:r], C)
                 _sync(engine)
                 times.append(1e3 * (time.perf_counter() - t0))
-            rows.append([B, statistics.median(times[warm:])])
+            rows.append([B, r, q, statistics.median(times[warm:])])
     finally:
         if cache is not None:
             for h in handles:
@@ -228,12 +238,21 @@ def sps_table(engine, override, max_num_seqs: int, progress: bool) -> SpsTable:
         return override
     if override is not None:
         return SpsTable.from_ms(override)
-    return load_or_profile(engine, max_num_seqs * (engine.cfg.dspark_block_size + 1), progress)
+    return load_or_profile(engine, max_num_seqs * (engine.cfg.dspark_block_size + 1), progress,
+                           grid=bool(getattr(engine.runner, "uniform_verify", False)))
 
 
-def load_or_profile(engine, max_tokens: int, progress: bool = True) -> SpsTable:
-    """SPS(B) up to max_tokens verify tokens: from the on-disk cache, else measured (and saved)."""
-    plan = plan_profile(engine, max_tokens)
+def _table(data: dict) -> SpsTable:
+    if "grid" in data:
+        return SpsGrid(data["grid"])
+    return SpsTable.from_ms(data["points"])
+
+
+def load_or_profile(engine, max_tokens: int, progress: bool = True,
+                    grid: bool = False) -> SpsTable:
+    """SPS up to max_tokens verify tokens (grid: an SpsGrid of the round shapes): from the
+    on-disk cache, else measured (and saved)."""
+    plan = plan_profile(engine, max_tokens, grid=grid)
     if plan.note:
         msg = f"SPS profile sized to the KV cache: {plan.note}"
         warnings.warn(msg)
@@ -242,18 +261,21 @@ def load_or_profile(engine, max_tokens: int, progress: bool = True) -> SpsTable:
     path = os.path.join(cache_dir(), cache_key(engine, plan) + ".json")
     try:
         with open(path) as f:
-            return SpsTable.from_ms(json.load(f)["points"])
+            return _table(json.load(f))
     except FileNotFoundError:
         pass
     except (ValueError, KeyError, TypeError) as e:     # not a profile we wrote: measure again
         warnings.warn(f"ignoring the unreadable SPS profile {path} ({e}); measuring a new one")
-    points = measure(engine, plan, progress=progress)
+    rows = measure(engine, plan, progress=progress)
+    data = ({"grid": [[r, q, ms] for _, r, q, ms in rows]} if grid
+            else {"points": [[b, ms] for b, _, _, ms in rows]})
+    table = _table(data)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     # written whole under a temporary name, then renamed: another process starting at the same
     # time reads either no file or a complete one
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
-        json.dump({"points": points, "model": engine.path, "device": str(engine.device),
+        json.dump({**data, "model": engine.path, "device": str(engine.device),
                    "context": plan.context, "steps": plan.steps, "note": plan.note}, f)
     os.replace(tmp, path)
-    return SpsTable.from_ms(points)
+    return table
