@@ -54,7 +54,7 @@ class EngineConfig:
     num_speculative_tokens: int | None = None  # must equal the drafter's block size when given
     verify_policy: str = "fixed"               # fixed | threshold | scheduled | scheduled-async
     policy_options: dict = field(default_factory=dict)   # keyword arguments of that policy
-    sps_table: Any = None                      # SPS(B) for the scheduled policies ([[B, ms], ...])
+    sps_table: Any = None                      # scheduled policies' SPS: [[B, ms]] or [[R, q, ms]]
     draft: str | None = None                   # Qwen3 targets: the DeepSpec drafter's directory
     kv_cache_dtype: str = "fp8"                # DeepSeek-V4: fp8 (fp8_ds_mla records) | bf16 | fp32
     kv_layout: str = "paged"                   # "paged" (serving) | "dense" (per-request reference)

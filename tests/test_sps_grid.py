@@ -118,7 +118,37 @@ def test_the_graph_path_profiles_the_grid_and_caches_it(small_vocab_ckpt, tmp_pa
         measured = load_or_profile(eng, 3 * g1, progress=False, grid=True)
     assert isinstance(measured, SpsGrid) and measured.round_ms(2, 3) != 6.0
     # the 1-D profile of the eager path is another plan: its own file
-    assert not isinstance(sps_table(eng, [[1, 1.0]], 3, progress=False), SpsGrid)
     eng.runner.uniform_verify = False
     assert not isinstance(sps_table(eng, None, 3, progress=False), SpsGrid)
     assert len(list((tmp_path / "dspark" / "sps").iterdir())) == 2
+
+
+def test_extrapolated_rounds_stay_monotone_in_width():
+    """Past the largest bucket each width extrapolates with its own slope; a wider round must
+    still not come out cheaper (here width 1's slope is steep, width 2's flat)."""
+    grid = SpsGrid([[1, 1, 1.0], [1, 2, 10.0], [2, 1, 9.0], [2, 2, 10.0]])
+    assert grid.round_ms(10, 1) == 73.0
+    assert grid.round_ms(10, 2) == 73.0
+    assert list(grid.sps_widths(10, 1)) == [1000.0 / 73.0] * 2
+
+
+def test_bad_round_times_are_errors_at_any_bucket():
+    for bad in (0.0, -5.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="finite and > 0"):
+            SpsGrid([[2, 1, bad], [2, 2, 1.0]])
+
+
+def test_a_grid_given_as_sps_table_is_used_as_given(small_vocab_ckpt):
+    """sps_table=[[R, q, ms], ...] (what the bench's JSON saves) builds the grid, no profile;
+    rows of another width are an error naming both forms."""
+    from dspark.spec.profile import sps_table
+    eng = Engine(small_vocab_ckpt, device="cpu", dtype="fp32", kv_cache_dtype="fp32",
+                 max_num_seqs=2)
+    rows = [[r, q, 1.0 + r + q] for r in (1, 2) for q in range(1, G1 + 1)]
+    grid = sps_table(eng, rows, 2, progress=False)
+    assert isinstance(grid, SpsGrid) and grid.round_ms(2, 3) == 6.0
+    with pytest.raises(ValueError, match=r"\[\[B, ms\], ...\] .* \[\[R, q, ms\], ...\]"):
+        sps_table(eng, [[1, 1.0], [2, 3, 4.0]], 2, progress=False)
+    spec = Engine(small_vocab_ckpt, device="cpu", dtype="fp32", kv_cache_dtype="fp32",
+                  max_num_seqs=2, verify_policy="scheduled", sps_table=rows)
+    assert isinstance(spec.policy.sps, SpsGrid)

@@ -99,8 +99,8 @@ class SpsTable:
         return self._width_cache[key]
 
     def sps_widths_device(self, r_count: int, g: int, device) -> torch.Tensor:
-        """`sps_widths` as a float64 tensor on `device`, cached per (R, γ, device): a round's
-        lookup copies nothing to the device (no sync)."""
+        """`sps_widths` as a float64 tensor on `device`, cached per (R, γ, device): after a
+        request count's first round its lookup copies nothing to the device (no sync)."""
         key = (r_count, g, str(torch.device(device)))
         if key not in self._widths_dev:
             self._widths_dev[key] = torch.as_tensor(self.sps_widths(r_count, g),

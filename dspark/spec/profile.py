@@ -57,6 +57,7 @@ class ProfilePlan:
     context: int
     requests: int             # warm requests held during the profile (the largest R)
     note: str = ""            # why the plan is smaller than asked, or ""
+    grid: bool = False        # every request bucket at every width (SpsGrid)
 
     @property
     def buckets(self) -> list:
@@ -117,7 +118,7 @@ def plan_profile(engine, max_tokens: int, context: int | None = None,
     if grid:
         steps = [(r * q, r, q) for r in default_buckets(best_r, midpoints)
                  for q in range(1, q_full + 1)]
-        return ProfilePlan(steps, best_ctx, best_r, "; ".join(notes))
+        return ProfilePlan(steps, best_ctx, best_r, "; ".join(notes), grid=True)
     steps = {b: (b, 1, b) for b in default_buckets(q_full, midpoints) if b < q_full}
     for r in default_buckets(best_r, midpoints):
         steps[r * q_full] = (r * q_full, r, q_full)
@@ -152,7 +153,7 @@ def cache_key(engine, plan: ProfilePlan | None = None) -> str:
              str(getattr(engine, "weight_format", "")), _graph_settings(engine.runner),
              f"seqs={engine.scheduler.max_num_seqs}"]
     if plan is not None:
-        parts.append(f"ctx={plan.context}:{plan.steps}")
+        parts.append(f"ctx={plan.context}:{plan.steps}:{'grid' if plan.grid else 'tokens'}")
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
 
@@ -237,7 +238,14 @@ def sps_table(engine, override, max_num_seqs: int, progress: bool) -> SpsTable:
     if isinstance(override, SpsTable):
         return override
     if override is not None:
-        return SpsTable.from_ms(override)
+        rows = [list(r) for r in override]
+        if rows and all(len(r) == 3 for r in rows):        # [[R, q, ms], ...]: round shapes
+            return SpsGrid(rows)
+        if not all(len(r) == 2 for r in rows):
+            raise ValueError("sps_table must be [[B, ms], ...] (step time by verify tokens) or "
+                             "[[R, q, ms], ...] (round time by requests and tokens each, as "
+                             f"`python -m dspark.bench --json` saves it), got {rows[:3]}...")
+        return SpsTable.from_ms(rows)
     return load_or_profile(engine, max_num_seqs * (engine.cfg.dspark_block_size + 1), progress,
                            grid=bool(getattr(engine.runner, "uniform_verify", False)))
 

@@ -27,8 +27,8 @@ class SpsGrid(SpsTable):
     graphs' batch buckets pad the same way); past the largest, linearly from the last two
     buckets at each q (proportionally to R when one bucket was measured).
 
-    As an SpsTable (the ragged rounds' lookup by B tokens) it is the table the 1-D profile
-    measures: one request feeding q < q_max tokens at B = q, R requests feeding q_max at
+    As an SpsTable (the ragged rounds' lookup by B tokens) it holds the points of the 1-D
+    profile's kind: one request feeding q < q_max tokens at B = q, R requests feeding q_max at
     B = R·q_max."""
 
     def __init__(self, points: Sequence[Sequence[float]]):
@@ -46,6 +46,8 @@ class SpsGrid(SpsTable):
                              f"q in 1..{q_max}; missing {missing[:8]}"
                              + ("" if len(at) == len(pts) else ", and some (R, q) given twice"))
         grid = np.array([[at[(r, q)] for q in range(1, q_max + 1)] for r in rs], dtype=np.float64)
+        if not np.all(np.isfinite(grid) & (grid > 0)):
+            raise ValueError(f"SpsGrid round times must be finite and > 0 ms, got {grid.tolist()}")
         grid = np.maximum.accumulate(np.maximum.accumulate(grid, axis=1), axis=0)
         self.request_buckets, self.q_max, self.grid_ms = rs, q_max, grid
         first = [(q, grid[0, q - 1]) for q in range(1, q_max)] if rs[0] == 1 else []
@@ -56,14 +58,21 @@ class SpsGrid(SpsTable):
         """T(R, q) in ms: R requests feeding q tokens each (1 <= q <= q_max)."""
         if not 1 <= q <= self.q_max or r_count < 1:
             raise ValueError(f"SpsGrid.round_ms: q={q} outside 1..{self.q_max} or R={r_count} < 1")
-        rs, col = self.request_buckets, self.grid_ms[:, q - 1]
+        return float(self._row(r_count)[q - 1])
+
+    def _row(self, r_count: int) -> np.ndarray:
+        """T(R, q) for q = 1..q_max: the next bucket up's row, or past the largest bucket each q
+        extrapolated, then made non-decreasing in q again (slopes that differ by q must not
+        make a wider round cheaper)."""
+        rs, g = self.request_buckets, self.grid_ms
         i = int(np.searchsorted(rs, r_count, side="left"))      # first bucket >= R
         if i < len(rs):
-            return float(col[i])
+            return g[i]
         if len(rs) == 1:
-            return float(col[-1]) * r_count / rs[-1]
-        slope = (col[-1] - col[-2]) / (rs[-1] - rs[-2])
-        return float(col[-1] + slope * (r_count - rs[-1]))
+            row = g[-1] * (r_count / rs[-1])
+        else:
+            row = g[-1] + (g[-1] - g[-2]) / (rs[-1] - rs[-2]) * (r_count - rs[-1])
+        return np.maximum.accumulate(row)
 
     def sps_widths(self, r_count: int, g: int) -> np.ndarray:
         """SPS of a round of R requests at width w, w = 0..γ: 1000 / T(R, w + 1). Widths past
@@ -72,8 +81,7 @@ class SpsGrid(SpsTable):
             return super().sps_widths(r_count, g)
         key = (r_count, g)
         if key not in self._width_cache:
-            self._width_cache[key] = np.array(
-                [1000.0 / self.round_ms(r_count, w + 1) for w in range(g + 1)])
+            self._width_cache[key] = 1000.0 / self._row(r_count)[:g + 1]
         return self._width_cache[key]
 
     def to_grid(self) -> list[list[float]]:
