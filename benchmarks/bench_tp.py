@@ -30,6 +30,10 @@ Per batch size B in --batch (default 1,16), B requests with --prompt-len random 
              comm_ms per decode step / per verify step, and their count
   agreement  greedy decode tokens of every request against the first row (leading run of
              equal tokens; random weights give near-tied logits, so a late flip is numerics)
+  kernels    --kernel-profile (CUDA): the decode steps and the rounds measured once more under
+             torch.profiler, device µs per step of each kernel (summed durations: side-stream
+             kernels overlap) and the kernels per step, so two trees' steps compare kernel by
+             kernel
 
     python benchmarks/bench_tp.py --json benchmarks/results/bench_tp_h200x2.json   # 2 H200s
     python benchmarks/bench_tp.py --preset tiny --device cpu                         # CPU (gloo)
@@ -272,6 +276,13 @@ def run_row(path, cfg, kind, world, device, dtype, args, prompts, res: dict, sav
                     for s in runner.worker_stats()]
             roof = roofline(cfg, dtype, b, args, dec, rnd) if world == 1 else None
             row["roofline"] = roof
+            if args.kernel_profile and torch.device(device).type == "cuda":
+                n = args.warmup + args.steps
+                row["kernels"] = {
+                    "decode": kernel_times(lambda: measure_decode(runner, cache, prompts[:b],
+                                                                  args, device), n),
+                    "round": kernel_times(lambda: measure_rounds(runner, cache, prompts[:b],
+                                                                 args, device), n)}
             res["batches"][b] = row
             save()
             print(f"{kind} {world} B={b}: decode {dec['step_ms']:.2f} ms ({dec['tok_s']:.0f} tok/s)"
@@ -281,6 +292,8 @@ def run_row(path, cfg, kind, world, device, dtype, args, prompts, res: dict, sav
                       f"({roof['decode_pct']:.0f}%), round {roof['round_ms']:.3f} ms "
                       f"({roof['round_pct']:.0f}%)" if roof and "decode_pct" in roof else ""),
                   flush=True)
+            for what, kt in row.get("kernels", {}).items():
+                print_kernel_times(f"B={b} {what}", kt)
     finally:
         close()
         del runner, cache
@@ -288,6 +301,27 @@ def run_row(path, cfg, kind, world, device, dtype, args, prompts, res: dict, sav
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()
     return res
+
+
+def kernel_times(fn, steps: int, top: int = 20) -> dict:
+    """fn() (a measurement of `steps` steps or rounds) under torch.profiler: device ms and
+    kernels per step, and the `top` kernels by device µs per step."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+    rows = sorted(((a.key, a.self_device_time_total / steps, a.count / steps)
+                   for a in prof.key_averages() if a.self_device_time_total > 0),
+                  key=lambda r: -r[1])
+    return {"device_ms_per_step": sum(r[1] for r in rows) / 1e3,
+            "kernels_per_step": sum(r[2] for r in rows),
+            "top": [{"kernel": k, "us_per_step": us, "calls_per_step": n} for k, us, n in rows[:top]]}
+
+
+def print_kernel_times(label: str, kt: dict) -> None:
+    print(f"  {label}: {kt['device_ms_per_step']:.3f} ms of kernels, "
+          f"{kt['kernels_per_step']:.1f} kernels per step")
+    for r in kt["top"]:
+        print(f"    {r['us_per_step']:8.1f} us x{r['calls_per_step']:5.1f}  {r['kernel'][:100]}")
 
 
 def roofline(cfg, dtype, batch: int, args, dec: dict, rnd: dict) -> dict:
@@ -363,6 +397,9 @@ def main(argv=None):
     ap.add_argument("--deterministic", action="store_true",
                     help="the single-device engine in deterministic mode (batch-invariant "
                          "kernels; its cost against a run without); single row only")
+    ap.add_argument("--kernel-profile", action="store_true",
+                    help="CUDA: each batch's decode steps and rounds once more under the "
+                         "profiler: device µs per step of each kernel")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
     d_layers, d_steps, d_prompt = PRESET_DEFAULTS[args.preset]
