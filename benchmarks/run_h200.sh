@@ -247,7 +247,8 @@ abtree)  # A/B of another tree (OLD_TREE: a `git archive` of the commit before a
          # against this one in the same call: the flash-width decode step and round (bench_tp),
          # then the shipped-pair bench (c = 1, 16, T = 0); ABTREE_PARTS="tp" or "bench" for one
          # of them (a flash-width load + cold compiles take ~3 min per tree); ABTREE_ORDER="old new"
-         # runs the old tree first (default new first)
+         # runs the old tree first (default new first); ABTREE_NEW_ARGS: extra arguments of the
+         # new tree's command alone (e.g. "--kernel-profile" for bench_tp)
   if [ -z "${OLD_TREE:-}" ] || [ ! -d "${OLD_TREE:-}/dspark" ]; then
     echo "abtree: set OLD_TREE to a tree holding dspark/ (git archive of the old commit)"; continue; fi
   O=$(realpath "$OLD_TREE"); [ -e "$O/dspark/assets" ] || ln -s "$PWD/dspark/assets" "$O/dspark/assets"
@@ -259,8 +260,9 @@ abtree)  # A/B of another tree (OLD_TREE: a `git archive` of the commit before a
     else box=${ABTREE_BENCH_S:-150}
       cmd=(python -m dspark.bench --num-prompts 32 --max-tokens 128 --temperature 0 --concurrency 1,16 --ignore-eos)
       show="^ *1[6 ] fixed\|^ *1 fixed"; fi
-    (cd "$d" && PYTHONPATH=. timeout "$(left $box)" "${cmd[@]}" --json "$R/ab_${part}_$tree.json" \
-      > "$R/ab_${part}_$tree.txt" 2>&1)
+    extra=(); [ $tree = new ] && extra=(${ABTREE_NEW_ARGS:-})
+    (cd "$d" && PYTHONPATH=. timeout "$(left $box)" "${cmd[@]}" "${extra[@]}" \
+      --json "$R/ab_${part}_$tree.json" > "$R/ab_${part}_$tree.txt" 2>&1)
     tr '\r' '\n' < "$R/ab_${part}_$tree.txt" | grep -v -i "warn\|it/s\]" | grep "$show" | tail -3 | cut -c1-250
   done; done ;;
 tp)      # the TP runner against the single-device runner (world 1 on one GPU; 1,2 where lent)
