@@ -275,7 +275,7 @@ def load_or_profile(engine, max_tokens: int, progress: bool = True,
     except (ValueError, KeyError, TypeError) as e:     # not a profile we wrote: measure again
         warnings.warn(f"ignoring the unreadable SPS profile {path} ({e}); measuring a new one")
     rows = measure(engine, plan, progress=progress)
-    data = ({"grid": [[r, q, ms] for _, r, q, ms in rows]} if grid
+    data = ({"grid": [[r, q, ms] for _, r, q, ms in rows]} if plan.grid
             else {"points": [[b, ms] for b, _, _, ms in rows]})
     table = _table(data)
     os.makedirs(os.path.dirname(path), exist_ok=True)
