@@ -167,10 +167,14 @@ flashprof) # V4-Flash width, 4 layers: the round split and its kernels per phase
       --json "$R/profile_flash4_T0_B$B.json" > "$R/profile_flash4_T0_B$B.txt" 2>&1
     grep -v "^  [a-z_]*: \|^benchmark results\|\.json:" "$R/profile_flash4_T0_B$B.txt" | head -30 | cut -c1-250
   done ;;
-trace)   # which kernels each phase of a round runs (kernels / device-busy ms per round)
-  step "round profile + kernel trace T=1"
-  timeout "$(left 90)" python -m dspark.bench --profile --trace \
-    --temperature 1.0 --json "$R/trace_T1.json" > "$R/trace_T1.txt" 2>&1; grep -v "^  [a-z_]*: \|^benchmark results\|\.json:" "$R/trace_T1.txt" | head -30 ;;
+trace)   # which kernels each phase of a round runs (kernels / device-busy ms per round), at each
+         # TRACE_T temperature (default "1.0 0") with TRACE_C requests in every round (default 1)
+  for T in ${TRACE_T:-1.0 0}; do C=${TRACE_C:-1}; tag="trace_T${T%.0}_c$C"
+    step "round profile + kernel trace T=$T c=$C"
+    timeout "$(left ${TRACE_S:-90})" python -m dspark.bench --profile --trace --concurrency $C \
+      --num-prompts $((C > 4 ? C : 4)) --max-tokens 128 --ignore-eos --temperature $T --json "$R/$tag.json" > "$R/$tag.txt" 2>&1
+    grep -v "^  [a-z_]*: \|^benchmark results\|\.json:" "$R/$tag.txt" | head -30 | cut -c1-250
+  done ;;
 host)    # where a round's host time goes: cProfile over the timed closed loop, c = 1 and 4
   for T in ${HOST_T:-0 1.0}; do
     step "host profile T=$T"
