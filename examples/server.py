@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
 
 from dspark import Engine, SamplingParams  # noqa: E402
 from dspark.async_engine import AsyncEngine  # noqa: E402
+from dspark.heap import freeze_heap  # noqa: E402
 from dspark.serve import build_app  # noqa: E402
 
 
@@ -56,7 +57,9 @@ def main(argv=None):
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--device", default=None)
     args = p.parse_args(argv)
-    engine = AsyncEngine(Engine(args.model, device=args.device))
+    base = Engine(args.model, device=args.device)
+    freeze_heap()          # the engine lives as long as the server: no collector pause over it
+    engine = AsyncEngine(base)
     name = os.path.basename(os.path.normpath(args.model)) if args.model else "default"
     from dspark.serve.http import config       # uvicorn that also serves half-closed clients
     uvicorn.Server(config(make_app(engine, name), host=args.host, port=args.port,

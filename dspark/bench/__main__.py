@@ -14,6 +14,7 @@ per batch next to the plain decode step and the speed-up projected at a per-posi
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -25,6 +26,7 @@ from tqdm import tqdm
 from ..compile_stats import delta, total
 from ..cuda.graph_capture import PROMPT_STEP
 from ..engine import Engine, default_model_path
+from ..heap import CollectorPauses, frozen_heap
 from ..model_dir import weight_format_for
 from ..metrics import aggregate
 from ..sampling import SamplingParams
@@ -43,24 +45,26 @@ def run_once(engine: Engine, prompts, sp: SamplingParams, concurrency: int, desc
     ids, outs = [], {}
     bar = tqdm(total=len(prompts), desc=desc, unit="req", leave=False, file=sys.stderr)
     before = engine.compile_stats()
-    t0 = time.perf_counter()
+    gc.collect()                # the last run's garbage is not this run's pause
+    with CollectorPauses() as pauses:
+        t0 = time.perf_counter()
 
-    def submit():
-        p, s = pending.pop()
-        ids.append(engine.add_request(p, s))
+        def submit():
+            p, s = pending.pop()
+            ids.append(engine.add_request(p, s))
 
-    while pending and len(ids) < concurrency:
-        submit()
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                outs[o.request_id] = o
-                bar.update(1)
-                if pending:
-                    submit()
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
+        while pending and len(ids) < concurrency:
+            submit()
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.finished:
+                    outs[o.request_id] = o
+                    bar.update(1)
+                    if pending:
+                        submit()
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
     once = delta(engine.compile_stats(), before)
     bar.close()
     outs = [outs[i] for i in ids]
@@ -71,7 +75,7 @@ def run_once(engine: Engine, prompts, sp: SamplingParams, concurrency: int, desc
             "accept_rate": m.acceptance_rate, "cond_accept": m.conditional_acceptance,
             "ttft_ms": 1e3 * m.ttft, "tpot_ms": 1e3 * m.tpot, "rounds": m.rounds,
             "mean_verify_len": m.verified / m.rounds if m.rounds else 0.0,
-            "compile_stats": once,
+            "compile_stats": once, "gc": {"collections": pauses.count, "ms": pauses.ms},
             "sample": outs[0].text if outs[0].text is not None else outs[0].token_ids[:32]}
 
 
@@ -150,6 +154,38 @@ def plot(rows, path):
     ax[1].set_ylim(0, 1), ax[1].legend(), ax[1].set_title("conditional acceptance")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+def run_levels(off: Engine, specs: dict, prompts, sps_by_t, conc, split: bool) -> tuple:
+    """Per temperature and concurrency: an untimed warm-up of every engine, then speculation
+    off and each policy's DSpark engine timed on the same prompts (and the round split with
+    `split`). Returns (rows, split rows)."""
+    policies = list(specs)
+    rows, split_rows = [], []
+    for sp in sps_by_t:
+        for c in conc:
+            # untimed warm-up of EVERY engine at this concurrency: kernel compiles and CUDA-graph
+            # captures should happen here, not inside a timed run (the counts say if they did not)
+            for eng, name in [(off, "off")] + [(e, pol) for pol, e in specs.items()]:
+                warm_up(eng, prompts, sp, c, name)
+            o = run_once(off, prompts, sp, c, f"off c={c} T={sp.temperature}")
+            for pol, eng in specs.items():
+                s = run_once(eng, prompts, sp, c, f"dspark {pol} c={c} T={sp.temperature}")
+                rows.append({"temperature": sp.temperature, "concurrency": c, "policy": pol,
+                             "dspark": s, "off": o, "speedup": s["tok_s"] / o["tok_s"]})
+                # as it comes (a run cut short still leaves what finished)
+                print(f"T={sp.temperature} c={c} {pol}: DSpark {s['tok_s']:.1f} vs off "
+                      f"{o['tok_s']:.1f} tok/s ({rows[-1]['speedup']:.2f}x), tau {s['tau']:.2f}, "
+                      f"c/g/e {_once(s['compile_stats'])}, collector {s['gc']['collections']} runs "
+                      f"{s['gc']['ms']:.1f} ms (off {o['gc']['ms']:.1f} ms)", flush=True)
+            if split:
+                off_split = split_rounds(off, prompts, sp, c, run_once)
+                for pol, eng in specs.items():
+                    split_rows.append({"temperature": sp.temperature, "concurrency": c,
+                                       "policy": pol, "off_split": off_split,
+                                       "split": split_rounds(eng, prompts, sp, c, run_once),
+                                       "tau": rows[-len(specs) + policies.index(pol)]["dspark"]["tau"]})
+    return rows, split_rows
 
 
 def main(argv=None):
@@ -270,29 +306,11 @@ def main(argv=None):
         if any(info["graphs"].values()):
             print(f"warm-up {name}: graphs held {info['graphs']}, {info['seconds']:.1f} s",
                   file=sys.stderr)
-    rows, split_rows = [], []
-    for sp in sps_by_t:
-        for c in conc:
-            # untimed warm-up of EVERY engine at this concurrency: kernel compiles and CUDA-graph
-            # captures should happen here, not inside a timed run (the counts say if they did not)
-            for eng, name in [(off, "off")] + [(e, pol) for pol, e in specs.items()]:
-                warm_up(eng, prompts, sp, c, name)
-            o = run_once(off, prompts, sp, c, f"off c={c} T={sp.temperature}")
-            for pol, eng in specs.items():
-                s = run_once(eng, prompts, sp, c, f"dspark {pol} c={c} T={sp.temperature}")
-                rows.append({"temperature": sp.temperature, "concurrency": c, "policy": pol,
-                             "dspark": s, "off": o, "speedup": s["tok_s"] / o["tok_s"]})
-                # as it comes (a run cut short still leaves what finished)
-                print(f"T={sp.temperature} c={c} {pol}: DSpark {s['tok_s']:.1f} vs off "
-                      f"{o['tok_s']:.1f} tok/s ({rows[-1]['speedup']:.2f}x), tau {s['tau']:.2f}, "
-                      f"c/g/e {_once(s['compile_stats'])}", flush=True)
-            if split:
-                off_split = split_rounds(off, prompts, sp, c, run_once)
-                for pol, eng in specs.items():
-                    split_rows.append({"temperature": sp.temperature, "concurrency": c,
-                                       "policy": pol, "off_split": off_split,
-                                       "split": split_rounds(eng, prompts, sp, c, run_once),
-                                       "tau": rows[-len(specs) + policies.index(pol)]["dspark"]["tau"]})
+    # the engines live as long as this run: their objects out of the collector's reach while
+    # it times (no full collection over them inside a timed run; dspark/heap.py)
+    with frozen_heap() as frozen:
+        print(f"heap: {frozen} objects frozen (gc.freeze) while timing", file=sys.stderr)
+        rows, split_rows = run_levels(off, specs, prompts, sps_by_t, conc, split)
     for t in temps:
         if len(temps) > 1:
             print(f"\ntemperature {t}")

@@ -261,7 +261,9 @@ def main_profile(a) -> dict:
     if eng.tokenizer is None:                    # random-weight checkpoints have no tokenizer
         prompts = token_prompts(prompts, eng.cfg.vocab_size)
     measured = prompts[batch:]
-    res = profile_rounds(eng, measured, sp, warmup_prompts=prompts[:batch], batch=batch)
+    from ..heap import frozen_heap
+    with frozen_heap():         # no full collection over the engine's objects (dspark/heap.py)
+        res = profile_rounds(eng, measured, sp, warmup_prompts=prompts[:batch], batch=batch)
     res.update(model=model, device=str(eng.device), dtype=str(eng.dtype).replace("torch.", ""),
                gamma=eng.cfg.dspark_block_size, policy=a.verify_policy,
                temperature=a.temperature, prompts=len(measured),

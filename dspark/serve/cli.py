@@ -60,6 +60,7 @@ def main(argv=None, prog: str = "python -m dspark.serve") -> None:
 
     from ..async_engine import AsyncEngine
     from ..engine import Engine, default_model_path
+    from ..heap import freeze_heap
     from .app import build_app
     from .http import config
 
@@ -78,6 +79,9 @@ def main(argv=None, prog: str = "python -m dspark.serve") -> None:
     if args.warmup:
         rep = engine.warmup(progress=True)
         print(f"warm-up: {rep['requests']} dummy requests in {rep['seconds']:.1f} s", flush=True)
+    # the engine lives as long as the server: its objects out of the collector's reach, so no
+    # full collection over them pauses the rounds (dspark/heap.py)
+    freeze_heap()
     ae = AsyncEngine(engine).start()
     app = build_app(ae, name, max_body_bytes=args.max_body_bytes)
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
