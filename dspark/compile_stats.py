@@ -121,6 +121,18 @@ def delta(after: dict, before: dict) -> dict:
             "eager_fallbacks": {k: n for k, n in falls.items() if n}}
 
 
+def combined(a: dict, b: dict) -> dict:
+    """Two deltas together (e.g. repeated timed runs): counts added, fallbacks by reason."""
+    def add(x, y):
+        return x + y if isinstance(x, int) and isinstance(y, int) else "unavailable"
+    falls = dict(a["eager_fallbacks"])
+    for k, n in b["eager_fallbacks"].items():
+        falls[k] = falls.get(k, 0) + n
+    return {"triton_compiles": add(a["triton_compiles"], b["triton_compiles"]),
+            "graph_captures": a["graph_captures"] + b["graph_captures"],
+            "eager_fallbacks": falls}
+
+
 def total(stats: dict) -> int:
     """Compiles + captures + fallbacks of a snapshot or delta (an unavailable count as 0)."""
     tc = stats["triton_compiles"]

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from dspark.bench.__main__ import main as bench_main, print_table
+from dspark.bench.__main__ import main as bench_main, median_run, print_table
 from dspark.bench.split import PAPER_ACCEPTANCE, tokens_per_round
 
 
@@ -27,7 +27,7 @@ def test_bench_policies_counts_and_split_on_a_random_checkpoint(tiny_quant_ckpt,
     bench_main(["--model", tiny_quant_ckpt, "--dataset",
                 "dspark/assets/default/heldout_prompts.jsonl", "--num-prompts", "2",
                 "--max-tokens", "4", "--ignore-eos", "--concurrency", "1,2", "--policies",
-                "fixed,scheduled", "--device", "cpu", "--json", str(out),
+                "fixed,scheduled", "--device", "cpu", "--repeats", "2", "--json", str(out),
                 "--plot", str(tmp_path / "bench.png")])
     text = capsys.readouterr().out
     assert "round split per batch" in text and "WARNING" not in text
@@ -41,6 +41,10 @@ def test_bench_policies_counts_and_split_on_a_random_checkpoint(tiny_quant_ckpt,
         s = r["dspark"]
         assert s["output_tokens"] == 8 and r["off"]["output_tokens"] == 8
         assert 0 <= s["mean_verify_len"] <= 5 and r["off"]["mean_verify_len"] == 0
+        # two timed runs of each engine; the row reports the lower middle one of each
+        for run in (s, r["off"]):
+            assert len(run["tok_s_runs"]) == 2 and run["tok_s"] == min(run["tok_s_runs"])
+        assert r["speedup"] == s["tok_s"] / r["off"]["tok_s"]
         # CPU: no graph-capable runner, interpreted Triton compiles nothing
         assert s["compile_stats"] == {"triton_compiles": 0, "graph_captures": 0,
                                       "eager_fallbacks": {}}
@@ -52,6 +56,23 @@ def test_bench_policies_counts_and_split_on_a_random_checkpoint(tiny_quant_ckpt,
         assert sr["projected_speedup"] == pytest.approx(e * off["round_ms"] / sp["round_ms"])
     assert list(d["sps_ms"]) == ["scheduled"] and d["sps_ms"]["scheduled"][0][0] == 1
     assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_median_run_reports_the_middle_run_and_sums_what_every_run_did():
+    def run(tok_s, compiles, captures, falls):
+        return {"tok_s": tok_s, "tau": tok_s / 100, "gc": {"collections": 1, "ms": 0.5},
+                "compile_stats": {"triton_compiles": compiles, "graph_captures": captures,
+                                  "eager_fallbacks": falls}}
+    runs = [run(300.0, 0, 0, {}), run(100.0, 2, 0, {"target: ragged lengths": 1}),
+            run(200.0, 0, 1, {"target: ragged lengths": 2, "draft: top-k": 1})]
+    m = median_run(runs)
+    assert m["tok_s"] == 200.0 and m["tau"] == 2.0 and m["tok_s_runs"] == [300.0, 100.0, 200.0]
+    assert m["compile_stats"] == {"triton_compiles": 2, "graph_captures": 1, "eager_fallbacks":
+                                  {"target: ragged lengths": 3, "draft: top-k": 1}}
+    assert m["gc"] == {"collections": 3, "ms": 1.5}
+    assert median_run(runs[:2])["tok_s"] == 100.0          # an even count: the lower middle
+    runs[0]["compile_stats"]["triton_compiles"] = "unavailable"
+    assert median_run(runs)["compile_stats"]["triton_compiles"] == "unavailable"
 
 
 def test_table_warns_about_compiles_inside_a_timed_run(capsys):

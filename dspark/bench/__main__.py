@@ -4,7 +4,8 @@
 Default model: the shipped small trained pair (dspark/assets/default), prompts from its held-out
 split. Per concurrency level and verify policy (`--policies fixed,scheduled`: one DSpark engine
 each, against the same speculation-off engine, same prompts and settings) it prints τ, the mean
-verify length ℓ (drafts verified per request-round), tok/s of both and the speed-up, and the
+verify length ℓ (drafts verified per request-round), tok/s of both and the speed-up (each engine
+timed `--repeats` times in turn, default 3, and reported by its median run), and the
 Triton compiles / CUDA-graph captures / eager fallbacks inside each timed run (all 0 once warmed
 up; a WARNING line names any that are not). `--split` (default with --model) adds the round split
 per batch next to the plain decode step and the speed-up projected at a per-position acceptance
@@ -23,7 +24,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from ..compile_stats import delta, total
+from ..compile_stats import combined, delta, total
 from ..cuda.graph_capture import PROMPT_STEP
 from ..engine import Engine, default_model_path
 from ..heap import CollectorPauses, frozen_heap
@@ -156,10 +157,30 @@ def plot(rows, path):
     fig.savefig(path, dpi=100)
 
 
-def run_levels(off: Engine, specs: dict, prompts, sps_by_t, conc, split: bool) -> tuple:
+def median_run(runs: list) -> dict:
+    """The run of median tok/s among repeats of one engine at one level, with every run's tok/s
+    (`tok_s_runs`) and the one-time work and collector time summed over all of them."""
+    mid = sorted(runs, key=lambda r: r["tok_s"])[(len(runs) - 1) // 2]
+    once = runs[0]["compile_stats"]
+    for r in runs[1:]:
+        once = combined(once, r["compile_stats"])
+    return {**mid, "tok_s_runs": [r["tok_s"] for r in runs], "compile_stats": once,
+            "gc": {"collections": sum(r["gc"]["collections"] for r in runs),
+                   "ms": sum(r["gc"]["ms"] for r in runs)}}
+
+
+def _spread(run: dict) -> str:
+    xs = run["tok_s_runs"]
+    return f" ({min(xs):.0f}-{max(xs):.0f})" if len(xs) > 1 else ""
+
+
+def run_levels(off: Engine, specs: dict, prompts, sps_by_t, conc, split: bool,
+               repeats: int = 1) -> tuple:
     """Per temperature and concurrency: an untimed warm-up of every engine, then speculation
-    off and each policy's DSpark engine timed on the same prompts (and the round split with
-    `split`). Returns (rows, split rows)."""
+    off and each policy's DSpark engine timed on the same prompts, `repeats` times in turn
+    (off, each policy, off, ...: a slow spell of the machine falls on all of them), each
+    reported by its median run (and the round split with `split`). Returns (rows, split
+    rows)."""
     policies = list(specs)
     rows, split_rows = [], []
     for sp in sps_by_t:
@@ -168,16 +189,24 @@ def run_levels(off: Engine, specs: dict, prompts, sps_by_t, conc, split: bool) -
             # captures should happen here, not inside a timed run (the counts say if they did not)
             for eng, name in [(off, "off")] + [(e, pol) for pol, e in specs.items()]:
                 warm_up(eng, prompts, sp, c, name)
-            o = run_once(off, prompts, sp, c, f"off c={c} T={sp.temperature}")
-            for pol, eng in specs.items():
-                s = run_once(eng, prompts, sp, c, f"dspark {pol} c={c} T={sp.temperature}")
+            runs = {name: [] for name in ["off"] + policies}
+            for k in range(repeats):
+                rep = f" ({k + 1}/{repeats})" if repeats > 1 else ""
+                for eng, name in [(off, "off")] + [(e, pol) for pol, e in specs.items()]:
+                    what = "off" if name == "off" else f"dspark {name}"
+                    runs[name].append(run_once(eng, prompts, sp, c,
+                                               f"{what} c={c} T={sp.temperature}{rep}"))
+            o = median_run(runs["off"])
+            for pol in policies:
+                s = median_run(runs[pol])
                 rows.append({"temperature": sp.temperature, "concurrency": c, "policy": pol,
                              "dspark": s, "off": o, "speedup": s["tok_s"] / o["tok_s"]})
                 # as it comes (a run cut short still leaves what finished)
-                print(f"T={sp.temperature} c={c} {pol}: DSpark {s['tok_s']:.1f} vs off "
-                      f"{o['tok_s']:.1f} tok/s ({rows[-1]['speedup']:.2f}x), tau {s['tau']:.2f}, "
-                      f"c/g/e {_once(s['compile_stats'])}, collector {s['gc']['collections']} runs "
-                      f"{s['gc']['ms']:.1f} ms (off {o['gc']['ms']:.1f} ms)", flush=True)
+                print(f"T={sp.temperature} c={c} {pol}: DSpark {s['tok_s']:.1f}{_spread(s)} vs "
+                      f"off {o['tok_s']:.1f}{_spread(o)} tok/s ({rows[-1]['speedup']:.2f}x), "
+                      f"tau {s['tau']:.2f}, c/g/e {_once(s['compile_stats'])}, collector "
+                      f"{s['gc']['collections']} runs {s['gc']['ms']:.1f} ms (off "
+                      f"{o['gc']['ms']:.1f} ms)", flush=True)
             if split:
                 off_split = split_rounds(off, prompts, sp, c, run_once)
                 for pol, eng in specs.items():
@@ -229,6 +258,9 @@ def main(argv=None):
                         "of its batch and of speculation; batch-invariant graph steps on CUDA, "
                         "one-token forwards on CPU; Gumbel-max "
                         "sampling): the mode's cost against the same run without it")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed runs of each engine per level, in turn; each is reported by its "
+                        "median run, with the range (default 3; 1 with --quick)")
     p.add_argument("--quick", action="store_true", help="few short prompts: a CPU smoke run")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--plot", default=None, help="write a PNG here")
@@ -259,6 +291,10 @@ def main(argv=None):
         return
     if a.quick:
         a.num_prompts, a.max_tokens = min(a.num_prompts, 6), min(a.max_tokens, 32)
+    if a.repeats is None:
+        a.repeats = 1 if a.quick else 3
+    if a.repeats < 1:
+        sys.exit(f"--repeats {a.repeats}: give at least 1 timed run per engine and level")
     model = a.model or default_model_path()
     dataset = a.dataset or os.path.join(model, "heldout_prompts.jsonl")
     prompts = load_prompts(dataset, a.num_prompts)
@@ -310,7 +346,7 @@ def main(argv=None):
     # it times (no full collection over them inside a timed run; dspark/heap.py)
     with frozen_heap() as frozen:
         print(f"heap: {frozen} objects frozen (gc.freeze) while timing", file=sys.stderr)
-        rows, split_rows = run_levels(off, specs, prompts, sps_by_t, conc, split)
+        rows, split_rows = run_levels(off, specs, prompts, sps_by_t, conc, split, a.repeats)
     for t in temps:
         if len(temps) > 1:
             print(f"\ntemperature {t}")
