@@ -21,6 +21,7 @@ import os
 import sys
 import time
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -129,30 +130,48 @@ def print_table(rows):
         print(f"conditional acceptance per position, c={r['concurrency']} {r['policy']}: {cond}")
 
 
+def _range_bars(runs: list) -> list:
+    """[[below], [above]] the reported tok/s: the spread of a level's repeated runs."""
+    lo = [r["tok_s"] - min(r.get("tok_s_runs", [r["tok_s"]])) for r in runs]
+    hi = [max(r.get("tok_s_runs", [r["tok_s"]])) - r["tok_s"] for r in runs]
+    return [lo, hi]
+
+
 def plot(rows, path):
+    """Left: tok/s by concurrency, DSpark per policy and off (bars: the range of the repeated
+    runs). Right: conditional acceptance by draft position, one curve per policy and
+    temperature (the mean over the levels, which share the prompts; band: their range)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
     policies = list(dict.fromkeys(r["policy"] for r in rows))
+    temps = list(dict.fromkeys(r.get("temperature") for r in rows))
     for pol in policies:
-        sel = [r for r in rows if r["policy"] == pol]
-        for t in dict.fromkeys(r.get("temperature") for r in sel):
-            at = [r for r in sel if r.get("temperature") == t]
-            ax[0].plot([r["concurrency"] for r in at], [r["dspark"]["tok_s"] for r in at], "o-",
-                       label=f"DSpark ({pol}, T={t})")
-    sel = [r for r in rows if r["policy"] == policies[0]]
-    for t in dict.fromkeys(r.get("temperature") for r in sel):
-        at = [r for r in sel if r.get("temperature") == t]
-        ax[0].plot([r["concurrency"] for r in at], [r["off"]["tok_s"] for r in at], "s--",
-                   label=f"speculation off (T={t})")
+        for t in temps:
+            at = [r for r in rows if r["policy"] == pol and r.get("temperature") == t]
+            if not at:
+                continue
+            runs = [r["dspark"] for r in at]
+            ax[0].errorbar([r["concurrency"] for r in at], [x["tok_s"] for x in runs],
+                           yerr=_range_bars(runs), fmt="o-", capsize=3,
+                           label=f"DSpark ({pol}, T={t})")
+            acc = np.array([x["cond_accept"] for x in runs if x["cond_accept"]])
+            if len(acc):
+                k = np.arange(1, acc.shape[1] + 1)
+                line, = ax[1].plot(k, acc.mean(0), "o-", label=f"{pol}, T={t}")
+                ax[1].fill_between(k, acc.min(0), acc.max(0), color=line.get_color(), alpha=0.2)
+    for t in temps:
+        at = [r for r in rows if r["policy"] == policies[0] and r.get("temperature") == t]
+        runs = [r["off"] for r in at]
+        ax[0].errorbar([r["concurrency"] for r in at], [x["tok_s"] for x in runs],
+                       yerr=_range_bars(runs), fmt="s--", capsize=3,
+                       label=f"speculation off (T={t})")
     ax[0].set_xscale("log", base=2), ax[0].set_xlabel("concurrency"), ax[0].set_ylabel("output tok/s")
-    ax[0].legend(), ax[0].set_title("throughput")
-    for r in rows:
-        ax[1].plot(range(1, len(r["dspark"]["cond_accept"]) + 1), r["dspark"]["cond_accept"], "o-",
-                   label=f"c={r['concurrency']} {r['policy']} T={r.get('temperature')}")
+    ax[0].legend(fontsize=8), ax[0].set_title("throughput (bars: range of the repeated runs)")
     ax[1].set_xlabel("draft position k"), ax[1].set_ylabel("P(accept k | accepted < k)")
-    ax[1].set_ylim(0, 1), ax[1].legend(), ax[1].set_title("conditional acceptance")
+    ax[1].set_ylim(0, 1), ax[1].legend(fontsize=8)
+    ax[1].set_title("conditional acceptance (band: range over levels)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
