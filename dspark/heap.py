@@ -3,9 +3,9 @@
 A loaded engine leaves a few hundred thousand objects that the cyclic garbage collector tracks
 (modules, parameters, Triton kernels, CUDA graphs, tokenizer tables): ~300k for the shipped pair
 on CPU, where one full collection takes ~150 ms. Decode rounds allocate little that survives,
-yet the objects they do keep (outputs, token lists) add up to a full collection now and then, and
-a 150 ms pause inside a round is worth hundreds of rounds at high concurrency. The processes
-that own their heap (the server; the bench while it times) therefore collect once and freeze
+yet the objects they do keep (outputs, token lists) add up to a full collection now and then: a
+pause of ~40 rounds at 64 requests, a large share of a bench run of 0.2-0.5 s. The processes that
+own their heap (the server; the bench while it times) therefore collect once and freeze
 what is alive (`gc.freeze`, as vLLM's and SGLang's engine processes do): the collector then only
 looks at objects created afterwards.
 

@@ -150,8 +150,6 @@ def plot(rows, path):
     for pol in policies:
         for t in temps:
             at = [r for r in rows if r["policy"] == pol and r.get("temperature") == t]
-            if not at:
-                continue
             runs = [r["dspark"] for r in at]
             ax[0].errorbar([r["concurrency"] for r in at], [x["tok_s"] for x in runs],
                            yerr=_range_bars(runs), fmt="o-", capsize=3,
@@ -201,17 +199,18 @@ def run_levels(off: Engine, specs: dict, prompts, sps_by_t, conc, split: bool,
     reported by its median run (and the round split with `split`). Returns (rows, split
     rows)."""
     policies = list(specs)
+    engines = [(off, "off")] + [(e, pol) for pol, e in specs.items()]
     rows, split_rows = [], []
     for sp in sps_by_t:
         for c in conc:
             # untimed warm-up of EVERY engine at this concurrency: kernel compiles and CUDA-graph
             # captures should happen here, not inside a timed run (the counts say if they did not)
-            for eng, name in [(off, "off")] + [(e, pol) for pol, e in specs.items()]:
+            for eng, name in engines:
                 warm_up(eng, prompts, sp, c, name)
-            runs = {name: [] for name in ["off"] + policies}
+            runs = {name: [] for _, name in engines}
             for k in range(repeats):
                 rep = f" ({k + 1}/{repeats})" if repeats > 1 else ""
-                for eng, name in [(off, "off")] + [(e, pol) for pol, e in specs.items()]:
+                for eng, name in engines:
                     what = "off" if name == "off" else f"dspark {name}"
                     runs[name].append(run_once(eng, prompts, sp, c,
                                                f"{what} c={c} T={sp.temperature}{rep}"))
